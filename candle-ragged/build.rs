@@ -1,0 +1,46 @@
+//! Compiles `kernels/ragged_attention.cu` to PTX with nvcc when the `cuda` feature is on.
+//! The CPU build needs no CUDA at all: without the feature this script does nothing.
+use std::path::PathBuf;
+use std::process::Command;
+
+fn main() {
+    println!("cargo:rerun-if-changed=build.rs");
+    println!("cargo:rerun-if-changed=kernels/ragged_attention.cu");
+    println!("cargo:rerun-if-env-changed=CUDA_COMPUTE_CAP");
+    println!("cargo:rerun-if-env-changed=CUDA_HOME");
+    println!("cargo:rerun-if-env-changed=NVCC");
+    if std::env::var_os("CARGO_FEATURE_CUDA").is_none() {
+        return;
+    }
+    // mma.sync m16n8k16 with bf16 needs compute capability 8.0; the GPU machines are 9.0.
+    let cap: u32 = std::env::var("CUDA_COMPUTE_CAP")
+        .ok()
+        .and_then(|s| s.trim().replace('.', "").parse().ok())
+        .unwrap_or(80);
+    if cap < 80 {
+        panic!("candle-ragged needs CUDA_COMPUTE_CAP >= 80 (tensor-core mma for f16/bf16), got {cap}");
+    }
+    let nvcc = std::env::var("NVCC").map(PathBuf::from).unwrap_or_else(|_| {
+        match std::env::var("CUDA_HOME").or_else(|_| std::env::var("CUDA_PATH")) {
+            Ok(home) => PathBuf::from(home).join("bin").join("nvcc"),
+            Err(_) => PathBuf::from("nvcc"),
+        }
+    });
+    let out = PathBuf::from(std::env::var("OUT_DIR").unwrap()).join("ragged_attention.ptx");
+    let status = Command::new(&nvcc)
+        .args(["--ptx", "-O3", "-std=c++17", "--use_fast_math"])
+        .arg(format!("-arch=compute_{cap}"))
+        .arg("-o")
+        .arg(&out)
+        .arg("kernels/ragged_attention.cu")
+        .status()
+        .unwrap_or_else(|e| {
+            panic!(
+                "cannot run nvcc ({}): {e}; install a toolkit with scripts/install-cuda-toolkit.sh",
+                nvcc.display()
+            )
+        });
+    if !status.success() {
+        panic!("nvcc failed to compile kernels/ragged_attention.cu ({status})");
+    }
+}

@@ -1,0 +1,431 @@
+// Ragged (packed, variable-length) bidirectional attention, and the pack / unpack copies around it.
+//
+// Layout conventions (FlashAttention's varlen API):
+//   q, k, v : [total_tokens, heads, head_dim], last dim contiguous, token and head strides free
+//             (so q, k, v may be strided views of a fused qkv projection [total, 3, heads, head_dim]).
+//   o       : [total_tokens, heads, head_dim], contiguous.
+//   cu_seqlens : [batch + 1] u32, prefix sums of the sequence lengths; sequence b owns the rows
+//             cu_seqlens[b] .. cu_seqlens[b+1].
+//
+// Grid: (ceil(max_len / 64), heads, batch), computed on the host from values it already knows, so
+// nothing waits on the GPU. A block takes 64 queries of one (sequence, head); blocks whose first
+// query is past their sequence's end exit at once.
+//
+// f16 / bf16: tensor cores through mma.sync.m16n8k16 (f32 accumulation), FlashAttention-2 style:
+// each of the 4 warps owns 16 query rows, S = Q K^T stays in registers, the online softmax runs
+// on the accumulator fragments, and P is re-packed in registers as the A operand of P V. K and V
+// are staged in shared memory one key tile at a time with cp.async, double buffered, once per
+// block. f32: a plain FMA kernel (one thread per query), exact to f32 rounding.
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+#define QUERIES_PER_BLOCK 64
+#define WARPS 4
+
+namespace {
+
+template <typename T> struct Pack2;
+template <> struct Pack2<__half> {
+    static __device__ __forceinline__ uint32_t from_floats(float a, float b) {
+        __half2 h = __floats2half2_rn(a, b);
+        return *reinterpret_cast<uint32_t *>(&h);
+    }
+};
+template <> struct Pack2<__nv_bfloat16> {
+    static __device__ __forceinline__ uint32_t from_floats(float a, float b) {
+        __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+        return *reinterpret_cast<uint32_t *>(&h);
+    }
+};
+
+// D (16x8, f32) += A (16x16, row) * B (16x8, col)
+template <typename T>
+__device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1);
+
+template <>
+__device__ __forceinline__ void mma_16816<__half>(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+template <>
+__device__ __forceinline__ void mma_16816<__nv_bfloat16>(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t smem_addr(const void *p) {
+    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// 16-byte global -> shared copy; src_bytes == 0 writes zeros and reads nothing.
+__device__ __forceinline__ void cp_async_16(void *dst, const void *src, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+// Four 8x8 b16 matrices from shared memory, transposed: the B operands of two m16n8k16 products.
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t &r0, uint32_t &r1, uint32_t &r2, uint32_t &r3, const void *p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(smem_addr(p)));
+}
+
+// Key-tile size: 64 keys, or 32 for head_dim 128 so that two buffers of K and V stay under 48 KB.
+template <int D> struct TileCfg {
+    static constexpr int KEYS = D >= 128 ? 32 : 64;
+    static constexpr int PAD = 8;            // halves: rows of D+8 halves make 32-bit and ldmatrix reads conflict-free
+    static constexpr int ROW = D + PAD;      // shared-memory row length in elements
+    static constexpr int CHUNKS = D / 8;     // 16-byte chunks per row
+};
+
+// Stage keys [key0, key0 + KEYS) of one (sequence, head) into shared memory; rows past the
+// sequence's end are zero-filled (their scores are masked below, zeros keep P V finite).
+template <typename T, int D>
+__device__ __forceinline__ void load_kv_tile(T *ks, T *vs, const T *k, const T *v, long long k_tok, long long v_tok,
+                                             int key0, int len) {
+    using C = TileCfg<D>;
+    for (int i = threadIdx.x; i < C::KEYS * C::CHUNKS; i += WARPS * 32) {
+        const int row = i / C::CHUNKS;
+        const int chunk = i % C::CHUNKS;
+        const int key = key0 + row;
+        const bool ok = key < len;
+        const int src_key = ok ? key : 0;
+        cp_async_16(ks + row * C::ROW + chunk * 8, k + src_key * k_tok + chunk * 8, ok ? 16 : 0);
+        cp_async_16(vs + row * C::ROW + chunk * 8, v + src_key * v_tok + chunk * 8, ok ? 16 : 0);
+    }
+}
+
+template <typename T, int D>
+__device__ __forceinline__ void attn_mma_kernel(const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v,
+                                                T *__restrict__ o, const uint32_t *__restrict__ cu_seqlens,
+                                                long long q_tok, long long q_head, long long k_tok, long long k_head,
+                                                long long v_tok, long long v_head, int heads, float scale_log2) {
+    using C = TileCfg<D>;
+    constexpr int KEYS = C::KEYS;
+    constexpr int KSTEPS = D / 16;     // k-steps of Q K^T over the head dim
+    constexpr int NT_S = KEYS / 8;     // n-tiles of S per key tile
+    constexpr int NT_O = D / 8;        // n-tiles of O over the head dim
+    constexpr int PSTEPS = KEYS / 16;  // k-steps of P V over the keys of a tile
+
+    __shared__ __align__(128) T ks[2][KEYS * C::ROW];
+    __shared__ __align__(128) T vs[2][KEYS * C::ROW];
+
+    const int b = blockIdx.z;
+    const int h = blockIdx.y;
+    const int start = cu_seqlens[b];
+    const int len = static_cast<int>(cu_seqlens[b + 1]) - start;
+    const int q_block = blockIdx.x * QUERIES_PER_BLOCK;
+    if (q_block >= len) return;  // uniform over the block: no barrier is skipped by part of it
+
+    const int warp = threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    const int g = lane / 4;  // "groupID" of the mma fragment layouts
+    const int t = lane % 4;  // "threadID_in_group"
+
+    const T *qh = q + start * q_tok + h * q_head;
+    const T *kh = k + start * k_tok + h * k_head;
+    const T *vh = v + start * v_tok + h * v_head;
+
+    const int n_tiles = (len + KEYS - 1) / KEYS;
+    load_kv_tile<T, D>(ks[0], vs[0], kh, vh, k_tok, v_tok, 0, len);
+    cp_async_commit();
+
+    // Q fragments (A operand, row major) straight from global memory; rows past the end are zero.
+    const int row0 = q_block + warp * 16 + g;
+    const int row1 = row0 + 8;
+    uint32_t qa[KSTEPS][4];
+#pragma unroll
+    for (int kk = 0; kk < KSTEPS; ++kk) {
+        const int c = kk * 16 + t * 2;
+        qa[kk][0] = row0 < len ? *reinterpret_cast<const uint32_t *>(qh + row0 * q_tok + c) : 0u;
+        qa[kk][1] = row1 < len ? *reinterpret_cast<const uint32_t *>(qh + row1 * q_tok + c) : 0u;
+        qa[kk][2] = row0 < len ? *reinterpret_cast<const uint32_t *>(qh + row0 * q_tok + c + 8) : 0u;
+        qa[kk][3] = row1 < len ? *reinterpret_cast<const uint32_t *>(qh + row1 * q_tok + c + 8) : 0u;
+    }
+
+    float acc_o[NT_O][4];
+#pragma unroll
+    for (int i = 0; i < NT_O; ++i) acc_o[i][0] = acc_o[i][1] = acc_o[i][2] = acc_o[i][3] = 0.f;
+    float m0 = -INFINITY, m1 = -INFINITY;  // running max (in log2 units) of rows g and g+8
+    float l0 = 0.f, l1 = 0.f;              // this thread's share of the running row sums
+
+    for (int tile = 0; tile < n_tiles; ++tile) {
+        const int buf = tile & 1;
+        if (tile + 1 < n_tiles) {
+            load_kv_tile<T, D>(ks[buf ^ 1], vs[buf ^ 1], kh, vh, k_tok, v_tok, (tile + 1) * KEYS, len);
+            cp_async_commit();
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        __syncthreads();
+
+        const T *kt = ks[buf];
+        const T *vt = vs[buf];
+
+        // S = Q K^T for 16 rows x KEYS keys.
+        float s[NT_S][4];
+#pragma unroll
+        for (int nt = 0; nt < NT_S; ++nt) {
+            s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+            const T *krow = kt + (nt * 8 + g) * C::ROW + t * 2;
+#pragma unroll
+            for (int kk = 0; kk < KSTEPS; ++kk) {
+                const uint32_t b0 = *reinterpret_cast<const uint32_t *>(krow + kk * 16);
+                const uint32_t b1 = *reinterpret_cast<const uint32_t *>(krow + kk * 16 + 8);
+                mma_16816<T>(s[nt], qa[kk], b0, b1);
+            }
+        }
+
+        // Scale into log2 units and mask keys past the end of the sequence.
+        const int key_base = tile * KEYS;
+        float tmax0 = -INFINITY, tmax1 = -INFINITY;
+#pragma unroll
+        for (int nt = 0; nt < NT_S; ++nt) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int key = key_base + nt * 8 + t * 2 + (e & 1);
+                s[nt][e] = key < len ? s[nt][e] * scale_log2 : -INFINITY;
+            }
+            tmax0 = fmaxf(tmax0, fmaxf(s[nt][0], s[nt][1]));
+            tmax1 = fmaxf(tmax1, fmaxf(s[nt][2], s[nt][3]));
+        }
+        // The four threads of a quad hold one row between them.
+        tmax0 = fmaxf(tmax0, __shfl_xor_sync(0xffffffff, tmax0, 1));
+        tmax0 = fmaxf(tmax0, __shfl_xor_sync(0xffffffff, tmax0, 2));
+        tmax1 = fmaxf(tmax1, __shfl_xor_sync(0xffffffff, tmax1, 1));
+        tmax1 = fmaxf(tmax1, __shfl_xor_sync(0xffffffff, tmax1, 2));
+        // Every tile holds at least one valid key, so the new maxima are finite.
+        const float new_m0 = fmaxf(m0, tmax0);
+        const float new_m1 = fmaxf(m1, tmax1);
+        const float alpha0 = exp2f(m0 - new_m0);
+        const float alpha1 = exp2f(m1 - new_m1);
+        m0 = new_m0;
+        m1 = new_m1;
+
+        uint32_t pa[PSTEPS][4];
+        float sum0 = 0.f, sum1 = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < NT_S; ++nt) {
+            const float p0 = exp2f(s[nt][0] - m0);
+            const float p1 = exp2f(s[nt][1] - m0);
+            const float p2 = exp2f(s[nt][2] - m1);
+            const float p3 = exp2f(s[nt][3] - m1);
+            sum0 += p0 + p1;
+            sum1 += p2 + p3;
+            // The accumulator layout of S is the A-operand layout of P: no shuffles needed.
+            pa[nt / 2][(nt % 2) * 2 + 0] = Pack2<T>::from_floats(p0, p1);
+            pa[nt / 2][(nt % 2) * 2 + 1] = Pack2<T>::from_floats(p2, p3);
+        }
+        l0 = l0 * alpha0 + sum0;
+        l1 = l1 * alpha1 + sum1;
+#pragma unroll
+        for (int i = 0; i < NT_O; ++i) {
+            acc_o[i][0] *= alpha0;
+            acc_o[i][1] *= alpha0;
+            acc_o[i][2] *= alpha1;
+            acc_o[i][3] *= alpha1;
+        }
+
+        // O += P V; V's B operands come transposed out of its row-major tile by ldmatrix.
+#pragma unroll
+        for (int ps = 0; ps < PSTEPS; ++ps) {
+            const int key = ps * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+#pragma unroll
+            for (int dt = 0; dt < NT_O; dt += 2) {
+                uint32_t b0, b1, b2, b3;
+                ldmatrix_x4_trans(b0, b1, b2, b3, vt + key * C::ROW + dt * 8 + (lane >> 4) * 8);
+                mma_16816<T>(acc_o[dt], pa[ps], b0, b1);
+                mma_16816<T>(acc_o[dt + 1], pa[ps], b2, b3);
+            }
+        }
+        __syncthreads();  // this buffer is refilled two tiles from now
+    }
+
+    l0 += __shfl_xor_sync(0xffffffff, l0, 1);
+    l0 += __shfl_xor_sync(0xffffffff, l0, 2);
+    l1 += __shfl_xor_sync(0xffffffff, l1, 1);
+    l1 += __shfl_xor_sync(0xffffffff, l1, 2);
+    const float inv0 = 1.f / l0;
+    const float inv1 = 1.f / l1;
+
+    const long long o_tok = static_cast<long long>(heads) * D;
+    T *oh = o + static_cast<long long>(start) * o_tok + h * D;
+#pragma unroll
+    for (int dt = 0; dt < NT_O; ++dt) {
+        const int c = dt * 8 + t * 2;
+        if (row0 < len)
+            *reinterpret_cast<uint32_t *>(oh + row0 * o_tok + c) = Pack2<T>::from_floats(acc_o[dt][0] * inv0, acc_o[dt][1] * inv0);
+        if (row1 < len)
+            *reinterpret_cast<uint32_t *>(oh + row1 * o_tok + c) = Pack2<T>::from_floats(acc_o[dt][2] * inv1, acc_o[dt][3] * inv1);
+    }
+}
+
+// f32: one thread per query, keys in tiles of 32 through shared memory, exact f32 arithmetic.
+template <int D>
+__device__ __forceinline__ void attn_f32_kernel(const float *__restrict__ q, const float *__restrict__ k, const float *__restrict__ v,
+                                                float *__restrict__ o, const uint32_t *__restrict__ cu_seqlens,
+                                                long long q_tok, long long q_head, long long k_tok, long long k_head,
+                                                long long v_tok, long long v_head, int heads, float scale_log2) {
+    constexpr int KEYS = 32;
+    __shared__ float ks[KEYS][D + 1];
+    __shared__ float vs[KEYS][D + 1];
+
+    const int b = blockIdx.z;
+    const int h = blockIdx.y;
+    const int start = cu_seqlens[b];
+    const int len = static_cast<int>(cu_seqlens[b + 1]) - start;
+    const int q_block = blockIdx.x * QUERIES_PER_BLOCK;
+    if (q_block >= len) return;
+
+    const int row = q_block + threadIdx.x;
+    const bool active = row < len;
+    const float *kh = k + start * k_tok + h * k_head;
+    const float *vh = v + start * v_tok + h * v_head;
+
+    float qr[D];
+    float acc[D];
+#pragma unroll
+    for (int d = 0; d < D; ++d) {
+        qr[d] = active ? q[(start + row) * q_tok + h * q_head + d] * scale_log2 : 0.f;
+        acc[d] = 0.f;
+    }
+    float m = -INFINITY, l = 0.f;
+
+    for (int key0 = 0; key0 < len; key0 += KEYS) {
+        __syncthreads();
+        for (int i = threadIdx.x; i < KEYS * D; i += QUERIES_PER_BLOCK) {
+            const int r = i / D, d = i % D;
+            const bool ok = key0 + r < len;
+            ks[r][d] = ok ? kh[(key0 + r) * k_tok + d] : 0.f;
+            vs[r][d] = ok ? vh[(key0 + r) * v_tok + d] : 0.f;
+        }
+        __syncthreads();
+        const int n = min(KEYS, len - key0);
+        // One key at a time: the online-softmax update costs 2*D extra FMAs per key, which keeps
+        // the register arrays indexed by constants only (no local-memory score array).
+#pragma unroll 1
+        for (int j = 0; j < n; ++j) {
+            float sc = 0.f;
+#pragma unroll
+            for (int d = 0; d < D; ++d) sc = fmaf(qr[d], ks[j][d], sc);
+            const float new_m = fmaxf(m, sc);
+            const float alpha = exp2f(m - new_m);
+            const float p = exp2f(sc - new_m);
+            m = new_m;
+            l = l * alpha + p;
+#pragma unroll
+            for (int d = 0; d < D; ++d) acc[d] = fmaf(p, vs[j][d], acc[d] * alpha);
+        }
+    }
+    if (active) {
+        float *orow = o + (static_cast<long long>(start + row) * heads + h) * D;
+        const float inv = 1.f / l;
+#pragma unroll
+        for (int d = 0; d < D; ++d) orow[d] = acc[d] * inv;
+    }
+}
+
+// Row copies for pack / unpack. Rows are moved in VEC-sized units (uint4, uint2, uint32 or
+// uint16), chosen on the host from the row size and the strides so that every access is aligned.
+__device__ __forceinline__ int sequence_of(const uint32_t *cu_seqlens, int batch, uint32_t row) {
+    int lo = 0, hi = batch;  // find b with cu[b] <= row < cu[b+1]
+    while (hi - lo > 1) {
+        const int mid = (lo + hi) / 2;
+        if (cu_seqlens[mid] <= row) lo = mid; else hi = mid;
+    }
+    return lo;
+}
+
+// out[t, :] = x[b(t), pos(t), :] for every packed row t; pos(t) = positions[t], or t - cu[b] when
+// positions is null (leading tokens). Strides in VEC units; out is contiguous.
+template <typename VEC>
+__device__ __forceinline__ void pack_rows(const VEC *__restrict__ x, VEC *__restrict__ out, const uint32_t *__restrict__ cu_seqlens,
+                                          const uint32_t *__restrict__ positions, int batch, long long x_b, long long x_n,
+                                          int row_vecs) {
+    const uint32_t t = blockIdx.x;
+    const int b = sequence_of(cu_seqlens, batch, t);
+    const uint32_t pos = positions ? positions[t] : t - cu_seqlens[b];
+    const VEC *src = x + b * x_b + pos * x_n;
+    VEC *dst = out + static_cast<long long>(t) * row_vecs;
+    for (int i = threadIdx.x; i < row_vecs; i += blockDim.x) dst[i] = src[i];
+}
+
+// out[b, pos(t), :] = packed[t, :]; the caller zero-fills out first when positions are given,
+// otherwise this kernel runs over every output row and writes zeros past each sequence's end.
+template <typename VEC>
+__device__ __forceinline__ void unpack_rows(const VEC *__restrict__ packed, VEC *__restrict__ out,
+                                            const uint32_t *__restrict__ cu_seqlens, const uint32_t *__restrict__ positions,
+                                            int batch, int n, long long p_t, int row_vecs) {
+    if (positions) {
+        const uint32_t t = blockIdx.x;
+        const int b = sequence_of(cu_seqlens, batch, t);
+        VEC *dst = out + (static_cast<long long>(b) * n + positions[t]) * row_vecs;
+        const VEC *src = packed + t * p_t;
+        for (int i = threadIdx.x; i < row_vecs; i += blockDim.x) dst[i] = src[i];
+    } else {
+        const int b = blockIdx.x / n;
+        const int i_tok = blockIdx.x % n;
+        const int start = cu_seqlens[b];
+        const int len = static_cast<int>(cu_seqlens[b + 1]) - start;
+        VEC *dst = out + static_cast<long long>(blockIdx.x) * row_vecs;
+        if (i_tok < len) {
+            const VEC *src = packed + (start + i_tok) * p_t;
+            for (int i = threadIdx.x; i < row_vecs; i += blockDim.x) dst[i] = src[i];
+        } else {
+            VEC zero;
+            memset(&zero, 0, sizeof(VEC));
+            for (int i = threadIdx.x; i < row_vecs; i += blockDim.x) dst[i] = zero;
+        }
+    }
+}
+
+}  // namespace
+
+#define ATTN_ARGS(T)                                                                                            \
+    const T *q, const T *k, const T *v, T *o, const uint32_t *cu_seqlens, long long q_tok, long long q_head,   \
+        long long k_tok, long long k_head, long long v_tok, long long v_head, int heads, float scale_log2
+#define ATTN_PASS q, k, v, o, cu_seqlens, q_tok, q_head, k_tok, k_head, v_tok, v_head, heads, scale_log2
+
+#define MMA_ENTRY(NAME, T, D)                                                                     \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32) NAME(ATTN_ARGS(T)) {                \
+        attn_mma_kernel<T, D>(ATTN_PASS);                                                         \
+    }
+MMA_ENTRY(ragged_attn_f16_d32, __half, 32)
+MMA_ENTRY(ragged_attn_f16_d64, __half, 64)
+MMA_ENTRY(ragged_attn_f16_d128, __half, 128)
+MMA_ENTRY(ragged_attn_bf16_d32, __nv_bfloat16, 32)
+MMA_ENTRY(ragged_attn_bf16_d64, __nv_bfloat16, 64)
+MMA_ENTRY(ragged_attn_bf16_d128, __nv_bfloat16, 128)
+
+#define F32_ENTRY(NAME, D)                                                                        \
+    extern "C" __global__ void __launch_bounds__(QUERIES_PER_BLOCK) NAME(ATTN_ARGS(float)) {     \
+        attn_f32_kernel<D>(ATTN_PASS);                                                            \
+    }
+F32_ENTRY(ragged_attn_f32_d32, 32)
+F32_ENTRY(ragged_attn_f32_d64, 64)
+F32_ENTRY(ragged_attn_f32_d128, 128)
+
+#define COPY_ENTRIES(SUFFIX, VEC)                                                                                  \
+    extern "C" __global__ void ragged_pack_##SUFFIX(const VEC *x, VEC *out, const uint32_t *cu_seqlens,           \
+                                                    const uint32_t *positions, int batch, long long x_b,            \
+                                                    long long x_n, int row_vecs) {                                  \
+        pack_rows<VEC>(x, out, cu_seqlens, positions, batch, x_b, x_n, row_vecs);                                  \
+    }                                                                                                              \
+    extern "C" __global__ void ragged_unpack_##SUFFIX(const VEC *packed, VEC *out, const uint32_t *cu_seqlens,    \
+                                                      const uint32_t *positions, int batch, int n, long long p_t,   \
+                                                      int row_vecs) {                                               \
+        unpack_rows<VEC>(packed, out, cu_seqlens, positions, batch, n, p_t, row_vecs);                             \
+    }
+COPY_ENTRIES(v16, uint4)
+COPY_ENTRIES(v8, uint2)
+COPY_ENTRIES(v4, uint32_t)
+COPY_ENTRIES(v2, uint16_t)

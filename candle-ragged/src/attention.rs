@@ -1,0 +1,209 @@
+//! Bidirectional attention over a packed batch of variable-length sequences.
+
+use crate::batch::{RaggedBatch, MAX_SEQ_LEN};
+use crate::cpu::{for_each_sequence, Float32};
+use crate::error::{RaggedError, Result};
+use candle_core::{CpuStorage, CustomOp3, DType, Layout, Shape, Tensor};
+
+/// Head dimensions the kernels are built for (64 is the one tuned hardest).
+pub const SUPPORTED_HEAD_DIMS: &[usize] = &[32, 64, 128];
+
+const OP: &str = "ragged_attention";
+
+/// The op's settings: which rows form which sequence, and the softmax scale.
+/// Applied to `(q, k, v)` through [`ragged_attention`], which validates everything first.
+pub struct RaggedAttention<'a> {
+    pub batch: &'a RaggedBatch,
+    pub softmax_scale: f32,
+}
+
+/// Bidirectional attention within each sequence of a packed batch:
+/// for every sequence `b`, head `h` and query row `i` of `b`,
+/// `o[i, h] = Σ_j softmax_j(q[i, h] · k[j, h] · softmax_scale) v[j, h]`, `j` over the rows of `b` only.
+///
+/// # Arguments
+/// * `q`, `k`, `v` - `[total_tokens, heads, head_dim]`, same dtype (f32, f16 or bf16) and device.
+///   The last dimension must be contiguous; the token and head strides are free, so strided views of
+///   a fused projection `qkv: [total, 3, heads, head_dim]` (`qkv.i((.., 0))` etc.) are read in place.
+/// * `batch` - the packed layout; `batch.total_tokens()` must equal `total_tokens`.
+/// * `softmax_scale` - usually `1 / sqrt(head_dim)`.
+///
+/// # Returns
+/// `[total_tokens, heads, head_dim]`, contiguous (so `reshape((total, heads * head_dim))` is free), in
+/// the input dtype; the arithmetic accumulates in f32 on every device.
+///
+/// `head_dim` must be one of [`SUPPORTED_HEAD_DIMS`] and every sequence at most [`MAX_SEQ_LEN`]
+/// tokens; anything else is a [`RaggedError`] before any kernel is launched.
+pub fn ragged_attention(q: &Tensor, k: &Tensor, v: &Tensor, batch: &RaggedBatch, softmax_scale: f32) -> Result<Tensor> {
+    validate(q, k, v, batch, softmax_scale)?;
+    // The CUDA kernel stages rows with 16-byte copies: a view whose offsets or strides are not
+    // multiples of 8 elements (rare: only odd narrowing produces one) is made contiguous first.
+    let (q, k, v) = (aligned(q)?, aligned(k)?, aligned(v)?);
+    let op = RaggedAttention { batch, softmax_scale };
+    Ok(q.apply_op3_no_bwd(&k, &v, &op)?)
+}
+
+fn validate(q: &Tensor, k: &Tensor, v: &Tensor, batch: &RaggedBatch, scale: f32) -> Result<()> {
+    let q_dims = match q.dims() {
+        &[t, h, d] => (t, h, d),
+        _ => return Err(RaggedError::Rank { op: OP, what: "q", expected: 3, shape: q.shape().clone() }),
+    };
+    for (what, t) in [("k", k), ("v", v)] {
+        if t.rank() != 3 {
+            return Err(RaggedError::Rank { op: OP, what, expected: 3, shape: t.shape().clone() });
+        }
+        if t.dims() != q.dims() {
+            return Err(RaggedError::ShapeMismatch { op: OP, what, expected: q.shape().clone(), found: t.shape().clone() });
+        }
+        if t.dtype() != q.dtype() {
+            return Err(RaggedError::DTypeMismatch { op: OP, what, expected: q.dtype(), found: t.dtype() });
+        }
+        if !t.device().same_device(q.device()) {
+            return Err(device_mismatch(what, q, t.device()));
+        }
+    }
+    if !batch.device().same_device(q.device()) {
+        return Err(device_mismatch("cu_seqlens", q, batch.device()));
+    }
+    if !matches!(q.dtype(), DType::F32 | DType::F16 | DType::BF16) {
+        return Err(RaggedError::UnsupportedDType { op: OP, dtype: q.dtype() });
+    }
+    let (total, _heads, head_dim) = q_dims;
+    if !SUPPORTED_HEAD_DIMS.contains(&head_dim) {
+        return Err(RaggedError::UnsupportedHeadDim { op: OP, head_dim, supported: SUPPORTED_HEAD_DIMS });
+    }
+    if total != batch.total_tokens() {
+        return Err(RaggedError::TotalMismatch { op: OP, what: "q", expected: batch.total_tokens(), found: total });
+    }
+    if batch.max_len() > MAX_SEQ_LEN {
+        return Err(RaggedError::SequenceTooLong { op: OP, len: batch.max_len(), limit: MAX_SEQ_LEN });
+    }
+    for (what, t) in [("q", q), ("k", k), ("v", v)] {
+        if t.stride()[2] != 1 {
+            return Err(RaggedError::LastDimNotContiguous { op: OP, what, stride: t.stride().to_vec() });
+        }
+    }
+    if !scale.is_finite() {
+        return Err(RaggedError::BadScale { op: OP, scale });
+    }
+    Ok(())
+}
+
+fn device_mismatch(what: &'static str, q: &Tensor, found: &candle_core::Device) -> RaggedError {
+    RaggedError::DeviceMismatch {
+        op: OP,
+        what,
+        expected: format!("{:?}", q.device().location()),
+        found: format!("{:?}", found.location()),
+    }
+}
+
+fn aligned(t: &Tensor) -> Result<Tensor> {
+    let l = t.layout();
+    let ok = l.start_offset() % 8 == 0 && l.stride()[..2].iter().all(|s| s % 8 == 0);
+    Ok(if ok { t.clone() } else { t.contiguous()? })
+}
+
+impl CustomOp3 for RaggedAttention<'_> {
+    fn name(&self) -> &'static str {
+        OP
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let shape = l1.shape().clone();
+        let storage = match (s1, s2, s3) {
+            (CpuStorage::F32(q), CpuStorage::F32(k), CpuStorage::F32(v)) => {
+                CpuStorage::F32(self.cpu_attention(q, l1, k, l2, v, l3))
+            }
+            (CpuStorage::F16(q), CpuStorage::F16(k), CpuStorage::F16(v)) => {
+                CpuStorage::F16(self.cpu_attention(q, l1, k, l2, v, l3))
+            }
+            (CpuStorage::BF16(q), CpuStorage::BF16(k), CpuStorage::BF16(v)) => {
+                CpuStorage::BF16(self.cpu_attention(q, l1, k, l2, v, l3))
+            }
+            _ => {
+                use candle_core::backend::BackendStorage;
+                return Err(RaggedError::UnsupportedDType { op: OP, dtype: s1.dtype() }.into());
+            }
+        };
+        Ok((storage, shape))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        crate::cuda::attention(self.batch, self.softmax_scale, (s1, l1), (s2, l2), (s3, l3))
+    }
+}
+
+impl RaggedAttention<'_> {
+    /// Reference-quality CPU path: per sequence and head, scores in f32, a max-subtracted softmax,
+    /// then the weighted sum of values; sequences run in parallel.
+    fn cpu_attention<T: Float32>(&self, q: &[T], lq: &Layout, k: &[T], lk: &Layout, v: &[T], lv: &Layout) -> Vec<T> {
+        let (_total, heads, dim) = lq.shape().dims3().expect("validated rank 3");
+        let at = |l: &Layout| {
+            let s = l.stride();
+            (l.start_offset(), s[0], s[1])
+        };
+        let (qa, ka, va) = (at(lq), at(lk), at(lv));
+        let scale = self.softmax_scale;
+        let row_len = heads * dim;
+        let mut out = vec![T::from_f32(0.0); self.batch.total_tokens() * row_len];
+        for_each_sequence(&mut out, self.batch.offsets(), row_len, |start, len, out_rows| {
+            let mut kbuf = vec![0f32; len * dim];
+            let mut vbuf = vec![0f32; len * dim];
+            let mut scores = vec![0f32; len];
+            let mut acc = vec![0f32; dim];
+            for h in 0..heads {
+                for j in 0..len {
+                    let (kb, vb) = (ka.0 + (start + j) * ka.1 + h * ka.2, va.0 + (start + j) * va.1 + h * va.2);
+                    for d in 0..dim {
+                        kbuf[j * dim + d] = k[kb + d].to_f32();
+                        vbuf[j * dim + d] = v[vb + d].to_f32();
+                    }
+                }
+                for i in 0..len {
+                    let qb = qa.0 + (start + i) * qa.1 + h * qa.2;
+                    let mut max = f32::NEG_INFINITY;
+                    for (j, s) in scores.iter_mut().enumerate() {
+                        let kr = &kbuf[j * dim..(j + 1) * dim];
+                        let dot: f32 = (0..dim).map(|d| q[qb + d].to_f32() * kr[d]).sum();
+                        *s = dot * scale;
+                        max = max.max(*s);
+                    }
+                    let mut denom = 0f32;
+                    for s in scores.iter_mut() {
+                        *s = (*s - max).exp();
+                        denom += *s;
+                    }
+                    acc.iter_mut().for_each(|a| *a = 0.0);
+                    for (j, &p) in scores.iter().enumerate() {
+                        for (a, &vv) in acc.iter_mut().zip(&vbuf[j * dim..(j + 1) * dim]) {
+                            *a += p * vv;
+                        }
+                    }
+                    let o = &mut out_rows[i * row_len + h * dim..i * row_len + (h + 1) * dim];
+                    for (o, a) in o.iter_mut().zip(&acc) {
+                        *o = T::from_f32(a / denom);
+                    }
+                }
+            }
+        });
+        out
+    }
+}

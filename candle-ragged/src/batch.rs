@@ -1,0 +1,263 @@
+//! [`RaggedBatch`]: which packed rows belong to which sequence.
+//!
+//! A batch of `B` sequences with lengths `l_0 .. l_{B-1}` is stored packed as one
+//! `[total, ...]` tensor, `total = Σ l_b`, sequence `b` owning rows `cu_seqlens[b] .. cu_seqlens[b+1]`
+//! (FlashAttention's varlen convention). The description is validated once, when it is built; the
+//! ops that take it then only compare sizes the host already knows, so no call waits on the GPU.
+
+use crate::error::{RaggedError, Result};
+use candle_core::{DType, Device, Tensor};
+
+/// Sequences longer than this are refused by [`crate::ragged_attention`] with
+/// [`RaggedError::SequenceTooLong`]. The kernels tile over keys, so the bound is about the tested
+/// range (ViT-B/16 at 384 px has 577 tokens), not about shared-memory capacity.
+pub const MAX_SEQ_LEN: usize = 2048;
+
+/// The layout of a packed batch of variable-length sequences.
+///
+/// Holds `cu_seqlens` (`[batch + 1]`, u32) on the device the packed tensors live on, a host copy of
+/// the same offsets, and, when the batch was built from kept token positions, `positions`
+/// (`[total]`, u32, on the device): for each packed row, the position inside its image that the
+/// token came from. [`crate::pack`] gathers with it and [`crate::unpack`] scatters back with it.
+#[derive(Debug, Clone)]
+pub struct RaggedBatch {
+    cu_seqlens: Tensor,
+    offsets: Vec<u32>,
+    positions: Option<Tensor>,
+    /// One past the largest source position (0 when `positions` is `None`: then `max_len` bounds it).
+    position_bound: usize,
+    max_len: usize,
+}
+
+impl RaggedBatch {
+    /// A batch whose sequence `b` is the first `lengths[b]` tokens of image `b`.
+    /// Every length must be at least 1.
+    pub fn from_lengths(lengths: &[usize], device: &Device) -> Result<Self> {
+        Self::build_from_lengths(lengths, false, device)
+    }
+
+    /// Like [`RaggedBatch::from_lengths`], but zero-length sequences are allowed (their attention
+    /// output is empty and [`crate::unpack`] fills their rows with zeros).
+    pub fn from_lengths_allowing_empty(lengths: &[usize], device: &Device) -> Result<Self> {
+        Self::build_from_lengths(lengths, true, device)
+    }
+
+    fn build_from_lengths(lengths: &[usize], allow_empty: bool, device: &Device) -> Result<Self> {
+        let offsets = offsets_from_lengths(lengths, allow_empty)?;
+        let max_len = lengths.iter().copied().max().unwrap_or(0);
+        let cu_seqlens = Tensor::from_slice(&offsets, offsets.len(), device)?;
+        Ok(Self { cu_seqlens, offsets, positions: None, position_bound: 0, max_len })
+    }
+
+    /// A batch from kept token positions: `indices[b]` lists, strictly increasing, the positions of
+    /// the tokens image `b` keeps out of `tokens_per_image`. Every image must keep at least one.
+    pub fn from_keep_indices(indices: &[Vec<u32>], tokens_per_image: usize, device: &Device) -> Result<Self> {
+        for (b, idx) in indices.iter().enumerate() {
+            let increasing = idx.windows(2).all(|w| w[0] < w[1]);
+            let in_range = idx.last().is_none_or(|&last| (last as usize) < tokens_per_image);
+            if !increasing || !in_range {
+                return Err(RaggedError::BadKeepIndices { index: b, limit: tokens_per_image, found: idx.clone() });
+            }
+        }
+        let lengths: Vec<usize> = indices.iter().map(Vec::len).collect();
+        let offsets = offsets_from_lengths(&lengths, false)?;
+        let flat: Vec<u32> = indices.iter().flatten().copied().collect();
+        let position_bound = indices.iter().filter_map(|i| i.last()).map(|&p| p as usize + 1).max().unwrap_or(0);
+        let max_len = lengths.iter().copied().max().unwrap_or(0);
+        let cu_seqlens = Tensor::from_slice(&offsets, offsets.len(), device)?;
+        let positions = Tensor::from_slice(&flat, flat.len(), device)?;
+        Ok(Self { cu_seqlens, offsets, positions: Some(positions), position_bound, max_len })
+    }
+
+    /// A batch from a `[batch, tokens]` keep mask (any dtype; non-zero means kept). This reads the
+    /// mask back to the host once: the total must be known there to allocate the packed tensor.
+    pub fn from_keep_mask(mask: &Tensor) -> Result<Self> {
+        let (b, n) = match mask.dims() {
+            &[b, n] => (b, n),
+            _ => return Err(RaggedError::KeepMaskShape { shape: mask.shape().clone() }),
+        };
+        let rows = mask.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+        debug_assert_eq!(rows.len(), b);
+        let indices: Vec<Vec<u32>> = rows
+            .iter()
+            .map(|row| row.iter().enumerate().filter(|(_, &k)| k != 0.0).map(|(i, _)| i as u32).collect())
+            .collect();
+        Self::from_keep_indices(&indices, n, mask.device())
+    }
+
+    /// A batch from an existing `cu_seqlens` tensor (`[batch + 1]`, u32). Reads it back to the host
+    /// once to validate it (starts at 0, never decreases, no empty sequence).
+    pub fn from_cu_seqlens(cu_seqlens: &Tensor) -> Result<Self> {
+        if cu_seqlens.dtype() != DType::U32 || cu_seqlens.rank() != 1 || cu_seqlens.dim(0)? < 2 {
+            return Err(RaggedError::CuSeqlensTensor {
+                dtype: cu_seqlens.dtype(),
+                shape: cu_seqlens.shape().clone(),
+            });
+        }
+        let offsets = cu_seqlens.to_vec1::<u32>()?;
+        validate_offsets(&offsets, false)?;
+        let max_len = offsets.windows(2).map(|w| (w[1] - w[0]) as usize).max().unwrap_or(0);
+        Ok(Self { cu_seqlens: cu_seqlens.clone(), offsets, positions: None, position_bound: 0, max_len })
+    }
+
+    /// `cu_seqlens`, `[batch + 1]`, u32, on the device of the packed tensors.
+    pub fn cu_seqlens(&self) -> &Tensor {
+        &self.cu_seqlens
+    }
+
+    /// Host copy of `cu_seqlens`.
+    pub fn offsets(&self) -> &[u32] {
+        &self.offsets
+    }
+
+    /// Source positions of the packed rows (`[total]`, u32), when built from kept positions.
+    pub fn positions(&self) -> Option<&Tensor> {
+        self.positions.as_ref()
+    }
+
+    pub fn batch_size(&self) -> usize {
+        self.offsets.len() - 1
+    }
+
+    pub fn total_tokens(&self) -> usize {
+        *self.offsets.last().expect("offsets hold at least [0]") as usize
+    }
+
+    pub fn max_len(&self) -> usize {
+        self.max_len
+    }
+
+    /// Length of each sequence.
+    pub fn lengths(&self) -> Vec<usize> {
+        self.offsets.windows(2).map(|w| (w[1] - w[0]) as usize).collect()
+    }
+
+    /// The device `cu_seqlens` lives on.
+    pub fn device(&self) -> &Device {
+        self.cu_seqlens.device()
+    }
+
+    /// The smallest number of tokens per image that [`crate::unpack`] can scatter into and
+    /// [`crate::pack`] can gather from.
+    pub fn min_tokens_per_image(&self) -> usize {
+        self.position_bound.max(if self.positions.is_some() { 0 } else { self.max_len })
+    }
+
+    /// The same layout on another device (copies `cu_seqlens` and `positions`).
+    pub fn to_device(&self, device: &Device) -> Result<Self> {
+        Ok(Self {
+            cu_seqlens: self.cu_seqlens.to_device(device)?,
+            positions: self.positions.as_ref().map(|p| p.to_device(device)).transpose()?,
+            offsets: self.offsets.clone(),
+            position_bound: self.position_bound,
+            max_len: self.max_len,
+        })
+    }
+}
+
+fn offsets_from_lengths(lengths: &[usize], allow_empty: bool) -> Result<Vec<u32>> {
+    if lengths.is_empty() {
+        return Err(RaggedError::EmptyBatch);
+    }
+    let mut offsets = Vec::with_capacity(lengths.len() + 1);
+    offsets.push(0u32);
+    let mut total = 0usize;
+    for (index, &len) in lengths.iter().enumerate() {
+        if len == 0 && !allow_empty {
+            return Err(RaggedError::EmptySequence { index });
+        }
+        total += len;
+        let off = u32::try_from(total).map_err(|_| RaggedError::TooManyTokens { total })?;
+        offsets.push(off);
+    }
+    Ok(offsets)
+}
+
+fn validate_offsets(offsets: &[u32], allow_empty: bool) -> Result<()> {
+    if offsets[0] != 0 {
+        return Err(RaggedError::CuSeqlensStart { first: offsets[0] });
+    }
+    for index in 1..offsets.len() {
+        let (prev, value) = (offsets[index - 1], offsets[index]);
+        if value < prev {
+            return Err(RaggedError::CuSeqlensNotMonotone { index, prev, value });
+        }
+        if value == prev && !allow_empty {
+            return Err(RaggedError::EmptySequence { index: index - 1 });
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lengths_give_prefix_sums() {
+        let b = RaggedBatch::from_lengths(&[3, 1, 5], &Device::Cpu).unwrap();
+        assert_eq!(b.offsets(), &[0, 3, 4, 9]);
+        assert_eq!(b.cu_seqlens().to_vec1::<u32>().unwrap(), vec![0, 3, 4, 9]);
+        assert_eq!((b.batch_size(), b.total_tokens(), b.max_len()), (3, 9, 5));
+        assert_eq!(b.lengths(), vec![3, 1, 5]);
+    }
+
+    #[test]
+    fn empty_inputs_are_refused_unless_allowed() {
+        assert!(matches!(RaggedBatch::from_lengths(&[], &Device::Cpu), Err(RaggedError::EmptyBatch)));
+        assert!(matches!(
+            RaggedBatch::from_lengths(&[2, 0, 1], &Device::Cpu),
+            Err(RaggedError::EmptySequence { index: 1 })
+        ));
+        let b = RaggedBatch::from_lengths_allowing_empty(&[2, 0, 1], &Device::Cpu).unwrap();
+        assert_eq!(b.offsets(), &[0, 2, 2, 3]);
+    }
+
+    #[test]
+    fn cu_seqlens_are_validated() {
+        let dev = Device::Cpu;
+        let bad_start = Tensor::new(&[1u32, 3, 4], &dev).unwrap();
+        assert!(matches!(RaggedBatch::from_cu_seqlens(&bad_start), Err(RaggedError::CuSeqlensStart { first: 1 })));
+        let decreasing = Tensor::new(&[0u32, 5, 4], &dev).unwrap();
+        assert!(matches!(
+            RaggedBatch::from_cu_seqlens(&decreasing),
+            Err(RaggedError::CuSeqlensNotMonotone { index: 2, prev: 5, value: 4 })
+        ));
+        let wrong_dtype = Tensor::new(&[0i64, 5], &dev).unwrap();
+        assert!(matches!(RaggedBatch::from_cu_seqlens(&wrong_dtype), Err(RaggedError::CuSeqlensTensor { .. })));
+        let too_short = Tensor::new(&[0u32], &dev).unwrap();
+        assert!(matches!(RaggedBatch::from_cu_seqlens(&too_short), Err(RaggedError::CuSeqlensTensor { .. })));
+        let ok = RaggedBatch::from_cu_seqlens(&Tensor::new(&[0u32, 2, 7], &dev).unwrap()).unwrap();
+        assert_eq!((ok.batch_size(), ok.total_tokens(), ok.max_len()), (2, 7, 5));
+    }
+
+    #[test]
+    fn keep_indices_and_masks_agree() {
+        let dev = Device::Cpu;
+        let mask = Tensor::new(&[[1u8, 0, 1, 1], [0, 1, 0, 0]], &dev).unwrap();
+        let from_mask = RaggedBatch::from_keep_mask(&mask).unwrap();
+        let from_idx = RaggedBatch::from_keep_indices(&[vec![0, 2, 3], vec![1]], 4, &dev).unwrap();
+        assert_eq!(from_mask.offsets(), from_idx.offsets());
+        assert_eq!(from_mask.offsets(), &[0, 3, 4]);
+        let pos = from_mask.positions().unwrap().to_vec1::<u32>().unwrap();
+        assert_eq!(pos, vec![0, 2, 3, 1]);
+        assert_eq!(from_mask.min_tokens_per_image(), 4);
+    }
+
+    #[test]
+    fn bad_keep_indices_are_refused() {
+        let dev = Device::Cpu;
+        assert!(matches!(
+            RaggedBatch::from_keep_indices(&[vec![0, 0]], 4, &dev),
+            Err(RaggedError::BadKeepIndices { index: 0, .. })
+        ));
+        assert!(matches!(
+            RaggedBatch::from_keep_indices(&[vec![1], vec![4]], 4, &dev),
+            Err(RaggedError::BadKeepIndices { index: 1, .. })
+        ));
+        assert!(matches!(
+            RaggedBatch::from_keep_indices(&[vec![1], vec![]], 4, &dev),
+            Err(RaggedError::EmptySequence { index: 1 })
+        ));
+    }
+}

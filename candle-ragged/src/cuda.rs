@@ -1,0 +1,278 @@
+//! CUDA launches. The PTX is compiled by build.rs; its functions are loaded once per device and
+//! kept, so a call does no module or function lookup: it checks sizes it already has on the host,
+//! allocates the output and launches one kernel (two for a scatter that needs zeroing first).
+
+use crate::batch::RaggedBatch;
+use crate::error::RaggedError;
+use candle_core::cuda_backend::cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::{CudaDevice, CudaStorageSlice, DeviceId, WrapErr};
+use candle_core::{CudaStorage, DType, Layout, Result, Shape, Storage};
+use std::sync::{Arc, Mutex};
+
+const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/ragged_attention.ptx"));
+const MODULE: &str = "candle_ragged";
+
+const ATTN_NAMES: [[&str; 3]; 3] = [
+    ["ragged_attn_f32_d32", "ragged_attn_f32_d64", "ragged_attn_f32_d128"],
+    ["ragged_attn_f16_d32", "ragged_attn_f16_d64", "ragged_attn_f16_d128"],
+    ["ragged_attn_bf16_d32", "ragged_attn_bf16_d64", "ragged_attn_bf16_d128"],
+];
+/// Copy kernels by vector width in bytes: 16, 8, 4, 2.
+const PACK_NAMES: [&str; 4] = ["ragged_pack_v16", "ragged_pack_v8", "ragged_pack_v4", "ragged_pack_v2"];
+const UNPACK_NAMES: [&str; 4] = ["ragged_unpack_v16", "ragged_unpack_v8", "ragged_unpack_v4", "ragged_unpack_v2"];
+const VEC_BYTES: [usize; 4] = [16, 8, 4, 2];
+
+struct Kernels {
+    attn: Vec<Vec<CudaFunction>>,
+    pack: Vec<CudaFunction>,
+    unpack: Vec<CudaFunction>,
+}
+
+static LOADED: Mutex<Vec<(DeviceId, Arc<Kernels>)>> = Mutex::new(Vec::new());
+
+fn kernels(dev: &CudaDevice) -> Result<Arc<Kernels>> {
+    let mut loaded = LOADED.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some((_, k)) = loaded.iter().find(|(id, _)| *id == dev.id()) {
+        return Ok(k.clone());
+    }
+    let load = |name: &str| -> Result<CudaFunction> {
+        Ok(dev.get_or_load_custom_func(name, MODULE, PTX)?.into_cuda_function())
+    };
+    let k = Arc::new(Kernels {
+        attn: ATTN_NAMES.iter().map(|row| row.iter().map(|n| load(n)).collect()).collect::<Result<_>>()?,
+        pack: PACK_NAMES.iter().map(|n| load(n)).collect::<Result<_>>()?,
+        unpack: UNPACK_NAMES.iter().map(|n| load(n)).collect::<Result<_>>()?,
+    });
+    loaded.push((dev.id(), k.clone()));
+    Ok(k)
+}
+
+/// `cu_seqlens` (and `positions`) of the batch as device slices.
+fn u32_slice(t: &candle_core::Tensor) -> Result<(candle_core::StorageRef<'_>, usize)> {
+    let (storage, layout) = t.storage_and_layout();
+    if !matches!(&*storage, Storage::Cuda(_)) {
+        return Err(candle_core::Error::Msg("candle-ragged: batch tensor is not on a CUDA device".into()));
+    }
+    Ok((storage, layout.start_offset()))
+}
+
+fn cuda_u32(storage: &Storage) -> Result<&CudaSlice<u32>> {
+    match storage {
+        Storage::Cuda(s) => s.as_cuda_slice::<u32>(),
+        _ => Err(candle_core::Error::Msg("candle-ragged: batch tensor is not on a CUDA device".into())),
+    }
+}
+
+pub(crate) fn attention(
+    batch: &RaggedBatch,
+    softmax_scale: f32,
+    (sq, lq): (&CudaStorage, &Layout),
+    (sk, lk): (&CudaStorage, &Layout),
+    (sv, lv): (&CudaStorage, &Layout),
+) -> Result<(CudaStorage, Shape)> {
+    let dev = &sq.device;
+    let (total, heads, dim) = lq.shape().dims3()?;
+    let dim_index = match dim {
+        32 => 0,
+        64 => 1,
+        128 => 2,
+        _ => {
+            return Err(RaggedError::UnsupportedHeadDim {
+                op: "ragged_attention",
+                head_dim: dim,
+                supported: crate::SUPPORTED_HEAD_DIMS,
+            }
+            .into())
+        }
+    };
+    let dtype_index = match sq.dtype() {
+        DType::F32 => 0,
+        DType::F16 => 1,
+        DType::BF16 => 2,
+        dtype => return Err(RaggedError::UnsupportedDType { op: "ragged_attention", dtype }.into()),
+    };
+    let shape = lq.shape().clone();
+    if total == 0 {
+        return Ok((zero_len_storage(dev, sq.dtype())?, shape));
+    }
+    let k = kernels(dev)?;
+    let func = &k.attn[dtype_index][dim_index];
+    let (cu_storage, cu_off) = u32_slice(batch.cu_seqlens())?;
+    let cu = cuda_u32(&cu_storage)?.slice(cu_off..);
+
+    let strides = |l: &Layout| (l.stride()[0] as i64, l.stride()[1] as i64);
+    let (q_tok, q_head) = strides(lq);
+    let (k_tok, k_head) = strides(lk);
+    let (v_tok, v_head) = strides(lv);
+    let heads_i = heads as i32;
+    let scale_log2 = softmax_scale * std::f32::consts::LOG2_E;
+    let cfg = LaunchConfig {
+        grid_dim: (batch.max_len().div_ceil(64) as u32, heads as u32, batch.batch_size() as u32),
+        block_dim: (if dtype_index == 0 { 64 } else { 128 }, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let elems = total * heads * dim;
+    macro_rules! launch {
+        ($ty:ty, $variant:ident) => {{
+            let q = sq.as_cuda_slice::<$ty>()?.slice(lq.start_offset()..);
+            let kk = sk.as_cuda_slice::<$ty>()?.slice(lk.start_offset()..);
+            let v = sv.as_cuda_slice::<$ty>()?.slice(lv.start_offset()..);
+            // SAFETY: every element is written by the kernel: each query row of each sequence.
+            let out = unsafe { dev.alloc::<$ty>(elems)? };
+            let stream = dev.cuda_stream();
+            let mut b = stream.launch_builder(func);
+            b.arg(&q).arg(&kk).arg(&v).arg(&out).arg(&cu);
+            b.arg(&q_tok).arg(&q_head).arg(&k_tok).arg(&k_head).arg(&v_tok).arg(&v_head);
+            b.arg(&heads_i).arg(&scale_log2);
+            // SAFETY: argument list matches ATTN_ARGS in kernels/ragged_attention.cu; sizes checked above.
+            unsafe { b.launch(cfg) }.w()?;
+            CudaStorage { slice: CudaStorageSlice::$variant(out), device: dev.clone() }
+        }};
+    }
+    let storage = match dtype_index {
+        0 => launch!(f32, F32),
+        1 => launch!(half::f16, F16),
+        _ => launch!(half::bf16, BF16),
+    };
+    Ok((storage, shape))
+}
+
+fn zero_len_storage(dev: &CudaDevice, dtype: DType) -> Result<CudaStorage> {
+    let slice = match dtype {
+        DType::F32 => CudaStorageSlice::F32(dev.alloc_zeros::<f32>(0)?),
+        DType::F16 => CudaStorageSlice::F16(dev.alloc_zeros::<half::f16>(0)?),
+        DType::BF16 => CudaStorageSlice::BF16(dev.alloc_zeros::<half::bf16>(0)?),
+        _ => CudaStorageSlice::U32(dev.alloc_zeros::<u32>(0)?),
+    };
+    Ok(CudaStorage { slice, device: dev.clone() })
+}
+
+/// Widest vector (index into VEC_BYTES) dividing the row size, every stride and the start offset.
+fn vec_choice(elem: usize, row: usize, offsets_and_strides: &[usize]) -> usize {
+    VEC_BYTES
+        .iter()
+        .position(|&v| v >= elem && (row * elem) % v == 0 && offsets_and_strides.iter().all(|s| (s * elem) % v == 0))
+        .unwrap_or(3)
+}
+
+pub(crate) fn pack(batch: &RaggedBatch, s: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
+    let dev = &s.device;
+    let (_b, _n, c) = l.shape().dims3()?;
+    let total = batch.total_tokens();
+    let shape = Shape::from((total, c));
+    if total == 0 || c == 0 {
+        return Ok((zero_len_storage(dev, s.dtype())?, shape));
+    }
+    let elem = s.dtype().size_in_bytes();
+    let (sb, sn) = (l.stride()[0], l.stride()[1]);
+    let vi = vec_choice(elem, c, &[l.start_offset(), sb, sn]);
+    let per = VEC_BYTES[vi] / elem;
+    let k = kernels(dev)?;
+    let (cu_storage, cu_off) = u32_slice(batch.cu_seqlens())?;
+    let cu = cuda_u32(&cu_storage)?.slice(cu_off..);
+    let pos_guard = batch.positions().map(u32_slice).transpose()?;
+    let batch_i = batch.batch_size() as i32;
+    let (x_b, x_n, row_vecs) = ((sb / per) as i64, (sn / per) as i64, (c / per) as i32);
+    let cfg = LaunchConfig {
+        grid_dim: (total as u32, 1, 1),
+        block_dim: ((row_vecs as u32).clamp(32, 256).next_multiple_of(32), 1, 1),
+        shared_mem_bytes: 0,
+    };
+    macro_rules! launch {
+        ($ty:ty, $variant:ident) => {{
+            let x = s.as_cuda_slice::<$ty>()?.slice(l.start_offset()..);
+            // SAFETY: every packed row is written by its block.
+            let out = unsafe { dev.alloc::<$ty>(total * c)? };
+            let stream = dev.cuda_stream();
+            let mut b = stream.launch_builder(&k.pack[vi]);
+            b.arg(&x).arg(&out).arg(&cu);
+            let null: u64 = 0;
+            let pos_view;
+            match &pos_guard {
+                Some((st, off)) => {
+                    pos_view = cuda_u32(st)?.slice(*off..);
+                    b.arg(&pos_view);
+                }
+                None => {
+                    b.arg(&null);
+                }
+            }
+            b.arg(&batch_i).arg(&x_b).arg(&x_n).arg(&row_vecs);
+            // SAFETY: arguments match ragged_pack_* in kernels/ragged_attention.cu.
+            unsafe { b.launch(cfg) }.w()?;
+            CudaStorage { slice: CudaStorageSlice::$variant(out), device: dev.clone() }
+        }};
+    }
+    let storage = match s.dtype() {
+        DType::F32 => launch!(f32, F32),
+        DType::F16 => launch!(half::f16, F16),
+        DType::BF16 => launch!(half::bf16, BF16),
+        DType::U32 => launch!(u32, U32),
+        dtype => return Err(RaggedError::UnsupportedDType { op: "pack", dtype }.into()),
+    };
+    Ok((storage, shape))
+}
+
+pub(crate) fn unpack(batch: &RaggedBatch, tokens: usize, s: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
+    let dev = &s.device;
+    let (total, c) = l.shape().dims2()?;
+    let bsz = batch.batch_size();
+    let shape = Shape::from((bsz, tokens, c));
+    let out_elems = bsz * tokens * c;
+    let elem = s.dtype().size_in_bytes();
+    let st = l.stride()[0];
+    let vi = vec_choice(elem, c, &[l.start_offset(), st]);
+    let per = VEC_BYTES[vi] / elem;
+    let (p_t, row_vecs, n_i, batch_i) = ((st / per) as i64, (c / per) as i32, tokens as i32, bsz as i32);
+    let scatter = batch.positions().is_some();
+    // With positions, blocks walk packed rows over a zeroed output; without, they walk output rows.
+    let rows = if scatter { total } else { bsz * tokens };
+    let k = kernels(dev)?;
+    let (cu_storage, cu_off) = u32_slice(batch.cu_seqlens())?;
+    let cu = cuda_u32(&cu_storage)?.slice(cu_off..);
+    let pos_guard = batch.positions().map(u32_slice).transpose()?;
+    let cfg = LaunchConfig {
+        grid_dim: (rows as u32, 1, 1),
+        block_dim: ((row_vecs as u32).clamp(32, 256).next_multiple_of(32), 1, 1),
+        shared_mem_bytes: 0,
+    };
+    macro_rules! launch {
+        ($ty:ty, $variant:ident) => {{
+            let out = if scatter {
+                dev.alloc_zeros::<$ty>(out_elems)?
+            } else {
+                // SAFETY: the kernel writes every output row (data or zeros).
+                unsafe { dev.alloc::<$ty>(out_elems)? }
+            };
+            if rows > 0 && c > 0 {
+                let x = s.as_cuda_slice::<$ty>()?.slice(l.start_offset()..);
+                let stream = dev.cuda_stream();
+                let mut b = stream.launch_builder(&k.unpack[vi]);
+                b.arg(&x).arg(&out).arg(&cu);
+                let null: u64 = 0;
+                let pos_view;
+                match &pos_guard {
+                    Some((st, off)) => {
+                        pos_view = cuda_u32(st)?.slice(*off..);
+                        b.arg(&pos_view);
+                    }
+                    None => {
+                        b.arg(&null);
+                    }
+                }
+                b.arg(&batch_i).arg(&n_i).arg(&p_t).arg(&row_vecs);
+                // SAFETY: arguments match ragged_unpack_* in kernels/ragged_attention.cu.
+                unsafe { b.launch(cfg) }.w()?;
+            }
+            CudaStorage { slice: CudaStorageSlice::$variant(out), device: dev.clone() }
+        }};
+    }
+    let storage = match s.dtype() {
+        DType::F32 => launch!(f32, F32),
+        DType::F16 => launch!(half::f16, F16),
+        DType::BF16 => launch!(half::bf16, BF16),
+        DType::U32 => launch!(u32, U32),
+        dtype => return Err(RaggedError::UnsupportedDType { op: "unpack", dtype }.into()),
+    };
+    Ok((storage, shape))
+}

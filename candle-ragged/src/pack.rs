@@ -1,0 +1,179 @@
+//! Moving tokens between the image-shaped layout `[batch, tokens, channels]` and the packed
+//! layout `[total, channels]` described by a [`RaggedBatch`].
+
+use crate::batch::RaggedBatch;
+use crate::error::{RaggedError, Result};
+use candle_core::{CpuStorage, CustomOp1, DType, Layout, Shape, Tensor};
+
+/// Gathers the kept tokens of every image into one packed tensor.
+///
+/// * `x` - `[batch, tokens, channels]`, any strides (a non-contiguous last dim is copied first).
+/// * `batch` - which tokens each image keeps: the leading `lengths[b]` tokens for a batch built with
+///   [`RaggedBatch::from_lengths`], or the listed positions for [`RaggedBatch::from_keep_indices`] /
+///   [`RaggedBatch::from_keep_mask`], in increasing position order.
+///
+/// Returns `[batch.total_tokens(), channels]`, contiguous, same dtype (f32, f16, bf16 or u32).
+pub fn pack(x: &Tensor, batch: &RaggedBatch) -> Result<Tensor> {
+    const OP: &str = "pack";
+    let (b, n, _c) = match x.dims() {
+        &[b, n, c] => (b, n, c),
+        _ => return Err(RaggedError::Rank { op: OP, what: "x", expected: 3, shape: x.shape().clone() }),
+    };
+    check_common(OP, x, batch)?;
+    if b != batch.batch_size() {
+        return Err(RaggedError::BatchMismatch { op: OP, expected: batch.batch_size(), found: b });
+    }
+    fits(OP, batch, n)?;
+    let x = if x.stride()[2] == 1 { x.clone() } else { x.contiguous()? };
+    Ok(x.apply_op1_no_bwd(&Pack { batch })?)
+}
+
+/// Scatters a packed tensor back to image shape: the inverse of [`pack`].
+///
+/// * `packed` - `[batch.total_tokens(), channels]`.
+/// * `tokens` - tokens per image of the result; at least [`RaggedBatch::min_tokens_per_image`].
+///
+/// Returns `[batch.batch_size(), tokens, channels]`, contiguous: each packed row goes back to the
+/// position it was gathered from (leading positions for a batch built from lengths, so a padded,
+/// left-aligned batch), and every position not kept is zero.
+pub fn unpack(packed: &Tensor, batch: &RaggedBatch, tokens: usize) -> Result<Tensor> {
+    const OP: &str = "unpack";
+    let total = match packed.dims() {
+        &[t, _c] => t,
+        _ => return Err(RaggedError::Rank { op: OP, what: "packed", expected: 2, shape: packed.shape().clone() }),
+    };
+    check_common(OP, packed, batch)?;
+    if total != batch.total_tokens() {
+        return Err(RaggedError::TotalMismatch { op: OP, what: "packed", expected: batch.total_tokens(), found: total });
+    }
+    fits(OP, batch, tokens)?;
+    let packed = if packed.stride()[1] == 1 { packed.clone() } else { packed.contiguous()? };
+    Ok(packed.apply_op1_no_bwd(&Unpack { batch, tokens })?)
+}
+
+fn check_common(op: &'static str, x: &Tensor, batch: &RaggedBatch) -> Result<()> {
+    if !matches!(x.dtype(), DType::F32 | DType::F16 | DType::BF16 | DType::U32) {
+        return Err(RaggedError::UnsupportedDType { op, dtype: x.dtype() });
+    }
+    if !batch.device().same_device(x.device()) {
+        return Err(RaggedError::DeviceMismatch {
+            op,
+            what: "cu_seqlens",
+            expected: format!("{:?}", x.device().location()),
+            found: format!("{:?}", batch.device().location()),
+        });
+    }
+    Ok(())
+}
+
+fn fits(op: &'static str, batch: &RaggedBatch, tokens: usize) -> Result<()> {
+    if batch.positions().is_some() {
+        if batch.min_tokens_per_image() > tokens {
+            return Err(RaggedError::PositionOutOfRange { op, position: batch.min_tokens_per_image() - 1, tokens });
+        }
+    } else if batch.max_len() > tokens {
+        return Err(RaggedError::SequenceDoesNotFit { op, len: batch.max_len(), tokens });
+    }
+    Ok(())
+}
+
+/// Host copy of the source position of every packed row.
+fn host_positions(batch: &RaggedBatch) -> candle_core::Result<Vec<u32>> {
+    match batch.positions() {
+        Some(p) => p.to_device(&candle_core::Device::Cpu)?.to_vec1::<u32>(),
+        None => Ok(batch.offsets().windows(2).flat_map(|w| 0..w[1] - w[0]).collect()),
+    }
+}
+
+/// `[batch, tokens, channels]` -> `[total, channels]`; see [`pack`].
+pub struct Pack<'a> {
+    pub batch: &'a RaggedBatch,
+}
+
+/// `[total, channels]` -> `[batch, tokens, channels]`; see [`unpack`].
+pub struct Unpack<'a> {
+    pub batch: &'a RaggedBatch,
+    pub tokens: usize,
+}
+
+/// Packed row `t` of sequence `b` is row `positions[t]` of image `b`: copy it out of `x`.
+fn gather_rows<T: Copy>(x: &[T], (off, sb, sn): (usize, usize, usize), c: usize, offsets: &[u32], positions: &[u32]) -> Vec<T> {
+    let mut out = Vec::with_capacity(positions.len() * c);
+    for (b, w) in offsets.windows(2).enumerate() {
+        for &pos in &positions[w[0] as usize..w[1] as usize] {
+            let src = off + b * sb + pos as usize * sn;
+            out.extend_from_slice(&x[src..src + c]);
+        }
+    }
+    out
+}
+
+/// The inverse of [`gather_rows`] into a zeroed `[batch, n, c]`.
+fn scatter_rows<T: Copy + Default>(x: &[T], (off, st): (usize, usize), c: usize, n: usize, offsets: &[u32], positions: &[u32]) -> Vec<T> {
+    let mut out = vec![T::default(); (offsets.len() - 1) * n * c];
+    for (b, w) in offsets.windows(2).enumerate() {
+        for t in w[0] as usize..w[1] as usize {
+            let dst = (b * n + positions[t] as usize) * c;
+            out[dst..dst + c].copy_from_slice(&x[off + t * st..off + t * st + c]);
+        }
+    }
+    out
+}
+
+fn unsupported(op: &'static str, s: &CpuStorage) -> candle_core::Error {
+    use candle_core::backend::BackendStorage;
+    RaggedError::UnsupportedDType { op, dtype: s.dtype() }.into()
+}
+
+impl CustomOp1 for Pack<'_> {
+    fn name(&self) -> &'static str {
+        "pack"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (_b, _n, c) = l.shape().dims3()?;
+        let (off, sb, sn) = (l.start_offset(), l.stride()[0], l.stride()[1]);
+        let p = host_positions(self.batch)?;
+        let (o, lay) = (self.batch.offsets(), (off, sb, sn));
+        let out = match s {
+            CpuStorage::F32(x) => CpuStorage::F32(gather_rows(x, lay, c, o, &p)),
+            CpuStorage::F16(x) => CpuStorage::F16(gather_rows(x, lay, c, o, &p)),
+            CpuStorage::BF16(x) => CpuStorage::BF16(gather_rows(x, lay, c, o, &p)),
+            CpuStorage::U32(x) => CpuStorage::U32(gather_rows(x, lay, c, o, &p)),
+            other => return Err(unsupported("pack", other)),
+        };
+        Ok((out, Shape::from((self.batch.total_tokens(), c))))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, s: &candle_core::CudaStorage, l: &Layout) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        crate::cuda::pack(self.batch, s, l)
+    }
+}
+
+impl CustomOp1 for Unpack<'_> {
+    fn name(&self) -> &'static str {
+        "unpack"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (_t, c) = l.shape().dims2()?;
+        let (off, st) = (l.start_offset(), l.stride()[0]);
+        let p = host_positions(self.batch)?;
+        let (o, n, lay) = (self.batch.offsets(), self.tokens, (off, st));
+        let out = match s {
+            CpuStorage::F32(x) => CpuStorage::F32(scatter_rows(x, lay, c, n, o, &p)),
+            CpuStorage::F16(x) => CpuStorage::F16(scatter_rows(x, lay, c, n, o, &p)),
+            CpuStorage::BF16(x) => CpuStorage::BF16(scatter_rows(x, lay, c, n, o, &p)),
+            CpuStorage::U32(x) => CpuStorage::U32(scatter_rows(x, lay, c, n, o, &p)),
+            other => return Err(unsupported("unpack", other)),
+        };
+        let b_count = self.batch.batch_size();
+        Ok((out, Shape::from((b_count, n, c))))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, s: &candle_core::CudaStorage, l: &Layout) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        crate::cuda::unpack(self.batch, self.tokens, s, l)
+    }
+}

@@ -1,0 +1,192 @@
+//! ragged_attention against a naive f64 reference: odd lengths, big batches, every dtype and
+//! supported head_dim, strided views of a fused qkv tensor, and every bad-input case.
+
+mod common;
+
+use candle_core::{DType, Device, IndexOp, Tensor};
+use candle_ragged::{ragged_attention, RaggedBatch, RaggedError, MAX_SEQ_LEN, SUPPORTED_HEAD_DIMS};
+use common::*;
+use rand::Rng;
+
+/// Runs the op on fresh random q/k/v laid out either as three tensors or as views of one fused
+/// `[total, 3, heads, dim]` tensor, and compares with the reference.
+fn check(lengths: &[usize], heads: usize, dim: usize, dtype: DType, fused: bool, scale: f32, seed: u64) {
+    let dev = device();
+    let mut rng = rng(seed);
+    let total: usize = lengths.iter().sum();
+    let n = total * heads * dim;
+    let (q, k, v) = (randn(&mut rng, n, 1.0), randn(&mut rng, n, 1.0), randn(&mut rng, n, 1.0));
+    let (q, k, v) = (quantize(&q, dtype), quantize(&k, dtype), quantize(&v, dtype));
+    let batch = RaggedBatch::from_lengths(lengths, &dev).unwrap();
+    let shape = (total, heads, dim);
+    let (qt, kt, vt) = if fused {
+        // Interleave into [total, 3, heads, dim] and take views: the op must read them in place.
+        let mut qkv = Vec::with_capacity(3 * n);
+        for t in 0..total {
+            for src in [&q, &k, &v] {
+                qkv.extend_from_slice(&src[t * heads * dim..(t + 1) * heads * dim]);
+            }
+        }
+        let qkv = Tensor::from_vec(qkv, (total, 3, heads, dim), &dev).unwrap().to_dtype(dtype).unwrap();
+        let (qt, kt, vt) = (qkv.i((.., 0)).unwrap(), qkv.i((.., 1)).unwrap(), qkv.i((.., 2)).unwrap());
+        assert!(!qt.is_contiguous(), "the fused views must be strided for this test to mean anything");
+        (qt, kt, vt)
+    } else {
+        let mk = |x: &Vec<f32>| Tensor::from_slice(x, shape, &dev).unwrap().to_dtype(dtype).unwrap();
+        (mk(&q), mk(&k), mk(&v))
+    };
+    poison(&dev, n, dtype);
+    let out = ragged_attention(&qt, &kt, &vt, &batch, scale).unwrap();
+    assert_eq!(out.dims(), &[total, heads, dim]);
+    assert_eq!(out.dtype(), dtype);
+    assert!(out.is_contiguous());
+    let got = out.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    let want = reference(&q, &k, &v, lengths, heads, dim, scale as f64);
+    let err = max_rel_err(&got, &want);
+    assert!(
+        err <= tolerance(dtype),
+        "lengths {lengths:?} heads {heads} dim {dim} {dtype:?} fused {fused}: max rel err {err:e} > {:e}",
+        tolerance(dtype)
+    );
+}
+
+#[test]
+fn odd_lengths_every_dtype() {
+    for (i, &len) in [1usize, 2, 63, 64, 65, 197].iter().enumerate() {
+        for dtype in DTYPES {
+            check(&[len], 3, 64, dtype, false, 0.125, 10 + i as u64);
+        }
+    }
+}
+
+#[test]
+fn mixed_lengths_in_one_batch() {
+    let lengths = [1, 2, 63, 64, 65, 197, 3, 130];
+    for dtype in DTYPES {
+        check(&lengths, 2, 64, dtype, false, 0.125, 20);
+        check(&lengths, 2, 64, dtype, true, 0.125, 21);
+    }
+}
+
+#[test]
+fn vit_384_length() {
+    for dtype in DTYPES {
+        check(&[577, 5], 1, 64, dtype, true, 0.125, 30);
+    }
+}
+
+#[test]
+fn longest_supported_length() {
+    check(&[1024, 1], 1, 64, DType::F16, false, 0.125, 31);
+    check(&[1024], 1, 64, DType::F32, true, 0.125, 32);
+}
+
+#[test]
+fn every_head_dim() {
+    for &dim in SUPPORTED_HEAD_DIMS {
+        for dtype in DTYPES {
+            let scale = 1.0 / (dim as f32).sqrt();
+            check(&[65, 1, 130], 2, dim, dtype, true, scale, 40 + dim as u64);
+        }
+    }
+}
+
+#[test]
+fn large_logits_stay_stable() {
+    // scale 1.0 on unit-variance q, k: logits with std 8, so the max subtraction matters.
+    for dtype in DTYPES {
+        check(&[97, 33], 2, 64, dtype, false, 1.0, 50);
+    }
+}
+
+#[test]
+fn random_batches_up_to_256() {
+    let mut r = rng(60);
+    for (i, &b) in [1usize, 7, 64, 256].iter().enumerate() {
+        let lengths: Vec<usize> = (0..b).map(|_| r.random_range(1..=197)).collect();
+        for dtype in DTYPES {
+            check(&lengths, 3, 64, dtype, i % 2 == 1, 0.125, 61 + i as u64);
+        }
+    }
+}
+
+fn qkv(dev: &Device, total: usize, heads: usize, dim: usize, dtype: DType) -> (Tensor, Tensor, Tensor) {
+    let t = || Tensor::randn(0f32, 1.0, (total, heads, dim), dev).unwrap().to_dtype(dtype).unwrap();
+    (t(), t(), t())
+}
+
+fn err_of(r: candle_ragged::Result<Tensor>) -> RaggedError {
+    match r {
+        Ok(t) => panic!("expected an error, got a tensor of shape {:?}", t.shape()),
+        Err(e) => e,
+    }
+}
+
+#[test]
+fn bad_inputs_are_clear_errors() {
+    let dev = device();
+    let batch = RaggedBatch::from_lengths(&[3, 2], &dev).unwrap();
+    let (q, k, v) = qkv(&dev, 5, 2, 64, DType::F16);
+    let scale = 0.125;
+
+    let q4 = q.unsqueeze(0).unwrap();
+    assert!(matches!(err_of(ragged_attention(&q4, &k, &v, &batch, scale)), RaggedError::Rank { what: "q", .. }));
+    let (_, k_bad, _) = qkv(&dev, 5, 3, 64, DType::F16);
+    assert!(matches!(err_of(ragged_attention(&q, &k_bad, &v, &batch, scale)), RaggedError::ShapeMismatch { what: "k", .. }));
+    let v32 = v.to_dtype(DType::F32).unwrap();
+    assert!(matches!(err_of(ragged_attention(&q, &k, &v32, &batch, scale)), RaggedError::DTypeMismatch { what: "v", .. }));
+    let wrong_total = RaggedBatch::from_lengths(&[3, 3], &dev).unwrap();
+    assert!(matches!(
+        err_of(ragged_attention(&q, &k, &v, &wrong_total, scale)),
+        RaggedError::TotalMismatch { expected: 6, found: 5, .. }
+    ));
+    let (q48, k48, v48) = qkv(&dev, 5, 2, 48, DType::F16);
+    let e = err_of(ragged_attention(&q48, &k48, &v48, &batch, scale));
+    assert!(matches!(e, RaggedError::UnsupportedHeadDim { head_dim: 48, .. }), "{e}");
+    assert!(e.to_string().contains("48"), "message names the head_dim: {e}");
+    // A view whose last dimension is strided (transposed heads and dims).
+    let qt = Tensor::randn(0f32, 1.0, (5, 64, 2), &dev).unwrap().to_dtype(DType::F16).unwrap().transpose(1, 2).unwrap();
+    assert!(matches!(err_of(ragged_attention(&qt, &k, &v, &batch, scale)), RaggedError::LastDimNotContiguous { what: "q", .. }));
+    let (qi, ki, vi) = (q.to_dtype(DType::U32).unwrap(), k.to_dtype(DType::U32).unwrap(), v.to_dtype(DType::U32).unwrap());
+    assert!(matches!(err_of(ragged_attention(&qi, &ki, &vi, &batch, scale)), RaggedError::UnsupportedDType { .. }));
+    assert!(matches!(err_of(ragged_attention(&q, &k, &v, &batch, f32::NAN)), RaggedError::BadScale { .. }));
+
+    // Past the documented length limit: refused before any work.
+    let long = RaggedBatch::from_lengths(&[MAX_SEQ_LEN + 1], &dev).unwrap();
+    let (ql, kl, vl) = qkv(&dev, MAX_SEQ_LEN + 1, 1, 64, DType::F16);
+    let e = err_of(ragged_attention(&ql, &kl, &vl, &long, scale));
+    assert!(matches!(e, RaggedError::SequenceTooLong { len, limit: MAX_SEQ_LEN, .. } if len == MAX_SEQ_LEN + 1), "{e}");
+}
+
+#[test]
+fn cu_seqlens_on_another_device_is_refused() {
+    let dev = device();
+    if dev.is_cpu() {
+        return; // only a CUDA build on a GPU machine has two devices to mix
+    }
+    let batch = RaggedBatch::from_lengths(&[3, 2], &Device::Cpu).unwrap();
+    let (q, k, v) = qkv(&dev, 5, 2, 64, DType::F16);
+    assert!(matches!(
+        err_of(ragged_attention(&q, &k, &v, &batch, 0.125)),
+        RaggedError::DeviceMismatch { what: "cu_seqlens", .. }
+    ));
+    let (qc, kc, vc) = qkv(&Device::Cpu, 5, 2, 64, DType::F16);
+    let batch = RaggedBatch::from_lengths(&[3, 2], &dev).unwrap();
+    assert!(matches!(err_of(ragged_attention(&qc, &kc, &vc, &batch, 0.125)), RaggedError::DeviceMismatch { .. }));
+    let _ = (q, k, v);
+}
+
+#[test]
+fn cpu_and_device_agree_bitwise_on_f32_shapes() {
+    // On a CPU-only build both sides are the CPU; on the GPU machine this compares the two paths.
+    let dev = device();
+    let lengths = [5usize, 70, 1];
+    let batch_dev = RaggedBatch::from_lengths(&lengths, &dev).unwrap();
+    let batch_cpu = RaggedBatch::from_lengths(&lengths, &Device::Cpu).unwrap();
+    let (q, k, v) = qkv(&Device::Cpu, 76, 2, 32, DType::F32);
+    let on = |t: &Tensor| t.to_device(&dev).unwrap();
+    let a = ragged_attention(&on(&q), &on(&k), &on(&v), &batch_dev, 0.2).unwrap().to_device(&Device::Cpu).unwrap();
+    let b = ragged_attention(&q, &k, &v, &batch_cpu, 0.2).unwrap();
+    let diff = (a - b).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+    assert!(diff <= 1e-5, "cpu vs device f32 max abs diff {diff}");
+}

@@ -1,0 +1,103 @@
+//! Shared pieces of the candle-ragged tests: the device under test, random inputs, poisoning and
+//! an obviously-correct f64 reference.
+#![allow(dead_code)]
+
+use candle_core::{DType, Device, Tensor};
+use rand::{rngs::StdRng, Rng, SeedableRng};
+
+/// CPU, or the first CUDA GPU when the crate is built with `cuda` and one is present: the same
+/// tests then check the CUDA kernels (the GPU machine runs them; CI runs them on the CPU).
+pub fn device() -> Device {
+    #[cfg(feature = "cuda")]
+    {
+        if let Ok(d) = Device::new_cuda(0) {
+            return d;
+        }
+        if std::env::var_os("CANDLE_RAGGED_REQUIRE_CUDA").is_some() {
+            panic!("CANDLE_RAGGED_REQUIRE_CUDA is set but no CUDA device could be opened");
+        }
+    }
+    Device::Cpu
+}
+
+pub fn rng(seed: u64) -> StdRng {
+    StdRng::seed_from_u64(seed)
+}
+
+/// Fills freshly freed device memory with NaN so that an output element a kernel forgets to write
+/// shows up as NaN: candle's CUDA allocator is stream-ordered and hands the same block back.
+pub fn poison(device: &Device, elems: usize, dtype: DType) {
+    if elems == 0 {
+        return;
+    }
+    let t = Tensor::full(f32::NAN, elems, device).unwrap().to_dtype(dtype).unwrap();
+    drop(t);
+}
+
+pub fn randn(rng: &mut StdRng, n: usize, std: f32) -> Vec<f32> {
+    // Box-Muller; the tests only need a fresh, reproducible spread of values.
+    (0..n)
+        .map(|_| {
+            let u1: f32 = rng.random::<f32>().max(1e-7);
+            let u2: f32 = rng.random();
+            std * (-2.0 * u1.ln()).sqrt() * (2.0 * std::f32::consts::PI * u2).cos()
+        })
+        .collect()
+}
+
+/// Round-trips values through `dtype` so the reference sees exactly what the op sees.
+pub fn quantize(v: &[f32], dtype: DType) -> Vec<f32> {
+    Tensor::from_slice(v, v.len(), &Device::Cpu)
+        .unwrap()
+        .to_dtype(dtype)
+        .unwrap()
+        .to_dtype(DType::F32)
+        .unwrap()
+        .to_vec1()
+        .unwrap()
+}
+
+/// Naive attention in f64: q, k, v as `[total, heads, dim]` row-major values.
+pub fn reference(q: &[f32], k: &[f32], v: &[f32], lengths: &[usize], heads: usize, dim: usize, scale: f64) -> Vec<f64> {
+    let total: usize = lengths.iter().sum();
+    let mut out = vec![0f64; total * heads * dim];
+    let at = |t: usize, h: usize, d: usize| (t * heads + h) * dim + d;
+    let mut start = 0;
+    for &len in lengths {
+        for h in 0..heads {
+            for i in 0..len {
+                let scores: Vec<f64> = (0..len)
+                    .map(|j| (0..dim).map(|d| q[at(start + i, h, d)] as f64 * k[at(start + j, h, d)] as f64).sum::<f64>() * scale)
+                    .collect();
+                let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let e: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
+                let z: f64 = e.iter().sum();
+                for d in 0..dim {
+                    out[at(start + i, h, d)] = (0..len).map(|j| e[j] / z * v[at(start + j, h, d)] as f64).sum();
+                }
+            }
+        }
+        start += len;
+    }
+    out
+}
+
+/// max |got - want| / max |want|, with NaN counting as infinitely wrong.
+pub fn max_rel_err(got: &[f32], want: &[f64]) -> f64 {
+    assert_eq!(got.len(), want.len());
+    let scale = want.iter().fold(0f64, |m, w| m.max(w.abs())).max(1e-30);
+    got.iter()
+        .zip(want)
+        .map(|(&g, &w)| if g.is_finite() { (g as f64 - w).abs() } else { f64::INFINITY })
+        .fold(0f64, f64::max)
+        / scale
+}
+
+pub fn tolerance(dtype: DType) -> f64 {
+    match dtype {
+        DType::F32 => 1e-5,
+        _ => 1e-2,
+    }
+}
+
+pub const DTYPES: [DType; 3] = [DType::F32, DType::F16, DType::BF16];

@@ -1,0 +1,126 @@
+//! Token-pruning strategies for DeiT-style vision transformers, as candle modules.
+//!
+//! The crate sees tokens and attention, never the model: a model calls a [`TokenPruner`] at the
+//! site it reports ([`TokenPruner::site`]) with a [`PruneInput`] (the batch's tokens, per-image
+//! valid lengths, and the class-token attention / values when [`TokenPruner::needs`] says so)
+//! and gets a [`KeepPlan`]: per image the ascending original positions to keep (prefix tokens
+//! always included, at least one patch token), and for EViT a fused token to append.
+//!
+//! Guarantees shared by all pruners:
+//! - Scores are computed with tensor ops on the input's device, in f32 whatever the token
+//!   dtype; the decision (sort / top-k / threshold) runs on the host over `[B, N]` scores.
+//! - Ties break to the lower token index; NaN scores rank last. Padding (rows past an image's
+//!   length) never enters a decision, so an image's plan does not depend on its batch
+//!   neighbours (given bit-identical per-token scores).
+//! - Kept positions are ascending, so dense, padded and packed execution see the same sequence.
+//!
+//! Pruners: [`ThresholdL2`], [`DynamicVit`], [`Evit`], [`Ats`]; schedules: [`PruningSchedule`].
+
+pub mod ats;
+pub mod dynamicvit;
+pub mod error;
+pub mod evit;
+pub mod input;
+pub mod schedule;
+mod select;
+pub mod threshold;
+
+use candle_core::Tensor;
+
+pub use ats::{inverse_transform_sample, Ats, AtsConfig, AtsMode};
+pub use dynamicvit::{DynamicVit, DynamicVitConfig, DynamicVitMode, PredictorLG, WeightsSource};
+pub use error::{PruneError, Result};
+pub use evit::{Evit, EvitConfig, EvitFusion, EvitMode};
+pub use input::{FusedTokens, Geometry, KeepPlan, PruneInput, ValueInput};
+pub use schedule::{
+    default_blocks, PrunerConfig, PrunerSpec, PruningSchedule, ScheduledPruner, DEFAULT_KEEP_RATIO,
+};
+pub use threshold::{ThresholdL2, ThresholdL2Config, ThresholdL2Mode};
+
+/// The four pruning methods.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum PrunerKind {
+    ThresholdL2,
+    DynamicVit,
+    Evit,
+    Ats,
+}
+
+impl PrunerKind {
+    pub const ALL: [PrunerKind; 4] = [
+        PrunerKind::ThresholdL2,
+        PrunerKind::DynamicVit,
+        PrunerKind::Evit,
+        PrunerKind::Ats,
+    ];
+    /// Canonical CLI name.
+    pub fn name(self) -> &'static str {
+        match self {
+            PrunerKind::ThresholdL2 => "threshold-l2",
+            PrunerKind::DynamicVit => "dynamicvit",
+            PrunerKind::Evit => "evit",
+            PrunerKind::Ats => "ats",
+        }
+    }
+}
+
+impl std::fmt::Display for PrunerKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Fixed ratio (every image keeps the same share) or adaptive (a threshold; counts differ).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum Mode {
+    #[default]
+    Fixed,
+    Adaptive,
+}
+
+impl std::fmt::Display for Mode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Mode::Fixed => "fixed",
+            Mode::Adaptive => "adaptive",
+        })
+    }
+}
+
+/// Where in a block a pruner acts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum PruneSite {
+    /// On the block's input, before its attention (DynamicViT, Threshold-L2): the block then
+    /// runs entirely on the kept tokens.
+    BeforeBlock,
+    /// Inside the block after attention + residual, before the MLP, using this block's
+    /// class-token attention computed over the un-pruned tokens (EViT, ATS): pass the
+    /// post-residual hidden states as tokens; the MLP runs on the kept (+ fused) tokens.
+    AfterAttention,
+}
+
+/// Extra inputs a pruner needs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Needs {
+    /// `PruneInput::cls_attn` of this block.
+    pub cls_attn: bool,
+    /// `PruneInput::values` of this block.
+    pub values: bool,
+}
+
+/// Decides, for a batch of tokens at one site, which tokens each image keeps.
+pub trait TokenPruner: Send + Sync + std::fmt::Debug {
+    fn kind(&self) -> PrunerKind;
+    fn mode(&self) -> Mode;
+    fn site(&self) -> PruneSite;
+    fn needs(&self) -> Needs;
+    /// For learned pruners: where the weights came from (`None`: no weights).
+    fn weights_source(&self) -> Option<WeightsSource> {
+        None
+    }
+    /// Per-token scores `[B, N]` f32 on the input's device (higher = more important; entries
+    /// at prefix and padding positions are unspecified). Validates the input.
+    fn scores(&self, input: &PruneInput) -> Result<Tensor>;
+    /// The keep decision. Validates the input; never panics on bad input.
+    fn plan(&self, input: &PruneInput) -> Result<KeepPlan>;
+}
