@@ -18,14 +18,18 @@ fn main() {
         .and_then(|s| s.trim().replace('.', "").parse().ok())
         .unwrap_or(80);
     if cap < 80 {
-        panic!("candle-ragged needs CUDA_COMPUTE_CAP >= 80 (tensor-core mma for f16/bf16), got {cap}");
+        panic!(
+            "candle-ragged needs CUDA_COMPUTE_CAP >= 80 (tensor-core mma for f16/bf16), got {cap}"
+        );
     }
-    let nvcc = std::env::var("NVCC").map(PathBuf::from).unwrap_or_else(|_| {
-        match std::env::var("CUDA_HOME").or_else(|_| std::env::var("CUDA_PATH")) {
-            Ok(home) => PathBuf::from(home).join("bin").join("nvcc"),
-            Err(_) => PathBuf::from("nvcc"),
-        }
-    });
+    let nvcc = std::env::var("NVCC")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| {
+            match std::env::var("CUDA_HOME").or_else(|_| std::env::var("CUDA_PATH")) {
+                Ok(home) => PathBuf::from(home).join("bin").join("nvcc"),
+                Err(_) => PathBuf::from("nvcc"),
+            }
+        });
     let out = PathBuf::from(std::env::var("OUT_DIR").unwrap()).join("ragged_attention.ptx");
     let status = Command::new(&nvcc)
         .args(["--ptx", "-O3", "-std=c++17", "--use_fast_math"])

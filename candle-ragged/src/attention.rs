@@ -34,29 +34,60 @@ pub struct RaggedAttention<'a> {
 ///
 /// `head_dim` must be one of [`SUPPORTED_HEAD_DIMS`] and every sequence at most [`MAX_SEQ_LEN`]
 /// tokens; anything else is a [`RaggedError`] before any kernel is launched.
-pub fn ragged_attention(q: &Tensor, k: &Tensor, v: &Tensor, batch: &RaggedBatch, softmax_scale: f32) -> Result<Tensor> {
+pub fn ragged_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    batch: &RaggedBatch,
+    softmax_scale: f32,
+) -> Result<Tensor> {
     validate(q, k, v, batch, softmax_scale)?;
     // The CUDA kernel stages rows with 16-byte copies: a view whose offsets or strides are not
     // multiples of 8 elements (rare: only odd narrowing produces one) is made contiguous first.
     let (q, k, v) = (aligned(q)?, aligned(k)?, aligned(v)?);
-    let op = RaggedAttention { batch, softmax_scale };
+    let op = RaggedAttention {
+        batch,
+        softmax_scale,
+    };
     Ok(q.apply_op3_no_bwd(&k, &v, &op)?)
 }
 
 fn validate(q: &Tensor, k: &Tensor, v: &Tensor, batch: &RaggedBatch, scale: f32) -> Result<()> {
     let q_dims = match q.dims() {
         &[t, h, d] => (t, h, d),
-        _ => return Err(RaggedError::Rank { op: OP, what: "q", expected: 3, shape: q.shape().clone() }),
+        _ => {
+            return Err(RaggedError::Rank {
+                op: OP,
+                what: "q",
+                expected: 3,
+                shape: q.shape().clone(),
+            })
+        }
     };
     for (what, t) in [("k", k), ("v", v)] {
         if t.rank() != 3 {
-            return Err(RaggedError::Rank { op: OP, what, expected: 3, shape: t.shape().clone() });
+            return Err(RaggedError::Rank {
+                op: OP,
+                what,
+                expected: 3,
+                shape: t.shape().clone(),
+            });
         }
         if t.dims() != q.dims() {
-            return Err(RaggedError::ShapeMismatch { op: OP, what, expected: q.shape().clone(), found: t.shape().clone() });
+            return Err(RaggedError::ShapeMismatch {
+                op: OP,
+                what,
+                expected: q.shape().clone(),
+                found: t.shape().clone(),
+            });
         }
         if t.dtype() != q.dtype() {
-            return Err(RaggedError::DTypeMismatch { op: OP, what, expected: q.dtype(), found: t.dtype() });
+            return Err(RaggedError::DTypeMismatch {
+                op: OP,
+                what,
+                expected: q.dtype(),
+                found: t.dtype(),
+            });
         }
         if !t.device().same_device(q.device()) {
             return Err(device_mismatch(what, q, t.device()));
@@ -66,21 +97,41 @@ fn validate(q: &Tensor, k: &Tensor, v: &Tensor, batch: &RaggedBatch, scale: f32)
         return Err(device_mismatch("cu_seqlens", q, batch.device()));
     }
     if !matches!(q.dtype(), DType::F32 | DType::F16 | DType::BF16) {
-        return Err(RaggedError::UnsupportedDType { op: OP, dtype: q.dtype() });
+        return Err(RaggedError::UnsupportedDType {
+            op: OP,
+            dtype: q.dtype(),
+        });
     }
     let (total, _heads, head_dim) = q_dims;
     if !SUPPORTED_HEAD_DIMS.contains(&head_dim) {
-        return Err(RaggedError::UnsupportedHeadDim { op: OP, head_dim, supported: SUPPORTED_HEAD_DIMS });
+        return Err(RaggedError::UnsupportedHeadDim {
+            op: OP,
+            head_dim,
+            supported: SUPPORTED_HEAD_DIMS,
+        });
     }
     if total != batch.total_tokens() {
-        return Err(RaggedError::TotalMismatch { op: OP, what: "q", expected: batch.total_tokens(), found: total });
+        return Err(RaggedError::TotalMismatch {
+            op: OP,
+            what: "q",
+            expected: batch.total_tokens(),
+            found: total,
+        });
     }
     if batch.max_len() > MAX_SEQ_LEN {
-        return Err(RaggedError::SequenceTooLong { op: OP, len: batch.max_len(), limit: MAX_SEQ_LEN });
+        return Err(RaggedError::SequenceTooLong {
+            op: OP,
+            len: batch.max_len(),
+            limit: MAX_SEQ_LEN,
+        });
     }
     for (what, t) in [("q", q), ("k", k), ("v", v)] {
         if t.stride()[2] != 1 {
-            return Err(RaggedError::LastDimNotContiguous { op: OP, what, stride: t.stride().to_vec() });
+            return Err(RaggedError::LastDimNotContiguous {
+                op: OP,
+                what,
+                stride: t.stride().to_vec(),
+            });
         }
     }
     if !scale.is_finite() {
@@ -131,7 +182,11 @@ impl CustomOp3 for RaggedAttention<'_> {
             }
             _ => {
                 use candle_core::backend::BackendStorage;
-                return Err(RaggedError::UnsupportedDType { op: OP, dtype: s1.dtype() }.into());
+                return Err(RaggedError::UnsupportedDType {
+                    op: OP,
+                    dtype: s1.dtype(),
+                }
+                .into());
             }
         };
         Ok((storage, shape))
@@ -154,7 +209,15 @@ impl CustomOp3 for RaggedAttention<'_> {
 impl RaggedAttention<'_> {
     /// Reference-quality CPU path: per sequence and head, scores in f32, a max-subtracted softmax,
     /// then the weighted sum of values; sequences run in parallel.
-    fn cpu_attention<T: Float32>(&self, q: &[T], lq: &Layout, k: &[T], lk: &Layout, v: &[T], lv: &Layout) -> Vec<T> {
+    fn cpu_attention<T: Float32>(
+        &self,
+        q: &[T],
+        lq: &Layout,
+        k: &[T],
+        lk: &Layout,
+        v: &[T],
+        lv: &Layout,
+    ) -> Vec<T> {
         let (_total, heads, dim) = lq.shape().dims3().expect("validated rank 3");
         let at = |l: &Layout| {
             let s = l.stride();
@@ -164,46 +227,58 @@ impl RaggedAttention<'_> {
         let scale = self.softmax_scale;
         let row_len = heads * dim;
         let mut out = vec![T::from_f32(0.0); self.batch.total_tokens() * row_len];
-        for_each_sequence(&mut out, self.batch.offsets(), row_len, |start, len, out_rows| {
-            let mut kbuf = vec![0f32; len * dim];
-            let mut vbuf = vec![0f32; len * dim];
-            let mut scores = vec![0f32; len];
-            let mut acc = vec![0f32; dim];
-            for h in 0..heads {
-                for j in 0..len {
-                    let (kb, vb) = (ka.0 + (start + j) * ka.1 + h * ka.2, va.0 + (start + j) * va.1 + h * va.2);
-                    for d in 0..dim {
-                        kbuf[j * dim + d] = k[kb + d].to_f32();
-                        vbuf[j * dim + d] = v[vb + d].to_f32();
-                    }
-                }
-                for i in 0..len {
-                    let qb = qa.0 + (start + i) * qa.1 + h * qa.2;
-                    let mut max = f32::NEG_INFINITY;
-                    for (j, s) in scores.iter_mut().enumerate() {
-                        let kr = &kbuf[j * dim..(j + 1) * dim];
-                        let dot: f32 = (0..dim).map(|d| q[qb + d].to_f32() * kr[d]).sum();
-                        *s = dot * scale;
-                        max = max.max(*s);
-                    }
-                    let mut denom = 0f32;
-                    for s in scores.iter_mut() {
-                        *s = (*s - max).exp();
-                        denom += *s;
-                    }
-                    acc.iter_mut().for_each(|a| *a = 0.0);
-                    for (j, &p) in scores.iter().enumerate() {
-                        for (a, &vv) in acc.iter_mut().zip(&vbuf[j * dim..(j + 1) * dim]) {
-                            *a += p * vv;
+        for_each_sequence(
+            &mut out,
+            self.batch.offsets(),
+            row_len,
+            |start, len, out_rows| {
+                let mut kbuf = vec![0f32; len * dim];
+                let mut vbuf = vec![0f32; len * dim];
+                let mut scores = vec![0f32; len];
+                let mut acc = vec![0f32; dim];
+                let mut qrow = vec![0f32; dim];
+                for h in 0..heads {
+                    for j in 0..len {
+                        let (kb, vb) = (
+                            ka.0 + (start + j) * ka.1 + h * ka.2,
+                            va.0 + (start + j) * va.1 + h * va.2,
+                        );
+                        for d in 0..dim {
+                            kbuf[j * dim + d] = k[kb + d].to_f32();
+                            vbuf[j * dim + d] = v[vb + d].to_f32();
                         }
                     }
-                    let o = &mut out_rows[i * row_len + h * dim..i * row_len + (h + 1) * dim];
-                    for (o, a) in o.iter_mut().zip(&acc) {
-                        *o = T::from_f32(a / denom);
+                    for i in 0..len {
+                        let qb = qa.0 + (start + i) * qa.1 + h * qa.2;
+                        for (d, x) in qrow.iter_mut().enumerate() {
+                            *x = q[qb + d].to_f32();
+                        }
+                        let mut max = f32::NEG_INFINITY;
+                        for (j, s) in scores.iter_mut().enumerate() {
+                            let kr = &kbuf[j * dim..(j + 1) * dim];
+                            let dot: f32 = qrow.iter().zip(kr).map(|(a, b)| a * b).sum();
+                            *s = dot * scale;
+                            max = max.max(*s);
+                        }
+                        let mut denom = 0f32;
+                        for s in scores.iter_mut() {
+                            *s = (*s - max).exp();
+                            denom += *s;
+                        }
+                        acc.iter_mut().for_each(|a| *a = 0.0);
+                        for (j, &p) in scores.iter().enumerate() {
+                            for (a, &vv) in acc.iter_mut().zip(&vbuf[j * dim..(j + 1) * dim]) {
+                                *a += p * vv;
+                            }
+                        }
+                        let o = &mut out_rows[i * row_len + h * dim..i * row_len + (h + 1) * dim];
+                        for (o, a) in o.iter_mut().zip(&acc) {
+                            *o = T::from_f32(a / denom);
+                        }
                     }
                 }
-            }
-        });
+            },
+        );
         out
     }
 }

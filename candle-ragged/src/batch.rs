@@ -46,27 +46,54 @@ impl RaggedBatch {
         let offsets = offsets_from_lengths(lengths, allow_empty)?;
         let max_len = lengths.iter().copied().max().unwrap_or(0);
         let cu_seqlens = Tensor::from_slice(&offsets, offsets.len(), device)?;
-        Ok(Self { cu_seqlens, offsets, positions: None, position_bound: 0, max_len })
+        Ok(Self {
+            cu_seqlens,
+            offsets,
+            positions: None,
+            position_bound: 0,
+            max_len,
+        })
     }
 
     /// A batch from kept token positions: `indices[b]` lists, strictly increasing, the positions of
     /// the tokens image `b` keeps out of `tokens_per_image`. Every image must keep at least one.
-    pub fn from_keep_indices(indices: &[Vec<u32>], tokens_per_image: usize, device: &Device) -> Result<Self> {
+    pub fn from_keep_indices(
+        indices: &[Vec<u32>],
+        tokens_per_image: usize,
+        device: &Device,
+    ) -> Result<Self> {
         for (b, idx) in indices.iter().enumerate() {
             let increasing = idx.windows(2).all(|w| w[0] < w[1]);
-            let in_range = idx.last().is_none_or(|&last| (last as usize) < tokens_per_image);
+            let in_range = idx
+                .last()
+                .is_none_or(|&last| (last as usize) < tokens_per_image);
             if !increasing || !in_range {
-                return Err(RaggedError::BadKeepIndices { index: b, limit: tokens_per_image, found: idx.clone() });
+                return Err(RaggedError::BadKeepIndices {
+                    index: b,
+                    limit: tokens_per_image,
+                    found: idx.clone(),
+                });
             }
         }
         let lengths: Vec<usize> = indices.iter().map(Vec::len).collect();
         let offsets = offsets_from_lengths(&lengths, false)?;
         let flat: Vec<u32> = indices.iter().flatten().copied().collect();
-        let position_bound = indices.iter().filter_map(|i| i.last()).map(|&p| p as usize + 1).max().unwrap_or(0);
+        let position_bound = indices
+            .iter()
+            .filter_map(|i| i.last())
+            .map(|&p| p as usize + 1)
+            .max()
+            .unwrap_or(0);
         let max_len = lengths.iter().copied().max().unwrap_or(0);
         let cu_seqlens = Tensor::from_slice(&offsets, offsets.len(), device)?;
         let positions = Tensor::from_slice(&flat, flat.len(), device)?;
-        Ok(Self { cu_seqlens, offsets, positions: Some(positions), position_bound, max_len })
+        Ok(Self {
+            cu_seqlens,
+            offsets,
+            positions: Some(positions),
+            position_bound,
+            max_len,
+        })
     }
 
     /// A batch from a `[batch, tokens]` keep mask (any dtype; non-zero means kept). This reads the
@@ -74,13 +101,23 @@ impl RaggedBatch {
     pub fn from_keep_mask(mask: &Tensor) -> Result<Self> {
         let (b, n) = match mask.dims() {
             &[b, n] => (b, n),
-            _ => return Err(RaggedError::KeepMaskShape { shape: mask.shape().clone() }),
+            _ => {
+                return Err(RaggedError::KeepMaskShape {
+                    shape: mask.shape().clone(),
+                })
+            }
         };
         let rows = mask.to_dtype(DType::F32)?.to_vec2::<f32>()?;
         debug_assert_eq!(rows.len(), b);
         let indices: Vec<Vec<u32>> = rows
             .iter()
-            .map(|row| row.iter().enumerate().filter(|(_, &k)| k != 0.0).map(|(i, _)| i as u32).collect())
+            .map(|row| {
+                row.iter()
+                    .enumerate()
+                    .filter(|(_, &k)| k != 0.0)
+                    .map(|(i, _)| i as u32)
+                    .collect()
+            })
             .collect();
         Self::from_keep_indices(&indices, n, mask.device())
     }
@@ -96,8 +133,18 @@ impl RaggedBatch {
         }
         let offsets = cu_seqlens.to_vec1::<u32>()?;
         validate_offsets(&offsets, false)?;
-        let max_len = offsets.windows(2).map(|w| (w[1] - w[0]) as usize).max().unwrap_or(0);
-        Ok(Self { cu_seqlens: cu_seqlens.clone(), offsets, positions: None, position_bound: 0, max_len })
+        let max_len = offsets
+            .windows(2)
+            .map(|w| (w[1] - w[0]) as usize)
+            .max()
+            .unwrap_or(0);
+        Ok(Self {
+            cu_seqlens: cu_seqlens.clone(),
+            offsets,
+            positions: None,
+            position_bound: 0,
+            max_len,
+        })
     }
 
     /// `cu_seqlens`, `[batch + 1]`, u32, on the device of the packed tensors.
@@ -129,7 +176,10 @@ impl RaggedBatch {
 
     /// Length of each sequence.
     pub fn lengths(&self) -> Vec<usize> {
-        self.offsets.windows(2).map(|w| (w[1] - w[0]) as usize).collect()
+        self.offsets
+            .windows(2)
+            .map(|w| (w[1] - w[0]) as usize)
+            .collect()
     }
 
     /// The device `cu_seqlens` lives on.
@@ -140,14 +190,22 @@ impl RaggedBatch {
     /// The smallest number of tokens per image that [`crate::unpack`] can scatter into and
     /// [`crate::pack`] can gather from.
     pub fn min_tokens_per_image(&self) -> usize {
-        self.position_bound.max(if self.positions.is_some() { 0 } else { self.max_len })
+        self.position_bound.max(if self.positions.is_some() {
+            0
+        } else {
+            self.max_len
+        })
     }
 
     /// The same layout on another device (copies `cu_seqlens` and `positions`).
     pub fn to_device(&self, device: &Device) -> Result<Self> {
         Ok(Self {
             cu_seqlens: self.cu_seqlens.to_device(device)?,
-            positions: self.positions.as_ref().map(|p| p.to_device(device)).transpose()?,
+            positions: self
+                .positions
+                .as_ref()
+                .map(|p| p.to_device(device))
+                .transpose()?,
             offsets: self.offsets.clone(),
             position_bound: self.position_bound,
             max_len: self.max_len,
@@ -204,7 +262,10 @@ mod tests {
 
     #[test]
     fn empty_inputs_are_refused_unless_allowed() {
-        assert!(matches!(RaggedBatch::from_lengths(&[], &Device::Cpu), Err(RaggedError::EmptyBatch)));
+        assert!(matches!(
+            RaggedBatch::from_lengths(&[], &Device::Cpu),
+            Err(RaggedError::EmptyBatch)
+        ));
         assert!(matches!(
             RaggedBatch::from_lengths(&[2, 0, 1], &Device::Cpu),
             Err(RaggedError::EmptySequence { index: 1 })
@@ -217,18 +278,34 @@ mod tests {
     fn cu_seqlens_are_validated() {
         let dev = Device::Cpu;
         let bad_start = Tensor::new(&[1u32, 3, 4], &dev).unwrap();
-        assert!(matches!(RaggedBatch::from_cu_seqlens(&bad_start), Err(RaggedError::CuSeqlensStart { first: 1 })));
+        assert!(matches!(
+            RaggedBatch::from_cu_seqlens(&bad_start),
+            Err(RaggedError::CuSeqlensStart { first: 1 })
+        ));
         let decreasing = Tensor::new(&[0u32, 5, 4], &dev).unwrap();
         assert!(matches!(
             RaggedBatch::from_cu_seqlens(&decreasing),
-            Err(RaggedError::CuSeqlensNotMonotone { index: 2, prev: 5, value: 4 })
+            Err(RaggedError::CuSeqlensNotMonotone {
+                index: 2,
+                prev: 5,
+                value: 4
+            })
         ));
         let wrong_dtype = Tensor::new(&[0i64, 5], &dev).unwrap();
-        assert!(matches!(RaggedBatch::from_cu_seqlens(&wrong_dtype), Err(RaggedError::CuSeqlensTensor { .. })));
+        assert!(matches!(
+            RaggedBatch::from_cu_seqlens(&wrong_dtype),
+            Err(RaggedError::CuSeqlensTensor { .. })
+        ));
         let too_short = Tensor::new(&[0u32], &dev).unwrap();
-        assert!(matches!(RaggedBatch::from_cu_seqlens(&too_short), Err(RaggedError::CuSeqlensTensor { .. })));
+        assert!(matches!(
+            RaggedBatch::from_cu_seqlens(&too_short),
+            Err(RaggedError::CuSeqlensTensor { .. })
+        ));
         let ok = RaggedBatch::from_cu_seqlens(&Tensor::new(&[0u32, 2, 7], &dev).unwrap()).unwrap();
-        assert_eq!((ok.batch_size(), ok.total_tokens(), ok.max_len()), (2, 7, 5));
+        assert_eq!(
+            (ok.batch_size(), ok.total_tokens(), ok.max_len()),
+            (2, 7, 5)
+        );
     }
 
     #[test]

@@ -51,5 +51,7 @@ where
         parts.push((start, len, head));
         rest = tail;
     }
-    parts.into_par_iter().for_each(|(start, len, slice)| f(start, len, slice));
+    parts
+        .into_par_iter()
+        .for_each(|(start, len, slice)| f(start, len, slice));
 }

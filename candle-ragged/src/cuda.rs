@@ -4,7 +4,9 @@
 
 use crate::batch::RaggedBatch;
 use crate::error::RaggedError;
-use candle_core::cuda_backend::cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::cudarc::driver::{
+    CudaFunction, CudaSlice, LaunchConfig, PushKernelArg,
+};
 use candle_core::cuda_backend::{CudaDevice, CudaStorageSlice, DeviceId, WrapErr};
 use candle_core::{CudaStorage, DType, Layout, Result, Shape, Storage};
 use std::sync::{Arc, Mutex};
@@ -13,13 +15,35 @@ const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/ragged_attention.ptx")
 const MODULE: &str = "candle_ragged";
 
 const ATTN_NAMES: [[&str; 3]; 3] = [
-    ["ragged_attn_f32_d32", "ragged_attn_f32_d64", "ragged_attn_f32_d128"],
-    ["ragged_attn_f16_d32", "ragged_attn_f16_d64", "ragged_attn_f16_d128"],
-    ["ragged_attn_bf16_d32", "ragged_attn_bf16_d64", "ragged_attn_bf16_d128"],
+    [
+        "ragged_attn_f32_d32",
+        "ragged_attn_f32_d64",
+        "ragged_attn_f32_d128",
+    ],
+    [
+        "ragged_attn_f16_d32",
+        "ragged_attn_f16_d64",
+        "ragged_attn_f16_d128",
+    ],
+    [
+        "ragged_attn_bf16_d32",
+        "ragged_attn_bf16_d64",
+        "ragged_attn_bf16_d128",
+    ],
 ];
 /// Copy kernels by vector width in bytes: 16, 8, 4, 2.
-const PACK_NAMES: [&str; 4] = ["ragged_pack_v16", "ragged_pack_v8", "ragged_pack_v4", "ragged_pack_v2"];
-const UNPACK_NAMES: [&str; 4] = ["ragged_unpack_v16", "ragged_unpack_v8", "ragged_unpack_v4", "ragged_unpack_v2"];
+const PACK_NAMES: [&str; 4] = [
+    "ragged_pack_v16",
+    "ragged_pack_v8",
+    "ragged_pack_v4",
+    "ragged_pack_v2",
+];
+const UNPACK_NAMES: [&str; 4] = [
+    "ragged_unpack_v16",
+    "ragged_unpack_v8",
+    "ragged_unpack_v4",
+    "ragged_unpack_v2",
+];
 const VEC_BYTES: [usize; 4] = [16, 8, 4, 2];
 
 struct Kernels {
@@ -36,12 +60,20 @@ fn kernels(dev: &CudaDevice) -> Result<Arc<Kernels>> {
         return Ok(k.clone());
     }
     let load = |name: &str| -> Result<CudaFunction> {
-        Ok(dev.get_or_load_custom_func(name, MODULE, PTX)?.into_cuda_function())
+        Ok(dev
+            .get_or_load_custom_func(name, MODULE, PTX)?
+            .into_cuda_function())
     };
     let k = Arc::new(Kernels {
-        attn: ATTN_NAMES.iter().map(|row| row.iter().map(|n| load(n)).collect()).collect::<Result<_>>()?,
+        attn: ATTN_NAMES
+            .iter()
+            .map(|row| row.iter().map(|n| load(n)).collect())
+            .collect::<Result<_>>()?,
         pack: PACK_NAMES.iter().map(|n| load(n)).collect::<Result<_>>()?,
-        unpack: UNPACK_NAMES.iter().map(|n| load(n)).collect::<Result<_>>()?,
+        unpack: UNPACK_NAMES
+            .iter()
+            .map(|n| load(n))
+            .collect::<Result<_>>()?,
     });
     loaded.push((dev.id(), k.clone()));
     Ok(k)
@@ -51,7 +83,9 @@ fn kernels(dev: &CudaDevice) -> Result<Arc<Kernels>> {
 fn u32_slice(t: &candle_core::Tensor) -> Result<(candle_core::StorageRef<'_>, usize)> {
     let (storage, layout) = t.storage_and_layout();
     if !matches!(&*storage, Storage::Cuda(_)) {
-        return Err(candle_core::Error::Msg("candle-ragged: batch tensor is not on a CUDA device".into()));
+        return Err(candle_core::Error::Msg(
+            "candle-ragged: batch tensor is not on a CUDA device".into(),
+        ));
     }
     Ok((storage, layout.start_offset()))
 }
@@ -59,7 +93,9 @@ fn u32_slice(t: &candle_core::Tensor) -> Result<(candle_core::StorageRef<'_>, us
 fn cuda_u32(storage: &Storage) -> Result<&CudaSlice<u32>> {
     match storage {
         Storage::Cuda(s) => s.as_cuda_slice::<u32>(),
-        _ => Err(candle_core::Error::Msg("candle-ragged: batch tensor is not on a CUDA device".into())),
+        _ => Err(candle_core::Error::Msg(
+            "candle-ragged: batch tensor is not on a CUDA device".into(),
+        )),
     }
 }
 
@@ -89,7 +125,13 @@ pub(crate) fn attention(
         DType::F32 => 0,
         DType::F16 => 1,
         DType::BF16 => 2,
-        dtype => return Err(RaggedError::UnsupportedDType { op: "ragged_attention", dtype }.into()),
+        dtype => {
+            return Err(RaggedError::UnsupportedDType {
+                op: "ragged_attention",
+                dtype,
+            }
+            .into())
+        }
     };
     let shape = lq.shape().clone();
     if total == 0 {
@@ -107,7 +149,11 @@ pub(crate) fn attention(
     let heads_i = heads as i32;
     let scale_log2 = softmax_scale * std::f32::consts::LOG2_E;
     let cfg = LaunchConfig {
-        grid_dim: (batch.max_len().div_ceil(64) as u32, heads as u32, batch.batch_size() as u32),
+        grid_dim: (
+            batch.max_len().div_ceil(64) as u32,
+            heads as u32,
+            batch.batch_size() as u32,
+        ),
         block_dim: (if dtype_index == 0 { 64 } else { 128 }, 1, 1),
         shared_mem_bytes: 0,
     };
@@ -144,18 +190,29 @@ fn zero_len_storage(dev: &CudaDevice, dtype: DType) -> Result<CudaStorage> {
         DType::BF16 => CudaStorageSlice::BF16(dev.alloc_zeros::<half::bf16>(0)?),
         _ => CudaStorageSlice::U32(dev.alloc_zeros::<u32>(0)?),
     };
-    Ok(CudaStorage { slice, device: dev.clone() })
+    Ok(CudaStorage {
+        slice,
+        device: dev.clone(),
+    })
 }
 
 /// Widest vector (index into VEC_BYTES) dividing the row size, every stride and the start offset.
 fn vec_choice(elem: usize, row: usize, offsets_and_strides: &[usize]) -> usize {
     VEC_BYTES
         .iter()
-        .position(|&v| v >= elem && (row * elem) % v == 0 && offsets_and_strides.iter().all(|s| (s * elem) % v == 0))
+        .position(|&v| {
+            v >= elem
+                && (row * elem) % v == 0
+                && offsets_and_strides.iter().all(|s| (s * elem) % v == 0)
+        })
         .unwrap_or(3)
 }
 
-pub(crate) fn pack(batch: &RaggedBatch, s: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
+pub(crate) fn pack(
+    batch: &RaggedBatch,
+    s: &CudaStorage,
+    l: &Layout,
+) -> Result<(CudaStorage, Shape)> {
     let dev = &s.device;
     let (_b, _n, c) = l.shape().dims3()?;
     let total = batch.total_tokens();
@@ -200,7 +257,10 @@ pub(crate) fn pack(batch: &RaggedBatch, s: &CudaStorage, l: &Layout) -> Result<(
             b.arg(&batch_i).arg(&x_b).arg(&x_n).arg(&row_vecs);
             // SAFETY: arguments match ragged_pack_* in kernels/ragged_attention.cu.
             unsafe { b.launch(cfg) }.w()?;
-            CudaStorage { slice: CudaStorageSlice::$variant(out), device: dev.clone() }
+            CudaStorage {
+                slice: CudaStorageSlice::$variant(out),
+                device: dev.clone(),
+            }
         }};
     }
     let storage = match s.dtype() {
@@ -213,7 +273,12 @@ pub(crate) fn pack(batch: &RaggedBatch, s: &CudaStorage, l: &Layout) -> Result<(
     Ok((storage, shape))
 }
 
-pub(crate) fn unpack(batch: &RaggedBatch, tokens: usize, s: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
+pub(crate) fn unpack(
+    batch: &RaggedBatch,
+    tokens: usize,
+    s: &CudaStorage,
+    l: &Layout,
+) -> Result<(CudaStorage, Shape)> {
     let dev = &s.device;
     let (total, c) = l.shape().dims2()?;
     let bsz = batch.batch_size();
@@ -223,7 +288,12 @@ pub(crate) fn unpack(batch: &RaggedBatch, tokens: usize, s: &CudaStorage, l: &La
     let st = l.stride()[0];
     let vi = vec_choice(elem, c, &[l.start_offset(), st]);
     let per = VEC_BYTES[vi] / elem;
-    let (p_t, row_vecs, n_i, batch_i) = ((st / per) as i64, (c / per) as i32, tokens as i32, bsz as i32);
+    let (p_t, row_vecs, n_i, batch_i) = (
+        (st / per) as i64,
+        (c / per) as i32,
+        tokens as i32,
+        bsz as i32,
+    );
     let scatter = batch.positions().is_some();
     // With positions, blocks walk packed rows over a zeroed output; without, they walk output rows.
     let rows = if scatter { total } else { bsz * tokens };
@@ -264,7 +334,10 @@ pub(crate) fn unpack(batch: &RaggedBatch, tokens: usize, s: &CudaStorage, l: &La
                 // SAFETY: arguments match ragged_unpack_* in kernels/ragged_attention.cu.
                 unsafe { b.launch(cfg) }.w()?;
             }
-            CudaStorage { slice: CudaStorageSlice::$variant(out), device: dev.clone() }
+            CudaStorage {
+                slice: CudaStorageSlice::$variant(out),
+                device: dev.clone(),
+            }
         }};
     }
     let storage = match s.dtype() {
@@ -272,7 +345,13 @@ pub(crate) fn unpack(batch: &RaggedBatch, tokens: usize, s: &CudaStorage, l: &La
         DType::F16 => launch!(half::f16, F16),
         DType::BF16 => launch!(half::bf16, BF16),
         DType::U32 => launch!(u32, U32),
-        dtype => return Err(RaggedError::UnsupportedDType { op: "unpack", dtype }.into()),
+        dtype => {
+            return Err(RaggedError::UnsupportedDType {
+                op: "unpack",
+                dtype,
+            }
+            .into())
+        }
     };
     Ok((storage, shape))
 }

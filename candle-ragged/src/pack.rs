@@ -17,14 +17,29 @@ pub fn pack(x: &Tensor, batch: &RaggedBatch) -> Result<Tensor> {
     const OP: &str = "pack";
     let (b, n, _c) = match x.dims() {
         &[b, n, c] => (b, n, c),
-        _ => return Err(RaggedError::Rank { op: OP, what: "x", expected: 3, shape: x.shape().clone() }),
+        _ => {
+            return Err(RaggedError::Rank {
+                op: OP,
+                what: "x",
+                expected: 3,
+                shape: x.shape().clone(),
+            })
+        }
     };
     check_common(OP, x, batch)?;
     if b != batch.batch_size() {
-        return Err(RaggedError::BatchMismatch { op: OP, expected: batch.batch_size(), found: b });
+        return Err(RaggedError::BatchMismatch {
+            op: OP,
+            expected: batch.batch_size(),
+            found: b,
+        });
     }
     fits(OP, batch, n)?;
-    let x = if x.stride()[2] == 1 { x.clone() } else { x.contiguous()? };
+    let x = if x.stride()[2] == 1 {
+        x.clone()
+    } else {
+        x.contiguous()?
+    };
     Ok(x.apply_op1_no_bwd(&Pack { batch })?)
 }
 
@@ -40,20 +55,42 @@ pub fn unpack(packed: &Tensor, batch: &RaggedBatch, tokens: usize) -> Result<Ten
     const OP: &str = "unpack";
     let total = match packed.dims() {
         &[t, _c] => t,
-        _ => return Err(RaggedError::Rank { op: OP, what: "packed", expected: 2, shape: packed.shape().clone() }),
+        _ => {
+            return Err(RaggedError::Rank {
+                op: OP,
+                what: "packed",
+                expected: 2,
+                shape: packed.shape().clone(),
+            })
+        }
     };
     check_common(OP, packed, batch)?;
     if total != batch.total_tokens() {
-        return Err(RaggedError::TotalMismatch { op: OP, what: "packed", expected: batch.total_tokens(), found: total });
+        return Err(RaggedError::TotalMismatch {
+            op: OP,
+            what: "packed",
+            expected: batch.total_tokens(),
+            found: total,
+        });
     }
     fits(OP, batch, tokens)?;
-    let packed = if packed.stride()[1] == 1 { packed.clone() } else { packed.contiguous()? };
+    let packed = if packed.stride()[1] == 1 {
+        packed.clone()
+    } else {
+        packed.contiguous()?
+    };
     Ok(packed.apply_op1_no_bwd(&Unpack { batch, tokens })?)
 }
 
 fn check_common(op: &'static str, x: &Tensor, batch: &RaggedBatch) -> Result<()> {
-    if !matches!(x.dtype(), DType::F32 | DType::F16 | DType::BF16 | DType::U32) {
-        return Err(RaggedError::UnsupportedDType { op, dtype: x.dtype() });
+    if !matches!(
+        x.dtype(),
+        DType::F32 | DType::F16 | DType::BF16 | DType::U32
+    ) {
+        return Err(RaggedError::UnsupportedDType {
+            op,
+            dtype: x.dtype(),
+        });
     }
     if !batch.device().same_device(x.device()) {
         return Err(RaggedError::DeviceMismatch {
@@ -69,10 +106,18 @@ fn check_common(op: &'static str, x: &Tensor, batch: &RaggedBatch) -> Result<()>
 fn fits(op: &'static str, batch: &RaggedBatch, tokens: usize) -> Result<()> {
     if batch.positions().is_some() {
         if batch.min_tokens_per_image() > tokens {
-            return Err(RaggedError::PositionOutOfRange { op, position: batch.min_tokens_per_image() - 1, tokens });
+            return Err(RaggedError::PositionOutOfRange {
+                op,
+                position: batch.min_tokens_per_image() - 1,
+                tokens,
+            });
         }
     } else if batch.max_len() > tokens {
-        return Err(RaggedError::SequenceDoesNotFit { op, len: batch.max_len(), tokens });
+        return Err(RaggedError::SequenceDoesNotFit {
+            op,
+            len: batch.max_len(),
+            tokens,
+        });
     }
     Ok(())
 }
@@ -81,7 +126,11 @@ fn fits(op: &'static str, batch: &RaggedBatch, tokens: usize) -> Result<()> {
 fn host_positions(batch: &RaggedBatch) -> candle_core::Result<Vec<u32>> {
     match batch.positions() {
         Some(p) => p.to_device(&candle_core::Device::Cpu)?.to_vec1::<u32>(),
-        None => Ok(batch.offsets().windows(2).flat_map(|w| 0..w[1] - w[0]).collect()),
+        None => Ok(batch
+            .offsets()
+            .windows(2)
+            .flat_map(|w| 0..w[1] - w[0])
+            .collect()),
     }
 }
 
@@ -97,7 +146,13 @@ pub struct Unpack<'a> {
 }
 
 /// Packed row `t` of sequence `b` is row `positions[t]` of image `b`: copy it out of `x`.
-fn gather_rows<T: Copy>(x: &[T], (off, sb, sn): (usize, usize, usize), c: usize, offsets: &[u32], positions: &[u32]) -> Vec<T> {
+fn gather_rows<T: Copy>(
+    x: &[T],
+    (off, sb, sn): (usize, usize, usize),
+    c: usize,
+    offsets: &[u32],
+    positions: &[u32],
+) -> Vec<T> {
     let mut out = Vec::with_capacity(positions.len() * c);
     for (b, w) in offsets.windows(2).enumerate() {
         for &pos in &positions[w[0] as usize..w[1] as usize] {
@@ -109,7 +164,14 @@ fn gather_rows<T: Copy>(x: &[T], (off, sb, sn): (usize, usize, usize), c: usize,
 }
 
 /// The inverse of [`gather_rows`] into a zeroed `[batch, n, c]`.
-fn scatter_rows<T: Copy + Default>(x: &[T], (off, st): (usize, usize), c: usize, n: usize, offsets: &[u32], positions: &[u32]) -> Vec<T> {
+fn scatter_rows<T: Copy + Default>(
+    x: &[T],
+    (off, st): (usize, usize),
+    c: usize,
+    n: usize,
+    offsets: &[u32],
+    positions: &[u32],
+) -> Vec<T> {
     let mut out = vec![T::default(); (offsets.len() - 1) * n * c];
     for (b, w) in offsets.windows(2).enumerate() {
         for t in w[0] as usize..w[1] as usize {
@@ -122,7 +184,11 @@ fn scatter_rows<T: Copy + Default>(x: &[T], (off, st): (usize, usize), c: usize,
 
 fn unsupported(op: &'static str, s: &CpuStorage) -> candle_core::Error {
     use candle_core::backend::BackendStorage;
-    RaggedError::UnsupportedDType { op, dtype: s.dtype() }.into()
+    RaggedError::UnsupportedDType {
+        op,
+        dtype: s.dtype(),
+    }
+    .into()
 }
 
 impl CustomOp1 for Pack<'_> {
@@ -146,7 +212,11 @@ impl CustomOp1 for Pack<'_> {
     }
 
     #[cfg(feature = "cuda")]
-    fn cuda_fwd(&self, s: &candle_core::CudaStorage, l: &Layout) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        l: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
         crate::cuda::pack(self.batch, s, l)
     }
 }
@@ -173,7 +243,11 @@ impl CustomOp1 for Unpack<'_> {
     }
 
     #[cfg(feature = "cuda")]
-    fn cuda_fwd(&self, s: &candle_core::CudaStorage, l: &Layout) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        l: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
         crate::cuda::unpack(self.batch, self.tokens, s, l)
     }
 }

@@ -10,13 +10,29 @@ use rand::Rng;
 
 /// Runs the op on fresh random q/k/v laid out either as three tensors or as views of one fused
 /// `[total, 3, heads, dim]` tensor, and compares with the reference.
-fn check(lengths: &[usize], heads: usize, dim: usize, dtype: DType, fused: bool, scale: f32, seed: u64) {
+fn check(
+    lengths: &[usize],
+    heads: usize,
+    dim: usize,
+    dtype: DType,
+    fused: bool,
+    scale: f32,
+    seed: u64,
+) {
     let dev = device();
     let mut rng = rng(seed);
     let total: usize = lengths.iter().sum();
     let n = total * heads * dim;
-    let (q, k, v) = (randn(&mut rng, n, 1.0), randn(&mut rng, n, 1.0), randn(&mut rng, n, 1.0));
-    let (q, k, v) = (quantize(&q, dtype), quantize(&k, dtype), quantize(&v, dtype));
+    let (q, k, v) = (
+        randn(&mut rng, n, 1.0),
+        randn(&mut rng, n, 1.0),
+        randn(&mut rng, n, 1.0),
+    );
+    let (q, k, v) = (
+        quantize(&q, dtype),
+        quantize(&k, dtype),
+        quantize(&v, dtype),
+    );
     let batch = RaggedBatch::from_lengths(lengths, &dev).unwrap();
     let shape = (total, heads, dim);
     let (qt, kt, vt) = if fused {
@@ -27,12 +43,27 @@ fn check(lengths: &[usize], heads: usize, dim: usize, dtype: DType, fused: bool,
                 qkv.extend_from_slice(&src[t * heads * dim..(t + 1) * heads * dim]);
             }
         }
-        let qkv = Tensor::from_vec(qkv, (total, 3, heads, dim), &dev).unwrap().to_dtype(dtype).unwrap();
-        let (qt, kt, vt) = (qkv.i((.., 0)).unwrap(), qkv.i((.., 1)).unwrap(), qkv.i((.., 2)).unwrap());
-        assert!(!qt.is_contiguous(), "the fused views must be strided for this test to mean anything");
+        let qkv = Tensor::from_vec(qkv, (total, 3, heads, dim), &dev)
+            .unwrap()
+            .to_dtype(dtype)
+            .unwrap();
+        let (qt, kt, vt) = (
+            qkv.i((.., 0)).unwrap(),
+            qkv.i((.., 1)).unwrap(),
+            qkv.i((.., 2)).unwrap(),
+        );
+        assert!(
+            !qt.is_contiguous(),
+            "the fused views must be strided for this test to mean anything"
+        );
         (qt, kt, vt)
     } else {
-        let mk = |x: &Vec<f32>| Tensor::from_slice(x, shape, &dev).unwrap().to_dtype(dtype).unwrap();
+        let mk = |x: &Vec<f32>| {
+            Tensor::from_slice(x, shape, &dev)
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap()
+        };
         (mk(&q), mk(&k), mk(&v))
     };
     poison(&dev, n, dtype);
@@ -40,7 +71,13 @@ fn check(lengths: &[usize], heads: usize, dim: usize, dtype: DType, fused: bool,
     assert_eq!(out.dims(), &[total, heads, dim]);
     assert_eq!(out.dtype(), dtype);
     assert!(out.is_contiguous());
-    let got = out.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    let got = out
+        .to_dtype(DType::F32)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap();
     let want = reference(&q, &k, &v, lengths, heads, dim, scale as f64);
     let err = max_rel_err(&got, &want);
     assert!(
@@ -110,8 +147,19 @@ fn random_batches_up_to_256() {
     }
 }
 
-fn qkv(dev: &Device, total: usize, heads: usize, dim: usize, dtype: DType) -> (Tensor, Tensor, Tensor) {
-    let t = || Tensor::randn(0f32, 1.0, (total, heads, dim), dev).unwrap().to_dtype(dtype).unwrap();
+fn qkv(
+    dev: &Device,
+    total: usize,
+    heads: usize,
+    dim: usize,
+    dtype: DType,
+) -> (Tensor, Tensor, Tensor) {
+    let t = || {
+        Tensor::randn(0f32, 1.0, (total, heads, dim), dev)
+            .unwrap()
+            .to_dtype(dtype)
+            .unwrap()
+    };
     (t(), t(), t())
 }
 
@@ -130,32 +178,72 @@ fn bad_inputs_are_clear_errors() {
     let scale = 0.125;
 
     let q4 = q.unsqueeze(0).unwrap();
-    assert!(matches!(err_of(ragged_attention(&q4, &k, &v, &batch, scale)), RaggedError::Rank { what: "q", .. }));
+    assert!(matches!(
+        err_of(ragged_attention(&q4, &k, &v, &batch, scale)),
+        RaggedError::Rank { what: "q", .. }
+    ));
     let (_, k_bad, _) = qkv(&dev, 5, 3, 64, DType::F16);
-    assert!(matches!(err_of(ragged_attention(&q, &k_bad, &v, &batch, scale)), RaggedError::ShapeMismatch { what: "k", .. }));
+    assert!(matches!(
+        err_of(ragged_attention(&q, &k_bad, &v, &batch, scale)),
+        RaggedError::ShapeMismatch { what: "k", .. }
+    ));
     let v32 = v.to_dtype(DType::F32).unwrap();
-    assert!(matches!(err_of(ragged_attention(&q, &k, &v32, &batch, scale)), RaggedError::DTypeMismatch { what: "v", .. }));
+    assert!(matches!(
+        err_of(ragged_attention(&q, &k, &v32, &batch, scale)),
+        RaggedError::DTypeMismatch { what: "v", .. }
+    ));
     let wrong_total = RaggedBatch::from_lengths(&[3, 3], &dev).unwrap();
     assert!(matches!(
         err_of(ragged_attention(&q, &k, &v, &wrong_total, scale)),
-        RaggedError::TotalMismatch { expected: 6, found: 5, .. }
+        RaggedError::TotalMismatch {
+            expected: 6,
+            found: 5,
+            ..
+        }
     ));
     let (q48, k48, v48) = qkv(&dev, 5, 2, 48, DType::F16);
     let e = err_of(ragged_attention(&q48, &k48, &v48, &batch, scale));
-    assert!(matches!(e, RaggedError::UnsupportedHeadDim { head_dim: 48, .. }), "{e}");
-    assert!(e.to_string().contains("48"), "message names the head_dim: {e}");
+    assert!(
+        matches!(e, RaggedError::UnsupportedHeadDim { head_dim: 48, .. }),
+        "{e}"
+    );
+    assert!(
+        e.to_string().contains("48"),
+        "message names the head_dim: {e}"
+    );
     // A view whose last dimension is strided (transposed heads and dims).
-    let qt = Tensor::randn(0f32, 1.0, (5, 64, 2), &dev).unwrap().to_dtype(DType::F16).unwrap().transpose(1, 2).unwrap();
-    assert!(matches!(err_of(ragged_attention(&qt, &k, &v, &batch, scale)), RaggedError::LastDimNotContiguous { what: "q", .. }));
-    let (qi, ki, vi) = (q.to_dtype(DType::U32).unwrap(), k.to_dtype(DType::U32).unwrap(), v.to_dtype(DType::U32).unwrap());
-    assert!(matches!(err_of(ragged_attention(&qi, &ki, &vi, &batch, scale)), RaggedError::UnsupportedDType { .. }));
-    assert!(matches!(err_of(ragged_attention(&q, &k, &v, &batch, f32::NAN)), RaggedError::BadScale { .. }));
+    let qt = Tensor::randn(0f32, 1.0, (5, 64, 2), &dev)
+        .unwrap()
+        .to_dtype(DType::F16)
+        .unwrap()
+        .transpose(1, 2)
+        .unwrap();
+    assert!(matches!(
+        err_of(ragged_attention(&qt, &k, &v, &batch, scale)),
+        RaggedError::LastDimNotContiguous { what: "q", .. }
+    ));
+    let (qi, ki, vi) = (
+        q.to_dtype(DType::U32).unwrap(),
+        k.to_dtype(DType::U32).unwrap(),
+        v.to_dtype(DType::U32).unwrap(),
+    );
+    assert!(matches!(
+        err_of(ragged_attention(&qi, &ki, &vi, &batch, scale)),
+        RaggedError::UnsupportedDType { .. }
+    ));
+    assert!(matches!(
+        err_of(ragged_attention(&q, &k, &v, &batch, f32::NAN)),
+        RaggedError::BadScale { .. }
+    ));
 
     // Past the documented length limit: refused before any work.
     let long = RaggedBatch::from_lengths(&[MAX_SEQ_LEN + 1], &dev).unwrap();
     let (ql, kl, vl) = qkv(&dev, MAX_SEQ_LEN + 1, 1, 64, DType::F16);
     let e = err_of(ragged_attention(&ql, &kl, &vl, &long, scale));
-    assert!(matches!(e, RaggedError::SequenceTooLong { len, limit: MAX_SEQ_LEN, .. } if len == MAX_SEQ_LEN + 1), "{e}");
+    assert!(
+        matches!(e, RaggedError::SequenceTooLong { len, limit: MAX_SEQ_LEN, .. } if len == MAX_SEQ_LEN + 1),
+        "{e}"
+    );
 }
 
 #[test]
@@ -168,11 +256,17 @@ fn cu_seqlens_on_another_device_is_refused() {
     let (q, k, v) = qkv(&dev, 5, 2, 64, DType::F16);
     assert!(matches!(
         err_of(ragged_attention(&q, &k, &v, &batch, 0.125)),
-        RaggedError::DeviceMismatch { what: "cu_seqlens", .. }
+        RaggedError::DeviceMismatch {
+            what: "cu_seqlens",
+            ..
+        }
     ));
     let (qc, kc, vc) = qkv(&Device::Cpu, 5, 2, 64, DType::F16);
     let batch = RaggedBatch::from_lengths(&[3, 2], &dev).unwrap();
-    assert!(matches!(err_of(ragged_attention(&qc, &kc, &vc, &batch, 0.125)), RaggedError::DeviceMismatch { .. }));
+    assert!(matches!(
+        err_of(ragged_attention(&qc, &kc, &vc, &batch, 0.125)),
+        RaggedError::DeviceMismatch { .. }
+    ));
     let _ = (q, k, v);
 }
 
@@ -185,8 +279,18 @@ fn cpu_and_device_agree_bitwise_on_f32_shapes() {
     let batch_cpu = RaggedBatch::from_lengths(&lengths, &Device::Cpu).unwrap();
     let (q, k, v) = qkv(&Device::Cpu, 76, 2, 32, DType::F32);
     let on = |t: &Tensor| t.to_device(&dev).unwrap();
-    let a = ragged_attention(&on(&q), &on(&k), &on(&v), &batch_dev, 0.2).unwrap().to_device(&Device::Cpu).unwrap();
+    let a = ragged_attention(&on(&q), &on(&k), &on(&v), &batch_dev, 0.2)
+        .unwrap()
+        .to_device(&Device::Cpu)
+        .unwrap();
     let b = ragged_attention(&q, &k, &v, &batch_cpu, 0.2).unwrap();
-    let diff = (a - b).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+    let diff = (a - b)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap();
     assert!(diff <= 1e-5, "cpu vs device f32 max abs diff {diff}");
 }

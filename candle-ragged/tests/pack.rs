@@ -8,15 +8,30 @@ use candle_ragged::{pack, unpack, RaggedBatch, RaggedError};
 use common::*;
 use rand::Rng;
 
-fn image_tensor(dev: &Device, b: usize, n: usize, c: usize, dtype: DType, seed: u64) -> (Vec<f32>, Tensor) {
+fn image_tensor(
+    dev: &Device,
+    b: usize,
+    n: usize,
+    c: usize,
+    dtype: DType,
+    seed: u64,
+) -> (Vec<f32>, Tensor) {
     let mut r = rng(seed);
     let v = quantize(&randn(&mut r, b * n * c, 1.0), dtype);
-    let t = Tensor::from_slice(&v, (b, n, c), dev).unwrap().to_dtype(dtype).unwrap();
+    let t = Tensor::from_slice(&v, (b, n, c), dev)
+        .unwrap()
+        .to_dtype(dtype)
+        .unwrap();
     (v, t)
 }
 
 fn host(t: &Tensor) -> Vec<f32> {
-    t.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1().unwrap()
+    t.to_dtype(DType::F32)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap()
 }
 
 #[test]
@@ -43,7 +58,10 @@ fn pack_by_keep_indices_then_unpack_restores_kept_positions() {
             let want: Vec<f32> = keep
                 .iter()
                 .enumerate()
-                .flat_map(|(bi, idx)| idx.iter().flat_map(move |&p| (0..c).map(move |ci| (bi, p as usize, ci))))
+                .flat_map(|(bi, idx)| {
+                    idx.iter()
+                        .flat_map(move |&p| (0..c).map(move |ci| (bi, p as usize, ci)))
+                })
                 .map(|(bi, p, ci)| x[(bi * n + p) * c + ci])
                 .collect();
             assert_eq!(host(&packed), want, "pack {dtype:?} c={c}");
@@ -52,9 +70,9 @@ fn pack_by_keep_indices_then_unpack_restores_kept_positions() {
             let back = unpack(&packed, &batch, n).unwrap();
             assert_eq!(back.dims(), &[b, n, c]);
             let got = host(&back);
-            for bi in 0..b {
+            for (bi, kept_positions) in keep.iter().enumerate() {
                 for p in 0..n {
-                    let kept = keep[bi].binary_search(&(p as u32)).is_ok();
+                    let kept = kept_positions.binary_search(&(p as u32)).is_ok();
                     for ci in 0..c {
                         let i = (bi * n + p) * c + ci;
                         let expect = if kept { x[i] } else { 0.0 };
@@ -79,7 +97,11 @@ fn lengths_batch_is_left_aligned_padding() {
         for p in 0..12 {
             for ci in 0..8 {
                 let got = back[(bi * 12 + p) * 8 + ci];
-                let want = if p < *len { x[(bi * 10 + p) * 8 + ci] } else { 0.0 };
+                let want = if p < *len {
+                    x[(bi * 10 + p) * 8 + ci]
+                } else {
+                    0.0
+                };
                 assert_eq!(got, want);
             }
         }
@@ -92,7 +114,11 @@ fn mask_and_indices_pack_the_same_rows() {
     let (_, xt) = image_tensor(&dev, 2, 5, 4, DType::BF16, 9);
     let mask = Tensor::new(&[[1u8, 0, 0, 1, 1], [0, 0, 1, 0, 0]], &dev).unwrap();
     let a = pack(&xt, &RaggedBatch::from_keep_mask(&mask).unwrap()).unwrap();
-    let b = pack(&xt, &RaggedBatch::from_keep_indices(&[vec![0, 3, 4], vec![2]], 5, &dev).unwrap()).unwrap();
+    let b = pack(
+        &xt,
+        &RaggedBatch::from_keep_indices(&[vec![0, 3, 4], vec![2]], 5, &dev).unwrap(),
+    )
+    .unwrap();
     assert_eq!(host(&a), host(&b));
 }
 
@@ -101,7 +127,13 @@ fn strided_inputs_are_read_in_place() {
     let dev = device();
     // A [B, N, C] view with a non-unit token stride (every other token of a longer tensor).
     let (x, xt) = image_tensor(&dev, 2, 8, 16, DType::F16, 11);
-    let view = xt.reshape((2, 4, 2, 16)).unwrap().narrow(2, 1, 1).unwrap().squeeze(2).unwrap();
+    let view = xt
+        .reshape((2, 4, 2, 16))
+        .unwrap()
+        .narrow(2, 1, 1)
+        .unwrap()
+        .squeeze(2)
+        .unwrap();
     assert!(!view.is_contiguous());
     let batch = RaggedBatch::from_keep_indices(&[vec![1, 3], vec![0]], 4, &dev).unwrap();
     let got = host(&pack(&view, &batch).unwrap());
@@ -113,12 +145,26 @@ fn strided_inputs_are_read_in_place() {
 #[test]
 fn u32_payloads_round_trip() {
     let dev = device();
-    let x = Tensor::arange(0u32, 24, &dev).unwrap().reshape((2, 4, 3)).unwrap();
+    let x = Tensor::arange(0u32, 24, &dev)
+        .unwrap()
+        .reshape((2, 4, 3))
+        .unwrap();
     let batch = RaggedBatch::from_lengths(&[2, 3], &dev).unwrap();
     let packed = pack(&x, &batch).unwrap();
-    assert_eq!(packed.flatten_all().unwrap().to_vec1::<u32>().unwrap(), vec![0, 1, 2, 3, 4, 5, 12, 13, 14, 15, 16, 17, 18, 19, 20]);
-    let back = unpack(&packed, &batch, 4).unwrap().flatten_all().unwrap().to_vec1::<u32>().unwrap();
-    assert_eq!(back, vec![0, 1, 2, 3, 4, 5, 0, 0, 0, 0, 0, 0, 12, 13, 14, 15, 16, 17, 18, 19, 20, 0, 0, 0]);
+    assert_eq!(
+        packed.flatten_all().unwrap().to_vec1::<u32>().unwrap(),
+        vec![0, 1, 2, 3, 4, 5, 12, 13, 14, 15, 16, 17, 18, 19, 20]
+    );
+    let back = unpack(&packed, &batch, 4)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<u32>()
+        .unwrap();
+    assert_eq!(
+        back,
+        vec![0, 1, 2, 3, 4, 5, 0, 0, 0, 0, 0, 0, 12, 13, 14, 15, 16, 17, 18, 19, 20, 0, 0, 0]
+    );
 }
 
 #[test]
@@ -129,15 +175,53 @@ fn bad_inputs_are_clear_errors() {
     let e = pack(&x.flatten_all().unwrap(), &batch).unwrap_err();
     assert!(matches!(e, RaggedError::Rank { op: "pack", .. }), "{e}");
     let three = RaggedBatch::from_lengths(&[1, 1, 1], &dev).unwrap();
-    assert!(matches!(pack(&x, &three).unwrap_err(), RaggedError::BatchMismatch { expected: 3, found: 2, .. }));
+    assert!(matches!(
+        pack(&x, &three).unwrap_err(),
+        RaggedError::BatchMismatch {
+            expected: 3,
+            found: 2,
+            ..
+        }
+    ));
     let long = RaggedBatch::from_lengths(&[5, 1], &dev).unwrap();
-    assert!(matches!(pack(&x, &long).unwrap_err(), RaggedError::SequenceDoesNotFit { len: 5, tokens: 4, .. }));
+    assert!(matches!(
+        pack(&x, &long).unwrap_err(),
+        RaggedError::SequenceDoesNotFit {
+            len: 5,
+            tokens: 4,
+            ..
+        }
+    ));
     let far = RaggedBatch::from_keep_indices(&[vec![0], vec![7]], 8, &dev).unwrap();
-    assert!(matches!(pack(&x, &far).unwrap_err(), RaggedError::PositionOutOfRange { position: 7, tokens: 4, .. }));
+    assert!(matches!(
+        pack(&x, &far).unwrap_err(),
+        RaggedError::PositionOutOfRange {
+            position: 7,
+            tokens: 4,
+            ..
+        }
+    ));
     let packed = pack(&x, &batch).unwrap();
-    assert!(matches!(unpack(&packed, &batch, 2).unwrap_err(), RaggedError::SequenceDoesNotFit { len: 3, tokens: 2, .. }));
+    assert!(matches!(
+        unpack(&packed, &batch, 2).unwrap_err(),
+        RaggedError::SequenceDoesNotFit {
+            len: 3,
+            tokens: 2,
+            ..
+        }
+    ));
     let wrong = Tensor::zeros((4, 3), DType::F32, &dev).unwrap();
-    assert!(matches!(unpack(&wrong, &batch, 4).unwrap_err(), RaggedError::TotalMismatch { expected: 5, found: 4, .. }));
+    assert!(matches!(
+        unpack(&wrong, &batch, 4).unwrap_err(),
+        RaggedError::TotalMismatch {
+            expected: 5,
+            found: 4,
+            ..
+        }
+    ));
     let x64 = Tensor::zeros((2, 4, 3), DType::F64, &dev).unwrap();
-    assert!(matches!(pack(&x64, &batch).unwrap_err(), RaggedError::UnsupportedDType { .. }));
+    assert!(matches!(
+        pack(&x64, &batch).unwrap_err(),
+        RaggedError::UnsupportedDType { .. }
+    ));
 }

@@ -30,7 +30,10 @@ pub fn poison(device: &Device, elems: usize, dtype: DType) {
     if elems == 0 {
         return;
     }
-    let t = Tensor::full(f32::NAN, elems, device).unwrap().to_dtype(dtype).unwrap();
+    let t = Tensor::full(f32::NAN, elems, device)
+        .unwrap()
+        .to_dtype(dtype)
+        .unwrap();
     drop(t);
 }
 
@@ -58,7 +61,15 @@ pub fn quantize(v: &[f32], dtype: DType) -> Vec<f32> {
 }
 
 /// Naive attention in f64: q, k, v as `[total, heads, dim]` row-major values.
-pub fn reference(q: &[f32], k: &[f32], v: &[f32], lengths: &[usize], heads: usize, dim: usize, scale: f64) -> Vec<f64> {
+pub fn reference(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    lengths: &[usize],
+    heads: usize,
+    dim: usize,
+    scale: f64,
+) -> Vec<f64> {
     let total: usize = lengths.iter().sum();
     let mut out = vec![0f64; total * heads * dim];
     let at = |t: usize, h: usize, d: usize| (t * heads + h) * dim + d;
@@ -67,13 +78,20 @@ pub fn reference(q: &[f32], k: &[f32], v: &[f32], lengths: &[usize], heads: usiz
         for h in 0..heads {
             for i in 0..len {
                 let scores: Vec<f64> = (0..len)
-                    .map(|j| (0..dim).map(|d| q[at(start + i, h, d)] as f64 * k[at(start + j, h, d)] as f64).sum::<f64>() * scale)
+                    .map(|j| {
+                        (0..dim)
+                            .map(|d| q[at(start + i, h, d)] as f64 * k[at(start + j, h, d)] as f64)
+                            .sum::<f64>()
+                            * scale
+                    })
                     .collect();
                 let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
                 let e: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
                 let z: f64 = e.iter().sum();
                 for d in 0..dim {
-                    out[at(start + i, h, d)] = (0..len).map(|j| e[j] / z * v[at(start + j, h, d)] as f64).sum();
+                    out[at(start + i, h, d)] = (0..len)
+                        .map(|j| e[j] / z * v[at(start + j, h, d)] as f64)
+                        .sum();
                 }
             }
         }
@@ -88,7 +106,13 @@ pub fn max_rel_err(got: &[f32], want: &[f64]) -> f64 {
     let scale = want.iter().fold(0f64, |m, w| m.max(w.abs())).max(1e-30);
     got.iter()
         .zip(want)
-        .map(|(&g, &w)| if g.is_finite() { (g as f64 - w).abs() } else { f64::INFINITY })
+        .map(|(&g, &w)| {
+            if g.is_finite() {
+                (g as f64 - w).abs()
+            } else {
+                f64::INFINITY
+            }
+        })
         .fold(0f64, f64::max)
         / scale
 }

@@ -1,0 +1,271 @@
+//! DeiT as small candle modules, in timm's structure and with timm's tensor names
+//! (`patch_embed.proj`, `blocks.{i}.attn.qkv`, ...). Checkpoints in other namings are renamed
+//! (and their separate q/k/v fused) by [`crate::checkpoint`] before they reach these modules, so
+//! there is one code path for every checkpoint family and every model size.
+//!
+//! Per-token ops ([`Mlp`], LayerNorm, the Linear layers) accept any rank whose last dim is C;
+//! only [`Attention`] looks at how tokens are grouped into images, through
+//! [`AttentionInputs`].
+
+use candle_core::{DType, Module, Result, Tensor, D};
+use candle_nn::{layer_norm, linear, LayerNorm, Linear, VarBuilder};
+
+use crate::attention::{attend, merge_heads, split_heads, AttentionInputs};
+use crate::config::DeiTConfig;
+
+/// Patch embedding: a 16×16 stride-16 conv, computed as one matmul over unfolded patches
+/// (`[B·196, 3·16·16] @ Wᵀ + b`), which is the same arithmetic without im2col overhead.
+#[derive(Debug, Clone)]
+pub struct PatchEmbed {
+    /// Conv weight flattened to `[C, 3·p·p]` in (channel, row, col) order.
+    weight: Tensor,
+    bias: Tensor,
+    patch_size: usize,
+    image_size: usize,
+}
+
+impl PatchEmbed {
+    /// Loads `proj.weight` `[C, 3, p, p]` and `proj.bias` `[C]`.
+    pub fn new(cfg: &DeiTConfig, vb: VarBuilder) -> Result<Self> {
+        let p = cfg.patch_size;
+        let weight = vb
+            .get((cfg.dim, 3, p, p), "proj.weight")?
+            .reshape((cfg.dim, 3 * p * p))?;
+        let bias = vb.get(cfg.dim, "proj.bias")?;
+        Ok(Self {
+            weight,
+            bias,
+            patch_size: p,
+            image_size: cfg.image_size,
+        })
+    }
+}
+
+impl Module for PatchEmbed {
+    /// `[B, 3, H, W]` → `[B, (H/p)·(W/p), C]`, tokens in row-major patch order (as conv + flatten).
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let (b, c, h, w) = x.dims4()?;
+        if c != 3 || h != self.image_size || w != self.image_size {
+            candle_core::bail!(
+                "patch embedding expects [B, 3, {s}, {s}] images, got {:?}",
+                x.dims(),
+                s = self.image_size
+            );
+        }
+        let p = self.patch_size;
+        let (gh, gw) = (h / p, w / p);
+        // [B, 3, gh, p, gw, p] -> [B, gh, gw, 3, p, p]: one row per patch, flattened like the
+        // conv weight.
+        let patches = x
+            .reshape((b, c, gh, p, gw, p))?
+            .permute((0, 2, 4, 1, 3, 5))?
+            .reshape((b * gh * gw, c * p * p))?;
+        let out = patches
+            .matmul(&self.weight.t()?)?
+            .broadcast_add(&self.bias)?;
+        out.reshape((b, gh * gw, ()))
+    }
+}
+
+/// Multi-head self-attention with a fused qkv projection (timm's `Attention`).
+#[derive(Debug, Clone)]
+pub struct Attention {
+    /// `[3C, C]`: rows are q | k | v, each head-major.
+    pub qkv: Linear,
+    pub proj: Linear,
+    pub heads: usize,
+    pub scale: f64,
+}
+
+impl Attention {
+    pub fn new(cfg: &DeiTConfig, vb: VarBuilder) -> Result<Self> {
+        Ok(Self {
+            qkv: linear(cfg.dim, 3 * cfg.dim, vb.pp("qkv"))?,
+            proj: linear(cfg.dim, cfg.dim, vb.pp("proj"))?,
+            heads: cfg.heads,
+            scale: (cfg.head_dim() as f64).powf(-0.5),
+        })
+    }
+
+    /// Attention over tokens laid out as `inputs` says. The two projections are per-token.
+    pub fn forward_with(&self, x: &Tensor, inputs: &AttentionInputs) -> Result<Tensor> {
+        let qkv = self.qkv.forward(x)?;
+        let (q, k, v) = split_heads(&qkv, self.heads, inputs)?;
+        let out = attend(&q, &k, &v, self.scale, inputs)?;
+        self.proj.forward(&merge_heads(&out, inputs)?)
+    }
+}
+
+impl Module for Attention {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.forward_with(x, &AttentionInputs::Dense)
+    }
+}
+
+/// fc1 → exact (erf) GELU → fc2. Per-token.
+#[derive(Debug, Clone)]
+pub struct Mlp {
+    pub fc1: Linear,
+    pub fc2: Linear,
+}
+
+impl Mlp {
+    pub fn new(cfg: &DeiTConfig, vb: VarBuilder) -> Result<Self> {
+        Ok(Self {
+            fc1: linear(cfg.dim, cfg.mlp_hidden(), vb.pp("fc1"))?,
+            fc2: linear(cfg.mlp_hidden(), cfg.dim, vb.pp("fc2"))?,
+        })
+    }
+}
+
+impl Module for Mlp {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        // timm's DeiT uses nn.GELU (erf), not the tanh approximation.
+        self.fc2.forward(&self.fc1.forward(x)?.gelu_erf()?)
+    }
+}
+
+/// Pre-norm transformer block: `x = x + attn(norm1(x)); x = x + mlp(norm2(x))`.
+#[derive(Debug, Clone)]
+pub struct Block {
+    pub norm1: LayerNorm,
+    pub attn: Attention,
+    pub norm2: LayerNorm,
+    pub mlp: Mlp,
+}
+
+impl Block {
+    pub fn new(cfg: &DeiTConfig, vb: VarBuilder) -> Result<Self> {
+        Ok(Self {
+            norm1: layer_norm(cfg.dim, cfg.ln_eps, vb.pp("norm1"))?,
+            attn: Attention::new(cfg, vb.pp("attn"))?,
+            norm2: layer_norm(cfg.dim, cfg.ln_eps, vb.pp("norm2"))?,
+            mlp: Mlp::new(cfg, vb.pp("mlp"))?,
+        })
+    }
+
+    /// The attention half: `x + attn(norm1(x))`. Pruners that score tokens between the halves
+    /// can call the halves separately.
+    pub fn attn_residual(&self, x: &Tensor, inputs: &AttentionInputs) -> Result<Tensor> {
+        x + self.attn.forward_with(&self.norm1.forward(x)?, inputs)?
+    }
+
+    /// The MLP half: `x + mlp(norm2(x))`; per-token, so any layout works.
+    pub fn mlp_residual(&self, x: &Tensor) -> Result<Tensor> {
+        x + self.mlp.forward(&self.norm2.forward(x)?)?
+    }
+
+    pub fn forward_with(&self, x: &Tensor, inputs: &AttentionInputs) -> Result<Tensor> {
+        self.mlp_residual(&self.attn_residual(x, inputs)?)
+    }
+}
+
+impl Module for Block {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.forward_with(x, &AttentionInputs::Dense)
+    }
+}
+
+/// A DeiT (or plain ViT with class token) image classifier, optionally distilled.
+#[derive(Debug, Clone)]
+pub struct DeiT {
+    pub config: DeiTConfig,
+    pub patch_embed: PatchEmbed,
+    /// `[1, 1, C]`
+    pub cls_token: Tensor,
+    /// `[1, 1, C]`, distilled models only.
+    pub dist_token: Option<Tensor>,
+    /// `[1, N, C]` with N = prefix tokens + patches.
+    pub pos_embed: Tensor,
+    pub blocks: Vec<Block>,
+    pub norm: LayerNorm,
+    pub head: Linear,
+    /// Distillation head (distilled models only), averaged with `head` at inference.
+    pub head_dist: Option<Linear>,
+}
+
+impl DeiT {
+    /// Builds the model from timm-named weights. The VarBuilder's dtype is the compute dtype.
+    pub fn new(config: &DeiTConfig, vb: VarBuilder) -> Result<Self> {
+        let c = config.dim;
+        let dist_token = if config.distilled {
+            Some(vb.get((1, 1, c), "dist_token")?)
+        } else {
+            None
+        };
+        let head_dist = if config.distilled {
+            Some(linear(c, config.num_classes, vb.pp("head_dist"))?)
+        } else {
+            None
+        };
+        let blocks = (0..config.depth)
+            .map(|i| Block::new(config, vb.pp(format!("blocks.{i}"))))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self {
+            config: config.clone(),
+            patch_embed: PatchEmbed::new(config, vb.pp("patch_embed"))?,
+            cls_token: vb.get((1, 1, c), "cls_token")?,
+            dist_token,
+            pos_embed: vb.get((1, config.seq_len(), c), "pos_embed")?,
+            blocks,
+            norm: layer_norm(c, config.ln_eps, vb.pp("norm"))?,
+            head: linear(c, config.num_classes, vb.pp("head"))?,
+            head_dist,
+        })
+    }
+
+    /// The dtype the weights (and so the computation) are in.
+    pub fn dtype(&self) -> DType {
+        self.pos_embed.dtype()
+    }
+
+    /// Pixels `[B, 3, H, W]` (any float dtype; cast to the model's) → tokens `[B, N, C]` entering
+    /// the first block: `[cls, (dist), patches] + pos_embed`.
+    pub fn embed(&self, pixels: &Tensor) -> Result<Tensor> {
+        let pixels = pixels.to_dtype(self.dtype())?;
+        let patches = self.patch_embed.forward(&pixels)?;
+        let (b, _, c) = patches.dims3()?;
+        let mut parts = vec![self.cls_token.expand((b, 1, c))?];
+        if let Some(dist) = &self.dist_token {
+            parts.push(dist.expand((b, 1, c))?);
+        }
+        parts.push(patches);
+        Tensor::cat(&parts, 1)?.broadcast_add(&self.pos_embed)
+    }
+
+    /// Tokens after all blocks and the final norm: `[B, N, C]`.
+    pub fn forward_features(&self, pixels: &Tensor) -> Result<Tensor> {
+        let mut x = self.embed(pixels)?;
+        for block in &self.blocks {
+            x = block.forward(&x)?;
+        }
+        self.norm.forward(&x)
+    }
+
+    /// Logits `[B, num_classes]` from final-norm tokens `[B, N, C]`: `head(cls)`, or
+    /// `(head(cls) + head_dist(dist)) / 2` for distilled models (their inference rule).
+    pub fn forward_head(&self, features: &Tensor) -> Result<Tensor> {
+        let cls = features.narrow(1, 0, 1)?.squeeze(1)?.contiguous()?;
+        let logits = self.head.forward(&cls)?;
+        match &self.head_dist {
+            None => Ok(logits),
+            Some(head_dist) => {
+                let dist = features.narrow(1, 1, 1)?.squeeze(1)?.contiguous()?;
+                (logits + head_dist.forward(&dist)?)? / 2.0
+            }
+        }
+    }
+
+    /// Class probabilities `[B, num_classes]` in f32.
+    pub fn probabilities(&self, pixels: &Tensor) -> Result<Tensor> {
+        let logits = self.forward(pixels)?.to_dtype(DType::F32)?;
+        candle_nn::ops::softmax(&logits, D::Minus1)
+    }
+}
+
+impl Module for DeiT {
+    /// Pixels `[B, 3, H, W]` → logits `[B, num_classes]`.
+    fn forward(&self, pixels: &Tensor) -> Result<Tensor> {
+        self.forward_head(&self.forward_features(pixels)?)
+    }
+}

@@ -1,0 +1,34 @@
+//! DeiT vision transformers in candle: configs, modules, checkpoint loading (timm and
+//! transformers namings, safetensors and PyTorch pickles, from the Hub or local files),
+//! preprocessing and class names.
+//!
+//! ```no_run
+//! use candle_core::{DType, Device, Module};
+//! use models::{fetch, Checkpoint, DeiTConfig, HubSource, PreprocessConfig};
+//!
+//! # fn main() -> anyhow::Result<()> {
+//! let cfg = DeiTConfig::from_name("deit-small")?;
+//! let files = fetch(&cfg, HubSource::Timm)?;
+//! let model = Checkpoint::from_file(&files.weights)?.load_model(&cfg, DType::F32, &Device::Cpu)?;
+//! let pre = PreprocessConfig::for_checkpoint(files.config.as_deref(), None, 224)?;
+//! let logits = model.forward(&pre.load_batch(&["cat.jpg"])?)?;
+//! # Ok(()) }
+//! ```
+
+pub mod attention;
+pub mod checkpoint;
+pub mod config;
+pub mod deit;
+pub mod error;
+pub mod hub;
+pub mod labels;
+pub mod preprocess;
+
+pub use attention::{attend, AttentionInputs};
+pub use checkpoint::{expected_tensors, load_deit, Checkpoint, CheckpointFiles, WeightNaming};
+pub use config::{DeiTConfig, MODEL_NAMES};
+pub use deit::{Attention, Block, DeiT, Mlp, PatchEmbed};
+pub use error::{ModelError, PreprocessError};
+pub use hub::{fetch, HubSource};
+pub use labels::{class_names, imagenet1k_classes, imagenet1k_index_of_wnid, ImageNetClass};
+pub use preprocess::{decode_image, Interpolation, PreprocessConfig, Resize};
