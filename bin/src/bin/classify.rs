@@ -48,6 +48,8 @@ struct Prediction {
     index: usize,
     label: String,
     prob: f32,
+    /// The raw logit, so that runs on different devices, dtypes or paths can be compared exactly.
+    logit: f32,
 }
 
 #[derive(Debug, Serialize)]
@@ -103,7 +105,8 @@ fn run(args: Args) -> Result<()> {
             .to_device(&loaded.device)?;
         let logits = loaded.model.forward(&pixels)?.to_dtype(DType::F32)?;
         let probs = candle_nn::ops::softmax(&logits, D::Minus1)?.to_vec2::<f32>()?;
-        for (path, row) in chunk.iter().zip(probs) {
+        let logits = logits.to_vec2::<f32>()?;
+        for ((path, row), logit_row) in chunk.iter().zip(probs).zip(logits) {
             let result = ImageResult {
                 path: path.display().to_string(),
                 top_k: top_k(&row, k)
@@ -112,6 +115,7 @@ fn run(args: Args) -> Result<()> {
                         index: i,
                         label: loaded.labels[i].clone(),
                         prob: row[i],
+                        logit: logit_row[i],
                     })
                     .collect(),
             };

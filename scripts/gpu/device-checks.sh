@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# Runs on the GPU machine, from the repository root, with .gpu/ carried (see bundle.sh):
+#   STAGES="tests sanitizer parity bench" scripts/gpu/device-checks.sh
+# Logs and results go to $OUT (the device tool's output folder) or /tmp/gpu-out.
+set -uo pipefail
+out=${OUT:-/tmp/gpu-out}
+mkdir -p "$out"
+stages=${STAGES:-tests sanitizer parity bench}
+bin=/tmp/gpu-bin
+mkdir -p "$bin"
+for f in .gpu/*.xz; do xz -dc "$f" > "$bin/$(basename "$f" .xz)"; done
+chmod +x "$bin"/*
+export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
+export PATH=/usr/local/cuda/bin:$PATH
+export CANDLE_RAGGED_REQUIRE_CUDA=1
+status=0
+summary=()
+note() { summary+=("$1"); echo "== $1"; }
+
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
+
+for stage in $stages; do
+  case $stage in
+  tests)
+    for t in "$bin"/test-ragged-*; do
+      if "$t" --test-threads=1 >> "$out/tests.log" 2>&1; then note "PASS $(basename "$t")"; else note "FAIL $(basename "$t")"; status=1; fi
+    done
+    grep -E "test result|FAILED|panicked" "$out/tests.log" | tail -20
+    ;;
+  sanitizer)
+    # memcheck over every GPU test; racecheck (much slower) over the kernels' shapes that matter.
+    for t in "$bin"/test-ragged-attention "$bin"/test-ragged-pack; do
+      [[ -x $t ]] || continue
+      if compute-sanitizer --tool memcheck --error-exitcode 9 "$t" --test-threads=1 >> "$out/sanitizer.log" 2>&1; then
+        note "memcheck clean $(basename "$t")"; else note "memcheck FAIL $(basename "$t")"; status=1; fi
+    done
+    if compute-sanitizer --tool racecheck --error-exitcode 9 "$bin"/test-ragged-attention --test-threads=1 \
+        odd_lengths_every_dtype every_head_dim mixed_lengths_in_one_batch >> "$out/sanitizer.log" 2>&1; then
+      note "racecheck clean attention"; else note "racecheck FAIL attention"; status=1; fi
+    if compute-sanitizer --tool racecheck --error-exitcode 9 "$bin"/test-ragged-pack --test-threads=1 >> "$out/sanitizer.log" 2>&1; then
+      note "racecheck clean pack"; else note "racecheck FAIL pack"; status=1; fi
+    grep -E "ERROR SUMMARY|RACECHECK SUMMARY|Invalid|Race" "$out/sanitizer.log" | sort | uniq -c | head -20
+    ;;
+  parity)
+    work=/tmp/parity
+    mkdir -p "$work"
+    if python3 scripts/gpu/timm_parity.py "$work" "$bin/classify" > "$out/parity.log" 2>&1; then
+      note "parity ok (timm vs ours on cpu and cuda)"; else note "parity FAIL"; status=1; fi
+    tail -25 "$out/parity.log"
+    ;;
+  bench)
+    if "$bin/bench-attention" --out "$out/h100-attention.json" \
+        --command "bench-attention --out docs/benchmarks/h100-attention.json (scripts/gpu/device-checks.sh, STAGES=bench)" \
+        > "$out/bench.log" 2>&1; then note "bench ok"; else note "bench FAIL"; status=1; fi
+    cat "$out/bench.log" | tail -110
+    ;;
+  *) echo "unknown stage $stage"; status=1 ;;
+  esac
+done
+echo
+printf '%s\n' "${summary[@]}"
+exit $status
