@@ -4,6 +4,7 @@
 
 use crate::batch::RaggedBatch;
 use crate::error::RaggedError;
+use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{
     CudaFunction, CudaSlice, LaunchConfig, PushKernelArg,
 };

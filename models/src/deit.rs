@@ -5,7 +5,7 @@
 //!
 //! Per-token ops ([`Mlp`], LayerNorm, the Linear layers) accept any rank whose last dim is C;
 //! only [`Attention`] looks at how tokens are grouped into images, through
-//! [`AttentionInputs`].
+//! [`AttentionInputs`]. Token-pruned execution (padded or ragged) is in [`crate::pruned`].
 
 use candle_core::{DType, Module, Result, Tensor, D};
 use candle_nn::{layer_norm, linear, LayerNorm, Linear, VarBuilder};
@@ -89,10 +89,20 @@ impl Attention {
 
     /// Attention over tokens laid out as `inputs` says. The two projections are per-token.
     pub fn forward_with(&self, x: &Tensor, inputs: &AttentionInputs) -> Result<Tensor> {
+        Ok(self.forward_with_qkv(x, inputs)?.0)
+    }
+
+    /// [`Self::forward_with`] that also returns the fused qkv projection (`[.., 3C]`, same
+    /// layout as `x`), for pruners that score tokens with this block's attention.
+    pub fn forward_with_qkv(
+        &self,
+        x: &Tensor,
+        inputs: &AttentionInputs,
+    ) -> Result<(Tensor, Tensor)> {
         let qkv = self.qkv.forward(x)?;
         let (q, k, v) = split_heads(&qkv, self.heads, inputs)?;
         let out = attend(&q, &k, &v, self.scale, inputs)?;
-        self.proj.forward(&merge_heads(&out, inputs)?)
+        Ok((self.proj.forward(&merge_heads(&out, inputs)?)?, qkv))
     }
 }
 
@@ -148,6 +158,18 @@ impl Block {
     /// can call the halves separately.
     pub fn attn_residual(&self, x: &Tensor, inputs: &AttentionInputs) -> Result<Tensor> {
         x + self.attn.forward_with(&self.norm1.forward(x)?, inputs)?
+    }
+
+    /// [`Self::attn_residual`] that also returns the block's fused qkv projection.
+    pub fn attn_residual_with_qkv(
+        &self,
+        x: &Tensor,
+        inputs: &AttentionInputs,
+    ) -> Result<(Tensor, Tensor)> {
+        let (out, qkv) = self
+            .attn
+            .forward_with_qkv(&self.norm1.forward(x)?, inputs)?;
+        Ok(((x + out)?, qkv))
     }
 
     /// The MLP half: `x + mlp(norm2(x))`; per-token, so any layout works.

@@ -61,6 +61,12 @@ pub enum ModelError {
     #[error("labels: {0}")]
     Labels(String),
 
+    #[error("invalid pruning setup: {0}")]
+    InvalidPruning(String),
+
+    #[error(transparent)]
+    Prune(#[from] pruners::PruneError),
+
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
 }

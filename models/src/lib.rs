@@ -1,6 +1,7 @@
 //! DeiT vision transformers in candle: configs, modules, checkpoint loading (timm and
 //! transformers namings, safetensors and PyTorch pickles, from the Hub or local files),
-//! preprocessing and class names.
+//! preprocessing and class names; token-pruned execution (dense / padded / ragged) in
+//! [`pruned`].
 //!
 //! ```no_run
 //! use candle_core::{DType, Device, Module};
@@ -23,8 +24,9 @@ pub mod error;
 pub mod hub;
 pub mod labels;
 pub mod preprocess;
+pub mod pruned;
 
-pub use attention::{attend, AttentionInputs};
+pub use attention::{attend, cls_attention, AttentionInputs, KeyPaddingMask};
 pub use checkpoint::{expected_tensors, load_deit, Checkpoint, CheckpointFiles, WeightNaming};
 pub use config::{DeiTConfig, MODEL_NAMES};
 pub use deit::{Attention, Block, DeiT, Mlp, PatchEmbed};
@@ -32,3 +34,4 @@ pub use error::{ModelError, PreprocessError};
 pub use hub::{fetch, HubSource};
 pub use labels::{class_names, imagenet1k_classes, imagenet1k_index_of_wnid, ImageNetClass};
 pub use preprocess::{decode_image, Interpolation, PreprocessConfig, Resize};
+pub use pruned::{BlockPruner, ExecutionPath, PruneStage, PrunedForward};

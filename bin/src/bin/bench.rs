@@ -1,0 +1,269 @@
+//! `bench`: end-to-end throughput of DeiT with token pruning, per execution path.
+//!
+//! For every model × dtype × batch size: the dense model, then every pruner × {fixed, adaptive}
+//! (the default schedules: blocks 3/6/9, keep 0.7 / the default adaptive rule) on the padded and
+//! the ragged path. Random weights (a random checkpoint built in memory; DynamicViT's predictors
+//! randomly initialised) and random images of varied contrast, so adaptive pruners keep different
+//! counts per image. Warm-up runs are excluded; each row is the median of `--reps` runs, timed
+//! from a synchronised device to a synchronised device. Writes JSON to `--out` after every row.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Instant;
+
+use anyhow::{Context, Result};
+use bin::{run_main, DTypeArg, DeviceArg};
+use candle_core::{DType, Device, Tensor};
+use clap::Parser;
+use models::{expected_tensors, Checkpoint, DeiT, DeiTConfig, ExecutionPath, WeightNaming};
+use pruners::{Mode, PrunerSpec, PruningSchedule};
+use serde::Serialize;
+
+/// End-to-end DeiT throughput: dense vs token-pruned (padded / ragged).
+#[derive(Debug, Parser)]
+#[command(name = "bench", version)]
+struct Args {
+    /// Models (deit-tiny, deit-small, deit-base, and -distilled variants).
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "deit-tiny,deit-small,deit-base"
+    )]
+    models: Vec<String>,
+
+    /// Batch sizes.
+    #[arg(long, value_delimiter = ',', default_value = "1,8,32,64")]
+    batch: Vec<usize>,
+
+    /// Compute dtypes.
+    #[arg(
+        long,
+        value_enum,
+        value_delimiter = ',',
+        default_value = "f16,bf16,f32"
+    )]
+    dtype: Vec<DTypeArg>,
+
+    /// Pruners: none (the dense baseline), threshold-l2, dynamicvit, evit, ats; a bare name runs
+    /// both modes, `evit-fixed` / `evit-adaptive` one.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "none,threshold-l2,dynamicvit,evit,ats"
+    )]
+    pruners: Vec<String>,
+
+    /// Execution paths for the pruned rows (dense rows come from `none`).
+    #[arg(long, value_delimiter = ',', default_value = "padded,ragged")]
+    paths: Vec<String>,
+
+    /// Timed runs per row (the median is reported).
+    #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u32).range(1..))]
+    reps: u32,
+
+    /// Untimed warm-up runs per row.
+    #[arg(long, default_value_t = 3)]
+    warmup: u32,
+
+    #[arg(long, value_enum, default_value_t = DeviceArg::Cuda)]
+    device: DeviceArg,
+
+    /// Output JSON file.
+    #[arg(long, default_value = "docs/benchmarks/h100-e2e.json")]
+    out: PathBuf,
+}
+
+#[derive(Debug, Serialize)]
+struct Row {
+    model: String,
+    pruner: String,
+    mode: String,
+    path: String,
+    batch: usize,
+    dtype: String,
+    img_s: f64,
+    latency_ms: f64,
+    /// Mean tokens per image after the last pruning step (prefix and fused token included).
+    mean_kept_tokens: f64,
+}
+
+#[derive(Debug, Serialize)]
+struct Report {
+    gpu: String,
+    command: String,
+    rows: Vec<Row>,
+}
+
+/// One benchmark variant: which pruner (None: dense) in which mode on which path.
+#[derive(Debug, Clone, Copy)]
+struct Variant {
+    spec: PrunerSpec,
+    path: ExecutionPath,
+}
+
+fn variants(pruners: &[String], paths: &[String]) -> Result<Vec<Variant>> {
+    let paths: Vec<ExecutionPath> = paths
+        .iter()
+        .map(|p| p.parse().map_err(anyhow::Error::msg))
+        .collect::<Result<_>>()?;
+    let mut out = Vec::new();
+    for name in pruners {
+        let spec: PrunerSpec = name.parse()?;
+        if spec.kind.is_none() {
+            out.push(Variant {
+                spec,
+                path: ExecutionPath::Dense,
+            });
+            continue;
+        }
+        let explicit_mode = name.to_ascii_lowercase().ends_with("fixed")
+            || name.to_ascii_lowercase().ends_with("adaptive");
+        let modes = if explicit_mode {
+            vec![spec.mode]
+        } else {
+            vec![Mode::Fixed, Mode::Adaptive]
+        };
+        for mode in modes {
+            for &path in paths.iter().filter(|p| **p != ExecutionPath::Dense) {
+                out.push(Variant {
+                    spec: PrunerSpec { mode, ..spec },
+                    path,
+                });
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// A random timm-named checkpoint for `cfg` (LayerNorms at identity, Linear weights
+/// ~N(0, 1/fan_in)), so that activations and attention stay well scaled through the blocks.
+fn random_model(cfg: &DeiTConfig, dtype: DType, device: &Device) -> Result<DeiT> {
+    let mut tensors = HashMap::new();
+    for (name, shape) in expected_tensors(cfg, WeightNaming::Timm) {
+        let is_norm = name.contains("norm") && !name.contains("patch_embed");
+        let t = if is_norm && name.ends_with(".weight") {
+            Tensor::ones(shape.as_slice(), DType::F32, &Device::Cpu)?
+        } else if name.ends_with(".bias") {
+            Tensor::zeros(shape.as_slice(), DType::F32, &Device::Cpu)?
+        } else {
+            let fan_in: usize = shape[1..].iter().product::<usize>().max(1);
+            let std = if name.ends_with("_token") || name == "pos_embed" {
+                0.5
+            } else {
+                (1.0 / fan_in as f64).sqrt()
+            };
+            Tensor::randn(0f32, std as f32, shape.as_slice(), &Device::Cpu)?
+        };
+        tensors.insert(name, t);
+    }
+    Ok(Checkpoint::from_tensors(tensors)?.load_model(cfg, dtype, device)?)
+}
+
+/// `[b, 3, S, S]` random images whose contrast grows across the batch.
+fn random_pixels(b: usize, cfg: &DeiTConfig, device: &Device) -> Result<Tensor> {
+    let s = cfg.image_size;
+    let x = Tensor::randn(0f32, 1.0, (b, 3, s, s), &Device::Cpu)?;
+    let contrast: Vec<f32> = (0..b)
+        .map(|i| 0.2 + 1.8 * i as f32 / b.max(2) as f32)
+        .collect();
+    let contrast = Tensor::from_vec(contrast, (b, 1, 1, 1), &Device::Cpu)?;
+    Ok(x.broadcast_mul(&contrast)?.to_device(device)?)
+}
+
+fn device_name(arg: DeviceArg) -> String {
+    match arg {
+        DeviceArg::Cpu => "cpu".into(),
+        DeviceArg::Cuda => std::process::Command::new("nvidia-smi")
+            .args(["--query-gpu=name", "--format=csv,noheader", "--id=0"])
+            .output()
+            .ok()
+            .and_then(|o| String::from_utf8(o.stdout).ok())
+            .map(|s| s.trim().to_string())
+            .filter(|s| !s.is_empty())
+            .unwrap_or_else(|| "cuda:0".into()),
+    }
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        0.5 * (v[n / 2 - 1] + v[n / 2])
+    }
+}
+
+fn main() -> ExitCode {
+    run_main(|| {
+        let args = Args::parse();
+        let device = args.device.open()?;
+        let variants = variants(&args.pruners, &args.paths)?;
+        let mut report = Report {
+            gpu: device_name(args.device),
+            command: std::env::args().collect::<Vec<_>>().join(" "),
+            rows: Vec::new(),
+        };
+        if let Some(dir) = args.out.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        }
+        for name in &args.models {
+            let cfg = DeiTConfig::from_name(name)?;
+            for &dtype_arg in &args.dtype {
+                let model = random_model(&cfg, dtype_arg.dtype(), &device)?;
+                for &batch in &args.batch {
+                    let pixels = random_pixels(batch, &cfg, &device)?;
+                    for v in &variants {
+                        let schedule = match v.spec.kind {
+                            None => PruningSchedule::none(),
+                            Some(kind) => {
+                                PruningSchedule::default_for(kind, v.spec.mode, cfg.depth)
+                            }
+                        };
+                        let pruners = model.build_pruners(&schedule, None)?;
+                        let run = || model.forward_pruned(&pixels, &pruners, v.path);
+                        for _ in 0..args.warmup {
+                            run()?;
+                        }
+                        device.synchronize()?;
+                        let mut times = Vec::with_capacity(args.reps as usize);
+                        let mut kept = 0.0;
+                        for _ in 0..args.reps {
+                            let t0 = Instant::now();
+                            let out = run()?;
+                            device.synchronize()?;
+                            times.push(t0.elapsed().as_secs_f64());
+                            kept = out.mean_final_tokens();
+                        }
+                        let latency = median(times);
+                        let row = Row {
+                            model: cfg.name.clone(),
+                            pruner: v.spec.kind.map_or("none".into(), |k| k.to_string()),
+                            mode: if v.spec.kind.is_some() {
+                                v.spec.mode.to_string()
+                            } else {
+                                "none".into()
+                            },
+                            path: v.path.to_string(),
+                            batch,
+                            dtype: dtype_arg.name().into(),
+                            img_s: batch as f64 / latency,
+                            latency_ms: latency * 1e3,
+                            mean_kept_tokens: kept,
+                        };
+                        eprintln!(
+                            "{:<12} {:<5} b={:<3} {:<13} {:<8} {:<6} {:>9.1} img/s {:>9.3} ms  tokens {:.1}",
+                            row.model, row.dtype, batch, row.pruner, row.mode, row.path, row.img_s, row.latency_ms, kept
+                        );
+                        report.rows.push(row);
+                        std::fs::write(&args.out, serde_json::to_string_pretty(&report)?)
+                            .with_context(|| format!("writing {}", args.out.display()))?;
+                    }
+                }
+            }
+        }
+        eprintln!("wrote {} rows to {}", report.rows.len(), args.out.display());
+        Ok(())
+    })
+}
