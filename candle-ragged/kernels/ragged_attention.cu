@@ -139,6 +139,7 @@ __device__ __forceinline__ void attn_mma_kernel(const T *__restrict__ q, const T
     cp_async_commit();
 
     // Q fragments (A operand, row major) straight from global memory; rows past the end are zero.
+    const bool warp_active = q_block + warp * 16 < len;
     const int row0 = q_block + warp * 16 + g;
     const int row1 = row0 + 8;
     uint32_t qa[KSTEPS][4];
@@ -170,12 +171,18 @@ __device__ __forceinline__ void attn_mma_kernel(const T *__restrict__ q, const T
 
         const T *kt = ks[buf];
         const T *vt = vs[buf];
+        // Valid keys in this tile: the n-tiles / k-steps past them are skipped (warp-uniform
+        // branches); a warp whose 16 rows all lie past the end only helps with loads and barriers.
+        const int key_base = tile * KEYS;
+        const int valid = min(KEYS, len - key_base);
+        if (warp_active) {
 
         // S = Q K^T for 16 rows x KEYS keys.
         float s[NT_S][4];
 #pragma unroll
         for (int nt = 0; nt < NT_S; ++nt) {
             s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+            if (nt * 8 >= valid) continue;
             const T *krow = kt + (nt * 8 + g) * C::ROW + t * 2;
 #pragma unroll
             for (int kk = 0; kk < KSTEPS; ++kk) {
@@ -186,7 +193,6 @@ __device__ __forceinline__ void attn_mma_kernel(const T *__restrict__ q, const T
         }
 
         // Scale into log2 units and mask keys past the end of the sequence.
-        const int key_base = tile * KEYS;
         float tmax0 = -INFINITY, tmax1 = -INFINITY;
 #pragma unroll
         for (int nt = 0; nt < NT_S; ++nt) {
@@ -215,10 +221,11 @@ __device__ __forceinline__ void attn_mma_kernel(const T *__restrict__ q, const T
         float sum0 = 0.f, sum1 = 0.f;
 #pragma unroll
         for (int nt = 0; nt < NT_S; ++nt) {
-            const float p0 = exp2f(s[nt][0] - m0);
-            const float p1 = exp2f(s[nt][1] - m0);
-            const float p2 = exp2f(s[nt][2] - m1);
-            const float p3 = exp2f(s[nt][3] - m1);
+            const bool live = nt * 8 < valid;  // masked n-tiles contribute exact zeros without exp2
+            const float p0 = live ? exp2f(s[nt][0] - m0) : 0.f;
+            const float p1 = live ? exp2f(s[nt][1] - m0) : 0.f;
+            const float p2 = live ? exp2f(s[nt][2] - m1) : 0.f;
+            const float p3 = live ? exp2f(s[nt][3] - m1) : 0.f;
             sum0 += p0 + p1;
             sum1 += p2 + p3;
             // The accumulator layout of S is the A-operand layout of P: no shuffles needed.
@@ -238,6 +245,7 @@ __device__ __forceinline__ void attn_mma_kernel(const T *__restrict__ q, const T
         // O += P V; V's B operands come transposed out of its row-major tile by ldmatrix.
 #pragma unroll
         for (int ps = 0; ps < PSTEPS; ++ps) {
+            if (ps * 16 >= valid) continue;
             const int key = ps * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
 #pragma unroll
             for (int dt = 0; dt < NT_O; dt += 2) {
@@ -247,6 +255,7 @@ __device__ __forceinline__ void attn_mma_kernel(const T *__restrict__ q, const T
                 mma_16816<T>(acc_o[dt + 1], pa[ps], b2, b3);
             }
         }
+        }  // warp_active
         __syncthreads();  // this buffer is refilled two tiles from now
     }
 

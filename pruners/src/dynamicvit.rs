@@ -255,7 +255,9 @@ impl PredictorLG {
                 got: x.dims().to_vec(),
             });
         }
-        let x = x.to_dtype(DType::F32)?;
+        // Contiguous: candle's CUDA matmul refuses strided inputs (the tokens often arrive as a
+        // narrowed or transposed view), while its CPU matmul silently accepts them.
+        let x = x.to_dtype(DType::F32)?.contiguous()?;
         let h = self
             .in_linear
             .forward(&self.norm.forward(&x)?)?
@@ -278,7 +280,10 @@ impl PredictorLG {
                 masked.sum_keepdim(1)?.broadcast_mul(&inv)?
             }
         };
-        let feats = Tensor::cat(&[local, pooled.broadcast_as((b, p, c - half))?], D::Minus1)?;
+        // candle's cat along the last dim can return a strided tensor: make it contiguous for
+        // the CUDA matmul below.
+        let feats = Tensor::cat(&[local, pooled.broadcast_as((b, p, c - half))?], D::Minus1)?
+            .contiguous()?;
         let mut y = self.out[0].forward(&feats)?.gelu_erf()?;
         y = self.out[1].forward(&y)?.gelu_erf()?;
         y = self.out[2].forward(&y)?;

@@ -190,7 +190,8 @@ impl TokenPruner for Evit {
         } else {
             let dev = input.tokens.device();
             let w = Tensor::from_vec(weights, (g.batch, 1, g.tokens), dev)?;
-            let x = input.tokens.to_dtype(DType::F32)?;
+            // Contiguous: candle's CUDA matmul refuses strided operands (its CPU matmul does not).
+            let x = input.tokens.to_dtype(DType::F32)?.contiguous()?;
             let f = w.matmul(&x)?.squeeze(1)?.to_dtype(input.tokens.dtype())?;
             Some(FusedTokens { tokens: f, present })
         };

@@ -12,7 +12,8 @@ export CARGO_TARGET_DIR=$target
 
 cargo build --release --features cuda -p bin --bins
 # Test executables: cargo names them in its JSON messages.
-cargo test --release --features cuda -p candle-ragged --no-run --message-format=json 2>/dev/null \
+cargo test --release --features cuda -p candle-ragged -p workspace-tests --test attention --test pack --test paths_agreement \
+  --no-run --message-format=json 2>/dev/null \
   | python3 -c '
 import json, sys
 for line in sys.stdin:
@@ -25,11 +26,11 @@ for line in sys.stdin:
 ' > "$target/gpu-tests.txt"
 
 rm -rf .gpu && mkdir -p .gpu
-for b in classify bench-attention; do
+for b in classify bench-attention bench; do
   xz -T0 -6 -c "$target/release/$b" > ".gpu/$b.xz"
 done
 while read -r name exe; do
-  xz -T0 -6 -c "$exe" > ".gpu/test-ragged-$name.xz"
+  xz -T0 -6 -c "$exe" > ".gpu/test-$name.xz"
 done < "$target/gpu-tests.txt"
 ls -la .gpu
 du -sh .gpu

@@ -22,22 +22,22 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
 for stage in $stages; do
   case $stage in
   tests)
-    for t in "$bin"/test-ragged-*; do
+    for t in "$bin"/test-attention "$bin"/test-pack; do
       if "$t" --test-threads=1 >> "$out/tests.log" 2>&1; then note "PASS $(basename "$t")"; else note "FAIL $(basename "$t")"; status=1; fi
     done
     grep -E "test result|FAILED|panicked" "$out/tests.log" | tail -20
     ;;
   sanitizer)
     # memcheck over every GPU test; racecheck (much slower) over the kernels' shapes that matter.
-    for t in "$bin"/test-ragged-attention "$bin"/test-ragged-pack; do
+    for t in "$bin"/test-attention "$bin"/test-pack; do
       [[ -x $t ]] || continue
       if compute-sanitizer --tool memcheck --error-exitcode 9 "$t" --test-threads=1 >> "$out/sanitizer.log" 2>&1; then
         note "memcheck clean $(basename "$t")"; else note "memcheck FAIL $(basename "$t")"; status=1; fi
     done
-    if compute-sanitizer --tool racecheck --error-exitcode 9 "$bin"/test-ragged-attention --test-threads=1 \
+    if compute-sanitizer --tool racecheck --error-exitcode 9 "$bin"/test-attention --test-threads=1 \
         odd_lengths_every_dtype every_head_dim mixed_lengths_in_one_batch >> "$out/sanitizer.log" 2>&1; then
       note "racecheck clean attention"; else note "racecheck FAIL attention"; status=1; fi
-    if compute-sanitizer --tool racecheck --error-exitcode 9 "$bin"/test-ragged-pack --test-threads=1 >> "$out/sanitizer.log" 2>&1; then
+    if compute-sanitizer --tool racecheck --error-exitcode 9 "$bin"/test-pack --test-threads=1 >> "$out/sanitizer.log" 2>&1; then
       note "racecheck clean pack"; else note "racecheck FAIL pack"; status=1; fi
     grep -E "ERROR SUMMARY|RACECHECK SUMMARY|Invalid|Race" "$out/sanitizer.log" | sort | uniq -c | head -20
     ;;
@@ -47,6 +47,18 @@ for stage in $stages; do
     if python3 scripts/gpu/timm_parity.py "$work" "$bin/classify" > "$out/parity.log" 2>&1; then
       note "parity ok (timm vs ours on cpu and cuda)"; else note "parity FAIL"; status=1; fi
     tail -25 "$out/parity.log"
+    ;;
+  paths)
+    # Full-size DeiT-T/S/B agreement of the padded and ragged paths on the GPU.
+    if PATHS_DEVICE=cuda PATHS_MODELS=${PATHS_MODELS:-deit-tiny,deit-small,deit-base} PATHS_BATCH=${PATHS_BATCH:-32} \
+        "$bin"/test-paths_agreement --ignored --test-threads=1 --nocapture > "$out/paths.log" 2>&1; then
+      note "paths agreement ok (full size, cuda)"; else note "paths agreement FAIL"; status=1; fi
+    grep -E "test |result|max|agree" "$out/paths.log" | tail -30
+    ;;
+  e2e)
+    if "$bin/bench" --device cuda --out "$out/h100-e2e.json" ${E2E_ARGS:-} > "$out/e2e.log" 2>&1; then
+      note "e2e bench ok"; else note "e2e bench FAIL"; status=1; fi
+    tail -80 "$out/e2e.log"
     ;;
   bench)
     if "$bin/bench-attention" --out "$out/h100-attention.json" \
