@@ -60,6 +60,15 @@ for stage in $stages; do
       note "e2e bench ok"; else note "e2e bench FAIL"; status=1; fi
     tail -80 "$out/e2e.log"
     ;;
+  ncu)
+    # Where the attention kernel's time goes at the size the HBM-floor target is set for.
+    ncu --kernel-name regex:ragged_attn --launch-skip 20 --launch-count 1 \
+        --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+        --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
+        "$bin/bench-attention" --heads 12 --batch 256 --keep 0.7 --dtype f16 --host-calls 10 --gpu-reps 3 \
+        --out /tmp/ncu-bench.json > "$out/ncu.log" 2>&1 && note "ncu ok" || { note "ncu FAIL"; status=1; }
+    grep -E "Duration|Throughput|Occupancy|Registers|Stall|Warp Cycles|Issued|Eligible|L2|DRAM|Block Limit" "$out/ncu.log" | head -60
+    ;;
   bench)
     if "$bin/bench-attention" --out "$out/h100-attention.json" \
         --command "bench-attention --out docs/benchmarks/h100-attention.json (scripts/gpu/device-checks.sh, STAGES=bench)" \

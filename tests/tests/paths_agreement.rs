@@ -197,7 +197,16 @@ fn assert_logits_agree(what: &str, a: &[Vec<f32>], b: &[Vec<f32>], tol: f32) -> 
         for (x, y) in ra.iter().zip(rb) {
             max = max.max((x - y).abs());
         }
-        assert_eq!(argmax(ra), argmax(rb), "{what}: top-1 of image {i} differs");
+        // The same top-1, unless the two leading logits are tied within the tolerance: then
+        // rounding may legitimately order them either way (random-weight models in bf16 give
+        // such near-ties; a real disagreement shows up as a logit difference above `tol`).
+        let (ia, ib) = (argmax(ra), argmax(rb));
+        assert!(
+            ia == ib || (ra[ia] - ra[ib]).abs() <= tol,
+            "{what}: top-1 of image {i} differs ({ia} vs {ib}, logits {} vs {})",
+            ra[ia],
+            ra[ib]
+        );
     }
     assert!(max <= tol, "{what}: max |Δlogit| {max} > {tol}");
     max
