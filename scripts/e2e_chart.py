@@ -1,0 +1,46 @@
+#!/usr/bin/env python3
+"""img/s vs batch per execution path, one panel per model, from docs/benchmarks/h100-e2e.json.
+
+usage: scripts/e2e_chart.py docs/benchmarks/h100-e2e.json docs/benchmarks/h100-e2e.svg   (needs matplotlib)
+"""
+import json
+import sys
+from collections import defaultdict
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+src, dst = sys.argv[1], sys.argv[2]
+report = json.load(open(src))
+models = sorted({r["model"] for r in report["rows"]}, key=["deit-tiny", "deit-small", "deit-base"].index)
+fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 4.2), squeeze=False)
+styles = {"dense": ("black", "-"), "padded": ("tab:orange", "--"), "ragged": ("tab:blue", "-")}
+for ax, model in zip(axes[0], models):
+    series = defaultdict(list)
+    for r in report["rows"]:
+        if r["model"] != model or r["dtype"] != "f16":
+            continue
+        label = "dense" if r["path"] == "dense" else f"{r['pruner']} {r['mode']} {r['path']}"
+        series[(r["path"], label)].append((r["batch"], r["img_s"]))
+    for (path, label), pts in sorted(series.items()):
+        pts.sort()
+        color, ls = styles[path]
+        alpha = 1.0 if path == "dense" else 0.55
+        width = 2.5 if path == "dense" else 1.2
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], ls, color=color, alpha=alpha, lw=width, marker="o", ms=3,
+                label=path if label in ("dense",) else None)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_title(f"{model}, f16")
+    ax.set_xlabel("batch")
+    ax.set_ylabel("images / s")
+    ax.grid(True, which="both", alpha=0.3)
+handles = [plt.Line2D([], [], color=c, ls=l, lw=2) for c, l in styles.values()]
+fig.legend(handles, ["dense", "pruned, padded (each pruner x mode)", "pruned, ragged (each pruner x mode)"],
+           loc="lower center", ncol=3)
+fig.suptitle(f"End-to-end DeiT throughput, {report['gpu']}")
+fig.tight_layout(rect=(0, 0.08, 1, 0.95))
+fig.savefig(dst)
+print(f"wrote {dst}")
