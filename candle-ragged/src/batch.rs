@@ -24,7 +24,7 @@ pub struct RaggedBatch {
     cu_seqlens: Tensor,
     offsets: Vec<u32>,
     positions: Option<Tensor>,
-    /// One past the largest source position (0 when `positions` is `None`: then `max_len` bounds it).
+    /// One past the largest source position (unused when `positions` is `None`: `max_len` bounds it).
     position_bound: usize,
     max_len: usize,
 }
@@ -190,11 +190,11 @@ impl RaggedBatch {
     /// The smallest number of tokens per image that [`crate::unpack`] can scatter into and
     /// [`crate::pack`] can gather from.
     pub fn min_tokens_per_image(&self) -> usize {
-        self.position_bound.max(if self.positions.is_some() {
-            0
+        if self.positions.is_some() {
+            self.position_bound
         } else {
             self.max_len
-        })
+        }
     }
 
     /// The same layout on another device (copies `cu_seqlens` and `positions`).
