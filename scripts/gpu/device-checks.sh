@@ -69,6 +69,12 @@ for stage in $stages; do
         --out /tmp/ncu-bench.json > "$out/ncu.log" 2>&1 && note "ncu ok" || { note "ncu FAIL"; status=1; }
     grep -E "Duration|Throughput|Occupancy|Registers|Stall|Warp Cycles|Issued|Eligible|L2|DRAM|Block Limit" "$out/ncu.log" | head -60
     ;;
+  peers)
+    # PyTorch peers (timm DeiT eager / CUDA graph / torch.compile) next to our own bench, same run.
+    if PYTHONUNBUFFERED=1 python3 scripts/peers/timm_deit.py --out "$out/h100-peers.json" ${PEERS_ARGS:-} > "$out/peers.log" 2>&1; then
+      note "peers ok"; else note "peers FAIL"; status=1; fi
+    tail -40 "$out/peers.log"
+    ;;
   bench)
     if "$bin/bench-attention" --out "$out/h100-attention.json" \
         --command "bench-attention --out docs/benchmarks/h100-attention.json (scripts/gpu/device-checks.sh, STAGES=bench)" \

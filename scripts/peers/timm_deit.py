@@ -1,0 +1,96 @@
+#!/usr/bin/env python3
+"""The peers our DeiT is measured against: timm's DeiT-T/S/B in PyTorch on the same GPU, same run.
+
+Modes (JSON "path"): torch-eager; torch-cudagraph (eager forward captured once in a CUDA graph and
+replayed); torch-compile-ro (torch.compile mode="reduce-overhead"); torch-compile-max
+(mode="max-autotune", only with --max-autotune, it compiles for minutes). Random weights, f16,
+inference mode, input already on the GPU; per batch: warm-up, then the median of --reps timed
+forwards, each synchronised (the same rule as our `bench`). Compilation stops once --budget-s is
+spent, so the script fits in one device call; rows that were skipped are listed in "skipped".
+
+usage: python3 scripts/peers/timm_deit.py --out peers.json [--batch 1,8,64,256] [--budget-s 300]
+Rows use the format of docs/benchmarks/h100-e2e.json (pruner "none", mode "none").
+"""
+import argparse
+import json
+import statistics
+import time
+
+import timm
+import torch
+
+NAMES = {"deit-tiny": "deit_tiny_patch16_224", "deit-small": "deit_small_patch16_224", "deit-base": "deit_base_patch16_224"}
+
+
+def timed(fn, reps, warmup=5):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--models", default="deit-tiny,deit-small,deit-base")
+    ap.add_argument("--batch", default="1,8,64,256")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--budget-s", type=float, default=300.0, help="stop compiling once this much time is spent")
+    ap.add_argument("--max-autotune", action="store_true")
+    args = ap.parse_args()
+    start = time.time()
+    torch.manual_seed(0)
+    torch.backends.cuda.matmul.allow_tf32 = True
+    rows, skipped = [], []
+    batches = [int(b) for b in args.batch.split(",")]
+
+    def row(model, path, b, sec):
+        r = {"model": model, "pruner": "none", "mode": "none", "path": path, "batch": b, "dtype": "f16",
+             "img_s": b / sec, "latency_ms": sec * 1e3, "mean_kept_tokens": 197.0}
+        rows.append(r)
+        print(f"{model:10} {path:17} b={b:<4} {r['img_s']:10.1f} img/s {r['latency_ms']:9.3f} ms", flush=True)
+
+    for model in args.models.split(","):
+        m = timm.create_model(NAMES[model], pretrained=False).cuda().half().eval()
+        for b in batches:
+            x = torch.randn(b, 3, 224, 224, device="cuda", dtype=torch.half)
+            with torch.inference_mode():
+                row(model, "torch-eager", b, timed(lambda: m(x), args.reps))
+                # Eager forward captured in a CUDA graph (warm-up on a side stream, as PyTorch asks).
+                static_x = x.clone()
+                s = torch.cuda.Stream()
+                s.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(s):
+                    for _ in range(3):
+                        m(static_x)
+                torch.cuda.current_stream().wait_stream(s)
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    m(static_x)
+                row(model, "torch-cudagraph", b, timed(g.replay, args.reps))
+                del g
+        modes = [("torch-compile-ro", "reduce-overhead")] + ([("torch-compile-max", "max-autotune")] if args.max_autotune else [])
+        for path, mode in modes:
+            torch._dynamo.reset()
+            cm = torch.compile(m, mode=mode, dynamic=False)
+            for b in batches:
+                if time.time() - start > args.budget_s:
+                    skipped.append({"model": model, "path": path, "batch": b, "why": "time budget"})
+                    continue
+                x = torch.randn(b, 3, 224, 224, device="cuda", dtype=torch.half)
+                with torch.inference_mode():
+                    row(model, path, b, timed(lambda: cm(x), args.reps, warmup=5))
+    gpu = torch.cuda.get_device_name(0)
+    json.dump({"gpu": gpu, "command": "python3 scripts/peers/timm_deit.py " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()),
+               "torch": torch.__version__, "timm": timm.__version__, "rows": rows, "skipped": skipped}, open(args.out, "w"), indent=1)
+    print(f"wrote {len(rows)} rows to {args.out}; skipped {len(skipped)}")
+
+
+if __name__ == "__main__":
+    main()
