@@ -97,21 +97,6 @@ impl SourceArg {
     }
 }
 
-/// Token pruning strategy (more arrive with the pruners crate).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum PrunerArg {
-    /// Dense model, all tokens kept.
-    None,
-}
-
-impl PrunerArg {
-    pub fn name(self) -> &'static str {
-        match self {
-            Self::None => "none",
-        }
-    }
-}
-
 /// Options selecting and loading a model, shared by the tools.
 #[derive(Debug, Clone, clap::Args)]
 pub struct ModelArgs {

@@ -76,10 +76,7 @@ fn fixture() -> Fixture {
 }
 
 fn run(bin: &str, args: &[&str]) -> Output {
-    Command::new(bin)
-        .args(args)
-        .output()
-        .unwrap()
+    Command::new(bin).args(args).output().unwrap()
 }
 
 fn s(p: &Path) -> &str {
@@ -261,7 +258,10 @@ fn eval_folder_matches_classify() {
     assert_eq!(same["top1_agreement"].as_f64().unwrap(), 100.0);
     let pruned = find("none", "evit-fixed:ragged");
     assert!(pruned["max_abs_dlogit"].as_f64().unwrap() > 0.0, "{pruned}");
-    assert!(pruned["mean_abs_dlogit"].as_f64().unwrap() > 0.0, "{pruned}");
+    assert!(
+        pruned["mean_abs_dlogit"].as_f64().unwrap() > 0.0,
+        "{pruned}"
+    );
     let paths = find("evit-fixed:padded", "evit-fixed:ragged");
     assert!(paths["max_abs_dlogit"].as_f64().unwrap() < 1e-3, "{paths}");
 
@@ -374,7 +374,10 @@ fn show_pruning_shades_dropped_patches() {
         .map(|k| k.as_u64().unwrap() as usize)
         .collect();
     assert_eq!(kept.len(), 3);
-    assert!(kept.windows(2).all(|w| w[0] >= w[1]) && kept[2] < 196, "{kept:?}");
+    assert!(
+        kept.windows(2).all(|w| w[0] >= w[1]) && kept[2] < 196,
+        "{kept:?}"
+    );
 
     let drawing = image::open(&png).unwrap().to_rgb8();
     assert_eq!(drawing.dimensions(), (224 * 4, 224));

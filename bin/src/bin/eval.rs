@@ -466,10 +466,8 @@ fn run(args: Args) -> Result<()> {
     let mut images = 0usize;
     let mut worker_rate = 0.0f64;
 
-    let pb = ProgressBar::with_draw_target(
-        Some(samples.len() as u64),
-        ProgressDrawTarget::stderr(),
-    );
+    let pb =
+        ProgressBar::with_draw_target(Some(samples.len() as u64), ProgressDrawTarget::stderr());
     pb.set_style(
         ProgressStyle::with_template(
             "{bar:30} {pos}/{len} images, {per_sec} ({elapsed} < {eta}) {msg}",
@@ -648,13 +646,7 @@ fn run(args: Args) -> Result<()> {
 fn print_text(r: &Report) {
     println!(
         "{} on {} ({}, {}): {} images, {} skipped; loader {:.1} img/s",
-        r.model,
-        r.dataset,
-        r.device,
-        r.dtype,
-        r.images,
-        r.skipped_count,
-        r.loader_img_s
+        r.model, r.dataset, r.device, r.dtype, r.images, r.skipped_count, r.loader_img_s
     );
     println!(
         "{:<28} {:>8} {:>8} {:>10}  kept tokens per stage",
@@ -681,12 +673,12 @@ fn print_text(r: &Report) {
     }
     if !r.comparisons.is_empty() {
         println!(
-            "{:<28} {:<28} {:>12} {:>12} {:>10}",
+            "{:<28} {:<28} {:>13} {:>13} {:>13}",
             "a", "b", "max |dlogit|", "mean |dlogit|", "top-1 agree %"
         );
         for c in &r.comparisons {
             println!(
-                "{:<28} {:<28} {:>12.4e} {:>12.4e} {:>10.2}",
+                "{:<28} {:<28} {:>13.4e} {:>13.4e} {:>13.2}",
                 c.a, c.b, c.max_abs_dlogit, c.mean_abs_dlogit, c.top1_agreement
             );
         }
@@ -753,7 +745,10 @@ fn chart(r: &Report, path: &Path) -> Result<()> {
         let root = SVGBackend::new(path, (800, 560)).into_drawing_area();
         root.fill(&WHITE)?;
         let mut ch = ChartBuilder::on(&root)
-            .caption(format!("{}: top-1 vs kept tokens", r.model), ("sans-serif", 20))
+            .caption(
+                format!("{}: top-1 vs kept tokens", r.model),
+                ("sans-serif", 20),
+            )
             .margin(16)
             .x_label_area_size(40)
             .y_label_area_size(50)
@@ -761,6 +756,8 @@ fn chart(r: &Report, path: &Path) -> Result<()> {
         ch.configure_mesh()
             .x_desc("mean tokens per image after the last pruning stage")
             .y_desc("top-1 accuracy (%)")
+            .label_style(("sans-serif", 14))
+            .axis_desc_style(("sans-serif", 16))
             .draw()?;
         for (i, (name, pts)) in groups.iter().enumerate() {
             let color = Palette99::pick(i).to_rgba();
@@ -775,6 +772,7 @@ fn chart(r: &Report, path: &Path) -> Result<()> {
             .legend(move |(x, y)| Circle::new((x, y), 5, color.filled()));
         }
         ch.configure_series_labels()
+            .label_font(("sans-serif", 14))
             .background_style(WHITE.mix(0.8))
             .border_style(BLACK)
             .position(SeriesLabelPosition::LowerRight)
