@@ -26,7 +26,7 @@ for line in sys.stdin:
 ' > "$target/gpu-tests.txt"
 
 rm -rf .gpu && mkdir -p .gpu
-for b in classify bench-attention bench; do
+for b in classify eval bench-attention bench; do
   xz -T0 -6 -c "$target/release/$b" > ".gpu/$b.xz"
 done
 while read -r name exe; do

@@ -75,6 +75,21 @@ for stage in $stages; do
       note "peers ok"; else note "peers FAIL"; status=1; fi
     tail -40 "$out/peers.log"
     ;;
+  eval)
+    # eval on a generated labelled folder with timm's DeiT-S (random weights) on CUDA, every
+    # pruner x mode x path; JSON, CSV and chart to $out.
+    python3 scripts/gpu/make_labelled_folder.py /tmp/eval-images --images ${EVAL_IMAGES:-3000} --classes 10 > "$out/eval.log" 2>&1
+    python3 -c "import timm, torch; from safetensors.torch import save_file; torch.manual_seed(0); m = timm.create_model('deit_small_patch16_224'); save_file({k: v.contiguous() for k, v in m.state_dict().items()}, '/tmp/deit_small_random.safetensors')" >> "$out/eval.log" 2>&1
+    settings=none
+    for p in threshold-l2 threshold-l2-adaptive dynamicvit dynamicvit-adaptive evit evit-adaptive ats ats-adaptive; do
+      settings="$settings,$p:padded,$p:ragged"
+    done
+    if "$bin/eval" /tmp/eval-images --model deit-small --weights /tmp/deit_small_random.safetensors --device cuda \
+        --dtype ${EVAL_DTYPE:-f32} --batch-size 64 --settings "$settings" --json "$out/h100-eval.json" \
+        --csv "$out/h100-eval.csv" --chart "$out/h100-eval.svg" >> "$out/eval.log" 2>&1; then
+      note "eval ok"; else note "eval FAIL"; status=1; fi
+    tail -60 "$out/eval.log"
+    ;;
   bench)
     if "$bin/bench-attention" --out "$out/h100-attention.json" \
         --command "bench-attention --out docs/benchmarks/h100-attention.json (scripts/gpu/device-checks.sh, STAGES=bench)" \

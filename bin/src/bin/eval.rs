@@ -503,6 +503,7 @@ fn run(args: Args) -> Result<()> {
         }
         drop(tx);
         let consumed = (|| -> Result<()> {
+            let mut warmed = false;
             for batch in rx.iter() {
                 let batch = batch?;
                 for s in &batch.skipped {
@@ -513,6 +514,15 @@ fn run(args: Args) -> Result<()> {
                 let Some(pixels) = batch.pixels else { continue };
                 let pixels = pixels.to_device(&device)?;
                 let n = batch.labels.len();
+                if !warmed {
+                    // First calls load kernels and set up cuBLAS: keep that out of every img/s.
+                    for (setting, pr) in settings.iter().zip(&pruners) {
+                        model
+                            .forward_pruned(&pixels, pr, setting.path)
+                            .with_context(|| format!("setting {}", setting.name))?;
+                    }
+                    warmed = true;
+                }
                 let mut logits_all: Vec<Vec<Vec<f32>>> = Vec::with_capacity(settings.len());
                 for ((setting, pr), st) in settings.iter().zip(&pruners).zip(stats.iter_mut()) {
                     device.synchronize()?;
