@@ -1,13 +1,15 @@
 //! End-to-end tests of the `classify` binary on a generated image and a generated tiny
 //! checkpoint (no network).
 
-use std::collections::HashMap;
+mod common;
+
+use common::{assert_one_line_error, s, write_random_checkpoint};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-use candle_core::{DType, Device, Module, Tensor, D};
+use candle_core::{DType, Device, Module, D};
 use image::{ImageFormat, Rgb, RgbImage};
-use models::{expected_tensors, Checkpoint, DeiTConfig, PreprocessConfig, WeightNaming};
+use models::{Checkpoint, DeiTConfig, PreprocessConfig};
 
 const CLASSES: usize = 10;
 
@@ -27,16 +29,8 @@ fn fixture() -> Fixture {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().to_path_buf();
     let cfg = tiny_cfg();
-    let tensors: HashMap<String, Tensor> = expected_tensors(&cfg, WeightNaming::Timm)
-        .into_iter()
-        .map(|(name, shape)| {
-            let fan_in = *shape.last().unwrap() as f64;
-            let t = Tensor::randn(0f32, (1.0 / fan_in.sqrt()) as f32, shape, &Device::Cpu).unwrap();
-            (name, t)
-        })
-        .collect();
     let weights = path.join("tiny.safetensors");
-    candle_core::safetensors::save(&tensors, &weights).unwrap();
+    write_random_checkpoint(&cfg, &weights);
     let images = (0..2u32)
         .map(|i| {
             let img = RgbImage::from_fn(300 + 20 * i, 250, |x, y| {
@@ -66,31 +60,6 @@ fn classify(args: &[&str], env: &[(&str, &Path)]) -> Output {
         cmd.env(k, v);
     }
     cmd.output().unwrap()
-}
-
-fn s(p: &Path) -> &str {
-    p.to_str().unwrap()
-}
-
-/// The contract for bad input: exit code 1, exactly one line on stderr starting with `error:`,
-/// no panic or backtrace, nothing on stdout.
-fn assert_one_line_error(out: &Output, must_contain: &[&str]) -> String {
-    let stderr = String::from_utf8_lossy(&out.stderr).to_string();
-    assert_eq!(out.status.code(), Some(1), "stderr: {stderr}");
-    assert_eq!(stderr.trim_end().lines().count(), 1, "stderr: {stderr}");
-    assert!(stderr.starts_with("error: "), "{stderr}");
-    for bad in ["panicked", "backtrace", "Backtrace", "RUST_BACKTRACE"] {
-        assert!(!stderr.contains(bad), "{stderr}");
-    }
-    for w in must_contain {
-        assert!(stderr.contains(w), "`{stderr}` lacks `{w}`");
-    }
-    assert!(
-        out.stdout.is_empty(),
-        "stdout: {}",
-        String::from_utf8_lossy(&out.stdout)
-    );
-    stderr
 }
 
 fn local_args(f: &Fixture) -> Vec<&str> {

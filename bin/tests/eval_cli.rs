@@ -1,13 +1,14 @@
 //! End-to-end tests of the `eval` binary and of `classify --show-pruning` on a generated labelled
 //! folder and a generated tiny checkpoint (no network).
 
-use std::collections::HashMap;
+mod common;
+
+use common::{assert_one_line_error, s, write_random_checkpoint};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-use candle_core::{Device, Tensor};
 use image::{ImageFormat, Rgb, RgbImage};
-use models::{expected_tensors, DeiTConfig, WeightNaming};
+use models::DeiTConfig;
 
 const CLASSES: usize = 10;
 /// ImageNet-1k classes 0, 1, 2.
@@ -28,16 +29,8 @@ fn fixture() -> Fixture {
     let dir = tempfile::tempdir().unwrap();
     let root = dir.path().to_path_buf();
     let cfg = DeiTConfig::custom(96, 4, 3, CLASSES, false);
-    let tensors: HashMap<String, Tensor> = expected_tensors(&cfg, WeightNaming::Timm)
-        .into_iter()
-        .map(|(name, shape)| {
-            let fan_in = *shape.last().unwrap() as f64;
-            let t = Tensor::randn(0f32, (1.0 / fan_in.sqrt()) as f32, shape, &Device::Cpu).unwrap();
-            (name, t)
-        })
-        .collect();
     let weights = root.join("tiny.safetensors");
-    candle_core::safetensors::save(&tensors, &weights).unwrap();
+    write_random_checkpoint(&cfg, &weights);
     let data = root.join("data");
     let mut images = Vec::new();
     for (label, wnid) in WNIDS.iter().enumerate() {
@@ -79,10 +72,6 @@ fn run(bin: &str, args: &[&str]) -> Output {
     Command::new(bin).args(args).output().unwrap()
 }
 
-fn s(p: &Path) -> &str {
-    p.to_str().unwrap()
-}
-
 fn local_args(f: &Fixture) -> Vec<&str> {
     vec!["--weights", s(&f.weights), "--infer-arch", "--heads", "3"]
 }
@@ -93,18 +82,6 @@ fn assert_ok(out: &Output) {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-}
-
-/// Exit code 1, exactly one `error:` line on stderr, no panic.
-fn assert_one_line_error(out: &Output, must_contain: &[&str]) {
-    let stderr = String::from_utf8_lossy(&out.stderr).to_string();
-    assert_eq!(out.status.code(), Some(1), "stderr: {stderr}");
-    assert_eq!(stderr.trim_end().lines().count(), 1, "stderr: {stderr}");
-    assert!(stderr.starts_with("error: "), "{stderr}");
-    assert!(!stderr.contains("panicked"), "{stderr}");
-    for w in must_contain {
-        assert!(stderr.contains(w), "`{stderr}` lacks `{w}`");
-    }
 }
 
 /// Top-k class indices of every image, from `classify --json`.
