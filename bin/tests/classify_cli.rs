@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{assert_one_line_error, s, write_random_checkpoint};
+use common::{assert_ok, assert_one_line_error, s, write_random_checkpoint};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
@@ -73,11 +73,7 @@ fn text_output() {
     args.extend([s(&f.images[0]), s(&f.images[1]), "--top-k", "3"]);
     let out = classify(&args, &[]);
     let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert_ok(&out);
     let lines: Vec<&str> = stdout.lines().collect();
     assert_eq!(lines.len(), 2 * (1 + 3), "{stdout}");
     assert_eq!(lines[0], s(&f.images[0]));
@@ -110,11 +106,7 @@ fn json_output_matches_library() {
         "1",
     ]);
     let out = classify(&args, &[]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert_ok(&out);
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(v["device"], "cpu");
     assert_eq!(v["dtype"], "f32");
@@ -168,11 +160,7 @@ fn half_precision_runs() {
     let mut args = local_args(&f);
     args.extend([s(&f.images[0]), "--dtype", "bf16", "--json", "--top-k", "1"]);
     let out = classify(&args, &[]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert_ok(&out);
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(v["dtype"], "bf16");
     assert_eq!(v["images"][0]["top_k"].as_array().unwrap().len(), 1);

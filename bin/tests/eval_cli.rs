@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{assert_one_line_error, s, write_random_checkpoint};
+use common::{assert_ok, assert_one_line_error, s, write_random_checkpoint};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
@@ -74,14 +74,6 @@ fn run(bin: &str, args: &[&str]) -> Output {
 
 fn local_args(f: &Fixture) -> Vec<&str> {
     vec!["--weights", s(&f.weights), "--infer-arch", "--heads", "3"]
-}
-
-fn assert_ok(out: &Output) {
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
 }
 
 /// Top-k class indices of every image, from `classify --json`.

@@ -80,17 +80,13 @@ fn kernels(dev: &CudaDevice) -> Result<Arc<Kernels>> {
     Ok(k)
 }
 
-/// `cu_seqlens` (and `positions`) of the batch as device slices.
-fn u32_slice(t: &candle_core::Tensor) -> Result<(candle_core::StorageRef<'_>, usize)> {
+/// A batch tensor's storage (read-locked) and its start offset; [`cuda_u32`] then views it.
+fn u32_storage(t: &candle_core::Tensor) -> (candle_core::StorageRef<'_>, usize) {
     let (storage, layout) = t.storage_and_layout();
-    if !matches!(&*storage, Storage::Cuda(_)) {
-        return Err(candle_core::Error::Msg(
-            "candle-ragged: batch tensor is not on a CUDA device".into(),
-        ));
-    }
-    Ok((storage, layout.start_offset()))
+    (storage, layout.start_offset())
 }
 
+/// The u32 device slice of a batch tensor's storage; an error if it is not on a CUDA device.
 fn cuda_u32(storage: &Storage) -> Result<&CudaSlice<u32>> {
     match storage {
         Storage::Cuda(s) => s.as_cuda_slice::<u32>(),
@@ -98,6 +94,24 @@ fn cuda_u32(storage: &Storage) -> Result<&CudaSlice<u32>> {
             "candle-ragged: batch tensor is not on a CUDA device".into(),
         )),
     }
+}
+
+/// Pushes the batch's `positions` onto a pack/unpack launch, or a null pointer when the batch
+/// keeps leading tokens (the kernels then derive positions from `cu_seqlens`).
+macro_rules! push_positions {
+    ($builder:ident, $positions:expr) => {
+        let null: u64 = 0;
+        let view;
+        match $positions {
+            Some((storage, offset)) => {
+                view = cuda_u32(storage)?.slice(*offset..);
+                $builder.arg(&view);
+            }
+            None => {
+                $builder.arg(&null);
+            }
+        }
+    };
 }
 
 pub(crate) fn attention(
@@ -140,7 +154,7 @@ pub(crate) fn attention(
     }
     let k = kernels(dev)?;
     let func = &k.attn[dtype_index][dim_index];
-    let (cu_storage, cu_off) = u32_slice(batch.cu_seqlens())?;
+    let (cu_storage, cu_off) = u32_storage(batch.cu_seqlens());
     let cu = cuda_u32(&cu_storage)?.slice(cu_off..);
 
     let strides = |l: &Layout| (l.stride()[0] as i64, l.stride()[1] as i64);
@@ -226,9 +240,9 @@ pub(crate) fn pack(
     let vi = vec_choice(elem, c, &[l.start_offset(), sb, sn]);
     let per = VEC_BYTES[vi] / elem;
     let k = kernels(dev)?;
-    let (cu_storage, cu_off) = u32_slice(batch.cu_seqlens())?;
+    let (cu_storage, cu_off) = u32_storage(batch.cu_seqlens());
     let cu = cuda_u32(&cu_storage)?.slice(cu_off..);
-    let pos_guard = batch.positions().map(u32_slice).transpose()?;
+    let pos_guard = batch.positions().map(u32_storage);
     let batch_i = batch.batch_size() as i32;
     let (x_b, x_n, row_vecs) = ((sb / per) as i64, (sn / per) as i64, (c / per) as i32);
     let cfg = LaunchConfig {
@@ -244,17 +258,7 @@ pub(crate) fn pack(
             let stream = dev.cuda_stream();
             let mut b = stream.launch_builder(&k.pack[vi]);
             b.arg(&x).arg(&out).arg(&cu);
-            let null: u64 = 0;
-            let pos_view;
-            match &pos_guard {
-                Some((st, off)) => {
-                    pos_view = cuda_u32(st)?.slice(*off..);
-                    b.arg(&pos_view);
-                }
-                None => {
-                    b.arg(&null);
-                }
-            }
+            push_positions!(b, &pos_guard);
             b.arg(&batch_i).arg(&x_b).arg(&x_n).arg(&row_vecs);
             // SAFETY: arguments match ragged_pack_* in kernels/ragged_attention.cu.
             unsafe { b.launch(cfg) }.w()?;
@@ -299,9 +303,9 @@ pub(crate) fn unpack(
     // With positions, blocks walk packed rows over a zeroed output; without, they walk output rows.
     let rows = if scatter { total } else { bsz * tokens };
     let k = kernels(dev)?;
-    let (cu_storage, cu_off) = u32_slice(batch.cu_seqlens())?;
+    let (cu_storage, cu_off) = u32_storage(batch.cu_seqlens());
     let cu = cuda_u32(&cu_storage)?.slice(cu_off..);
-    let pos_guard = batch.positions().map(u32_slice).transpose()?;
+    let pos_guard = batch.positions().map(u32_storage);
     let cfg = LaunchConfig {
         grid_dim: (rows as u32, 1, 1),
         block_dim: ((row_vecs as u32).clamp(32, 256).next_multiple_of(32), 1, 1),
@@ -320,17 +324,7 @@ pub(crate) fn unpack(
                 let stream = dev.cuda_stream();
                 let mut b = stream.launch_builder(&k.unpack[vi]);
                 b.arg(&x).arg(&out).arg(&cu);
-                let null: u64 = 0;
-                let pos_view;
-                match &pos_guard {
-                    Some((st, off)) => {
-                        pos_view = cuda_u32(st)?.slice(*off..);
-                        b.arg(&pos_view);
-                    }
-                    None => {
-                        b.arg(&null);
-                    }
-                }
+                push_positions!(b, &pos_guard);
                 b.arg(&batch_i).arg(&n_i).arg(&p_t).arg(&row_vecs);
                 // SAFETY: arguments match ragged_unpack_* in kernels/ragged_attention.cu.
                 unsafe { b.launch(cfg) }.w()?;

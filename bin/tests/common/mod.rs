@@ -22,6 +22,15 @@ pub fn write_random_checkpoint(cfg: &DeiTConfig, path: &Path) {
     candle_core::safetensors::save(&tensors, path).unwrap();
 }
 
+/// The command succeeded; its stderr is shown when it did not.
+pub fn assert_ok(out: &Output) {
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 pub fn s(p: &Path) -> &str {
     p.to_str().unwrap()
 }
