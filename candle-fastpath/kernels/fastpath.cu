@@ -1,0 +1,144 @@
+// Exact (erf) GELU applied in place, the activation timm's ViT/DeiT MLP uses:
+//   gelu(x) = 0.5 · x · (1 + erf(x / √2)), computed in f32 for every storage type.
+// It runs right after the fc1 cuBLASLt call (bias already added in its epilogue) on the
+// buffer that call wrote; cuBLASLt's own GELU epilogue is the tanh approximation, which would
+// not match timm's nn.GELU().
+//
+// Bandwidth-bound: each thread moves 16-byte vectors when the buffer is 16-byte aligned
+// (always for buffers candle allocates), with a scalar tail.
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+__device__ __forceinline__ float gelu_erf(float x) {
+    return 0.5f * x * (1.0f + erff(x * 0.70710678118654752f));
+}
+
+__device__ __forceinline__ float to_f32(float x) { return x; }
+__device__ __forceinline__ float to_f32(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <typename T> __device__ __forceinline__ T from_f32(float x);
+template <> __device__ __forceinline__ float from_f32<float>(float x) { return x; }
+template <> __device__ __forceinline__ __half from_f32<__half>(float x) { return __float2half_rn(x); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float x) {
+    return __float2bfloat16_rn(x);
+}
+
+template <typename T>
+__device__ void gelu_inplace(T* __restrict__ x, unsigned long long n) {
+    constexpr unsigned VEC = 16 / sizeof(T);
+    const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+    const unsigned long long tid = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+    unsigned long long vec_end = 0;
+    if ((reinterpret_cast<uintptr_t>(x) & 15) == 0) {
+        vec_end = n / VEC;
+        uint4* xv = reinterpret_cast<uint4*>(x);
+        for (unsigned long long i = tid; i < vec_end; i += stride) {
+            uint4 raw = xv[i];
+            T* e = reinterpret_cast<T*>(&raw);
+#pragma unroll
+            for (unsigned j = 0; j < VEC; ++j) e[j] = from_f32<T>(gelu_erf(to_f32(e[j])));
+            xv[i] = raw;
+        }
+        vec_end *= VEC;
+    }
+    for (unsigned long long i = vec_end + tid; i < n; i += stride) {
+        x[i] = from_f32<T>(gelu_erf(to_f32(x[i])));
+    }
+}
+
+extern "C" __global__ void fastpath_gelu_erf_f32(float* x, unsigned long long n) {
+    gelu_inplace(x, n);
+}
+extern "C" __global__ void fastpath_gelu_erf_f16(__half* x, unsigned long long n) {
+    gelu_inplace(x, n);
+}
+extern "C" __global__ void fastpath_gelu_erf_bf16(__nv_bfloat16* x, unsigned long long n) {
+    gelu_inplace(x, n);
+}
+
+// LayerNorm over the last dim C of `rows` contiguous rows, as torch.nn.LayerNorm computes it:
+//   y = (x - mean) / sqrt(var + eps) · w + b,  var the biased (1/C) variance,
+// statistics in f32 from values held in registers (mean first, then the centred sum of squares:
+// no cancellation from E[x²] - E[x]²). One warp per row, 16-byte vectors; the host guarantees
+// C % (16 / sizeof(T)) == 0, C / (16 / sizeof(T)) <= 32 · LN_MAX_CHUNKS and 16-byte alignment.
+#define LN_MAX_CHUNKS 8
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+template <typename T>
+__device__ void layer_norm_rows(const T* __restrict__ x, const T* __restrict__ w,
+                                const T* __restrict__ b, T* __restrict__ y,
+                                unsigned rows, unsigned C, float eps) {
+    constexpr unsigned VEC = 16 / sizeof(T);
+    const unsigned row = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
+    const unsigned lane = threadIdx.x % 32;
+    if (row >= rows) return;
+    const unsigned chunks = C / VEC;
+    const uint4* xr = reinterpret_cast<const uint4*>(x + (size_t)row * C);
+    float v[LN_MAX_CHUNKS][VEC];
+    float sum = 0.f;
+#pragma unroll
+    for (int t = 0; t < LN_MAX_CHUNKS; ++t) {
+        const unsigned c = lane + 32 * t;
+        if (c < chunks) {
+            uint4 raw = xr[c];
+            const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+            for (unsigned j = 0; j < VEC; ++j) {
+                v[t][j] = to_f32(e[j]);
+                sum += v[t][j];
+            }
+        }
+    }
+    const float mean = warp_sum(sum) / (float)C;
+    float sq = 0.f;
+#pragma unroll
+    for (int t = 0; t < LN_MAX_CHUNKS; ++t) {
+        if (lane + 32 * t < chunks) {
+#pragma unroll
+            for (unsigned j = 0; j < VEC; ++j) {
+                const float d = v[t][j] - mean;
+                sq += d * d;
+            }
+        }
+    }
+    const float rstd = 1.0f / sqrtf(warp_sum(sq) / (float)C + eps);
+    const uint4* wr = reinterpret_cast<const uint4*>(w);
+    const uint4* br = reinterpret_cast<const uint4*>(b);
+    uint4* yr = reinterpret_cast<uint4*>(y + (size_t)row * C);
+#pragma unroll
+    for (int t = 0; t < LN_MAX_CHUNKS; ++t) {
+        const unsigned c = lane + 32 * t;
+        if (c < chunks) {
+            uint4 wraw = wr[c], braw = br[c], out;
+            const T* we = reinterpret_cast<const T*>(&wraw);
+            const T* be = reinterpret_cast<const T*>(&braw);
+            T* oe = reinterpret_cast<T*>(&out);
+#pragma unroll
+            for (unsigned j = 0; j < VEC; ++j) {
+                oe[j] = from_f32<T>((v[t][j] - mean) * rstd * to_f32(we[j]) + to_f32(be[j]));
+            }
+            yr[c] = out;
+        }
+    }
+}
+
+extern "C" __global__ void fastpath_layer_norm_f32(const float* x, const float* w, const float* b,
+                                                   float* y, unsigned rows, unsigned C, float eps) {
+    layer_norm_rows(x, w, b, y, rows, C, eps);
+}
+extern "C" __global__ void fastpath_layer_norm_f16(const __half* x, const __half* w, const __half* b,
+                                                   __half* y, unsigned rows, unsigned C, float eps) {
+    layer_norm_rows(x, w, b, y, rows, C, eps);
+}
+extern "C" __global__ void fastpath_layer_norm_bf16(const __nv_bfloat16* x, const __nv_bfloat16* w,
+                                                    const __nv_bfloat16* b, __nv_bfloat16* y,
+                                                    unsigned rows, unsigned C, float eps) {
+    layer_norm_rows(x, w, b, y, rows, C, eps);
+}

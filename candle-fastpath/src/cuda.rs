@@ -1,0 +1,597 @@
+//! cuBLASLt for [`crate::FusedLinear`] on CUDA.
+//!
+//! Per device we keep one cuBLASLt handle, one 32 MiB workspace and the GELU kernels, loaded
+//! once. Per problem (dtype, rows, out, in, bias or not, pointer alignment) we keep a plan: the
+//! matmul descriptor, the three matrix layouts and the algorithm the heuristic chose, so a call
+//! only sets the bias pointer and launches. Nothing here waits on the GPU.
+//!
+//! Layout: cuBLASLt is column-major. Row-major `y[M, N] = x[M, K] · W[N, K]ᵀ` is, read
+//! column-major, `yᵀ (N×M) = op(W') · x'` where `W'` is `W` seen as a K×N column-major matrix
+//! (so `op = T`) and `x'` is `x` seen as K×M. The bias is then a per-row vector of the N×M
+//! result, which is what the BIAS epilogue adds; a residual is `C` with `beta = 1`, and `D`
+//! (the output) is a separate buffer.
+
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::mem::size_of;
+use std::sync::Mutex;
+
+use candle_core::backend::BackendStorage;
+use candle_core::cuda_backend::cudarc::cublaslt::{result as lt, sys};
+use candle_core::cuda_backend::cudarc::driver::{
+    CudaFunction, CudaSlice, CudaView, DevicePtr, LaunchConfig, PushKernelArg,
+};
+use candle_core::cuda_backend::{CudaDevice, DeviceId};
+use candle_core::{CpuStorage, CudaStorage, DType, Layout, Shape, Storage, Tensor};
+
+use crate::error::FastpathError;
+
+const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/fastpath.ptx"));
+const MODULE: &str = "candle_fastpath";
+const GELU_NAMES: [&str; 3] = [
+    "fastpath_gelu_erf_f32",
+    "fastpath_gelu_erf_f16",
+    "fastpath_gelu_erf_bf16",
+];
+const LN_NAMES: [&str; 3] = [
+    "fastpath_layer_norm_f32",
+    "fastpath_layer_norm_f16",
+    "fastpath_layer_norm_bf16",
+];
+/// `LN_MAX_CHUNKS` in kernels/fastpath.cu: 16-byte chunks per lane.
+const LN_MAX_CHUNKS: usize = 8;
+/// NVIDIA's recommendation for Hopper; cuBLASLt picks split-K and stream-K kernels within it.
+const WORKSPACE_BYTES: usize = 32 << 20;
+/// Ragged batches bring a new row count nearly every call; past this many plans the cache is
+/// rebuilt from scratch rather than grown without bound.
+const MAX_PLANS: usize = 4096;
+
+/// The CustomOp behind [`crate::FusedLinear::forward_with`] on CUDA: `(x [M, K], W [N, K])`,
+/// with the bias and residual carried here (read in place, like candle-flash-attn's alibi
+/// slopes). Shapes, dtypes and devices were checked by the caller; strides are checked here.
+pub(crate) struct LinearOp {
+    pub bias: Option<Tensor>,
+    pub gelu: bool,
+    /// `[M, N]`, contiguous.
+    pub residual: Option<Tensor>,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+struct PlanKey {
+    dtype: usize,
+    m: u64,
+    n: u64,
+    k: u64,
+    bias: bool,
+    /// Smallest power-of-two alignment (bytes, ≤ 256) of all operand pointers: the heuristic
+    /// may only pick kernels that accept it.
+    align: u32,
+}
+
+struct Plan {
+    desc: sys::cublasLtMatmulDesc_t,
+    a: sys::cublasLtMatrixLayout_t,
+    b: sys::cublasLtMatrixLayout_t,
+    cd: sys::cublasLtMatrixLayout_t,
+    algo: sys::cublasLtMatmulAlgo_t,
+}
+
+impl Drop for Plan {
+    fn drop(&mut self) {
+        // Errors on destroy are not actionable; the handles are gone either way.
+        unsafe {
+            let _ = lt::destroy_matrix_layout(self.a);
+            let _ = lt::destroy_matrix_layout(self.b);
+            let _ = lt::destroy_matrix_layout(self.cd);
+            let _ = lt::destroy_matmul_desc(self.desc);
+        }
+    }
+}
+
+struct DeviceState {
+    id: DeviceId,
+    handle: sys::cublasLtHandle_t,
+    workspace: CudaSlice<u8>,
+    gelu: Vec<CudaFunction>,
+    layer_norm: Vec<CudaFunction>,
+    plans: HashMap<PlanKey, Plan>,
+}
+
+// The raw cuBLASLt handles are only used under the STATE mutex.
+unsafe impl Send for DeviceState {}
+
+static STATE: Mutex<Vec<DeviceState>> = Mutex::new(Vec::new());
+
+fn cublas_err(status: impl std::fmt::Debug) -> candle_core::Error {
+    FastpathError::Cublas {
+        op: "fused_linear",
+        status: format!("{status:?}"),
+    }
+    .into()
+}
+
+fn dtype_index(dtype: DType) -> candle_core::Result<usize> {
+    match dtype {
+        DType::F32 => Ok(0),
+        DType::F16 => Ok(1),
+        DType::BF16 => Ok(2),
+        dtype => Err(FastpathError::UnsupportedDType {
+            op: "fused_linear",
+            dtype,
+        }
+        .into()),
+    }
+}
+
+const DATA_TYPES: [sys::cudaDataType; 3] = [
+    sys::cudaDataType_t::CUDA_R_32F,
+    sys::cudaDataType_t::CUDA_R_16F,
+    sys::cudaDataType_t::CUDA_R_16BF,
+];
+
+fn new_state(dev: &CudaDevice) -> candle_core::Result<DeviceState> {
+    let handle = lt::create_handle().map_err(cublas_err)?;
+    // SAFETY: the workspace is only ever handed to cuBLASLt as scratch space.
+    let workspace = unsafe { dev.alloc::<u8>(WORKSPACE_BYTES)? };
+    let load = |names: &[&str]| -> candle_core::Result<Vec<CudaFunction>> {
+        names
+            .iter()
+            .map(|n| {
+                Ok(dev
+                    .get_or_load_custom_func(n, MODULE, PTX)?
+                    .into_cuda_function())
+            })
+            .collect()
+    };
+    Ok(DeviceState {
+        id: dev.id(),
+        handle,
+        workspace,
+        gelu: load(&GELU_NAMES)?,
+        layer_norm: load(&LN_NAMES)?,
+        plans: HashMap::new(),
+    })
+}
+
+fn device_state<'a>(
+    states: &'a mut Vec<DeviceState>,
+    dev: &CudaDevice,
+) -> candle_core::Result<&'a mut DeviceState> {
+    let index = match states.iter().position(|s| s.id == dev.id()) {
+        Some(i) => i,
+        None => {
+            states.push(new_state(dev)?);
+            states.len() - 1
+        }
+    };
+    Ok(&mut states[index])
+}
+
+unsafe fn set_desc<T>(
+    desc: sys::cublasLtMatmulDesc_t,
+    attr: sys::cublasLtMatmulDescAttributes_t,
+    value: &T,
+) -> candle_core::Result<()> {
+    lt::set_matmul_desc_attribute(
+        desc,
+        attr,
+        value as *const T as *const c_void,
+        size_of::<T>(),
+    )
+    .map_err(cublas_err)
+}
+
+fn make_plan(handle: sys::cublasLtHandle_t, key: PlanKey) -> candle_core::Result<Plan> {
+    use sys::cublasLtMatmulDescAttributes_t as A;
+    use sys::cublasLtMatmulPreferenceAttributes_t as P;
+    let ty = DATA_TYPES[key.dtype];
+    let desc = lt::create_matmul_desc(
+        sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+        sys::cudaDataType_t::CUDA_R_32F,
+    )
+    .map_err(cublas_err)?;
+    let a = lt::create_matrix_layout(ty, key.k, key.n, key.k as i64).map_err(cublas_err)?;
+    let b = lt::create_matrix_layout(ty, key.k, key.m, key.k as i64).map_err(cublas_err)?;
+    let cd = lt::create_matrix_layout(ty, key.n, key.m, key.n as i64).map_err(cublas_err)?;
+    let mut plan = Plan {
+        desc,
+        a,
+        b,
+        cd,
+        algo: sys::cublasLtMatmulAlgo_t { data: [0; 8] },
+    };
+    unsafe {
+        set_desc(desc, A::CUBLASLT_MATMUL_DESC_TRANSA, &1i32)?; // CUBLAS_OP_T
+        set_desc(desc, A::CUBLASLT_MATMUL_DESC_TRANSB, &0i32)?; // CUBLAS_OP_N
+        let epilogue = if key.bias {
+            sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS
+        } else {
+            sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_DEFAULT
+        };
+        set_desc(desc, A::CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue)?;
+        let pref = lt::create_matmul_pref().map_err(cublas_err)?;
+        let set_pref = |attr, value: u64| {
+            lt::set_matmul_pref_attribute(
+                pref,
+                attr,
+                &value as *const u64 as *const c_void,
+                size_of::<u64>(),
+            )
+            .map_err(cublas_err)
+        };
+        let found = (|| {
+            set_pref(
+                P::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                WORKSPACE_BYTES as u64,
+            )?;
+            let align = key.align as u32;
+            for attr in [
+                P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
+                P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+                P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES,
+                P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
+            ] {
+                lt::set_matmul_pref_attribute(
+                    pref,
+                    attr,
+                    &align as *const u32 as *const c_void,
+                    size_of::<u32>(),
+                )
+                .map_err(cublas_err)?;
+            }
+            lt::get_matmul_algo_heuristic(handle, desc, a, b, cd, cd, pref).map_err(cublas_err)
+        })();
+        let _ = lt::destroy_matmul_pref(pref);
+        plan.algo = found?.algo;
+    }
+    Ok(plan)
+}
+
+/// Largest power of two (≤ 256) dividing the address.
+fn alignment(ptr: u64) -> u32 {
+    if ptr == 0 {
+        256
+    } else {
+        (1u64 << ptr.trailing_zeros().min(8)) as u32
+    }
+}
+
+fn not_contiguous(what: &str, layout: &Layout) -> candle_core::Error {
+    candle_core::Error::Msg(format!(
+        "fused_linear: {what} must be contiguous, got shape {:?} strides {:?}",
+        layout.shape().dims(),
+        layout.stride()
+    ))
+}
+
+impl LinearOp {
+    fn run<T>(
+        &self,
+        x: (&CudaStorage, &Layout),
+        w: (&CudaStorage, &Layout),
+    ) -> candle_core::Result<(CudaStorage, Shape)>
+    where
+        T: candle_core::cuda_backend::CudaDType
+            + candle_core::cuda_backend::cudarc::driver::DeviceRepr
+            + candle_core::WithDType,
+    {
+        let dev = &x.0.device;
+        let (m, k) = x.1.shape().dims2()?;
+        let (n, k2) = w.1.shape().dims2()?;
+        if k != k2 {
+            candle_core::bail!("fused_linear: x is [{m}, {k}] but the weight is [{n}, {k2}]");
+        }
+        for (what, layout) in [("x", x.1), ("weight", w.1)] {
+            if !layout.is_contiguous() {
+                return Err(not_contiguous(what, layout));
+            }
+        }
+        let stream = dev.cuda_stream();
+        let xs = x.0.as_cuda_slice::<T>()?.slice(x.1.start_offset()..);
+        let ws = w.0.as_cuda_slice::<T>()?.slice(w.1.start_offset()..);
+        // SAFETY: every element is written by the matmul below before anyone reads it.
+        let out = unsafe { dev.alloc::<T>(m * n)? };
+
+        let bias_guard = self.bias.as_ref().map(|b| b.storage_and_layout());
+        let bias_view = match &bias_guard {
+            Some((storage, layout)) => match &**storage {
+                Storage::Cuda(s) => {
+                    if !layout.is_contiguous() {
+                        return Err(not_contiguous("bias", layout));
+                    }
+                    Some(s.as_cuda_slice::<T>()?.slice(layout.start_offset()..))
+                }
+                _ => candle_core::bail!("fused_linear: bias is not on the CUDA device"),
+            },
+            None => None,
+        };
+        let res_guard = self.residual.as_ref().map(|r| r.storage_and_layout());
+        let res_view = match &res_guard {
+            Some((storage, layout)) => match &**storage {
+                Storage::Cuda(s) => {
+                    if !layout.is_contiguous() || layout.shape().dims() != [m, n] {
+                        return Err(not_contiguous("residual", layout));
+                    }
+                    Some(s.as_cuda_slice::<T>()?.slice(layout.start_offset()..))
+                }
+                _ => candle_core::bail!("fused_linear: residual is not on the CUDA device"),
+            },
+            None => None,
+        };
+
+        self.launch::<T>(
+            &stream,
+            dev,
+            (&xs, &ws, &out),
+            (m, n, k),
+            bias_view.as_ref(),
+            res_view.as_ref(),
+        )?;
+        Ok((
+            CudaStorage::wrap_cuda_slice(out, dev.clone()),
+            Shape::from((m, n)),
+        ))
+    }
+
+    #[allow(clippy::too_many_arguments, clippy::type_complexity)]
+    fn launch<T>(
+        &self,
+        stream: &std::sync::Arc<candle_core::cuda_backend::cudarc::driver::CudaStream>,
+        dev: &CudaDevice,
+        (xs, ws, out): (&CudaView<T>, &CudaView<T>, &CudaSlice<T>),
+        (m, n, k): (usize, usize, usize),
+        bias_view: Option<&CudaView<T>>,
+        res_view: Option<&CudaView<T>>,
+    ) -> candle_core::Result<()>
+    where
+        T: candle_core::cuda_backend::CudaDType
+            + candle_core::cuda_backend::cudarc::driver::DeviceRepr
+            + candle_core::WithDType,
+    {
+        let stream = stream.clone();
+        let (x_ptr, _gx) = xs.device_ptr(&stream);
+        let (w_ptr, _gw) = ws.device_ptr(&stream);
+        let (d_ptr, _gd) = out.device_ptr(&stream);
+        let bias_ptr = bias_view.map(|b| b.device_ptr(&stream));
+        let res_ptr = res_view.map(|r| r.device_ptr(&stream));
+        let c_ptr = res_ptr.as_ref().map_or(d_ptr, |(p, _)| *p);
+        let align = [x_ptr, w_ptr, d_ptr, c_ptr]
+            .into_iter()
+            .chain(bias_ptr.as_ref().map(|(p, _)| *p))
+            .map(alignment)
+            .min()
+            .unwrap();
+        let key = PlanKey {
+            dtype: dtype_index(T::DTYPE)?,
+            m: m as u64,
+            n: n as u64,
+            k: k as u64,
+            bias: bias_ptr.is_some(),
+            align,
+        };
+
+        let mut states = STATE.lock().unwrap_or_else(|e| e.into_inner());
+        let state = device_state(&mut states, dev)?;
+        if !state.plans.contains_key(&key) {
+            if state.plans.len() >= MAX_PLANS {
+                state.plans.clear();
+            }
+            let plan = make_plan(state.handle, key)?;
+            state.plans.insert(key, plan);
+        }
+        let plan = &state.plans[&key];
+        let alpha = 1f32;
+        let beta = if res_ptr.is_some() { 1f32 } else { 0f32 };
+        let (ws_ptr, _gws) = state.workspace.device_ptr(&stream);
+        unsafe {
+            if let Some((b, _)) = &bias_ptr {
+                set_desc(
+                    plan.desc,
+                    sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+                    b,
+                )?;
+            }
+            lt::matmul(
+                state.handle,
+                plan.desc,
+                &alpha as *const f32 as *const c_void,
+                &beta as *const f32 as *const c_void,
+                w_ptr as *const c_void,
+                plan.a,
+                x_ptr as *const c_void,
+                plan.b,
+                c_ptr as *const c_void,
+                plan.cd,
+                d_ptr as *mut c_void,
+                plan.cd,
+                &plan.algo,
+                ws_ptr as *mut c_void,
+                WORKSPACE_BYTES,
+                stream.cu_stream() as sys::cudaStream_t,
+            )
+            .map_err(cublas_err)?;
+        }
+        if self.gelu {
+            let len = (m * n) as u64;
+            let func = &state.gelu[dtype_index(T::DTYPE)?];
+            // 8 elements (16 bytes of f16) per thread per step; a grid of at most 8 waves on
+            // 132 SMs covers everything with a grid-stride loop.
+            let vecs = (len as usize).div_ceil(8);
+            let blocks = vecs.div_ceil(256).clamp(1, 132 * 16) as u32;
+            let cfg = LaunchConfig {
+                grid_dim: (blocks, 1, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let mut builder = stream.launch_builder(func);
+            builder.arg(out);
+            builder.arg(&len);
+            // SAFETY: the kernel reads and writes exactly `len` elements of `out`.
+            unsafe { builder.launch(cfg) }.map_err(candle_core::Error::wrap)?;
+        }
+        Ok(())
+    }
+}
+
+impl candle_core::CustomOp2 for LinearOp {
+    fn name(&self) -> &'static str {
+        "fused-linear"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        // FusedLinear::forward_with runs CPU tensors through plain candle ops and never
+        // dispatches this op there.
+        candle_core::bail!("fused_linear: the CUDA op was dispatched on a CPU tensor")
+    }
+
+    fn cuda_fwd(
+        &self,
+        x: &CudaStorage,
+        lx: &Layout,
+        w: &CudaStorage,
+        lw: &Layout,
+    ) -> candle_core::Result<(CudaStorage, Shape)> {
+        match x.dtype() {
+            DType::F32 => self.run::<f32>((x, lx), (w, lw)),
+            DType::F16 => self.run::<half::f16>((x, lx), (w, lw)),
+            DType::BF16 => self.run::<half::bf16>((x, lx), (w, lw)),
+            dtype => Err(FastpathError::UnsupportedDType {
+                op: "fused_linear",
+                dtype,
+            }
+            .into()),
+        }
+    }
+}
+
+/// Whether [`LayerNormOp`] handles these tensors: a supported dtype, C a whole number of 16-byte
+/// vectors and at most `32 · LN_MAX_CHUNKS` of them, and 16-byte aligned starts (candle's
+/// allocations are; views at odd offsets are not). Otherwise the candle-ops path runs.
+pub(crate) fn layer_norm_supported(x: &Tensor, w: &Tensor, b: &Tensor) -> bool {
+    let size = x.dtype().size_in_bytes();
+    let c = w.elem_count();
+    let vec = 16 / size;
+    matches!(x.dtype(), DType::F32 | DType::F16 | DType::BF16)
+        && c % vec == 0
+        && c / vec <= 32 * LN_MAX_CHUNKS
+        && x.rank() >= 1
+        && [x, w, b]
+            .iter()
+            .all(|t| t.is_contiguous() && (t.layout().start_offset() * size) % 16 == 0)
+}
+
+/// `(x [.., C], weight [C], bias [C])` → LayerNorm of `x`; eligibility checked by
+/// [`layer_norm_supported`] (and again here, cheaply, so a direct use cannot misread memory).
+pub(crate) struct LayerNormOp {
+    pub eps: f32,
+}
+
+impl LayerNormOp {
+    fn run<T>(
+        &self,
+        (x, lx): (&CudaStorage, &Layout),
+        (w, lw): (&CudaStorage, &Layout),
+        (b, lb): (&CudaStorage, &Layout),
+    ) -> candle_core::Result<(CudaStorage, Shape)>
+    where
+        T: candle_core::cuda_backend::CudaDType
+            + candle_core::cuda_backend::cudarc::driver::DeviceRepr
+            + candle_core::WithDType,
+    {
+        let dev = &x.device;
+        let c = lw.shape().elem_count();
+        let n = lx.shape().elem_count();
+        let size = std::mem::size_of::<T>();
+        let aligned = |l: &Layout| l.is_contiguous() && (l.start_offset() * size) % 16 == 0;
+        if c == 0
+            || n % c != 0
+            || c % (16 / size) != 0
+            || c / (16 / size) > 32 * LN_MAX_CHUNKS
+            || lb.shape().elem_count() != c
+            || !(aligned(lx) && aligned(lw) && aligned(lb))
+        {
+            candle_core::bail!(
+                "layer_norm: unsupported layout for the CUDA kernel (x {:?}, weight {:?})",
+                lx.shape(),
+                lw.shape()
+            );
+        }
+        let rows = (n / c) as u32;
+        let xs = x.as_cuda_slice::<T>()?.slice(lx.start_offset()..);
+        let ws = w.as_cuda_slice::<T>()?.slice(lw.start_offset()..);
+        let bs = b.as_cuda_slice::<T>()?.slice(lb.start_offset()..);
+        // SAFETY: every element is written by the kernel (one warp per row, every chunk).
+        let out = unsafe { dev.alloc::<T>(n)? };
+        let func = {
+            let mut states = STATE.lock().unwrap_or_else(|e| e.into_inner());
+            device_state(&mut states, dev)?.layer_norm[dtype_index(T::DTYPE)?].clone()
+        };
+        let rows_per_block = 8u32;
+        let cfg = LaunchConfig {
+            grid_dim: (rows.div_ceil(rows_per_block), 1, 1),
+            block_dim: (32 * rows_per_block, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let stream = dev.cuda_stream();
+        let mut builder = stream.launch_builder(&func);
+        let c32 = c as u32;
+        builder.arg(&xs);
+        builder.arg(&ws);
+        builder.arg(&bs);
+        builder.arg(&out);
+        builder.arg(&rows);
+        builder.arg(&c32);
+        builder.arg(&self.eps);
+        // SAFETY: sizes and alignment checked above; the kernel stays within `rows · C`.
+        unsafe { builder.launch(cfg) }.map_err(candle_core::Error::wrap)?;
+        Ok((
+            CudaStorage::wrap_cuda_slice(out, dev.clone()),
+            lx.shape().clone(),
+        ))
+    }
+}
+
+impl candle_core::CustomOp3 for LayerNormOp {
+    fn name(&self) -> &'static str {
+        "fastpath-layer-norm"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        candle_core::bail!("layer_norm: the CUDA op was dispatched on a CPU tensor")
+    }
+
+    fn cuda_fwd(
+        &self,
+        x: &CudaStorage,
+        lx: &Layout,
+        w: &CudaStorage,
+        lw: &Layout,
+        b: &CudaStorage,
+        lb: &Layout,
+    ) -> candle_core::Result<(CudaStorage, Shape)> {
+        match x.dtype() {
+            DType::F32 => self.run::<f32>((x, lx), (w, lw), (b, lb)),
+            DType::F16 => self.run::<half::f16>((x, lx), (w, lw), (b, lb)),
+            DType::BF16 => self.run::<half::bf16>((x, lx), (w, lw), (b, lb)),
+            dtype => Err(FastpathError::UnsupportedDType {
+                op: "layer_norm",
+                dtype,
+            }
+            .into()),
+        }
+    }
+}

@@ -1,0 +1,238 @@
+//! [`CapturedForward`]: a whole candle forward captured once into a CUDA graph and replayed.
+//!
+//! A ViT forward through candle is a few hundred kernel launches, each costing several µs of host
+//! work in candle's generic op path; at small batches that host work, not the GPU, sets the
+//! latency. A CUDA graph replays all of them with one launch.
+//!
+//! How the capture stays valid across replays:
+//! - the input lives in a buffer owned here (its address is baked into the graph); a call copies
+//!   the new input into it on the stream, then launches the graph;
+//! - the forward's output is copied, inside the graph, into a second buffer owned here, so the
+//!   graph frees every allocation it makes (stream-ordered `cuMemAllocAsync`/`cuMemFreeAsync`
+//!   captured as graph memory nodes) and can be relaunched any number of times;
+//! - the forward runs once eagerly before the capture, with candle's host-to-device cache on, so
+//!   kernels are loaded, cuBLASLt plans chosen and candle's small layout uploads cached: nothing
+//!   inside the capture talks to the host;
+//! - cudarc's per-buffer event tracking is switched off for the device (candle uses one stream
+//!   per device, so it is not needed, and waiting on an event recorded before the capture is
+//!   illegal inside it).
+//!
+//! The forward must not read anything back to the host (a `to_vec`, a data-dependent shape):
+//! that fails the capture with an error, and nothing is left half-captured.
+
+use candle_core::backend::{BackendDevice, BackendStorage};
+use candle_core::cuda_backend::cudarc::driver::{sys, CudaGraph};
+use candle_core::cuda_backend::CudaDevice;
+use candle_core::{CpuStorage, CudaStorage, DType, Device, Layout, Tensor};
+
+use crate::error::{FastpathError, Result};
+
+/// A captured forward: `run(x)` = `forward(x)` for every `x` shaped like the example.
+pub struct CapturedForward {
+    graph: CudaGraph,
+    device: CudaDevice,
+    input: Tensor,
+    output: Tensor,
+}
+
+impl std::fmt::Debug for CapturedForward {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CapturedForward")
+            .field("input", &self.input.shape())
+            .field("output", &self.output.shape())
+            .finish()
+    }
+}
+
+fn graph_err(what: &str, e: impl std::fmt::Debug) -> FastpathError {
+    FastpathError::Graph(format!("{what}: {e:?}"))
+}
+
+impl CapturedForward {
+    /// Runs `forward` on `example` once (warm-up), then captures it into a CUDA graph.
+    ///
+    /// * `example` - an input of the shape and dtype every later [`Self::run`] will get, on a
+    ///   CUDA device.
+    /// * `forward` - any candle computation on that device that does not read back to the host.
+    pub fn capture<F>(example: &Tensor, forward: F) -> Result<Self>
+    where
+        F: Fn(&Tensor) -> candle_core::Result<Tensor>,
+    {
+        let Device::Cuda(device) = example.device() else {
+            return Err(FastpathError::NotCuda {
+                op: "CapturedForward::capture",
+                device: format!("{:?}", example.device().location()),
+            });
+        };
+        let device = device.clone();
+        // SAFETY: candle issues all work of a device on its one stream, so the cross-stream
+        // events cudarc records per buffer carry no ordering that the stream does not already.
+        unsafe { device.disable_event_tracking() };
+        let _htod_cache = device.enable_cuda_graph_htod_cache();
+        // Fresh buffers owned by the graph's user: nobody else holds their storage.
+        let input = example.contiguous()?.copy()?;
+        let output = forward(&input)?.contiguous()?.copy()?;
+        device.synchronize()?;
+
+        let stream = device.cuda_stream();
+        stream
+            .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .map_err(|e| graph_err("begin capture", e))?;
+        let captured = forward(&input).and_then(|y| output.inplace_op2(&y, &CopyInto));
+        // Always end the capture, so that a failed forward leaves the stream usable.
+        let graph = stream.end_capture(sys::CUgraphInstantiate_flags(0));
+        captured?;
+        let graph = graph
+            .map_err(|e| graph_err("end capture", e))?
+            .ok_or_else(|| FastpathError::Graph("the capture recorded nothing".into()))?;
+        graph.upload().map_err(|e| graph_err("upload", e))?;
+        Ok(Self {
+            graph,
+            device,
+            input,
+            output,
+        })
+    }
+
+    /// `forward(input)` by replaying the graph: one copy into the input buffer, one graph launch,
+    /// one copy of the output buffer into a fresh tensor (so that later replays do not change the
+    /// returned value). Does not wait on the GPU.
+    pub fn run(&self, input: &Tensor) -> Result<Tensor> {
+        self.replay(input)?;
+        Ok(self.output.copy()?)
+    }
+
+    /// Replays the graph on `input` without copying the output: the result is then in
+    /// [`Self::output`] until the next replay. For benchmarks and callers that consume the output
+    /// before the next call.
+    pub fn replay(&self, input: &Tensor) -> Result<()> {
+        if input.shape() != self.input.shape() || input.dtype() != self.input.dtype() {
+            return Err(FastpathError::ShapeMismatch {
+                op: "CapturedForward::run",
+                what: "input",
+                expected: self.input.shape().clone(),
+                found: input.shape().clone(),
+            });
+        }
+        if !input.device().same_device(self.input.device()) {
+            return Err(FastpathError::DeviceMismatch {
+                op: "CapturedForward::run",
+                what: "input",
+                expected: format!("{:?}", self.input.device().location()),
+                found: format!("{:?}", input.device().location()),
+            });
+        }
+        self.input.inplace_op2(&input.contiguous()?, &CopyInto)?;
+        self.graph.launch().map_err(|e| graph_err("launch", e))?;
+        Ok(())
+    }
+
+    /// The buffer the graph writes its output into (overwritten by every replay).
+    pub fn output(&self) -> &Tensor {
+        &self.output
+    }
+
+    pub fn device(&self) -> &CudaDevice {
+        &self.device
+    }
+}
+
+/// `dst ← src` (same element count, both contiguous) as one stream-ordered device copy.
+struct CopyInto;
+
+impl candle_core::InplaceOp2 for CopyInto {
+    fn name(&self) -> &'static str {
+        "copy-into"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &mut CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> candle_core::Result<()> {
+        candle_core::bail!("copy-into: CUDA only")
+    }
+
+    fn cuda_fwd(
+        &self,
+        dst: &mut CudaStorage,
+        ld: &Layout,
+        src: &CudaStorage,
+        ls: &Layout,
+    ) -> candle_core::Result<()> {
+        if !ld.is_contiguous()
+            || !ls.is_contiguous()
+            || ld.shape().elem_count() != ls.shape().elem_count()
+        {
+            candle_core::bail!(
+                "copy-into: needs contiguous tensors of equal size, got {:?} and {:?}",
+                ld.shape(),
+                ls.shape()
+            );
+        }
+        if dst.dtype() != src.dtype() {
+            candle_core::bail!("copy-into: dtype {:?} into {:?}", src.dtype(), dst.dtype());
+        }
+        let n = ld.shape().elem_count();
+        let stream = src.device.cuda_stream();
+        macro_rules! copy {
+            ($t:ty) => {{
+                let s = src
+                    .as_cuda_slice::<$t>()?
+                    .slice(ls.start_offset()..ls.start_offset() + n);
+                let start = ld.start_offset();
+                let mut d = dst.as_cuda_slice_mut::<$t>()?.slice_mut(start..start + n);
+                stream
+                    .memcpy_dtod(&s, &mut d)
+                    .map_err(candle_core::Error::wrap)
+            }};
+        }
+        match dst.dtype() {
+            DType::F32 => copy!(f32),
+            DType::F16 => copy!(half::f16),
+            DType::BF16 => copy!(half::bf16),
+            DType::U32 => copy!(u32),
+            DType::I64 => copy!(i64),
+            DType::U8 => copy!(u8),
+            other => candle_core::bail!("copy-into: unsupported dtype {other:?}"),
+        }
+    }
+}
+
+/// Keeps memory that candle frees on `device` cached in the CUDA memory pool across
+/// synchronisations, instead of returning it to the driver.
+///
+/// candle's CUDA allocations are stream-ordered (`cuMemAllocAsync`) from the device's default
+/// pool, whose release threshold is 0: at every synchronisation (a read-back, a
+/// `Device::synchronize`) the pool hands all free memory back, and the next allocations map
+/// fresh pages. A forward with a read-back per pruning step then pays that mapping again after
+/// every step. With the threshold at its maximum the pool behaves like PyTorch's caching
+/// allocator. `retain = false` restores the driver's default (release at every sync).
+/// Process-wide for the device; a no-op on the CPU.
+pub fn retain_freed_memory(device: &Device, retain: bool) -> Result<()> {
+    let Device::Cuda(dev) = device else {
+        return Ok(());
+    };
+    let cu_dev = dev.cuda_stream().context().cu_device();
+    let mut pool = std::mem::MaybeUninit::uninit();
+    // SAFETY: driver calls on a valid device; `pool` is written on success, and the attribute
+    // is a u64 as the driver expects.
+    unsafe {
+        let r = sys::cuDeviceGetDefaultMemPool(pool.as_mut_ptr(), cu_dev);
+        if r != sys::CUresult::CUDA_SUCCESS {
+            return Err(graph_err("cuDeviceGetDefaultMemPool", r));
+        }
+        let mut threshold = if retain { u64::MAX } else { 0 };
+        let r = sys::cuMemPoolSetAttribute(
+            pool.assume_init(),
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            &mut threshold as *mut u64 as *mut std::ffi::c_void,
+        );
+        if r != sys::CUresult::CUDA_SUCCESS {
+            return Err(graph_err("setting the memory pool's release threshold", r));
+        }
+    }
+    Ok(())
+}

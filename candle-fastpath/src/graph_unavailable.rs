@@ -1,0 +1,46 @@
+//! [`CapturedForward`] in a build without the `cuda` feature: same API, and `capture` says why it
+//! cannot work, so callers need no `cfg` of their own.
+
+use candle_core::Tensor;
+
+use crate::error::{FastpathError, Result};
+
+/// See the CUDA build's documentation; without CUDA no value of this type can exist.
+#[derive(Debug)]
+pub struct CapturedForward {
+    never: std::convert::Infallible,
+}
+
+impl CapturedForward {
+    /// Always an error: CUDA graphs need a CUDA device (and this build has no CUDA support).
+    pub fn capture<F>(example: &Tensor, _forward: F) -> Result<Self>
+    where
+        F: Fn(&Tensor) -> candle_core::Result<Tensor>,
+    {
+        Err(FastpathError::NotCuda {
+            op: "CapturedForward::capture",
+            device: format!(
+                "{:?} (built without the `cuda` feature)",
+                example.device().location()
+            ),
+        })
+    }
+
+    pub fn run(&self, _input: &Tensor) -> Result<Tensor> {
+        match self.never {}
+    }
+
+    pub fn replay(&self, _input: &Tensor) -> Result<()> {
+        match self.never {}
+    }
+
+    pub fn output(&self) -> &Tensor {
+        match self.never {}
+    }
+}
+
+/// Without CUDA there is no memory pool to configure: always `Ok`.
+pub fn retain_freed_memory(device: &candle_core::Device, retain: bool) -> Result<()> {
+    let _ = (device, retain);
+    Ok(())
+}

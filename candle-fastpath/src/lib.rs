@@ -1,0 +1,46 @@
+//! The CUDA hot path for candle vision transformers, usable by any candle model:
+//!
+//! - [`FusedLinear`]: `x·Wᵀ + b`, optionally followed by the exact (erf) GELU or added to a
+//!   residual, as one cuBLASLt call with the bias (and residual) in its epilogue (plus one
+//!   in-place GELU kernel). candle's own `Linear` runs a matmul and then a separate broadcast add
+//!   (and a GELU, and a residual add), each a full pass over the activations; in a ViT those
+//!   passes cost more than the matmuls. On the CPU the same layer runs as plain candle ops with
+//!   identical semantics.
+//! - [`LayerNorm`]: torch's LayerNorm as one bandwidth-bound kernel on CUDA (candle-nn's fused op
+//!   on the CPU).
+//! - [`CapturedForward`] (CUDA; elsewhere `capture` returns an error): captures a whole forward (any closure of candle ops) into a CUDA
+//!   graph once and replays it, so a call costs one graph launch instead of hundreds of kernel
+//!   launches through candle's generic op path.
+//!
+//! ```
+//! use candle_core::{Device, Module, Tensor};
+//! use candle_fastpath::{Epilogue, FusedLinear};
+//!
+//! # fn main() -> candle_fastpath::Result<()> {
+//! let dev = Device::Cpu;
+//! let fc = FusedLinear::new(Tensor::randn(0f32, 1.0, (8, 4), &dev)?, Some(Tensor::zeros(8, candle_core::DType::F32, &dev)?))?;
+//! let x = Tensor::randn(0f32, 1.0, (2, 3, 4), &dev)?; // any leading dims
+//! let h = fc.forward_with(&x, Epilogue::Gelu)?; // gelu(x·Wᵀ + b): [2, 3, 8]
+//! let y = fc.forward(&x)?; // the plain Module call
+//! let r = fc.forward_with(&x, Epilogue::Residual(&y))?; // y + x·Wᵀ + b
+//! assert_eq!(h.dims(), &[2, 3, 8]);
+//! assert_eq!(r.dims(), &[2, 3, 8]);
+//! # Ok(())
+//! # }
+//! ```
+
+#[cfg(feature = "cuda")]
+mod cuda;
+mod error;
+#[cfg(feature = "cuda")]
+mod graph;
+#[cfg(not(feature = "cuda"))]
+#[path = "graph_unavailable.rs"]
+mod graph;
+mod linear;
+mod norm;
+
+pub use error::{FastpathError, Result};
+pub use graph::{retain_freed_memory, CapturedForward};
+pub use linear::{linear, linear_no_bias, Epilogue, FusedLinear};
+pub use norm::{layer_norm, LayerNorm};

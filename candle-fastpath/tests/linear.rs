@@ -1,0 +1,255 @@
+//! FusedLinear against an f64 reference on fresh random inputs: every epilogue, with and without
+//! bias, f32/f16/bf16, odd and ViT-sized shapes, row counts 1..577, inputs at unaligned offsets.
+//! On CPU this checks the layer's semantics; built with `cuda` on a GPU machine it checks the
+//! cuBLASLt path and the GELU kernel, with the output memory poisoned (NaN) before each call.
+
+use candle_core::{DType, Device, Tensor};
+use candle_fastpath::{Epilogue, FastpathError, FusedLinear};
+use rand::{rngs::StdRng, Rng, SeedableRng};
+
+fn device() -> Device {
+    #[cfg(feature = "cuda")]
+    {
+        if let Ok(d) = Device::new_cuda(0) {
+            return d;
+        }
+        if std::env::var_os("CANDLE_RAGGED_REQUIRE_CUDA").is_some() {
+            panic!("CANDLE_RAGGED_REQUIRE_CUDA is set but no CUDA device could be opened");
+        }
+    }
+    Device::Cpu
+}
+
+/// NaN-fills freshly freed device memory: candle's CUDA allocator is stream-ordered and hands
+/// the same block back, so an element the op forgets to write shows up as NaN.
+fn poison(dev: &Device, elems: usize, dtype: DType) {
+    let t = Tensor::full(f32::NAN, elems, dev)
+        .unwrap()
+        .to_dtype(dtype)
+        .unwrap();
+    drop(t);
+}
+
+fn randn(rng: &mut StdRng, n: usize, std: f32) -> Vec<f32> {
+    (0..n)
+        .map(|_| {
+            let u1: f32 = rng.random::<f32>().max(1e-7);
+            let u2: f32 = rng.random();
+            std * (-2.0 * u1.ln()).sqrt() * (2.0 * std::f32::consts::PI * u2).cos()
+        })
+        .collect()
+}
+
+/// Values as the op sees them after rounding to `dtype`.
+fn quantize(v: &[f32], dtype: DType) -> Vec<f32> {
+    Tensor::from_slice(v, v.len(), &Device::Cpu)
+        .unwrap()
+        .to_dtype(dtype)
+        .unwrap()
+        .to_dtype(DType::F32)
+        .unwrap()
+        .to_vec1()
+        .unwrap()
+}
+
+fn gelu(x: f64) -> f64 {
+    0.5 * x * (1.0 + libm::erf(x / std::f64::consts::SQRT_2))
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Kind {
+    Plain,
+    Gelu,
+    Residual,
+}
+
+#[allow(clippy::too_many_arguments)]
+fn check(
+    dev: &Device,
+    rng: &mut StdRng,
+    dtype: DType,
+    m: usize,
+    k: usize,
+    n: usize,
+    bias: bool,
+    kind: Kind,
+    offset_rows: usize,
+) {
+    let w = quantize(&randn(rng, n * k, 1.0 / (k as f32).sqrt()), dtype);
+    let b = quantize(&randn(rng, n, 0.5), dtype);
+    // x is a view starting `offset_rows` rows into a larger buffer (unaligned when odd).
+    let x_all = quantize(&randn(rng, (m + offset_rows) * k, 1.0), dtype);
+    let r = quantize(&randn(rng, m * n, 1.0), dtype);
+    let to = |v: &[f32], shape: &[usize]| {
+        Tensor::from_slice(v, shape, dev)
+            .unwrap()
+            .to_dtype(dtype)
+            .unwrap()
+    };
+    let layer = FusedLinear::new(to(&w, &[n, k]), bias.then(|| to(&b, &[n]))).unwrap();
+    let x = to(&x_all, &[m + offset_rows, k])
+        .narrow(0, offset_rows, m)
+        .unwrap();
+    let res = to(&r, &[m, n]);
+    poison(dev, m * n, dtype);
+    let epilogue = match kind {
+        Kind::Plain => Epilogue::Plain,
+        Kind::Gelu => Epilogue::Gelu,
+        Kind::Residual => Epilogue::Residual(&res),
+    };
+    let got = layer
+        .forward_with(&x, epilogue)
+        .unwrap()
+        .to_dtype(DType::F32)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap();
+    assert_eq!(got.len(), m * n);
+    // The CPU path rounds the product, the biased sum and the residual sum to `dtype` in turn,
+    // the CUDA path once: allow a few roundings of the largest term.
+    let tol = match dtype {
+        DType::F32 => 1e-5,
+        DType::F16 => 3e-3,
+        _ => 2e-2,
+    };
+    let x = &x_all[offset_rows * k..];
+    for i in 0..m {
+        for j in 0..n {
+            let mut acc = if bias { b[j] as f64 } else { 0.0 };
+            for t in 0..k {
+                acc += x[i * k + t] as f64 * w[j * k + t] as f64;
+            }
+            let want = match kind {
+                Kind::Plain => acc,
+                Kind::Gelu => gelu(acc),
+                Kind::Residual => acc + r[i * n + j] as f64,
+            };
+            let g = got[i * n + j] as f64;
+            let scale = 1.0
+                + acc.abs()
+                + matches!(kind, Kind::Residual) as u8 as f64 * r[i * n + j].abs() as f64;
+            assert!(
+                (g - want).abs() <= tol * scale,
+                "{dtype:?} m={m} k={k} n={n} bias={bias} {kind:?} offset={offset_rows}: \
+                 [{i}, {j}] got {g}, want {want}"
+            );
+        }
+    }
+}
+
+#[test]
+fn matches_reference_every_epilogue_dtype_and_shape() {
+    let dev = device();
+    let mut rng = StdRng::seed_from_u64(11);
+    for dtype in [DType::F32, DType::F16, DType::BF16] {
+        for &(k, n) in &[(64, 192), (7, 5), (40, 24), (384, 1152)] {
+            for &m in &[1, 2, 63, 64, 65, 197, 577] {
+                for kind in [Kind::Plain, Kind::Gelu, Kind::Residual] {
+                    let bias = m % 2 == 1 || matches!(kind, Kind::Gelu);
+                    check(&dev, &mut rng, dtype, m, k, n, bias, kind, m % 3);
+                }
+            }
+        }
+        // DeiT-B's MLP and a large row count (a packed batch of 256 pruned images).
+        check(&dev, &mut rng, dtype, 1031, 768, 3072, true, Kind::Gelu, 0);
+        check(
+            &dev,
+            &mut rng,
+            dtype,
+            1031,
+            3072,
+            768,
+            true,
+            Kind::Residual,
+            1,
+        );
+    }
+}
+
+#[test]
+fn leading_dims_are_kept() {
+    let dev = device();
+    let layer = FusedLinear::new(
+        Tensor::ones((6, 4), DType::F32, &dev).unwrap(),
+        Some(Tensor::zeros(6, DType::F32, &dev).unwrap()),
+    )
+    .unwrap();
+    let x = Tensor::ones((2, 3, 4), DType::F32, &dev).unwrap();
+    let y = layer.forward_with(&x, Epilogue::Plain).unwrap();
+    assert_eq!(y.dims(), &[2, 3, 6]);
+    let v = y.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    assert!(v.iter().all(|&e| e == 4.0), "{v:?}");
+    // A transposed (strided) input is made contiguous first, with the same result.
+    let xt = Tensor::ones((4, 5), DType::F32, &dev).unwrap().t().unwrap();
+    assert_eq!(
+        layer.forward_with(&xt, Epilogue::Plain).unwrap().dims(),
+        &[5, 6]
+    );
+}
+
+fn expect_err<T: std::fmt::Debug>(r: candle_fastpath::Result<T>, needle: &str) -> FastpathError {
+    let e = r.expect_err("expected an error");
+    let msg = e.to_string();
+    assert!(
+        msg.contains(needle),
+        "error `{msg}` does not mention `{needle}`"
+    );
+    e
+}
+
+#[test]
+fn bad_inputs_are_clear_errors() {
+    let dev = device();
+    let w = Tensor::zeros((6, 4), DType::F32, &dev).unwrap();
+    let b = Tensor::zeros(6, DType::F32, &dev).unwrap();
+    expect_err(
+        FusedLinear::new(Tensor::zeros(4, DType::F32, &dev).unwrap(), None),
+        "weight must have rank 2",
+    );
+    expect_err(
+        FusedLinear::new(w.clone(), Some(Tensor::zeros(5, DType::F32, &dev).unwrap())),
+        "bias has shape [5], expected [6]",
+    );
+    expect_err(
+        FusedLinear::new(w.clone(), Some(Tensor::zeros(6, DType::F16, &dev).unwrap())),
+        "dtype mismatch, bias is F16",
+    );
+    expect_err(
+        FusedLinear::new(Tensor::zeros((6, 4), DType::U32, &dev).unwrap(), None),
+        "unsupported dtype U32",
+    );
+    let layer = FusedLinear::new(w, Some(b)).unwrap();
+    expect_err(
+        layer.forward_with(
+            &Tensor::zeros((3, 5), DType::F32, &dev).unwrap(),
+            Epilogue::Plain,
+        ),
+        "x must have rank at least 1",
+    );
+    expect_err(
+        layer.forward_with(
+            &Tensor::zeros((0, 4), DType::F32, &dev).unwrap(),
+            Epilogue::Plain,
+        ),
+        "x has no elements",
+    );
+    expect_err(
+        layer.forward_with(
+            &Tensor::zeros((3, 4), DType::F16, &dev).unwrap(),
+            Epilogue::Gelu,
+        ),
+        "dtype mismatch, x is F16",
+    );
+    let x = Tensor::zeros((3, 4), DType::F32, &dev).unwrap();
+    let bad_res = Tensor::zeros((3, 5), DType::F32, &dev).unwrap();
+    expect_err(
+        layer.forward_with(&x, Epilogue::Residual(&bad_res)),
+        "residual has shape [3, 5], expected [3, 6]",
+    );
+    if dev.is_cuda() {
+        let cpu_x = Tensor::zeros((3, 4), DType::F32, &Device::Cpu).unwrap();
+        expect_err(layer.forward_with(&cpu_x, Epilogue::Plain), "x is on Cpu");
+    }
+}

@@ -1,0 +1,163 @@
+//! LayerNorm against an f64 reference: f32/f16/bf16, widths the CUDA kernel takes (and ones it
+//! hands to the candle-ops fallback: too wide, not a whole number of vectors, misaligned views), row counts
+//! 1..577, inputs with a large mean (where E[x²]-E[x]² would cancel). Output memory poisoned.
+
+use candle_core::{DType, Device, Module, Tensor};
+use candle_fastpath::LayerNorm;
+use rand::{rngs::StdRng, Rng, SeedableRng};
+
+fn device() -> Device {
+    #[cfg(feature = "cuda")]
+    {
+        if let Ok(d) = Device::new_cuda(0) {
+            return d;
+        }
+        if std::env::var_os("CANDLE_RAGGED_REQUIRE_CUDA").is_some() {
+            panic!("CANDLE_RAGGED_REQUIRE_CUDA is set but no CUDA device could be opened");
+        }
+    }
+    Device::Cpu
+}
+
+fn poison(dev: &Device, elems: usize, dtype: DType) {
+    drop(
+        Tensor::full(f32::NAN, elems, dev)
+            .unwrap()
+            .to_dtype(dtype)
+            .unwrap(),
+    );
+}
+
+fn quantize(v: &[f32], dtype: DType) -> Vec<f32> {
+    Tensor::from_slice(v, v.len(), &Device::Cpu)
+        .unwrap()
+        .to_dtype(dtype)
+        .unwrap()
+        .to_dtype(DType::F32)
+        .unwrap()
+        .to_vec1()
+        .unwrap()
+}
+
+fn check(dev: &Device, rng: &mut StdRng, dtype: DType, rows: usize, c: usize, lead: usize) {
+    let mean_shift: f32 = rng.random_range(-20.0..20.0);
+    let total = lead + rows * c;
+    let x_all = quantize(
+        &(0..total)
+            .map(|_| mean_shift + rng.random_range(-2.0f32..2.0))
+            .collect::<Vec<_>>(),
+        dtype,
+    );
+    let w = quantize(
+        &(0..c)
+            .map(|_| rng.random_range(0.5f32..1.5))
+            .collect::<Vec<_>>(),
+        dtype,
+    );
+    let b = quantize(
+        &(0..c)
+            .map(|_| rng.random_range(-0.5f32..0.5))
+            .collect::<Vec<_>>(),
+        dtype,
+    );
+    let to = |v: &[f32], shape: &[usize]| {
+        Tensor::from_slice(v, shape, dev)
+            .unwrap()
+            .to_dtype(dtype)
+            .unwrap()
+    };
+    let eps = 1e-6;
+    let ln = LayerNorm::new(to(&w, &[c]), to(&b, &[c]), eps).unwrap();
+    // `lead` elements before the rows: a view whose start may be misaligned for 16-byte loads.
+    let x = to(&x_all, &[total])
+        .narrow(0, lead, rows * c)
+        .unwrap()
+        .reshape((rows, c))
+        .unwrap();
+    poison(dev, rows * c, dtype);
+    let got: Vec<f32> = ln
+        .forward(&x)
+        .unwrap()
+        .to_dtype(DType::F32)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap();
+    let tol = match dtype {
+        DType::F32 => 2e-5,
+        DType::F16 => 4e-3,
+        _ => 3e-2,
+    };
+    for r in 0..rows {
+        let row = &x_all[lead + r * c..lead + (r + 1) * c];
+        let mean = row.iter().map(|&v| v as f64).sum::<f64>() / c as f64;
+        let var = row.iter().map(|&v| (v as f64 - mean).powi(2)).sum::<f64>() / c as f64;
+        let rstd = 1.0 / (var + eps).sqrt();
+        for j in 0..c {
+            let want = (row[j] as f64 - mean) * rstd * w[j] as f64 + b[j] as f64;
+            let g = got[r * c + j] as f64;
+            assert!(
+                (g - want).abs() <= tol * (1.0 + want.abs()),
+                "{dtype:?} rows={rows} C={c} lead={lead}: [{r}, {j}] got {g}, want {want}"
+            );
+        }
+    }
+}
+
+#[test]
+fn matches_reference() {
+    let dev = device();
+    let mut rng = StdRng::seed_from_u64(5);
+    for dtype in [DType::F32, DType::F16, DType::BF16] {
+        for &c in &[8, 40, 64, 192, 384, 768, 1024, 12, 2056] {
+            for &rows in &[1, 2, 63, 64, 65, 197, 577] {
+                check(&dev, &mut rng, dtype, rows, c, 0);
+            }
+        }
+        // Views: starting one row in (aligned when a row is a whole number of vectors) and
+        // three elements in (misaligned: the candle-ops fallback runs).
+        check(&dev, &mut rng, dtype, 33, 384, 384);
+        check(&dev, &mut rng, dtype, 33, 384, 3);
+    }
+}
+
+#[test]
+fn bad_inputs_are_clear_errors() {
+    let dev = device();
+    let w = Tensor::ones(8, DType::F32, &dev).unwrap();
+    let b = Tensor::zeros(8, DType::F32, &dev).unwrap();
+    let msg = |r: candle_fastpath::Result<LayerNorm>| r.unwrap_err().to_string();
+    assert!(msg(LayerNorm::new(w.clone(), b.clone(), f64::NAN)).contains("eps must be finite"));
+    assert!(msg(LayerNorm::new(
+        w.clone(),
+        Tensor::zeros(7, DType::F32, &dev).unwrap(),
+        1e-5
+    ))
+    .contains("bias has shape [7], expected [8]"));
+    assert!(msg(LayerNorm::new(
+        w.clone(),
+        b.to_dtype(DType::F16).unwrap(),
+        1e-5
+    ))
+    .contains("dtype mismatch, bias is F16"));
+    let ln = LayerNorm::new(w, b, 1e-5).unwrap();
+    let e = ln
+        .forward_checked(&Tensor::zeros((2, 9), DType::F32, &dev).unwrap())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("x (last dim) has shape [2, 9], expected [8]"),
+        "{e}"
+    );
+    let e = ln
+        .forward_checked(&Tensor::zeros((2, 8), DType::BF16, &dev).unwrap())
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("dtype mismatch, x is BF16"), "{e}");
+    let e = ln
+        .forward_checked(&Tensor::zeros((0, 8), DType::F32, &dev).unwrap())
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("x has no elements"), "{e}");
+}
