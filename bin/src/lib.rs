@@ -38,7 +38,11 @@ impl DeviceArg {
 
 #[cfg(feature = "cuda")]
 fn open_cuda() -> Result<Device> {
-    Device::new_cuda(0).context("cannot open CUDA device 0 (is there a GPU and a working driver?)")
+    let dev = Device::new_cuda(0)
+        .context("cannot open CUDA device 0 (is there a GPU and a working driver?)")?;
+    // Keep freed activations cached across read-backs (see candle_fastpath::retain_freed_memory).
+    candle_fastpath::retain_freed_memory(&dev, true)?;
+    Ok(dev)
 }
 
 #[cfg(not(feature = "cuda"))]
@@ -251,5 +255,70 @@ pub fn run_main(body: impl FnOnce() -> Result<()>) -> ExitCode {
             eprintln!("error: {msg}");
             ExitCode::FAILURE
         }
+    }
+}
+
+/// Peak device memory of a stretch of work, from the high-water mark of the CUDA device's
+/// default memory pool (candle's CUDA allocations are stream-ordered, so they all come from it).
+/// `None` on the CPU.
+pub struct PeakMemory {
+    #[cfg(feature = "cuda")]
+    pool: Option<candle_core::cuda_backend::cudarc::driver::sys::CUmemoryPool>,
+}
+
+impl PeakMemory {
+    /// Starts measuring on `device` (resets the pool's high-water mark to what is in use now).
+    pub fn start(device: &Device) -> Result<Self> {
+        #[cfg(feature = "cuda")]
+        if let Device::Cuda(dev) = device {
+            use candle_core::cuda_backend::cudarc::driver::sys;
+            let cu_dev = dev.cuda_stream().context().cu_device();
+            let mut pool = std::mem::MaybeUninit::uninit();
+            // SAFETY: plain driver queries on a valid device; `pool` is written on success.
+            unsafe {
+                let r = sys::cuDeviceGetDefaultMemPool(pool.as_mut_ptr(), cu_dev);
+                if r != sys::CUresult::CUDA_SUCCESS {
+                    bail!("cuDeviceGetDefaultMemPool failed: {r:?}");
+                }
+                let pool = pool.assume_init();
+                let mut zero: u64 = 0;
+                let r = sys::cuMemPoolSetAttribute(
+                    pool,
+                    sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
+                    &mut zero as *mut u64 as *mut std::ffi::c_void,
+                );
+                if r != sys::CUresult::CUDA_SUCCESS {
+                    bail!("resetting the memory pool's high-water mark failed: {r:?}");
+                }
+                return Ok(Self { pool: Some(pool) });
+            }
+        }
+        let _ = device;
+        Ok(Self {
+            #[cfg(feature = "cuda")]
+            pool: None,
+        })
+    }
+
+    /// The most memory in use at once since [`Self::start`], in MiB (synchronise first).
+    pub fn peak_mb(&self) -> Result<Option<f64>> {
+        #[cfg(feature = "cuda")]
+        if let Some(pool) = self.pool {
+            use candle_core::cuda_backend::cudarc::driver::sys;
+            let mut high: u64 = 0;
+            // SAFETY: reads one u64 attribute of a live pool.
+            let r = unsafe {
+                sys::cuMemPoolGetAttribute(
+                    pool,
+                    sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
+                    &mut high as *mut u64 as *mut std::ffi::c_void,
+                )
+            };
+            if r != sys::CUresult::CUDA_SUCCESS {
+                bail!("reading the memory pool's high-water mark failed: {r:?}");
+            }
+            return Ok(Some(high as f64 / (1024.0 * 1024.0)));
+        }
+        Ok(None)
     }
 }

@@ -6,9 +6,17 @@
 //! Per-token ops ([`Mlp`], LayerNorm, the Linear layers) accept any rank whose last dim is C;
 //! only [`Attention`] looks at how tokens are grouped into images, through
 //! [`AttentionInputs`]. Token-pruned execution (padded or ragged) is in [`crate::pruned`].
+//!
+//! Every Linear is a [`FusedLinear`]: on CUDA its bias, the MLP's GELU and the block's residual
+//! adds ride in the matmul's epilogue instead of being separate passes over the activations
+//! (those passes cost more than the matmuls in candle). The plain [`DeiT::forward`] runs the
+//! blocks on the flattened `[B·N, C]` tokens with the ragged attention kernel on equal lengths:
+//! no head split/merge copies, no `[B, H, N, N]` scores in memory.
 
 use candle_core::{DType, Module, Result, Tensor, D};
-use candle_nn::{layer_norm, linear, LayerNorm, Linear, VarBuilder};
+use candle_fastpath::{layer_norm, linear, FusedLinear, LayerNorm};
+use candle_nn::VarBuilder;
+use candle_ragged::RaggedBatch;
 
 use crate::attention::{attend, merge_heads, split_heads, AttentionInputs};
 use crate::config::DeiTConfig;
@@ -17,9 +25,8 @@ use crate::config::DeiTConfig;
 /// (`[B·196, 3·16·16] @ Wᵀ + b`), which is the same arithmetic without im2col overhead.
 #[derive(Debug, Clone)]
 pub struct PatchEmbed {
-    /// Conv weight flattened to `[C, 3·p·p]` in (channel, row, col) order.
-    weight: Tensor,
-    bias: Tensor,
+    /// Conv weight flattened to `[C, 3·p·p]` in (channel, row, col) order, with the conv bias.
+    proj: FusedLinear,
     patch_size: usize,
     image_size: usize,
 }
@@ -33,8 +40,7 @@ impl PatchEmbed {
             .reshape((cfg.dim, 3 * p * p))?;
         let bias = vb.get(cfg.dim, "proj.bias")?;
         Ok(Self {
-            weight,
-            bias,
+            proj: FusedLinear::new(weight, Some(bias))?,
             patch_size: p,
             image_size: cfg.image_size,
         })
@@ -60,10 +66,7 @@ impl Module for PatchEmbed {
             .reshape((b, c, gh, p, gw, p))?
             .permute((0, 2, 4, 1, 3, 5))?
             .reshape((b * gh * gw, c * p * p))?;
-        let out = patches
-            .matmul(&self.weight.t()?)?
-            .broadcast_add(&self.bias)?;
-        out.reshape((b, gh * gw, ()))
+        self.proj.forward(&patches)?.reshape((b, gh * gw, ()))
     }
 }
 
@@ -71,8 +74,8 @@ impl Module for PatchEmbed {
 #[derive(Debug, Clone)]
 pub struct Attention {
     /// `[3C, C]`: rows are q | k | v, each head-major.
-    pub qkv: Linear,
-    pub proj: Linear,
+    pub qkv: FusedLinear,
+    pub proj: FusedLinear,
     pub heads: usize,
     pub scale: f64,
 }
@@ -89,20 +92,29 @@ impl Attention {
 
     /// Attention over tokens laid out as `inputs` says. The two projections are per-token.
     pub fn forward_with(&self, x: &Tensor, inputs: &AttentionInputs) -> Result<Tensor> {
-        Ok(self.forward_with_qkv(x, inputs)?.0)
+        let (heads, _) = self.heads_and_qkv(x, inputs)?;
+        self.proj.forward(&heads)
     }
 
-    /// [`Self::forward_with`] that also returns the fused qkv projection (`[.., 3C]`, same
-    /// layout as `x`), for pruners that score tokens with this block's attention.
-    pub fn forward_with_qkv(
+    /// `residual + attn(x)`, the residual added in the output projection's epilogue; also
+    /// returns the fused qkv projection (`[.., 3C]`, same layout as `x`) for pruners that score
+    /// tokens with this block's attention.
+    pub fn forward_residual_with_qkv(
         &self,
         x: &Tensor,
+        residual: &Tensor,
         inputs: &AttentionInputs,
     ) -> Result<(Tensor, Tensor)> {
+        let (heads, qkv) = self.heads_and_qkv(x, inputs)?;
+        Ok((self.proj.forward_residual(&heads, residual)?, qkv))
+    }
+
+    /// The attention output before the projection (`[.., C]`, heads merged) and the qkv.
+    fn heads_and_qkv(&self, x: &Tensor, inputs: &AttentionInputs) -> Result<(Tensor, Tensor)> {
         let qkv = self.qkv.forward(x)?;
         let (q, k, v) = split_heads(&qkv, self.heads, inputs)?;
         let out = attend(&q, &k, &v, self.scale, inputs)?;
-        Ok((self.proj.forward(&merge_heads(&out, inputs)?)?, qkv))
+        Ok((merge_heads(&out, inputs)?, qkv))
     }
 }
 
@@ -115,8 +127,8 @@ impl Module for Attention {
 /// fc1 → exact (erf) GELU → fc2. Per-token.
 #[derive(Debug, Clone)]
 pub struct Mlp {
-    pub fc1: Linear,
-    pub fc2: Linear,
+    pub fc1: FusedLinear,
+    pub fc2: FusedLinear,
 }
 
 impl Mlp {
@@ -128,10 +140,19 @@ impl Mlp {
     }
 }
 
+impl Mlp {
+    /// `residual + mlp(x)`, the residual added in fc2's epilogue.
+    pub fn forward_residual(&self, x: &Tensor, residual: &Tensor) -> Result<Tensor> {
+        Ok(self
+            .fc2
+            .forward_residual(&self.fc1.forward_gelu(x)?, residual)?)
+    }
+}
+
 impl Module for Mlp {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         // timm's DeiT uses nn.GELU (erf), not the tanh approximation.
-        self.fc2.forward(&self.fc1.forward(x)?.gelu_erf()?)
+        self.fc2.forward(&self.fc1.forward_gelu(x)?)
     }
 }
 
@@ -157,7 +178,7 @@ impl Block {
     /// The attention half: `x + attn(norm1(x))`. Pruners that score tokens between the halves
     /// can call the halves separately.
     pub fn attn_residual(&self, x: &Tensor, inputs: &AttentionInputs) -> Result<Tensor> {
-        x + self.attn.forward_with(&self.norm1.forward(x)?, inputs)?
+        Ok(self.attn_residual_with_qkv(x, inputs)?.0)
     }
 
     /// [`Self::attn_residual`] that also returns the block's fused qkv projection.
@@ -166,15 +187,13 @@ impl Block {
         x: &Tensor,
         inputs: &AttentionInputs,
     ) -> Result<(Tensor, Tensor)> {
-        let (out, qkv) = self
-            .attn
-            .forward_with_qkv(&self.norm1.forward(x)?, inputs)?;
-        Ok(((x + out)?, qkv))
+        self.attn
+            .forward_residual_with_qkv(&self.norm1.forward(x)?, x, inputs)
     }
 
     /// The MLP half: `x + mlp(norm2(x))`; per-token, so any layout works.
     pub fn mlp_residual(&self, x: &Tensor) -> Result<Tensor> {
-        x + self.mlp.forward(&self.norm2.forward(x)?)?
+        self.mlp.forward_residual(&self.norm2.forward(x)?, x)
     }
 
     pub fn forward_with(&self, x: &Tensor, inputs: &AttentionInputs) -> Result<Tensor> {
@@ -201,9 +220,9 @@ pub struct DeiT {
     pub pos_embed: Tensor,
     pub blocks: Vec<Block>,
     pub norm: LayerNorm,
-    pub head: Linear,
+    pub head: FusedLinear,
     /// Distillation head (distilled models only), averaged with `head` at inference.
-    pub head_dist: Option<Linear>,
+    pub head_dist: Option<FusedLinear>,
 }
 
 impl DeiT {
@@ -257,11 +276,34 @@ impl DeiT {
 
     /// Tokens after all blocks and the final norm: `[B, N, C]`.
     pub fn forward_features(&self, pixels: &Tensor) -> Result<Tensor> {
-        let mut x = self.embed(pixels)?;
-        for block in &self.blocks {
-            x = block.forward(&x)?;
+        self.norm.forward(&self.forward_blocks(pixels)?)
+    }
+
+    /// Tokens after all blocks, before the final norm: `[B, N, C]`.
+    ///
+    /// The blocks run on the flattened `[B·N, C]` tokens, attention being the ragged kernel over
+    /// B sequences of N tokens (the same arithmetic as dense attention, without the head
+    /// split/merge copies and the `[B, H, N, N]` scores). Head dims the kernel lacks fall back to
+    /// the matmul-softmax-matmul attention.
+    pub fn forward_blocks(&self, pixels: &Tensor) -> Result<Tensor> {
+        let x = self.embed(pixels)?;
+        let (b, n, c) = x.dims3()?;
+        let head_dim = self.config.head_dim();
+        if !candle_ragged::SUPPORTED_HEAD_DIMS.contains(&head_dim) || n > candle_ragged::MAX_SEQ_LEN
+        {
+            let mut x = x;
+            for block in &self.blocks {
+                x = block.forward(&x)?;
+            }
+            return Ok(x);
         }
-        self.norm.forward(&x)
+        let batch = RaggedBatch::from_lengths(&vec![n; b], x.device())?;
+        let inputs = AttentionInputs::Ragged { batch: &batch };
+        let mut x = x.reshape((b * n, c))?;
+        for block in &self.blocks {
+            x = block.forward_with(&x, &inputs)?;
+        }
+        x.reshape((b, n, c))
     }
 
     /// Logits `[B, num_classes]` from final-norm tokens `[B, N, C]`: `head(cls)`, or
@@ -286,8 +328,11 @@ impl DeiT {
 }
 
 impl Module for DeiT {
-    /// Pixels `[B, 3, H, W]` → logits `[B, num_classes]`.
+    /// Pixels `[B, 3, H, W]` → logits `[B, num_classes]`. The final norm runs on the class (and
+    /// distillation) tokens only: the head reads nothing else.
     fn forward(&self, pixels: &Tensor) -> Result<Tensor> {
-        self.forward_head(&self.forward_features(pixels)?)
+        let prefix = self.config.num_prefix_tokens();
+        let x = self.forward_blocks(pixels)?.narrow(1, 0, prefix)?;
+        self.forward_head(&self.norm.forward(&x.contiguous()?)?)
     }
 }

@@ -23,6 +23,7 @@ pub mod deit;
 pub mod error;
 pub mod hub;
 pub mod labels;
+pub mod on_device;
 pub mod preprocess;
 pub mod pruned;
 

@@ -330,35 +330,32 @@ impl DeiT {
                 )));
             }
         }
+        if path == ExecutionPath::Dense {
+            if !pruners.is_empty() {
+                return Err(ModelError::InvalidPruning(
+                    "the dense path does not prune; use the padded or ragged path".into(),
+                ));
+            }
+            return Ok(PrunedForward {
+                logits: Module::forward(self, pixels)?,
+                stages: Vec::new(),
+                initial_tokens: self.config.seq_len(),
+            });
+        }
         let x = self.embed(pixels)?;
         let (b, n, c) = x.dims3()?;
         let dev = x.device().clone();
-        let mut tokens = match path {
-            ExecutionPath::Dense => {
-                if !pruners.is_empty() {
-                    return Err(ModelError::InvalidPruning(
-                        "the dense path does not prune; use the padded or ragged path".into(),
-                    ));
-                }
-                let mut x = x;
-                for block in &self.blocks {
-                    x = block.forward(&x)?;
-                }
-                return Ok(PrunedForward {
-                    logits: self.forward_head(&self.norm.forward(&x)?)?,
-                    stages: Vec::new(),
-                    initial_tokens: n,
-                });
-            }
-            ExecutionPath::Padded => Tokens::Padded {
-                mask: KeyPaddingMask::new(&vec![n; b], n, &dev)?,
-                x,
-            },
-            ExecutionPath::Ragged => Tokens::Ragged {
+        let mut tokens = if path == ExecutionPath::Ragged {
+            Tokens::Ragged {
                 x: x.reshape((b * n, c))?,
                 batch: RaggedBatch::from_lengths(&vec![n; b], &dev)
                     .map_err(candle_core::Error::from)?,
-            },
+            }
+        } else {
+            Tokens::Padded {
+                mask: KeyPaddingMask::new(&vec![n; b], n, &dev)?,
+                x,
+            }
         };
         let num_prefix = self.config.num_prefix_tokens();
         let mut origins: Vec<Vec<Option<u32>>> = vec![(0..n as u32).map(Some).collect(); b];

@@ -31,6 +31,7 @@ use crate::error::{PruneError, Result};
 use crate::input::{cls_attn_sum, value_norms, KeepPlan, PruneInput};
 use crate::select::{ceil_count, finish, sane};
 use crate::{Mode, Needs, PruneSite, PrunerKind, TokenPruner};
+use rayon::prelude::*;
 
 /// How ATS sets the number of sample points `K`.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -115,8 +116,11 @@ pub fn inverse_transform_sample(scores: &[f32], k: usize) -> Vec<usize> {
     } else {
         vec![1.0 / n as f64; n]
     };
-    let mut order: Vec<usize> = (0..n).collect();
-    order.sort_by(|&a, &b| w[a].total_cmp(&w[b]).then(a.cmp(&b)));
+    // Ascending weight, ties by position: a total order, so the unstable sort of (weight,
+    // position) pairs gives the stable sort's order without indexing back into `w`.
+    let mut keyed: Vec<(f64, usize)> = w.iter().copied().zip(0..n).collect();
+    keyed.sort_unstable_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
+    let order: Vec<usize> = keyed.into_iter().map(|(_, j)| j).collect();
     let mut cdf = Vec::with_capacity(n);
     let mut acc = 0.0;
     for &j in &order {
@@ -142,17 +146,7 @@ pub fn inverse_transform_sample(scores: &[f32], k: usize) -> Vec<usize> {
         } else {
             y0 + i as f64 * (1.0 - y0) / (k - 1) as f64
         };
-        // nearest normalised-CDF point, first (lowest sorted position) on ties
-        let mut best = 0;
-        let mut best_d = f64::INFINITY;
-        for (s, &c) in ncdf.iter().enumerate() {
-            let d = (y - c).abs();
-            if d < best_d {
-                best_d = d;
-                best = s;
-            }
-        }
-        picked[best] = true;
+        picked[nearest_first(&ncdf, y)] = true;
     }
     picked
         .iter()
@@ -160,6 +154,23 @@ pub fn inverse_transform_sample(scores: &[f32], k: usize) -> Vec<usize> {
         .filter(|(_, &p)| p)
         .map(|(s, _)| order[s])
         .collect()
+}
+
+/// The position in ascending `sorted` of the value nearest to `y`, the lowest position on ties
+/// (equal distances, repeated values): the first point at or above `y` against the first
+/// occurrence of the last value below it. O(log n), where scanning was O(n) per sample point.
+fn nearest_first(sorted: &[f64], y: f64) -> usize {
+    let above = sorted.partition_point(|&c| c < y);
+    if above == 0 {
+        return 0;
+    }
+    let below_value = sorted[above - 1];
+    let below = sorted.partition_point(|&c| c < below_value);
+    if above == sorted.len() || (y - below_value).abs() <= (y - sorted[above]).abs() {
+        below
+    } else {
+        above
+    }
 }
 
 impl TokenPruner for Ats {
@@ -200,8 +211,9 @@ impl TokenPruner for Ats {
         let g = input.validate()?;
         let scores = self.scores(input)?.to_vec2::<f32>()?;
         let p = g.num_prefix;
+        // One image per task: independent selections, host time the GPU waits on.
         let indices = scores
-            .iter()
+            .par_iter()
             .enumerate()
             .map(|(b, row)| {
                 let len = g.lengths[b];
@@ -219,5 +231,41 @@ impl TokenPruner for Ats {
             fused: None,
             num_prefix: p,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    /// The binary search picks exactly what a scan for the first minimum distance picks,
+    /// including repeated CDF values (zero-weight tokens) and points exactly between two values.
+    #[test]
+    fn nearest_first_equals_a_scan() {
+        let scan = |sorted: &[f64], y: f64| {
+            let mut best = (0, f64::INFINITY);
+            for (s, &c) in sorted.iter().enumerate() {
+                let d = (y - c).abs();
+                if d < best.1 {
+                    best = (s, d);
+                }
+            }
+            best.0
+        };
+        let mut state = 12345u64;
+        let mut next = || {
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            (state >> 33) as f64 / (1u64 << 31) as f64
+        };
+        for n in [1usize, 2, 3, 7, 64, 196] {
+            for _ in 0..200 {
+                // Coarse values so that repeats and exact midpoints occur.
+                let mut v: Vec<f64> = (0..n).map(|_| (next() * 8.0).floor() / 8.0).collect();
+                v.sort_by(f64::total_cmp);
+                for y in [0.0, 1.0, 0.5, 0.0625, 0.1875, next(), next(), -1.0, 2.0] {
+                    assert_eq!(super::nearest_first(&v, y), scan(&v, y), "{v:?} y={y}");
+                }
+            }
+        }
     }
 }

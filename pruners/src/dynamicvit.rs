@@ -23,12 +23,14 @@
 //!   truncated-normal std 0.02, biases 0, LayerNorm weight 1 / bias 0 (seeded, deterministic).
 
 use candle_core::{DType, Device, Module, Tensor, D};
-use candle_nn::{LayerNorm, Linear, VarBuilder};
+use candle_fastpath::{FusedLinear, LayerNorm};
+use candle_nn::VarBuilder;
 
 use crate::error::{PruneError, Result};
 use crate::input::{KeepPlan, PruneInput};
 use crate::select::{finish, keep_where, top_k};
 use crate::{Mode, Needs, PruneSite, PrunerKind, TokenPruner};
+use rayon::prelude::*;
 
 /// Where the predictor's weights came from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -118,8 +120,10 @@ impl DynamicVitConfig {
 #[derive(Debug, Clone)]
 pub struct PredictorLG {
     norm: LayerNorm,
-    in_linear: Linear,
-    out: [Linear; 3],
+    // FusedLinear: on CUDA the bias and GELU ride in the matmul's epilogue (candle's Linear
+    // would add two more passes over every token's features).
+    in_linear: FusedLinear,
+    out: [FusedLinear; 3],
     embed_dim: usize,
 }
 
@@ -191,20 +195,23 @@ impl PredictorLG {
         Ok(())
     }
 
-    fn from_tensors(mut t: Vec<Tensor>, c: usize, eps: f64) -> Self {
+    fn from_tensors(mut t: Vec<Tensor>, c: usize, eps: f64) -> Result<Self> {
         // order of tensor_specs
         let mut take = || t.remove(0);
-        let norm = LayerNorm::new(take(), take(), eps);
-        let in_linear = Linear::new(take(), Some(take()));
-        let o0 = Linear::new(take(), Some(take()));
-        let o1 = Linear::new(take(), Some(take()));
-        let o2 = Linear::new(take(), Some(take()));
-        Self {
+        let (w, b) = (take(), take());
+        let norm = LayerNorm::new(w, b, eps).map_err(candle_core::Error::from)?;
+        let mut linear = || -> Result<FusedLinear> {
+            let (w, b) = (take(), take());
+            Ok(FusedLinear::new(w, Some(b)).map_err(candle_core::Error::from)?)
+        };
+        let in_linear = linear()?;
+        let out = [linear()?, linear()?, linear()?];
+        Ok(Self {
             norm,
             in_linear,
-            out: [o0, o1, o2],
+            out,
             embed_dim: c,
-        }
+        })
     }
 
     /// Loads from `vb` positioned at `score_predictor.{s}` (weights converted to f32).
@@ -214,7 +221,7 @@ impl PredictorLG {
             .into_iter()
             .map(|(name, shape)| load_tensor(vb, name, &shape))
             .collect::<Result<Vec<_>>>()?;
-        Ok(Self::from_tensors(ts, embed_dim, eps))
+        Self::from_tensors(ts, embed_dim, eps)
     }
 
     /// Reference-style random init, deterministic for a given `seed`.
@@ -235,7 +242,7 @@ impl PredictorLG {
                 Ok(Tensor::from_vec(data, shape, device)?)
             })
             .collect::<Result<Vec<_>>>()?;
-        Ok(Self::from_tensors(ts, embed_dim, eps))
+        Self::from_tensors(ts, embed_dim, eps)
     }
 
     /// Embedding width `C`.
@@ -260,8 +267,8 @@ impl PredictorLG {
         let x = x.to_dtype(DType::F32)?.contiguous()?;
         let h = self
             .in_linear
-            .forward(&self.norm.forward(&x)?)?
-            .gelu_erf()?;
+            .forward_gelu(&self.norm.forward(&x)?)
+            .map_err(candle_core::Error::from)?;
         let half = c / 2;
         let local = h.narrow(D::Minus1, 0, half)?;
         let glob = h.narrow(D::Minus1, half, c - half)?;
@@ -284,8 +291,9 @@ impl PredictorLG {
         // the CUDA matmul below.
         let feats = Tensor::cat(&[local, pooled.broadcast_as((b, p, c - half))?], D::Minus1)?
             .contiguous()?;
-        let mut y = self.out[0].forward(&feats)?.gelu_erf()?;
-        y = self.out[1].forward(&y)?.gelu_erf()?;
+        let fused = |e| candle_core::Error::from(e);
+        let mut y = self.out[0].forward_gelu(&feats).map_err(fused)?;
+        y = self.out[1].forward_gelu(&y).map_err(fused)?;
         y = self.out[2].forward(&y)?;
         Ok(candle_nn::ops::log_softmax(&y, D::Minus1)?)
     }
@@ -411,12 +419,18 @@ impl TokenPruner for DynamicVit {
         Ok(Tensor::cat(&[prefix, keep], 1)?)
     }
 
+    fn fixed_count(&self, patches: usize) -> Option<crate::FixedCount> {
+        let keep = self.config.fixed_keep_count()?.clamp(1, patches.max(1));
+        Some(crate::FixedCount { keep, fused: None })
+    }
+
     fn plan(&self, input: &PruneInput) -> Result<KeepPlan> {
         let g = input.validate()?;
         let scores = self.scores(input)?.to_vec2::<f32>()?;
         let p = g.num_prefix;
+        // One image per task: independent selections, host time the GPU waits on.
         let indices = scores
-            .iter()
+            .par_iter()
             .enumerate()
             .map(|(b, row)| {
                 let len = g.lengths[b];

@@ -123,4 +123,24 @@ pub trait TokenPruner: Send + Sync + std::fmt::Debug {
     fn scores(&self, input: &PruneInput) -> Result<Tensor>;
     /// The keep decision. Validates the input; never panics on bad input.
     fn plan(&self, input: &PruneInput) -> Result<KeepPlan>;
+    /// For pruners whose counts do not depend on the scores (the fixed-ratio modes of
+    /// Threshold-L2, DynamicViT and EViT): how many of `patches` patch tokens every image keeps,
+    /// and the fused token EViT appends. Known on the host before any score exists, so a model
+    /// can keep the whole decision on the device: the top-`keep` of [`TokenPruner::scores`]
+    /// (ties in unspecified order there, NaN scores unranked), no host sync. `None` (the default)
+    /// for pruners that must look at the scores to count: adaptive modes and ATS.
+    fn fixed_count(&self, patches: usize) -> Option<FixedCount> {
+        let _ = patches;
+        None
+    }
+}
+
+/// What a fixed-count pruner keeps of `patches` patch tokens (see [`TokenPruner::fixed_count`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FixedCount {
+    /// Patch tokens kept per image, in `1..=patches`.
+    pub keep: usize,
+    /// EViT's extra token from the dropped ones, weighted by [`TokenPruner::scores`]; `None`
+    /// when nothing is dropped or the pruner fuses nothing.
+    pub fused: Option<EvitFusion>,
 }

@@ -22,10 +22,28 @@ pub(crate) fn cmp_desc(a: (usize, f32), b: (usize, f32)) -> Ordering {
 }
 
 /// Positions `from..to` of `row` ordered by descending score (ties: lower position first).
+/// O(n log n); [`partition_top_k`] is O(n) where only the top set matters.
 pub(crate) fn rank_desc(row: &[f32], from: usize, to: usize) -> Vec<usize> {
-    let mut idx: Vec<usize> = (from..to).collect();
-    idx.sort_by(|&a, &b| cmp_desc((a, row[a]), (b, row[b])));
-    idx
+    let mut keyed = keyed(row, from, to);
+    // The comparator is a total order (position breaks ties), so the unstable sort gives the
+    // same order as a stable one.
+    keyed.sort_unstable_by(|a, b| cmp_desc((a.1, a.0), (b.1, b.0)));
+    keyed.into_iter().map(|(_, j)| j).collect()
+}
+
+/// Positions `from..to` of `row` with the top `k` (descending score, ties: lower position first)
+/// first, in unspecified order, and the others after them, also unordered. O(n).
+pub(crate) fn partition_top_k(row: &[f32], from: usize, to: usize, k: usize) -> Vec<usize> {
+    let mut keyed = keyed(row, from, to);
+    if k > 0 && k < keyed.len() {
+        keyed.select_nth_unstable_by(k - 1, |a, b| cmp_desc((a.1, a.0), (b.1, b.0)));
+    }
+    keyed.into_iter().map(|(_, j)| j).collect()
+}
+
+/// `(score, position)` pairs, so comparisons do not index back into the row.
+fn keyed(row: &[f32], from: usize, to: usize) -> Vec<(f32, usize)> {
+    (from..to).map(|j| (row[j], j)).collect()
 }
 
 /// `ceil(ratio · n)` clamped to `[1, n]`, evaluated in f64 like Python's `math.ceil(r * n)`.
@@ -43,10 +61,12 @@ pub(crate) fn finish(num_prefix: usize, mut patches: Vec<usize>) -> Vec<u32> {
         .collect::<Vec<u32>>()
 }
 
-/// Top-`k` positions in `from..to` by descending score.
+/// Top-`k` positions in `from..to` by descending score (as a set, unordered: callers sort
+/// the kept positions).
 pub(crate) fn top_k(row: &[f32], from: usize, to: usize, k: usize) -> Vec<usize> {
-    let mut r = rank_desc(row, from, to);
-    r.truncate(k.max(1));
+    let k = k.max(1);
+    let mut r = partition_top_k(row, from, to, k);
+    r.truncate(k);
     r
 }
 
@@ -94,5 +114,41 @@ mod tests {
     #[test]
     fn finish_prepends_prefix_sorted() {
         assert_eq!(finish(2, vec![7, 3, 5]), vec![0, 1, 3, 5, 7]);
+    }
+
+    /// The O(n) selection keeps exactly the set the full ranking's first k would, ties and NaN
+    /// included.
+    #[test]
+    fn partition_top_k_equals_ranking_prefix() {
+        let mut state = 7u64;
+        let mut next = move || {
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            (state >> 40) % 16
+        };
+        for n in [1usize, 2, 5, 64, 197] {
+            for trial in 0..100 {
+                let row: Vec<f32> = (0..n)
+                    .map(|j| {
+                        if (j + trial) % 29 == 0 {
+                            f32::NAN
+                        } else {
+                            next() as f32
+                        }
+                    })
+                    .collect();
+                for k in [1, n / 3, n / 2, n.saturating_sub(1), n] {
+                    let mut want = rank_desc(&row, 0, n);
+                    want.truncate(k.max(1));
+                    want.sort_unstable();
+                    let mut got = top_k(&row, 0, n, k);
+                    got.sort_unstable();
+                    assert_eq!(got, want, "n={n} k={k} row={row:?}");
+                    let split = partition_top_k(&row, 0, n, k.max(1));
+                    assert_eq!(split.len(), n);
+                }
+            }
+        }
     }
 }

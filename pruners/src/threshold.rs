@@ -8,6 +8,7 @@ use crate::error::{PruneError, Result};
 use crate::input::{KeepPlan, PruneInput};
 use crate::select::{ceil_count, finish, keep_where, top_k};
 use crate::{Mode, Needs, PruneSite, PrunerKind, TokenPruner};
+use rayon::prelude::*;
 
 /// How Threshold-L2 decides.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -102,12 +103,23 @@ impl TokenPruner for ThresholdL2 {
         Ok(t.sqr()?.sum(D::Minus1)?.sqrt()?)
     }
 
+    fn fixed_count(&self, patches: usize) -> Option<crate::FixedCount> {
+        match self.config.mode {
+            ThresholdL2Mode::TopK { keep_ratio } => Some(crate::FixedCount {
+                keep: ceil_count(keep_ratio, patches),
+                fused: None,
+            }),
+            ThresholdL2Mode::Absolute { .. } | ThresholdL2Mode::Relative { .. } => None,
+        }
+    }
+
     fn plan(&self, input: &PruneInput) -> Result<KeepPlan> {
         let g = input.validate()?;
         let scores = self.scores(input)?.to_vec2::<f32>()?;
         let p = g.num_prefix;
+        // One image per task: independent selections, host time the GPU waits on.
         let indices = scores
-            .iter()
+            .par_iter()
             .enumerate()
             .map(|(b, row)| {
                 let len = g.lengths[b];

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds, on a machine without a GPU, everything the GPU checks run, and packs it into .gpu/
 # (ignored by git) for the device machine: the release binaries built with --features cuda and the
-# candle-ragged test executables. Then, on the GPU machine: scripts/gpu/device-checks.sh.
+# candle-ragged / candle-fastpath test executables. Then, on the GPU machine: scripts/gpu/device-checks.sh.
 #
 #   scripts/gpu/bundle.sh            # uses $CARGO_TARGET_DIR, default target/
 set -euo pipefail
@@ -12,7 +12,8 @@ export CARGO_TARGET_DIR=$target
 
 cargo build --release --features cuda -p bin --bins
 # Test executables: cargo names them in its JSON messages.
-cargo test --release --features cuda -p candle-ragged -p workspace-tests --test attention --test pack --test paths_agreement \
+cargo test --release --features cuda -p candle-ragged -p candle-fastpath -p workspace-tests \
+  --test attention --test pack --test linear --test norm --test graph --test paths_agreement \
   --no-run --message-format=json 2>/dev/null \
   | python3 -c '
 import json, sys

@@ -742,6 +742,94 @@ fn images_deciding_differently(m: &DeiT, pixels: &Tensor, pruners: &Pruners) -> 
         .count()
 }
 
+/// [`DeiT::forward_pruned_on_device`] against the host-decided ragged forward `host` of the
+/// same pruners: same logits (so same kept tokens, barring exact ties) within the f32 tolerance;
+/// on CUDA also its captured graph, replayed, against the eager call (bit-identical). Returns
+/// the max |Δlogit| against `host`.
+fn check_on_device(
+    what: &str,
+    m: &DeiT,
+    pixels: &Tensor,
+    pruners: &Pruners,
+    host: &PrunedForward,
+) -> f32 {
+    let eager = m.forward_pruned_on_device(pixels, pruners).unwrap();
+    let want = logits(host);
+    let got: Vec<Vec<f32>> = eager.to_dtype(DType::F32).unwrap().to_vec2().unwrap();
+    let d = assert_logits_agree(
+        &format!("{what} on device"),
+        &got,
+        &want,
+        tolerance(DType::F32, &want),
+    );
+    if pixels.device().is_cuda() {
+        let graph = candle_fastpath::CapturedForward::capture(pixels, |x| {
+            m.forward_pruned_on_device(x, pruners)
+                .map_err(candle_core::Error::wrap)
+        })
+        .unwrap();
+        // A different input first, so the replay below cannot pass by leftover buffers.
+        graph.run(&(pixels * 0.5).unwrap()).unwrap();
+        let replayed = graph.run(pixels).unwrap();
+        let diff = (replayed - &eager)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .max_all()
+            .unwrap()
+            .to_dtype(DType::F32)
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
+        assert_eq!(
+            diff, 0.0,
+            "{what}: graph replay differs from the eager call"
+        );
+    }
+    d
+}
+
+/// Device-side decisions (fixed-ratio pruners) give the host-decided ragged forward's logits;
+/// pruners that count on the host are refused with a clear error.
+#[test]
+fn device_decisions_equal_host_decisions() {
+    let dev = Device::Cpu;
+    for distilled in [false, true] {
+        let cfg = small_cfg(distilled);
+        let m = model(&cfg, DType::F32, &dev, 300 + distilled as u64);
+        let pixels = varied_pixels(16, &cfg, 9, &dev);
+        for kind in [
+            PrunerKind::ThresholdL2,
+            PrunerKind::DynamicVit,
+            PrunerKind::Evit,
+        ] {
+            let what = format!("{kind}-fixed distilled={distilled}");
+            let s = schedule(&BLOCKS, |st| {
+                small_config(kind, Mode::Fixed, st, cfg.num_patches())
+            });
+            let pruners = build(&m, &s, &dev);
+            let host = m
+                .forward_pruned(&pixels, &pruners, ExecutionPath::Ragged)
+                .unwrap();
+            check_on_device(&what, &m, &pixels, &pruners, &host);
+        }
+        for (kind, mode) in [
+            (PrunerKind::Ats, Mode::Fixed),
+            (PrunerKind::Evit, Mode::Adaptive),
+            (PrunerKind::ThresholdL2, Mode::Adaptive),
+        ] {
+            let s = schedule(&BLOCKS, |st| {
+                small_config(kind, mode, st, cfg.num_patches())
+            });
+            let err = m
+                .forward_pruned_on_device(&pixels, &build(&m, &s, &dev))
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains("counts its tokens"), "{kind}-{mode}: {err}");
+        }
+    }
+}
+
 fn env_device() -> Device {
     match std::env::var("PATHS_DEVICE").as_deref() {
         Ok("cuda") => {
@@ -798,6 +886,10 @@ fn published_sizes_padded_equals_ragged() {
                             o.max_diff,
                             o.ragged.mean_final_tokens()
                         );
+                        if mode == Mode::Fixed {
+                            let d = check_on_device(&what, &m, &pixels, &pruners, &o.ragged);
+                            eprintln!("{what}: device decisions (and CUDA graph replay) vs host: max |Δlogit| {d:.2e}");
+                        }
                     } else {
                         let differ = images_deciding_differently(&m, &pixels, &pruners);
                         let d = check_half_with_replayed_plans(&what, &m, &pixels, pruners);

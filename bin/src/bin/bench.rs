@@ -13,8 +13,10 @@ use std::process::ExitCode;
 use std::time::Instant;
 
 use anyhow::{Context, Result};
-use bin::{run_main, DTypeArg, DeviceArg};
+use bin::{run_main, DTypeArg, DeviceArg, PeakMemory};
+use candle_core::Module;
 use candle_core::{DType, Device, Tensor};
+use candle_fastpath::CapturedForward;
 use clap::Parser;
 use models::{expected_tensors, Checkpoint, DeiT, DeiTConfig, ExecutionPath, WeightNaming};
 use pruners::{Mode, PrunerSpec, PruningSchedule};
@@ -69,6 +71,16 @@ struct Args {
     #[arg(long, value_enum, default_value_t = DeviceArg::Cuda)]
     device: DeviceArg,
 
+    /// Also time the dense forward captured once as a CUDA graph and replayed (extra dense
+    /// rows with `"cuda_graph": true`; CUDA only).
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    cuda_graph: bool,
+
+    /// Keep freed device memory cached across synchronisations (the tools' default); `false`
+    /// restores the driver's release-at-every-sync, for A/B runs.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    retain_freed_memory: bool,
+
     /// Output JSON file.
     #[arg(long, default_value = "docs/benchmarks/h100-e2e.json")]
     out: PathBuf,
@@ -86,6 +98,14 @@ struct Row {
     latency_ms: f64,
     /// Mean tokens per image after the last pruning step (prefix and fused token included).
     mean_kept_tokens: f64,
+    /// Whether the forward was replayed from a captured CUDA graph.
+    cuda_graph: bool,
+    /// Where pruning decisions were made: "host" (one read-back per step) or "device" (no host
+    /// sync; fixed-ratio pruners only).
+    decisions: String,
+    /// Most device memory in use at once during the timed runs (weights and inputs included);
+    /// null on the CPU.
+    peak_mem_mb: Option<f64>,
 }
 
 #[derive(Debug, Serialize)]
@@ -195,10 +215,36 @@ fn median(mut v: Vec<f64>) -> f64 {
     }
 }
 
+/// Median seconds per call of `run` over `reps` timed calls (each from a synchronised device to a
+/// synchronised device) after `warmup` untimed ones; also the last call's value (mean kept
+/// tokens) and the peak device memory of the timed calls.
+fn time(
+    device: &Device,
+    warmup: u32,
+    reps: u32,
+    run: impl Fn() -> Result<f64>,
+) -> Result<(f64, f64, Option<f64>)> {
+    for _ in 0..warmup {
+        run()?;
+    }
+    device.synchronize()?;
+    let peak = PeakMemory::start(device)?;
+    let mut times = Vec::with_capacity(reps as usize);
+    let mut kept = 0.0;
+    for _ in 0..reps {
+        let t0 = Instant::now();
+        kept = run()?;
+        device.synchronize()?;
+        times.push(t0.elapsed().as_secs_f64());
+    }
+    Ok((median(times), kept, peak.peak_mb()?))
+}
+
 fn main() -> ExitCode {
     run_main(|| {
         let args = Args::parse();
         let device = args.device.open()?;
+        candle_fastpath::retain_freed_memory(&device, args.retain_freed_memory)?;
         let variants = variants(&args.pruners, &args.paths)?;
         let mut report = Report {
             gpu: device_name(args.device),
@@ -222,41 +268,81 @@ fn main() -> ExitCode {
                             }
                         };
                         let pruners = model.build_pruners(&schedule, None)?;
-                        let run = || model.forward_pruned(&pixels, &pruners, v.path);
-                        for _ in 0..args.warmup {
-                            run()?;
-                        }
-                        device.synchronize()?;
-                        let mut times = Vec::with_capacity(args.reps as usize);
-                        let mut kept = 0.0;
-                        for _ in 0..args.reps {
-                            let t0 = Instant::now();
-                            let out = run()?;
-                            device.synchronize()?;
-                            times.push(t0.elapsed().as_secs_f64());
-                            kept = out.mean_final_tokens();
-                        }
-                        let latency = median(times);
-                        let row = Row {
-                            model: cfg.name.clone(),
-                            pruner: v.spec.kind.map_or("none".into(), |k| k.to_string()),
-                            mode: if v.spec.kind.is_some() {
-                                v.spec.mode.to_string()
-                            } else {
-                                "none".into()
-                            },
-                            path: v.path.to_string(),
-                            batch,
-                            dtype: dtype_arg.name().into(),
-                            img_s: batch as f64 / latency,
-                            latency_ms: latency * 1e3,
-                            mean_kept_tokens: kept,
+                        let run = || -> Result<f64> {
+                            Ok(model
+                                .forward_pruned(&pixels, &pruners, v.path)?
+                                .mean_final_tokens())
                         };
-                        eprintln!(
-                            "{:<12} {:<5} b={:<3} {:<13} {:<8} {:<6} {:>9.1} img/s {:>9.3} ms  tokens {:.1}",
-                            row.model, row.dtype, batch, row.pruner, row.mode, row.path, row.img_s, row.latency_ms, kept
+                        let (latency, kept, peak) = time(&device, args.warmup, args.reps, run)?;
+                        let mut rows = vec![(latency, kept, peak, false, "host")];
+                        let graphable = args.cuda_graph && device.is_cuda();
+                        if graphable && v.path == ExecutionPath::Dense {
+                            let graph = CapturedForward::capture(&pixels, |x| model.forward(x))?;
+                            let tokens = cfg.seq_len() as f64;
+                            let run = || -> Result<f64> {
+                                graph.replay(&pixels)?;
+                                Ok(tokens)
+                            };
+                            let (latency, kept, peak) = time(&device, args.warmup, args.reps, run)?;
+                            rows.push((latency, kept, peak, true, "host"));
+                        }
+                        // Fixed-count pruners can decide on the device (no host sync), eagerly
+                        // and replayed from a CUDA graph.
+                        let on_device = v.path == ExecutionPath::Ragged
+                            && pruners
+                                .iter()
+                                .all(|(_, p)| p.fixed_count(cfg.num_patches()).is_some());
+                        if on_device {
+                            let forward = |x: &Tensor| {
+                                model
+                                    .forward_pruned_on_device(x, &pruners)
+                                    .map_err(candle_core::Error::wrap)
+                            };
+                            let run = || -> Result<f64> {
+                                forward(&pixels)?;
+                                Ok(kept)
+                            };
+                            let (latency, _, peak) = time(&device, args.warmup, args.reps, run)?;
+                            rows.push((latency, kept, peak, false, "device"));
+                            if graphable {
+                                let graph = CapturedForward::capture(&pixels, forward)?;
+                                let run = || -> Result<f64> {
+                                    graph.replay(&pixels)?;
+                                    Ok(kept)
+                                };
+                                let (latency, _, peak) =
+                                    time(&device, args.warmup, args.reps, run)?;
+                                rows.push((latency, kept, peak, true, "device"));
+                            }
+                        }
+                        for (latency, kept, peak_mem_mb, cuda_graph, decisions) in rows {
+                            let row = Row {
+                                model: cfg.name.clone(),
+                                pruner: v.spec.kind.map_or("none".into(), |k| k.to_string()),
+                                mode: if v.spec.kind.is_some() {
+                                    v.spec.mode.to_string()
+                                } else {
+                                    "none".into()
+                                },
+                                path: v.path.to_string(),
+                                batch,
+                                dtype: dtype_arg.name().into(),
+                                img_s: batch as f64 / latency,
+                                latency_ms: latency * 1e3,
+                                mean_kept_tokens: kept,
+                                cuda_graph,
+                                decisions: decisions.into(),
+                                peak_mem_mb,
+                            };
+                            eprintln!(
+                            "{:<12} {:<5} b={:<3} {:<13} {:<8} {:<6}{}{} {:>9.1} img/s {:>9.3} ms  tokens {:.1}  peak {:.0} MiB",
+                            row.model, row.dtype, batch, row.pruner, row.mode, row.path,
+                            if decisions == "device" { "+dev" } else { "    " },
+                            if cuda_graph { "+graph" } else { "      " },
+                            row.img_s, row.latency_ms, kept, peak_mem_mb.unwrap_or(0.0)
                         );
-                        report.rows.push(row);
+                            report.rows.push(row);
+                        }
                         std::fs::write(&args.out, serde_json::to_string_pretty(&report)?)
                             .with_context(|| format!("writing {}", args.out.display()))?;
                     }
