@@ -3,6 +3,7 @@
 
 usage: scripts/bench_tables.py attention docs/benchmarks/h100-attention.json
        scripts/bench_tables.py e2e docs/benchmarks/h100-e2e.json
+       scripts/bench_tables.py e2e-summary docs/benchmarks/h100-e2e.json
 """
 import json
 import sys
@@ -27,16 +28,66 @@ def attention(path):
 
 
 def e2e(path):
+    """Every row; `vs dense` compares like with like: eager rows against the eager dense row,
+    CUDA-graph rows against the CUDA-graph dense row (same model, batch, dtype, run)."""
     r = json.load(open(path))
     print(f"GPU: {r['gpu']}. Command: `{r['command']}`.\n")
-    dense = {(x["model"], x["batch"], x["dtype"]): x for x in r["rows"] if x["path"] == "dense"}
-    print("| model | dtype | batch | pruner | mode | path | img/s | latency ms | kept tokens | vs dense |")
-    print("| --- | --- | ---: | --- | --- | --- | ---: | ---: | ---: | ---: |")
+    dense = {(x["model"], x["batch"], x["dtype"], x.get("cuda_graph", False)): x
+             for x in r["rows"] if x["path"] == "dense"}
+    print("| model | dtype | batch | pruner | mode | path | decisions | CUDA graph | img/s | latency ms | kept tokens | peak MiB | vs dense |")
+    print("| --- | --- | ---: | --- | --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: |")
     for x in r["rows"]:
-        d = dense.get((x["model"], x["batch"], x["dtype"]))
+        g = x.get("cuda_graph", False)
+        d = dense.get((x["model"], x["batch"], x["dtype"], g))
         ratio = f"{x['img_s'] / d['img_s']:.2f}" if d else ""
-        print(f"| {x['model']} | {x['dtype']} | {x['batch']} | {x['pruner']} | {x['mode']} | {x['path']} | "
-              f"{x['img_s']:.0f} | {x['latency_ms']:.3f} | {x['mean_kept_tokens']:.1f} | {ratio} |")
+        peak = x.get("peak_mem_mb")
+        dec = x.get("decisions", "host") if x["pruner"] != "none" else ""
+        print(f"| {x['model']} | {x['dtype']} | {x['batch']} | {x['pruner']} | {x['mode']} | {x['path']} | {dec} | "
+              f"{'yes' if g else ''} | {x['img_s']:.0f} | {x['latency_ms']:.3f} | {x['mean_kept_tokens']:.1f} | "
+              f"{'' if peak is None else f'{peak:.0f}'} | {ratio} |")
 
 
-{"attention": attention, "e2e": e2e}[sys.argv[1]](sys.argv[2])
+def e2e_summary(path):
+    """Per dtype x model x batch: dense (eager, graph) and, per pruner x mode, the best
+    pruned-ragged row over its variants against dense (graph rows against the graph dense row);
+    and how many pruner x mode cells reach >= 1."""
+    r = json.load(open(path))
+    rows = r["rows"]
+    dense = {(x["model"], x["batch"], x["dtype"], x.get("cuda_graph", False)): x["img_s"]
+             for x in rows if x["path"] == "dense"}
+    pruners = ["threshold-l2", "dynamicvit", "evit", "ats"]
+    for dtype in ["f16", "bf16", "f32"]:
+        if not any(x["dtype"] == dtype for x in rows):
+            continue
+        print(f"\n**{dtype}**: best pruned-ragged img/s over its variants (host decisions eager; device "
+              "decisions eager or replayed as a CUDA graph) / dense img/s (eager against eager, graph against graph)\n")
+        print("| model | batch | dense img/s | dense, graph img/s | " + " | ".join(f"{p} {m}" for p in pruners for m in ["fixed", "adaptive"]) + " |")
+        print("| --- | ---: | ---: | ---: | " + " | ".join("---:" for _ in range(8)) + " |")
+        met, total = 0, 0
+        for model in ["deit-tiny", "deit-small", "deit-base"]:
+            for b in [1, 8, 64, 256]:
+                de, dg = dense.get((model, b, dtype, False)), dense.get((model, b, dtype, True))
+                if de is None:
+                    continue
+                cells = []
+                for p in pruners:
+                    for m in ["fixed", "adaptive"]:
+                        best = None
+                        for x in rows:
+                            if (x["model"], x["batch"], x["dtype"], x["pruner"], x["mode"], x["path"]) != (model, b, dtype, p, m, "ragged"):
+                                continue
+                            ref = dg if x.get("cuda_graph") else de
+                            if ref:
+                                ratio = x["img_s"] / ref
+                                best = ratio if best is None else max(best, ratio)
+                        if best is None:
+                            cells.append("")
+                            continue
+                        total += 1
+                        met += best >= 1.0
+                        cells.append(f"**{best:.2f}**" if best >= 1.0 else f"{best:.2f}")
+                print(f"| {model} | {b} | {de:.0f} | {'' if dg is None else f'{dg:.0f}'} | " + " | ".join(cells) + " |")
+        print(f"\n{dtype}: {met} of {total} pruner x mode x model x batch cells reach >= 1.00.")
+
+
+{"attention": attention, "e2e": e2e, "e2e-summary": e2e_summary}[sys.argv[1]](sys.argv[2])

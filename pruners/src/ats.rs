@@ -29,9 +29,8 @@ use candle_core::Tensor;
 
 use crate::error::{PruneError, Result};
 use crate::input::{cls_attn_sum, value_norms, KeepPlan, PruneInput};
-use crate::select::{ceil_count, finish, sane};
+use crate::select::{ceil_count, finish, map_rows, sane};
 use crate::{Mode, Needs, PruneSite, PrunerKind, TokenPruner};
-use rayon::prelude::*;
 
 /// How ATS sets the number of sample points `K`.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -211,21 +210,17 @@ impl TokenPruner for Ats {
         let g = input.validate()?;
         let scores = self.scores(input)?.to_vec2::<f32>()?;
         let p = g.num_prefix;
-        // One image per task: independent selections, host time the GPU waits on.
-        let indices = scores
-            .par_iter()
-            .enumerate()
-            .map(|(b, row)| {
-                let len = g.lengths[b];
-                let n_patch = len - p;
-                let k = match self.config.mode {
-                    AtsMode::Fixed { keep_ratio } => ceil_count(keep_ratio, n_patch),
-                    AtsMode::Adaptive { max_samples } => max_samples,
-                };
-                let picked = inverse_transform_sample(&row[p..len], k);
-                finish(p, picked.into_iter().map(|j| j + p).collect())
-            })
-            .collect();
+        // Per image, in parallel for large batches (see map_rows).
+        let indices = map_rows(&scores, |b, row| {
+            let len = g.lengths[b];
+            let n_patch = len - p;
+            let k = match self.config.mode {
+                AtsMode::Fixed { keep_ratio } => ceil_count(keep_ratio, n_patch),
+                AtsMode::Adaptive { max_samples } => max_samples,
+            };
+            let picked = inverse_transform_sample(&row[p..len], k);
+            finish(p, picked.into_iter().map(|j| j + p).collect())
+        });
         Ok(KeepPlan {
             indices,
             fused: None,

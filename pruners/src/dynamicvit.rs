@@ -28,9 +28,8 @@ use candle_nn::VarBuilder;
 
 use crate::error::{PruneError, Result};
 use crate::input::{KeepPlan, PruneInput};
-use crate::select::{finish, keep_where, top_k};
+use crate::select::{finish, keep_where, map_rows, top_k};
 use crate::{Mode, Needs, PruneSite, PrunerKind, TokenPruner};
-use rayon::prelude::*;
 
 /// Where the predictor's weights came from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -428,25 +427,21 @@ impl TokenPruner for DynamicVit {
         let g = input.validate()?;
         let scores = self.scores(input)?.to_vec2::<f32>()?;
         let p = g.num_prefix;
-        // One image per task: independent selections, host time the GPU waits on.
-        let indices = scores
-            .par_iter()
-            .enumerate()
-            .map(|(b, row)| {
-                let len = g.lengths[b];
-                let kept = match self.config.mode {
-                    DynamicVitMode::TopK { .. } => {
-                        let k = self.config.fixed_keep_count().unwrap_or(1);
-                        top_k(row, p, len, k.min(len - p))
-                    }
-                    DynamicVitMode::Probability { threshold } => {
-                        let t = threshold.ln();
-                        keep_where(row, p, len, |lp| lp > t)
-                    }
-                };
-                finish(p, kept)
-            })
-            .collect();
+        // Per image, in parallel for large batches (see map_rows).
+        let indices = map_rows(&scores, |b, row| {
+            let len = g.lengths[b];
+            let kept = match self.config.mode {
+                DynamicVitMode::TopK { .. } => {
+                    let k = self.config.fixed_keep_count().unwrap_or(1);
+                    top_k(row, p, len, k.min(len - p))
+                }
+                DynamicVitMode::Probability { threshold } => {
+                    let t = threshold.ln();
+                    keep_where(row, p, len, |lp| lp > t)
+                }
+            };
+            finish(p, kept)
+        });
         Ok(KeepPlan {
             indices,
             fused: None,

@@ -27,9 +27,8 @@ use candle_core::{DType, Tensor};
 
 use crate::error::{PruneError, Result};
 use crate::input::{cls_attn_mean, FusedTokens, KeepPlan, PruneInput};
-use crate::select::{ceil_count, finish, partition_top_k, rank_desc, sane};
+use crate::select::{ceil_count, finish, map_rows, partition_top_k, rank_desc, sane};
 use crate::{Mode, Needs, PruneSite, PrunerKind, TokenPruner};
-use rayon::prelude::*;
 
 /// How EViT decides how many tokens to keep.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -157,58 +156,53 @@ impl TokenPruner for Evit {
         let g = input.validate()?;
         let scores = self.scores(input)?.to_vec2::<f32>()?;
         let p = g.num_prefix;
-        // One image per task: the per-image selection is independent, and at batch 256 it is
-        // host time the GPU waits on.
-        let per_image: Vec<ImagePlan> = scores
-            .par_iter()
-            .enumerate()
-            .map(|(b, row)| {
-                let len = g.lengths[b];
-                let n_patch = len - p;
-                let (ranked, k) = match self.config.mode {
-                    EvitMode::TopK { keep_rate } => {
-                        let k = ceil_count(keep_rate, n_patch);
-                        (partition_top_k(row, p, len, k), k)
-                    }
-                    EvitMode::AttentionMass { share } => {
-                        let ranked = rank_desc(row, p, len);
-                        let mass = |j: usize| sane(row[j]).max(0.0) as f64;
-                        let total: f64 = ranked.iter().map(|&j| mass(j)).sum();
-                        let target = share * total;
-                        let mut acc = 0.0;
-                        let mut k = n_patch;
-                        for (i, &j) in ranked.iter().enumerate() {
-                            acc += mass(j);
-                            if acc >= target {
-                                k = i + 1;
-                                break;
-                            }
-                        }
-                        (ranked, k.max(1))
-                    }
-                };
-                let (kept, dropped) = ranked.split_at(k);
-                let mut weights = Vec::new();
-                let present = !dropped.is_empty() && self.config.fusion != EvitFusion::Off;
-                if present {
-                    let w: Vec<f64> = dropped
-                        .iter()
-                        .map(|&j| sane(row[j]).max(0.0) as f64)
-                        .collect();
-                    let total: f64 = w.iter().sum();
-                    for (&j, &wj) in dropped.iter().zip(&w) {
-                        let v = match self.config.fusion {
-                            EvitFusion::ReferenceSum => wj,
-                            // All-zero attention on the dropped tokens: plain mean.
-                            _ if total <= 0.0 => 1.0 / dropped.len() as f64,
-                            _ => wj / total,
-                        };
-                        weights.push((j, v as f32));
-                    }
+        // Per image, in parallel for large batches (see map_rows).
+        let per_image: Vec<ImagePlan> = map_rows(&scores, |b, row| {
+            let len = g.lengths[b];
+            let n_patch = len - p;
+            let (ranked, k) = match self.config.mode {
+                EvitMode::TopK { keep_rate } => {
+                    let k = ceil_count(keep_rate, n_patch);
+                    (partition_top_k(row, p, len, k), k)
                 }
-                (finish(p, kept.to_vec()), present, weights)
-            })
-            .collect();
+                EvitMode::AttentionMass { share } => {
+                    let ranked = rank_desc(row, p, len);
+                    let mass = |j: usize| sane(row[j]).max(0.0) as f64;
+                    let total: f64 = ranked.iter().map(|&j| mass(j)).sum();
+                    let target = share * total;
+                    let mut acc = 0.0;
+                    let mut k = n_patch;
+                    for (i, &j) in ranked.iter().enumerate() {
+                        acc += mass(j);
+                        if acc >= target {
+                            k = i + 1;
+                            break;
+                        }
+                    }
+                    (ranked, k.max(1))
+                }
+            };
+            let (kept, dropped) = ranked.split_at(k);
+            let mut weights = Vec::new();
+            let present = !dropped.is_empty() && self.config.fusion != EvitFusion::Off;
+            if present {
+                let w: Vec<f64> = dropped
+                    .iter()
+                    .map(|&j| sane(row[j]).max(0.0) as f64)
+                    .collect();
+                let total: f64 = w.iter().sum();
+                for (&j, &wj) in dropped.iter().zip(&w) {
+                    let v = match self.config.fusion {
+                        EvitFusion::ReferenceSum => wj,
+                        // All-zero attention on the dropped tokens: plain mean.
+                        _ if total <= 0.0 => 1.0 / dropped.len() as f64,
+                        _ => wj / total,
+                    };
+                    weights.push((j, v as f32));
+                }
+            }
+            (finish(p, kept.to_vec()), present, weights)
+        });
         let mut indices = Vec::with_capacity(g.batch);
         let mut weights = vec![0f32; g.batch * g.tokens];
         let mut present = vec![false; g.batch];

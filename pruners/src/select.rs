@@ -46,6 +46,24 @@ fn keyed(row: &[f32], from: usize, to: usize) -> Vec<(f32, usize)> {
     (from..to).map(|j| (row[j], j)).collect()
 }
 
+/// Images at or above which [`map_rows`] hands rows to rayon's pool: below it, waking the pool
+/// costs more than the selections.
+const PARALLEL_MIN_ROWS: usize = 32;
+
+/// `f(b, row)` for every image's score row, in image order; on rayon's pool for large batches
+/// (the selections are independent, and at batch 256 they are host time the GPU waits on).
+pub(crate) fn map_rows<T: Send>(
+    rows: &[Vec<f32>],
+    f: impl Fn(usize, &Vec<f32>) -> T + Sync + Send,
+) -> Vec<T> {
+    use rayon::prelude::*;
+    if rows.len() >= PARALLEL_MIN_ROWS {
+        rows.par_iter().enumerate().map(|(b, r)| f(b, r)).collect()
+    } else {
+        rows.iter().enumerate().map(|(b, r)| f(b, r)).collect()
+    }
+}
+
 /// `ceil(ratio · n)` clamped to `[1, n]`, evaluated in f64 like Python's `math.ceil(r * n)`.
 pub(crate) fn ceil_count(ratio: f64, n: usize) -> usize {
     ((ratio * n as f64).ceil() as usize).clamp(1, n.max(1))

@@ -6,9 +6,8 @@ use candle_core::{DType, Tensor, D};
 
 use crate::error::{PruneError, Result};
 use crate::input::{KeepPlan, PruneInput};
-use crate::select::{ceil_count, finish, keep_where, top_k};
+use crate::select::{ceil_count, finish, keep_where, map_rows, top_k};
 use crate::{Mode, Needs, PruneSite, PrunerKind, TokenPruner};
-use rayon::prelude::*;
 
 /// How Threshold-L2 decides.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -117,30 +116,25 @@ impl TokenPruner for ThresholdL2 {
         let g = input.validate()?;
         let scores = self.scores(input)?.to_vec2::<f32>()?;
         let p = g.num_prefix;
-        // One image per task: independent selections, host time the GPU waits on.
-        let indices = scores
-            .par_iter()
-            .enumerate()
-            .map(|(b, row)| {
-                let len = g.lengths[b];
-                let n_patch = len - p;
-                let kept = match self.config.mode {
-                    ThresholdL2Mode::TopK { keep_ratio } => {
-                        top_k(row, p, len, ceil_count(keep_ratio, n_patch))
-                    }
-                    ThresholdL2Mode::Absolute { threshold } => {
-                        keep_where(row, p, len, |x| x >= threshold)
-                    }
-                    ThresholdL2Mode::Relative { factor } => {
-                        let mean =
-                            row[p..len].iter().map(|&x| x as f64).sum::<f64>() / n_patch as f64;
-                        let t = (factor as f64 * mean) as f32;
-                        keep_where(row, p, len, |x| x >= t)
-                    }
-                };
-                finish(p, kept)
-            })
-            .collect();
+        // Per image, in parallel for large batches (see map_rows).
+        let indices = map_rows(&scores, |b, row| {
+            let len = g.lengths[b];
+            let n_patch = len - p;
+            let kept = match self.config.mode {
+                ThresholdL2Mode::TopK { keep_ratio } => {
+                    top_k(row, p, len, ceil_count(keep_ratio, n_patch))
+                }
+                ThresholdL2Mode::Absolute { threshold } => {
+                    keep_where(row, p, len, |x| x >= threshold)
+                }
+                ThresholdL2Mode::Relative { factor } => {
+                    let mean = row[p..len].iter().map(|&x| x as f64).sum::<f64>() / n_patch as f64;
+                    let t = (factor as f64 * mean) as f32;
+                    keep_where(row, p, len, |x| x >= t)
+                }
+            };
+            finish(p, kept)
+        });
         Ok(KeepPlan {
             indices,
             fused: None,
