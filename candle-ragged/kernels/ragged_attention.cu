@@ -438,3 +438,137 @@ COPY_ENTRIES(v16, uint4)
 COPY_ENTRIES(v8, uint2)
 COPY_ENTRIES(v4, uint32_t)
 COPY_ENTRIES(v2, uint16_t)
+
+// ---------------------------------------------------------------------------------------------
+// Top-k token selection over B packed sequences of equal length (token pruning on the device).
+//
+// Blocks (b, y): sequence b, whose `len` rows start at row b·len of x [B·len, C], keeps
+// rows 0..prefix and the `keep` rows of prefix..len with the highest scores, in ascending
+// position, writing them to rows b·out_len.. of out. Order of the scores: f32's total order
+// (Rust's total_cmp) with NaN as -inf, ties to the lower position: exactly the host pruners'
+// rule, so device and host decisions agree bit for bit. With fuse = 1 (weighted mean) or 2
+// (weighted sum) one more row follows: the dropped rows weighted by max(score, 0) (NaN: 0), the
+// mean falling back to the plain mean when every weight is 0 (EViT's extra token).
+// Ranks are counted (O(len²) comparisons per block, ~40k for 197 tokens: far below the copy).
+// ---------------------------------------------------------------------------------------------
+
+#define SELECT_MAX_LEN 2048
+
+namespace select_detail {
+
+__device__ __forceinline__ float to_f32(float x) { return x; }
+__device__ __forceinline__ float to_f32(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
+template <typename T> __device__ __forceinline__ T from_f32(float x);
+template <> __device__ __forceinline__ float from_f32<float>(float x) { return x; }
+template <> __device__ __forceinline__ __half from_f32<__half>(float x) { return __float2half_rn(x); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float x) {
+    return __float2bfloat16_rn(x);
+}
+
+// NaN → -inf, then the integer key whose order is f32's total order.
+__device__ __forceinline__ int total_key(float s) {
+    int bits = __float_as_int(s);
+    if ((bits & 0x7fffffff) > 0x7f800000) bits = __float_as_int(-INFINITY);
+    return bits ^ ((bits >> 31) & 0x7fffffff);
+}
+
+// max(score, 0) with NaN → 0.
+__device__ __forceinline__ float weight(float s) {
+    const int bits = __float_as_int(s);
+    return ((bits & 0x7fffffff) > 0x7f800000) ? 0.f : fmaxf(s, 0.f);
+}
+
+template <typename T>
+__device__ void select_top_k(const T *__restrict__ x, const float *__restrict__ scores, T *__restrict__ out,
+                             int len, int C, int prefix, int keep, int fuse) {
+    __shared__ int key[SELECT_MAX_LEN];
+    __shared__ int row_of[SELECT_MAX_LEN];  // output row within the sequence, -1: dropped
+    __shared__ float red[32];
+    const int b = blockIdx.x;
+    const float *s = scores + (size_t)b * len;
+    for (int j = threadIdx.x; j < len; j += blockDim.x) key[j] = total_key(s[j]);
+    __syncthreads();
+    for (int j = threadIdx.x; j < len; j += blockDim.x) {
+        int kept = 1;
+        if (j >= prefix) {
+            const int kj = key[j];
+            int rank = 0;
+            for (int i = prefix; i < len; ++i) {
+                const int ki = key[i];
+                rank += (ki > kj) || (ki == kj && i < j);
+            }
+            kept = rank < keep;
+        }
+        row_of[j] = kept;
+    }
+    __syncthreads();
+    // Kept rows in ascending position: a kept patch's output row is the prefix plus the number of
+    // kept patches before it. Written into `key`, no longer needed.
+    for (int j = threadIdx.x; j < len; j += blockDim.x) {
+        int r = -1;
+        if (j < prefix) {
+            r = j;
+        } else if (row_of[j]) {
+            r = prefix;
+            for (int i = prefix; i < j; ++i) r += row_of[i];
+        }
+        key[j] = r;
+    }
+    __syncthreads();
+    const int out_len = prefix + keep + (fuse ? 1 : 0);
+    const T *xb = x + (size_t)b * len * C;
+    T *ob = out + (size_t)b * out_len * C;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+    // This block copies input rows blockIdx.y, blockIdx.y + gridDim.y, ... (every block of a
+    // sequence ranks the whole sequence, which is cheap, so the copy spreads over many SMs even
+    // at batch 1). 16-byte vectors when rows allow it.
+    const bool vec = ((C * sizeof(T)) % 16 == 0) && ((reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(out)) % 16 == 0);
+    for (int j = blockIdx.y + gridDim.y * warp; j < len; j += gridDim.y * warps) {
+        const int r = key[j];
+        if (r < 0) continue;
+        if (vec) {
+            const int n = C * sizeof(T) / 16;
+            const uint4 *src = reinterpret_cast<const uint4 *>(xb + (size_t)j * C);
+            uint4 *dst = reinterpret_cast<uint4 *>(ob + (size_t)r * C);
+            for (int c = lane; c < n; c += 32) dst[c] = src[c];
+        } else {
+            for (int c = lane; c < C; c += 32) ob[(size_t)r * C + c] = xb[(size_t)j * C + c];
+        }
+    }
+    if (!fuse || blockIdx.y != 0) return;
+    float part = 0.f;
+    for (int j = prefix + threadIdx.x; j < len; j += blockDim.x)
+        if (key[j] < 0) part += weight(s[j]);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) part += __shfl_xor_sync(0xffffffffu, part, o);
+    if (lane == 0) red[warp] = part;
+    __syncthreads();
+    float total = 0.f;
+    for (int w = 0; w < warps; ++w) total += red[w];
+    const int dropped = len - prefix - keep;
+    for (int c = threadIdx.x; c < C; c += blockDim.x) {
+        float acc = 0.f, plain = 0.f;
+        for (int j = prefix; j < len; ++j) {
+            if (key[j] >= 0) continue;
+            const float v = to_f32(xb[(size_t)j * C + c]);
+            acc += weight(s[j]) * v;
+            plain += v;
+        }
+        float f;
+        if (fuse == 2) f = acc;
+        else f = total > 0.f ? acc / total : plain / (float)dropped;
+        ob[(size_t)(prefix + keep) * C + c] = from_f32<T>(f);
+    }
+}
+
+}  // namespace select_detail
+
+#define SELECT_ENTRY(SUFFIX, T)                                                                           \
+    extern "C" __global__ void ragged_select_top_k_##SUFFIX(const T *x, const float *scores, T *out, int len, \
+                                                            int C, int prefix, int keep, int fuse) {        \
+        select_detail::select_top_k<T>(x, scores, out, len, C, prefix, keep, fuse);                           \
+    }
+SELECT_ENTRY(f32, float)
+SELECT_ENTRY(f16, __half)
+SELECT_ENTRY(bf16, __nv_bfloat16)

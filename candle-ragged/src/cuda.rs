@@ -47,8 +47,15 @@ const UNPACK_NAMES: [&str; 4] = [
 ];
 const VEC_BYTES: [usize; 4] = [16, 8, 4, 2];
 
+const SELECT_NAMES: [&str; 3] = [
+    "ragged_select_top_k_f32",
+    "ragged_select_top_k_f16",
+    "ragged_select_top_k_bf16",
+];
+
 struct Kernels {
     attn: Vec<Vec<CudaFunction>>,
+    select: Vec<CudaFunction>,
     pack: Vec<CudaFunction>,
     unpack: Vec<CudaFunction>,
 }
@@ -69,6 +76,10 @@ fn kernels(dev: &CudaDevice) -> Result<Arc<Kernels>> {
         attn: ATTN_NAMES
             .iter()
             .map(|row| row.iter().map(|n| load(n)).collect())
+            .collect::<Result<_>>()?,
+        select: SELECT_NAMES
+            .iter()
+            .map(|n| load(n))
             .collect::<Result<_>>()?,
         pack: PACK_NAMES.iter().map(|n| load(n)).collect::<Result<_>>()?,
         unpack: UNPACK_NAMES
@@ -349,4 +360,71 @@ pub(crate) fn unpack(
         }
     };
     Ok((storage, shape))
+}
+
+/// [`crate::select_top_k`] on CUDA: blocks of 256 threads, one or more per sequence.
+pub(crate) fn select_top_k(
+    op: &crate::select::SelectTopK,
+    (x, lx): (&CudaStorage, &Layout),
+    (s, ls): (&CudaStorage, &Layout),
+) -> Result<(CudaStorage, Shape)> {
+    let dev = &x.device;
+    let (rows, c) = lx.shape().dims2()?;
+    let b = rows / op.len;
+    if !lx.is_contiguous() || !ls.is_contiguous() || ls.shape().elem_count() != b * op.len {
+        candle_core::bail!("select_top_k: x and scores must be contiguous and agree in size");
+    }
+    if op.len > crate::MAX_SEQ_LEN {
+        candle_core::bail!("select_top_k: sequences longer than {}", crate::MAX_SEQ_LEN);
+    }
+    let k = kernels(dev)?;
+    let out_rows = b * op.out_len();
+    let scores = s.as_cuda_slice::<f32>()?.slice(ls.start_offset()..);
+    let (len, cc, prefix, keep) = (op.len as i32, c as i32, op.prefix as i32, op.keep as i32);
+    let fuse: i32 = match op.fusion {
+        None => 0,
+        Some(crate::DroppedFusion::WeightedMean) => 1,
+        Some(crate::DroppedFusion::WeightedSum) => 2,
+    };
+    // Blocks per sequence: enough to spread the row copies over the GPU at small batches (each
+    // block of a sequence ranks it again, O(len²/256) per thread), one at large ones.
+    let per_seq = (264 / b.max(1)).clamp(1, op.len.div_ceil(8)) as u32;
+    let cfg = LaunchConfig {
+        grid_dim: (b as u32, per_seq, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let stream = dev.cuda_stream();
+    macro_rules! run {
+        ($t:ty, $i:expr) => {{
+            let xs = x.as_cuda_slice::<$t>()?.slice(lx.start_offset()..);
+            // SAFETY: the kernel writes every one of the `out_rows · c` elements.
+            let out = unsafe { dev.alloc::<$t>(out_rows * c)? };
+            let mut builder = stream.launch_builder(&k.select[$i]);
+            builder.arg(&xs);
+            builder.arg(&scores);
+            builder.arg(&out);
+            builder.arg(&len);
+            builder.arg(&cc);
+            builder.arg(&prefix);
+            builder.arg(&keep);
+            builder.arg(&fuse);
+            // SAFETY: sizes checked above and by select_top_k; one block per sequence.
+            unsafe { builder.launch(cfg) }.w()?;
+            CudaStorage::wrap_cuda_slice(out, dev.clone())
+        }};
+    }
+    let out = match x.dtype() {
+        DType::F32 => run!(f32, 0),
+        DType::F16 => run!(half::f16, 1),
+        DType::BF16 => run!(half::bf16, 2),
+        dtype => {
+            return Err(RaggedError::UnsupportedDType {
+                op: "select_top_k",
+                dtype,
+            }
+            .into())
+        }
+    };
+    Ok((out, Shape::from((out_rows, c))))
 }

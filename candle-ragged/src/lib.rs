@@ -39,8 +39,10 @@ mod cpu;
 mod cuda;
 mod error;
 mod pack;
+mod select;
 
 pub use attention::{ragged_attention, RaggedAttention, SUPPORTED_HEAD_DIMS};
 pub use batch::{RaggedBatch, MAX_SEQ_LEN};
 pub use error::{RaggedError, Result};
 pub use pack::{pack, unpack, Pack, Unpack};
+pub use select::{select_top_k, DroppedFusion};

@@ -3,19 +3,20 @@
 //! [`DeiT::forward_pruned`] decides on the host: one read-back per pruning step, which drains
 //! the GPU queue and leaves it idle while the host decides and launches again, and which no CUDA
 //! graph can contain. For the fixed-ratio pruners ([`pruners::TokenPruner::fixed_count`]) the counts are
-//! known before any score exists, so nothing needs the host: scores, top-k (a sort on the
-//! device), the gather of kept rows and EViT's fused token are all tensor ops, every shape is
-//! known on the host, and the whole call can be captured once and replayed
+//! known before any score exists, so nothing needs the host: the scores are tensor ops, and the
+//! top-k, the gather of kept rows and EViT's fused token are one
+//! [`candle_ragged::select_top_k`] kernel; every shape is known on the host, and the whole call
+//! can be captured once and replayed
 //! ([`candle_fastpath::CapturedForward`]).
 //!
 //! Every image keeps the same number of tokens here, so the packed `[B·L, C]` tokens are also
 //! the image-shaped `[B, L, C]` ones (a free reshape): no unpack, no padding mask.
 //!
-//! Same decisions as the host path except for exactly tied scores (the device sort orders ties
-//! arbitrarily, the host breaks them to the lower position) and NaN scores (unranked here).
+//! Same decisions as the host path, ties and NaN scores included (both use f32's total order,
+//! NaN lowest, ties to the lower position), given bit-identical scores.
 
-use candle_core::{DType, Device, Module, Tensor};
-use candle_ragged::RaggedBatch;
+use candle_core::{DType, Module, Tensor};
+use candle_ragged::{select_top_k, DroppedFusion, RaggedBatch};
 use pruners::{EvitFusion, FixedCount, PruneInput, PruneSite};
 
 use crate::attention::{cls_attention, AttentionInputs};
@@ -23,93 +24,38 @@ use crate::deit::DeiT;
 use crate::error::ModelError;
 use crate::pruned::BlockPruner;
 
-/// Rows `b·len + offset + pos[b, j]` of a packed `[B·len, C]` tensor, as `[B·m, C]`
-/// (`pos` `[B, m]` u32).
-fn gather_rows(x: &Tensor, pos: &Tensor, len: usize, offset: usize) -> candle_core::Result<Tensor> {
-    let (b, _) = pos.dims2()?;
-    let base = row_bases(b, len, offset, x.device())?;
-    let rows = pos.broadcast_add(&base)?.flatten_all()?;
-    x.index_select(&rows, 0)
-}
-
-/// `[B, 1]` u32: `b·len + offset`.
-fn row_bases(b: usize, len: usize, offset: usize, dev: &Device) -> candle_core::Result<Tensor> {
-    let (start, step) = (offset as u32, len as u32);
-    Tensor::arange_step(start, start + step * b as u32, step, dev)?.reshape((b, 1))
-}
-
 /// One fixed-count pruning step on packed tokens `x` `[B·len, C]` with per-token `scores`
 /// `[B, len]` f32: the new packed tokens `[B·len', C]` (prefix, kept patches in ascending
-/// position, then EViT's fused token) and `len'`.
+/// position, then EViT's fused token) and `len'`, as one [`candle_ragged::select_top_k`] (one
+/// kernel on CUDA).
 fn apply_fixed(
     x: &Tensor,
     scores: &Tensor,
-    len: usize,
     num_prefix: usize,
     count: FixedCount,
 ) -> candle_core::Result<(Tensor, usize)> {
-    let (b, c) = (scores.dim(0)?, x.dim(1)?);
-    let dev = x.device();
-    let patches = len - num_prefix;
-    let patch_scores = scores.narrow(1, num_prefix, patches)?.contiguous()?;
-    let order = patch_scores.arg_sort_last_dim(false)?; // descending, [B, patches]
+    let fusion = match count.fused {
+        Some(EvitFusion::WeightedMean) => Some(DroppedFusion::WeightedMean),
+        Some(EvitFusion::ReferenceSum) => Some(DroppedFusion::WeightedSum),
+        Some(EvitFusion::Off) | None => None,
+    };
+    let patches = scores.dim(1)? - num_prefix;
     let keep = count.keep.clamp(1, patches);
-    let kept = order
-        .narrow(1, 0, keep)?
-        .contiguous()?
-        .sort_last_dim(true)?
-        .0;
-    let prefix = Tensor::arange(0u32, num_prefix as u32, dev)?
-        .reshape((1, num_prefix))?
-        .broadcast_as((b, num_prefix))?
-        .contiguous()?;
-    let prefix_rows = gather_rows(x, &prefix, len, 0)?;
-    let kept_rows = gather_rows(x, &kept, len, num_prefix)?;
-    let kept_tokens = Tensor::cat(
-        &[
-            prefix_rows.reshape((b, num_prefix, c))?,
-            kept_rows.reshape((b, keep, c))?,
-        ],
-        1,
-    )?;
-    let dropped = patches - keep;
-    let fusion = count.fused.filter(|_| dropped > 0);
-    let Some(fusion) = fusion else {
-        let new_len = num_prefix + keep;
-        return Ok((kept_tokens.reshape((b * new_len, c))?, new_len));
-    };
-    // EViT's extra token: the dropped tokens weighted by their (non-negative) scores; the
-    // weighted mean falls back to the plain mean when every weight is 0 (as the host path does).
-    let dropped_idx = order.narrow(1, keep, dropped)?.contiguous()?;
-    let w = patch_scores.gather(&dropped_idx, 1)?.relu()?; // [B, dropped]
-    let w = match fusion {
-        EvitFusion::ReferenceSum => w,
-        EvitFusion::WeightedMean | EvitFusion::Off => {
-            let sum = w.sum_keepdim(1)?;
-            let all_zero = sum.eq(0.0)?.to_dtype(DType::F32)?;
-            w.broadcast_div(&(sum + &all_zero)?)?
-                .broadcast_add(&(all_zero / dropped as f64)?)?
-        }
-    };
-    let dropped_tokens = gather_rows(x, &dropped_idx, len, num_prefix)?
-        .reshape((b, dropped, c))?
-        .to_dtype(DType::F32)?;
-    let fused = w
-        .unsqueeze(1)?
-        .contiguous()?
-        .matmul(&dropped_tokens)?
-        .to_dtype(x.dtype())?; // [B, 1, C]
-    let new_len = num_prefix + keep + 1;
-    let tokens = Tensor::cat(&[kept_tokens, fused], 1)?;
-    Ok((tokens.reshape((b * new_len, c))?, new_len))
+    Ok(select_top_k(
+        x,
+        &scores.to_dtype(DType::F32)?,
+        num_prefix,
+        keep,
+        fusion,
+    )?)
 }
 
 impl DeiT {
     /// Logits `[B, num_classes]` of `pixels` with fixed-count `pruners` (see
     /// [`pruners::TokenPruner::fixed_count`]) on the packed path, every keep decision made on the device:
     /// no host sync anywhere, so the call can be captured into a CUDA graph. Same tokens kept and
-    /// same logits as [`DeiT::forward_pruned`] on [`crate::ExecutionPath::Ragged`] (up to tied
-    /// scores); an error, before any work, for pruners that count on the host (adaptive modes,
+    /// same logits as [`DeiT::forward_pruned`] on [`crate::ExecutionPath::Ragged`] (the same
+    /// selection rule, ties included); an error, before any work, for pruners that count on the host (adaptive modes,
     /// ATS).
     pub fn forward_pruned_on_device(
         &self,
@@ -181,7 +127,7 @@ impl DeiT {
                 }
             };
             let source = h.as_ref().unwrap_or(&x);
-            let (next, next_len) = apply_fixed(source, &scores, len, num_prefix, *count)?;
+            let (next, next_len) = apply_fixed(source, &scores, num_prefix, *count)?;
             len = next_len;
             x = next;
             batch =

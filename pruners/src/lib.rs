@@ -127,7 +127,8 @@ pub trait TokenPruner: Send + Sync + std::fmt::Debug {
     /// Threshold-L2, DynamicViT and EViT): how many of `patches` patch tokens every image keeps,
     /// and the fused token EViT appends. Known on the host before any score exists, so a model
     /// can keep the whole decision on the device: the top-`keep` of [`TokenPruner::scores`]
-    /// (ties in unspecified order there, NaN scores unranked), no host sync. `None` (the default)
+    /// (a model should keep this crate's order: f32's total order, NaN lowest, ties to the lower
+    /// position), no host sync. `None` (the default)
     /// for pruners that must look at the scores to count: adaptive modes and ATS.
     fn fixed_count(&self, patches: usize) -> Option<FixedCount> {
         let _ = patches;

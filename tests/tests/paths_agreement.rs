@@ -743,7 +743,7 @@ fn images_deciding_differently(m: &DeiT, pixels: &Tensor, pruners: &Pruners) -> 
 }
 
 /// [`DeiT::forward_pruned_on_device`] against the host-decided ragged forward `host` of the
-/// same pruners: same logits (so same kept tokens, barring exact ties) within the f32 tolerance;
+/// same pruners: same logits (so same kept tokens) within the f32 tolerance;
 /// on CUDA also its captured graph, replayed, against the eager call (bit-identical). Returns
 /// the max |Δlogit| against `host`.
 fn check_on_device(

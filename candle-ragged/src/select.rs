@@ -1,0 +1,236 @@
+//! [`select_top_k`]: token pruning on the device. For `B` packed sequences of equal length, keep
+//! each one's leading tokens and its `keep` best-scoring others, in ascending position, as one
+//! op (one kernel on CUDA, replacing a sort, gathers and a concatenation), with no host sync: the
+//! output size is known from the arguments alone.
+
+use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Tensor};
+
+use crate::batch::MAX_SEQ_LEN;
+use crate::error::{RaggedError, Result};
+
+const OP: &str = "select_top_k";
+
+/// The extra token built from the dropped ones (EViT's "fused" token).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DroppedFusion {
+    /// `Σ w_j x_j / Σ w_j` over the dropped tokens, `w_j = max(score_j, 0)`; the plain mean when
+    /// every weight is 0.
+    WeightedMean,
+    /// `Σ w_j x_j` over the dropped tokens.
+    WeightedSum,
+}
+
+/// Per sequence of `len = x.dim(0) / B` tokens: rows `0..prefix`, then the `keep` rows of
+/// `prefix..len` with the highest scores in ascending position, then (with `fusion`, when some
+/// row is dropped) one row fusing the dropped ones.
+///
+/// * `x` - `[B·len, C]` packed tokens, f32 / f16 / bf16, rows contiguous.
+/// * `scores` - `[B, len]` f32 (entries at prefix positions are ignored). Order: f32's total
+///   order with NaN lowest, ties to the lower position (the host pruners' rule).
+/// * `keep` - in `1..=len - prefix`.
+///
+/// Returns `[B·len', C]`, `len' = prefix + keep (+ 1)`, and `len'`.
+pub fn select_top_k(
+    x: &Tensor,
+    scores: &Tensor,
+    prefix: usize,
+    keep: usize,
+    fusion: Option<DroppedFusion>,
+) -> Result<(Tensor, usize)> {
+    let (b, len) = scores.dims2().map_err(|_| RaggedError::Rank {
+        op: OP,
+        what: "scores",
+        expected: 2,
+        shape: scores.shape().clone(),
+    })?;
+    if x.rank() != 2 {
+        return Err(RaggedError::Rank {
+            op: OP,
+            what: "x",
+            expected: 2,
+            shape: x.shape().clone(),
+        });
+    }
+    let (rows, c) = x.dims2()?;
+    if b == 0 || len == 0 || rows != b * len {
+        return Err(RaggedError::ShapeMismatch {
+            op: OP,
+            what: "x",
+            expected: Shape::from((b * len, c)),
+            found: x.shape().clone(),
+        });
+    }
+    if scores.dtype() != DType::F32 {
+        return Err(msg(format!("scores must be f32, got {:?}", scores.dtype())));
+    }
+    if !matches!(x.dtype(), DType::F32 | DType::F16 | DType::BF16) {
+        return Err(RaggedError::UnsupportedDType {
+            op: OP,
+            dtype: x.dtype(),
+        });
+    }
+    if !scores.device().same_device(x.device()) {
+        return Err(msg(format!(
+            "scores are on {:?} but x is on {:?}",
+            scores.device().location(),
+            x.device().location()
+        )));
+    }
+    if len > MAX_SEQ_LEN {
+        return Err(RaggedError::SequenceTooLong {
+            op: OP,
+            len,
+            limit: MAX_SEQ_LEN,
+        });
+    }
+    if prefix >= len || keep == 0 || keep > len - prefix {
+        return Err(msg(format!(
+            "need prefix < len and 1 <= keep <= len - prefix, got prefix {prefix}, keep {keep}, \
+             len {len}"
+        )));
+    }
+    let fuse = fusion.filter(|_| keep < len - prefix);
+    let new_len = prefix + keep + fuse.is_some() as usize;
+    let op = SelectTopK {
+        len,
+        prefix,
+        keep,
+        fusion: fuse,
+    };
+    let out = x
+        .contiguous()?
+        .apply_op2_no_bwd(&scores.contiguous()?, &op)?;
+    Ok((out, new_len))
+}
+
+fn msg(m: String) -> RaggedError {
+    RaggedError::Candle(candle_core::Error::Msg(format!("{OP}: {m}")))
+}
+
+/// The op behind [`select_top_k`] (arguments checked there).
+pub(crate) struct SelectTopK {
+    pub len: usize,
+    pub prefix: usize,
+    pub keep: usize,
+    pub fusion: Option<DroppedFusion>,
+}
+
+impl SelectTopK {
+    pub(crate) fn out_len(&self) -> usize {
+        self.prefix + self.keep + self.fusion.is_some() as usize
+    }
+
+    /// Output row (within the sequence) of every input row, `None` when dropped.
+    fn rows(&self, s: &[f32]) -> Vec<Option<usize>> {
+        let key = |j: usize| {
+            let v = if s[j].is_nan() {
+                f32::NEG_INFINITY
+            } else {
+                s[j]
+            };
+            (v, j)
+        };
+        let mut order: Vec<usize> = (self.prefix..self.len).collect();
+        // Descending total order, ties to the lower position.
+        order.sort_unstable_by(|&a, &b| {
+            let (ka, kb) = (key(a), key(b));
+            kb.0.total_cmp(&ka.0).then(ka.1.cmp(&kb.1))
+        });
+        let mut kept = vec![false; self.len];
+        for &j in &order[..self.keep] {
+            kept[j] = true;
+        }
+        let mut next = self.prefix;
+        (0..self.len)
+            .map(|j| {
+                if j < self.prefix {
+                    Some(j)
+                } else if kept[j] {
+                    next += 1;
+                    Some(next - 1)
+                } else {
+                    None
+                }
+            })
+            .collect()
+    }
+
+    fn cpu<T: candle_core::WithDType>(&self, x: &[T], scores: &[f32], c: usize) -> Vec<T> {
+        let b_count = scores.len() / self.len;
+        let out_len = self.out_len();
+        let mut out = vec![T::zero(); b_count * out_len * c];
+        for b in 0..b_count {
+            let s = &scores[b * self.len..(b + 1) * self.len];
+            let xb = &x[b * self.len * c..(b + 1) * self.len * c];
+            let ob = &mut out[b * out_len * c..(b + 1) * out_len * c];
+            let rows = self.rows(s);
+            for (j, r) in rows.iter().enumerate() {
+                if let Some(r) = r {
+                    ob[r * c..(r + 1) * c].copy_from_slice(&xb[j * c..(j + 1) * c]);
+                }
+            }
+            let Some(fusion) = self.fusion else { continue };
+            let weight = |v: f32| if v.is_nan() { 0.0 } else { v.max(0.0) };
+            let dropped: Vec<usize> = (self.prefix..self.len)
+                .filter(|&j| rows[j].is_none())
+                .collect();
+            let total: f32 = dropped.iter().map(|&j| weight(s[j])).sum();
+            let dst = (self.prefix + self.keep) * c;
+            for ch in 0..c {
+                let (mut acc, mut plain) = (0f32, 0f32);
+                for &j in &dropped {
+                    let v = xb[j * c + ch].to_f64() as f32;
+                    acc += weight(s[j]) * v;
+                    plain += v;
+                }
+                let f = match fusion {
+                    DroppedFusion::WeightedSum => acc,
+                    DroppedFusion::WeightedMean if total > 0.0 => acc / total,
+                    DroppedFusion::WeightedMean => plain / dropped.len() as f32,
+                };
+                ob[dst + ch] = T::from_f64(f as f64);
+            }
+        }
+        out
+    }
+}
+
+impl CustomOp2 for SelectTopK {
+    fn name(&self) -> &'static str {
+        "select-top-k"
+    }
+
+    fn cpu_fwd(
+        &self,
+        x: &CpuStorage,
+        lx: &Layout,
+        s: &CpuStorage,
+        ls: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (rows, c) = lx.shape().dims2()?;
+        let b = rows / self.len;
+        let scores = match s {
+            CpuStorage::F32(v) => &v[ls.start_offset()..ls.start_offset() + b * self.len],
+            _ => candle_core::bail!("{OP}: scores must be f32"),
+        };
+        let span = lx.start_offset()..lx.start_offset() + rows * c;
+        let out = match x {
+            CpuStorage::F32(v) => CpuStorage::F32(self.cpu(&v[span], scores, c)),
+            CpuStorage::F16(v) => CpuStorage::F16(self.cpu(&v[span], scores, c)),
+            CpuStorage::BF16(v) => CpuStorage::BF16(self.cpu(&v[span], scores, c)),
+            _ => candle_core::bail!("{OP}: unsupported dtype"),
+        };
+        Ok((out, Shape::from((b * self.out_len(), c))))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x: &candle_core::CudaStorage,
+        lx: &Layout,
+        s: &candle_core::CudaStorage,
+        ls: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        crate::cuda::select_top_k(self, (x, lx), (s, ls))
+    }
+}
