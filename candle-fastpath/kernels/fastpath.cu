@@ -142,3 +142,36 @@ extern "C" __global__ void fastpath_layer_norm_bf16(const __nv_bfloat16* x, cons
                                                     unsigned rows, unsigned C, float eps) {
     layer_norm_rows(x, w, b, y, rows, C, eps);
 }
+
+// Non-overlapping patches as matmul rows (im2col for a stride-p, p×p conv), cast on the way:
+//   out[(b·gh + gy)·gw + gx, (c·p + py)·p + px] = pixels[b, c, gy·p + py, gx·p + px]
+// for f32 pixels [B, Cin, H, W] (contiguous). One thread per output element: writes coalesced,
+// reads in runs of p contiguous floats.
+template <typename T>
+__device__ void patchify(const float* __restrict__ px, T* __restrict__ out, unsigned long long n,
+                         int cin, int h, int w, int p) {
+    const int gh = h / p, gw = w / p, k = cin * p * p;
+    for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (unsigned long long)gridDim.x * blockDim.x) {
+        const unsigned long long row = i / k;
+        const int col = (int)(i % k);
+        const int x0 = col % p, y0 = (col / p) % p, c = col / (p * p);
+        const int gx = (int)(row % gw), gy = (int)((row / gw) % gh);
+        const unsigned long long b = row / ((unsigned long long)gw * gh);
+        const float v = px[((b * cin + c) * h + (gy * p + y0)) * (unsigned long long)w + gx * p + x0];
+        out[i] = from_f32<T>(v);
+    }
+}
+
+extern "C" __global__ void fastpath_patchify_f32(const float* px, float* out, unsigned long long n, int cin,
+                                                 int h, int w, int p) {
+    patchify(px, out, n, cin, h, w, p);
+}
+extern "C" __global__ void fastpath_patchify_f16(const float* px, __half* out, unsigned long long n, int cin,
+                                                 int h, int w, int p) {
+    patchify(px, out, n, cin, h, w, p);
+}
+extern "C" __global__ void fastpath_patchify_bf16(const float* px, __nv_bfloat16* out, unsigned long long n,
+                                                  int cin, int h, int w, int p) {
+    patchify(px, out, n, cin, h, w, p);
+}

@@ -38,6 +38,11 @@ const LN_NAMES: [&str; 3] = [
     "fastpath_layer_norm_f16",
     "fastpath_layer_norm_bf16",
 ];
+const PATCH_NAMES: [&str; 3] = [
+    "fastpath_patchify_f32",
+    "fastpath_patchify_f16",
+    "fastpath_patchify_bf16",
+];
 /// `LN_MAX_CHUNKS` in kernels/fastpath.cu: 16-byte chunks per lane.
 const LN_MAX_CHUNKS: usize = 8;
 /// NVIDIA's recommendation for Hopper; cuBLASLt picks split-K and stream-K kernels within it.
@@ -94,6 +99,7 @@ struct DeviceState {
     workspace: CudaSlice<u8>,
     gelu: Vec<CudaFunction>,
     layer_norm: Vec<CudaFunction>,
+    patchify: Vec<CudaFunction>,
     plans: HashMap<PlanKey, Plan>,
 }
 
@@ -149,6 +155,7 @@ fn new_state(dev: &CudaDevice) -> candle_core::Result<DeviceState> {
         workspace,
         gelu: load(&GELU_NAMES)?,
         layer_norm: load(&LN_NAMES)?,
+        patchify: load(&PATCH_NAMES)?,
         plans: HashMap::new(),
     })
 }
@@ -593,5 +600,76 @@ impl candle_core::CustomOp3 for LayerNormOp {
             }
             .into()),
         }
+    }
+}
+
+/// [`crate::patchify`] on CUDA: f32 pixels `[B, C, H, W]` (contiguous) → patch rows in `dtype`.
+pub(crate) struct PatchifyOp {
+    pub patch: usize,
+    pub dtype: DType,
+}
+
+impl candle_core::CustomOp1 for PatchifyOp {
+    fn name(&self) -> &'static str {
+        "fastpath-patchify"
+    }
+
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        candle_core::bail!("patchify: the CUDA op was dispatched on a CPU tensor")
+    }
+
+    fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
+        let dev = &s.device;
+        let (b, c, h, w) = l.shape().dims4()?;
+        let p = self.patch;
+        if !l.is_contiguous() || p == 0 || h % p != 0 || w % p != 0 {
+            candle_core::bail!("patchify: needs contiguous [B, C, H, W] pixels divisible by {p}");
+        }
+        let rows = b * (h / p) * (w / p);
+        let cols = c * p * p;
+        let n = (rows * cols) as u64;
+        let px = s.as_cuda_slice::<f32>()?.slice(l.start_offset()..);
+        let func = {
+            let mut states = STATE.lock().unwrap_or_else(|e| e.into_inner());
+            device_state(&mut states, dev)?.patchify[dtype_index(self.dtype)?].clone()
+        };
+        let blocks = (n as usize).div_ceil(256).clamp(1, 132 * 32) as u32;
+        let cfg = LaunchConfig {
+            grid_dim: (blocks, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let stream = dev.cuda_stream();
+        let (ci, hi, wi, pi) = (c as i32, h as i32, w as i32, p as i32);
+        macro_rules! run {
+            ($t:ty) => {{
+                // SAFETY: the grid-stride loop writes all `n` elements.
+                let out = unsafe { dev.alloc::<$t>(n as usize)? };
+                let mut builder = stream.launch_builder(&func);
+                builder.arg(&px);
+                builder.arg(&out);
+                builder.arg(&n);
+                builder.arg(&ci);
+                builder.arg(&hi);
+                builder.arg(&wi);
+                builder.arg(&pi);
+                // SAFETY: reads stay within B·C·H·W of `px`, writes within `n` of `out`.
+                unsafe { builder.launch(cfg) }.map_err(candle_core::Error::wrap)?;
+                CudaStorage::wrap_cuda_slice(out, dev.clone())
+            }};
+        }
+        let out = match self.dtype {
+            DType::F32 => run!(f32),
+            DType::F16 => run!(half::f16),
+            DType::BF16 => run!(half::bf16),
+            dtype => {
+                return Err(FastpathError::UnsupportedDType {
+                    op: "patchify",
+                    dtype,
+                }
+                .into())
+            }
+        };
+        Ok((out, Shape::from((rows, cols))))
     }
 }

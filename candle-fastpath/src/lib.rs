@@ -8,6 +8,8 @@
 //!   identical semantics.
 //! - [`LayerNorm`]: torch's LayerNorm as one bandwidth-bound kernel on CUDA (candle-nn's fused op
 //!   on the CPU).
+//! - [`patchify`]: a ViT's patch rows (im2col of the stride-p patch conv) gathered and cast in
+//!   one kernel.
 //! - [`CapturedForward`] (CUDA; elsewhere `capture` returns an error): captures a whole forward (any closure of candle ops) into a CUDA
 //!   graph once and replays it, so a call costs one graph launch instead of hundreds of kernel
 //!   launches through candle's generic op path.
@@ -39,8 +41,10 @@ mod graph;
 mod graph;
 mod linear;
 mod norm;
+mod patch;
 
 pub use error::{FastpathError, Result};
 pub use graph::{retain_freed_memory, CapturedForward};
 pub use linear::{linear, linear_no_bias, Epilogue, FusedLinear};
 pub use norm::{layer_norm, LayerNorm};
+pub use patch::patchify;

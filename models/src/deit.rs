@@ -60,12 +60,9 @@ impl Module for PatchEmbed {
         }
         let p = self.patch_size;
         let (gh, gw) = (h / p, w / p);
-        // [B, 3, gh, p, gw, p] -> [B, gh, gw, 3, p, p]: one row per patch, flattened like the
-        // conv weight.
-        let patches = x
-            .reshape((b, c, gh, p, gw, p))?
-            .permute((0, 2, 4, 1, 3, 5))?
-            .reshape((b * gh * gw, c * p * p))?;
+        // One row per patch, flattened like the conv weight, in the weight's dtype (one gather
+        // and cast kernel on CUDA).
+        let patches = candle_fastpath::patchify(x, p, self.proj.weight().dtype())?;
         self.proj.forward(&patches)?.reshape((b, gh * gw, ()))
     }
 }
@@ -263,8 +260,8 @@ impl DeiT {
     /// Pixels `[B, 3, H, W]` (any float dtype; cast to the model's) → tokens `[B, N, C]` entering
     /// the first block: `[cls, (dist), patches] + pos_embed`.
     pub fn embed(&self, pixels: &Tensor) -> Result<Tensor> {
-        let pixels = pixels.to_dtype(self.dtype())?;
-        let patches = self.patch_embed.forward(&pixels)?;
+        // The patch embedding casts while it gathers (f32 pixels, the preprocessing's output).
+        let patches = self.patch_embed.forward(pixels)?;
         let (b, _, c) = patches.dims3()?;
         let mut parts = vec![self.cls_token.expand((b, 1, c))?];
         if let Some(dist) = &self.dist_token {

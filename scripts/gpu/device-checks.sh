@@ -22,14 +22,14 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
 for stage in $stages; do
   case $stage in
   tests)
-    for t in "$bin"/test-attention "$bin"/test-pack "$bin"/test-select "$bin"/test-linear "$bin"/test-norm "$bin"/test-graph; do
+    for t in "$bin"/test-attention "$bin"/test-pack "$bin"/test-select "$bin"/test-linear "$bin"/test-norm "$bin"/test-patch "$bin"/test-graph; do
       if "$t" --test-threads=1 >> "$out/tests.log" 2>&1; then note "PASS $(basename "$t")"; else note "FAIL $(basename "$t")"; status=1; fi
     done
     grep -E "test result|FAILED|panicked" "$out/tests.log" | tail -20
     ;;
   sanitizer)
     # memcheck over every GPU test; racecheck (much slower) over the kernels' shapes that matter.
-    for t in "$bin"/test-attention "$bin"/test-pack "$bin"/test-select "$bin"/test-linear "$bin"/test-norm; do
+    for t in "$bin"/test-attention "$bin"/test-pack "$bin"/test-select "$bin"/test-linear "$bin"/test-norm "$bin"/test-patch; do
       [[ -x $t ]] || continue
       if compute-sanitizer --tool memcheck --error-exitcode 9 "$t" --test-threads=1 >> "$out/sanitizer.log" 2>&1; then
         note "memcheck clean $(basename "$t")"; else note "memcheck FAIL $(basename "$t")"; status=1; fi

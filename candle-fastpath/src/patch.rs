@@ -1,0 +1,40 @@
+//! [`patchify`]: the patch rows a ViT's stride-p patch-embedding conv multiplies, as one kernel
+//! on CUDA (gather and cast in one pass) instead of a cast, a six-dim permute copy and a reshape.
+
+use candle_core::{DType, Tensor};
+
+use crate::error::{FastpathError, Result};
+
+const OP: &str = "patchify";
+
+/// Non-overlapping `patch × patch` patches of `pixels` `[B, C, H, W]` as rows
+/// `[B·(H/p)·(W/p), C·p·p]`, patches in row-major grid order, each row in (channel, row, column)
+/// order (a `[D, C, p, p]` conv weight flattened to `[D, C·p·p]` multiplies it), cast to `dtype`.
+pub fn patchify(pixels: &Tensor, patch: usize, dtype: DType) -> Result<Tensor> {
+    let (b, c, h, w) = pixels.dims4().map_err(|_| FastpathError::Rank {
+        op: OP,
+        what: "pixels",
+        expected: "4 ([B, C, H, W])",
+        shape: pixels.shape().clone(),
+    })?;
+    if patch == 0 || h % patch != 0 || w % patch != 0 || b * c * h * w == 0 {
+        return Err(FastpathError::Candle(candle_core::Error::Msg(format!(
+            "{OP}: pixels {:?} do not split into {patch}×{patch} patches",
+            pixels.dims()
+        ))));
+    }
+    if !matches!(dtype, DType::F32 | DType::F16 | DType::BF16) {
+        return Err(FastpathError::UnsupportedDType { op: OP, dtype });
+    }
+    let (gh, gw) = (h / patch, w / patch);
+    #[cfg(feature = "cuda")]
+    if pixels.device().is_cuda() && pixels.dtype() == DType::F32 {
+        let op = crate::cuda::PatchifyOp { patch, dtype };
+        return Ok(pixels.contiguous()?.apply_op1_no_bwd(&op)?);
+    }
+    Ok(pixels
+        .to_dtype(dtype)?
+        .reshape((b, c, gh, patch, gw, patch))?
+        .permute((0, 2, 4, 1, 3, 5))?
+        .reshape((b * gh * gw, c * patch * patch))?)
+}

@@ -1,0 +1,103 @@
+//! patchify against an independent host loop over the conv's index map: f32/f16/bf16 output,
+//! 1-4 channels, square and non-square images, patch sizes 1, 4, 16; output memory poisoned.
+
+use candle_core::{DType, Device, Tensor};
+use candle_fastpath::patchify;
+
+fn device() -> Device {
+    #[cfg(feature = "cuda")]
+    {
+        if let Ok(d) = Device::new_cuda(0) {
+            return d;
+        }
+        if std::env::var_os("CANDLE_RAGGED_REQUIRE_CUDA").is_some() {
+            panic!("CANDLE_RAGGED_REQUIRE_CUDA is set but no CUDA device could be opened");
+        }
+    }
+    Device::Cpu
+}
+
+#[test]
+fn matches_the_conv_index_map() {
+    let dev = device();
+    for dtype in [DType::F32, DType::F16, DType::BF16] {
+        for &(b, c, h, w, p) in &[
+            (2, 3, 32, 48, 16),
+            (1, 1, 4, 4, 1),
+            (3, 4, 8, 12, 4),
+            (2, 3, 224, 224, 16),
+        ] {
+            let n = b * c * h * w;
+            let px: Vec<f32> = (0..n)
+                .map(|i| ((i * 7919) % 1000) as f32 / 97.0 - 5.0)
+                .collect();
+            let t = Tensor::from_slice(&px, (b, c, h, w), &dev).unwrap();
+            drop(
+                Tensor::full(f32::NAN, n, &dev)
+                    .unwrap()
+                    .to_dtype(dtype)
+                    .unwrap(),
+            );
+            let out = patchify(&t, p, dtype).unwrap();
+            let (gh, gw) = (h / p, w / p);
+            assert_eq!(out.dims(), &[b * gh * gw, c * p * p]);
+            assert_eq!(out.dtype(), dtype);
+            let got: Vec<f32> = out
+                .to_dtype(DType::F32)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1()
+                .unwrap();
+            let round = |v: f32| {
+                Tensor::new(&[v], &Device::Cpu)
+                    .unwrap()
+                    .to_dtype(dtype)
+                    .unwrap()
+                    .to_dtype(DType::F32)
+                    .unwrap()
+                    .to_vec1::<f32>()
+                    .unwrap()[0]
+            };
+            for bi in 0..b {
+                for gy in 0..gh {
+                    for gx in 0..gw {
+                        let row = (bi * gh + gy) * gw + gx;
+                        for ch in 0..c {
+                            for y in 0..p {
+                                for x in 0..p {
+                                    let col = (ch * p + y) * p + x;
+                                    let want =
+                                        px[((bi * c + ch) * h + gy * p + y) * w + gx * p + x];
+                                    assert_eq!(
+                                        got[row * c * p * p + col],
+                                        round(want),
+                                        "{dtype:?} {b}x{c}x{h}x{w}/{p} row {row} col {col}"
+                                    );
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn bad_inputs_are_clear_errors() {
+    let dev = device();
+    let t = Tensor::zeros((1, 3, 10, 16), DType::F32, &dev).unwrap();
+    assert!(patchify(&t, 4, DType::F32)
+        .unwrap_err()
+        .to_string()
+        .contains("do not split into 4×4 patches"));
+    assert!(patchify(&t.flatten_all().unwrap(), 2, DType::F32)
+        .unwrap_err()
+        .to_string()
+        .contains("pixels must have rank 4"));
+    assert!(patchify(&t, 2, DType::U32)
+        .unwrap_err()
+        .to_string()
+        .contains("unsupported dtype U32"));
+}
