@@ -1,21 +1,11 @@
 //! CapturedForward: a replayed graph gives exactly what the eager forward gives, for several
 //! inputs, and returned outputs do not change under later replays. On CPU: a clear error.
 
-use candle_core::{DType, Device, Tensor};
-use candle_fastpath::{CapturedForward, FusedLinear};
+mod common;
 
-fn device() -> Device {
-    #[cfg(feature = "cuda")]
-    {
-        if let Ok(d) = Device::new_cuda(0) {
-            return d;
-        }
-        if std::env::var_os("CANDLE_RAGGED_REQUIRE_CUDA").is_some() {
-            panic!("CANDLE_RAGGED_REQUIRE_CUDA is set but no CUDA device could be opened");
-        }
-    }
-    Device::Cpu
-}
+use candle_core::{DType, Tensor};
+use candle_fastpath::{CapturedForward, FusedLinear};
+use common::device;
 
 /// A small network mixing cuBLASLt epilogues, candle's strided copies and broadcasts (whose
 /// layout uploads must come from candle's capture cache) and a softmax.

@@ -3,54 +3,12 @@
 //! On CPU this checks the layer's semantics; built with `cuda` on a GPU machine it checks the
 //! cuBLASLt path and the GELU kernel, with the output memory poisoned (NaN) before each call.
 
+mod common;
+
 use candle_core::{DType, Device, Tensor};
 use candle_fastpath::{Epilogue, FastpathError, FusedLinear};
-use rand::{rngs::StdRng, Rng, SeedableRng};
-
-fn device() -> Device {
-    #[cfg(feature = "cuda")]
-    {
-        if let Ok(d) = Device::new_cuda(0) {
-            return d;
-        }
-        if std::env::var_os("CANDLE_RAGGED_REQUIRE_CUDA").is_some() {
-            panic!("CANDLE_RAGGED_REQUIRE_CUDA is set but no CUDA device could be opened");
-        }
-    }
-    Device::Cpu
-}
-
-/// NaN-fills freshly freed device memory: candle's CUDA allocator is stream-ordered and hands
-/// the same block back, so an element the op forgets to write shows up as NaN.
-fn poison(dev: &Device, elems: usize, dtype: DType) {
-    let t = Tensor::full(f32::NAN, elems, dev)
-        .unwrap()
-        .to_dtype(dtype)
-        .unwrap();
-    drop(t);
-}
-
-fn randn(rng: &mut StdRng, n: usize, std: f32) -> Vec<f32> {
-    (0..n)
-        .map(|_| {
-            let u1: f32 = rng.random::<f32>().max(1e-7);
-            let u2: f32 = rng.random();
-            std * (-2.0 * u1.ln()).sqrt() * (2.0 * std::f32::consts::PI * u2).cos()
-        })
-        .collect()
-}
-
-/// Values as the op sees them after rounding to `dtype`.
-fn quantize(v: &[f32], dtype: DType) -> Vec<f32> {
-    Tensor::from_slice(v, v.len(), &Device::Cpu)
-        .unwrap()
-        .to_dtype(dtype)
-        .unwrap()
-        .to_dtype(DType::F32)
-        .unwrap()
-        .to_vec1()
-        .unwrap()
-}
+use common::{device, poison, quantize, randn};
+use rand::{rngs::StdRng, SeedableRng};
 
 fn gelu(x: f64) -> f64 {
     0.5 * x * (1.0 + libm::erf(x / std::f64::consts::SQRT_2))

@@ -2,42 +2,12 @@
 //! hands to the candle-ops fallback: too wide, not a whole number of vectors, misaligned views), row counts
 //! 1..577, inputs with a large mean (where E[x²]-E[x]² would cancel). Output memory poisoned.
 
+mod common;
+
 use candle_core::{DType, Device, Module, Tensor};
 use candle_fastpath::LayerNorm;
+use common::{device, poison, quantize};
 use rand::{rngs::StdRng, Rng, SeedableRng};
-
-fn device() -> Device {
-    #[cfg(feature = "cuda")]
-    {
-        if let Ok(d) = Device::new_cuda(0) {
-            return d;
-        }
-        if std::env::var_os("CANDLE_RAGGED_REQUIRE_CUDA").is_some() {
-            panic!("CANDLE_RAGGED_REQUIRE_CUDA is set but no CUDA device could be opened");
-        }
-    }
-    Device::Cpu
-}
-
-fn poison(dev: &Device, elems: usize, dtype: DType) {
-    drop(
-        Tensor::full(f32::NAN, elems, dev)
-            .unwrap()
-            .to_dtype(dtype)
-            .unwrap(),
-    );
-}
-
-fn quantize(v: &[f32], dtype: DType) -> Vec<f32> {
-    Tensor::from_slice(v, v.len(), &Device::Cpu)
-        .unwrap()
-        .to_dtype(dtype)
-        .unwrap()
-        .to_dtype(DType::F32)
-        .unwrap()
-        .to_vec1()
-        .unwrap()
-}
 
 fn check(dev: &Device, rng: &mut StdRng, dtype: DType, rows: usize, c: usize, lead: usize) {
     let mean_shift: f32 = rng.random_range(-20.0..20.0);

@@ -1,21 +1,11 @@
 //! patchify against an independent host loop over the conv's index map: f32/f16/bf16 output,
 //! 1-4 channels, square and non-square images, patch sizes 1, 4, 16; output memory poisoned.
 
-use candle_core::{DType, Device, Tensor};
-use candle_fastpath::patchify;
+mod common;
 
-fn device() -> Device {
-    #[cfg(feature = "cuda")]
-    {
-        if let Ok(d) = Device::new_cuda(0) {
-            return d;
-        }
-        if std::env::var_os("CANDLE_RAGGED_REQUIRE_CUDA").is_some() {
-            panic!("CANDLE_RAGGED_REQUIRE_CUDA is set but no CUDA device could be opened");
-        }
-    }
-    Device::Cpu
-}
+use candle_core::{DType, Tensor};
+use candle_fastpath::patchify;
+use common::{device, poison, quantize};
 
 #[test]
 fn matches_the_conv_index_map() {
@@ -32,12 +22,7 @@ fn matches_the_conv_index_map() {
                 .map(|i| ((i * 7919) % 1000) as f32 / 97.0 - 5.0)
                 .collect();
             let t = Tensor::from_slice(&px, (b, c, h, w), &dev).unwrap();
-            drop(
-                Tensor::full(f32::NAN, n, &dev)
-                    .unwrap()
-                    .to_dtype(dtype)
-                    .unwrap(),
-            );
+            poison(&dev, n, dtype);
             let out = patchify(&t, p, dtype).unwrap();
             let (gh, gw) = (h / p, w / p);
             assert_eq!(out.dims(), &[b * gh * gw, c * p * p]);
@@ -49,16 +34,8 @@ fn matches_the_conv_index_map() {
                 .unwrap()
                 .to_vec1()
                 .unwrap();
-            let round = |v: f32| {
-                Tensor::new(&[v], &Device::Cpu)
-                    .unwrap()
-                    .to_dtype(dtype)
-                    .unwrap()
-                    .to_dtype(DType::F32)
-                    .unwrap()
-                    .to_vec1::<f32>()
-                    .unwrap()[0]
-            };
+            // The pixels as the op's output dtype holds them.
+            let rounded = quantize(&px, dtype);
             for bi in 0..b {
                 for gy in 0..gh {
                     for gx in 0..gw {
@@ -68,10 +45,10 @@ fn matches_the_conv_index_map() {
                                 for x in 0..p {
                                     let col = (ch * p + y) * p + x;
                                     let want =
-                                        px[((bi * c + ch) * h + gy * p + y) * w + gx * p + x];
+                                        rounded[((bi * c + ch) * h + gy * p + y) * w + gx * p + x];
                                     assert_eq!(
                                         got[row * c * p * p + col],
-                                        round(want),
+                                        want,
                                         "{dtype:?} {b}x{c}x{h}x{w}/{p} row {row} col {col}"
                                     );
                                 }

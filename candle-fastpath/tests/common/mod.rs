@@ -1,0 +1,53 @@
+//! Shared pieces of the candle-fastpath tests: the device under test, poisoning, random inputs and
+//! dtype rounding.
+#![allow(dead_code)]
+
+use candle_core::{DType, Device, Tensor};
+use rand::{rngs::StdRng, Rng};
+
+/// CPU, or the first CUDA GPU when built with `cuda` and one is present: the same tests then
+/// check the CUDA paths (the GPU machine runs them; CI runs them on the CPU).
+pub fn device() -> Device {
+    #[cfg(feature = "cuda")]
+    {
+        if let Ok(d) = Device::new_cuda(0) {
+            return d;
+        }
+        if std::env::var_os("CANDLE_RAGGED_REQUIRE_CUDA").is_some() {
+            panic!("CANDLE_RAGGED_REQUIRE_CUDA is set but no CUDA device could be opened");
+        }
+    }
+    Device::Cpu
+}
+
+/// NaN-fills freshly freed device memory: candle's CUDA allocator is stream-ordered and hands
+/// the same block back, so an element the op forgets to write shows up as NaN.
+pub fn poison(dev: &Device, elems: usize, dtype: DType) {
+    let t = Tensor::full(f32::NAN, elems, dev)
+        .unwrap()
+        .to_dtype(dtype)
+        .unwrap();
+    drop(t);
+}
+
+pub fn randn(rng: &mut StdRng, n: usize, std: f32) -> Vec<f32> {
+    (0..n)
+        .map(|_| {
+            let u1: f32 = rng.random::<f32>().max(1e-7);
+            let u2: f32 = rng.random();
+            std * (-2.0 * u1.ln()).sqrt() * (2.0 * std::f32::consts::PI * u2).cos()
+        })
+        .collect()
+}
+
+/// Values as the op sees them after rounding to `dtype`.
+pub fn quantize(v: &[f32], dtype: DType) -> Vec<f32> {
+    Tensor::from_slice(v, v.len(), &Device::Cpu)
+        .unwrap()
+        .to_dtype(dtype)
+        .unwrap()
+        .to_dtype(DType::F32)
+        .unwrap()
+        .to_vec1()
+        .unwrap()
+}
