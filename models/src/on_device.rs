@@ -62,19 +62,14 @@ impl DeiT {
         pixels: &Tensor,
         pruners: &[BlockPruner],
     ) -> Result<Tensor, ModelError> {
-        let depth = self.blocks.len();
+        self.check_pruner_blocks(pruners)?;
         let num_prefix = self.config.num_prefix_tokens();
-        // Every step's count, checked before anything runs.
+        // Every step's count (and what it needs), checked before anything runs.
         let mut len = self.config.seq_len();
         let mut counts = Vec::with_capacity(pruners.len());
         let mut order: Vec<&BlockPruner> = pruners.iter().collect();
         order.sort_by_key(|(block, _)| *block);
-        for (i, (block, pruner)) in order.iter().enumerate() {
-            if *block >= depth || (i > 0 && order[i - 1].0 == *block) {
-                return Err(ModelError::InvalidPruning(format!(
-                    "pruner at block {block}: the model has {depth} blocks and one pruner per block at most"
-                )));
-            }
+        for (_, pruner) in &order {
             let count = pruner.fixed_count(len - num_prefix).ok_or_else(|| {
                 ModelError::InvalidPruning(format!(
                     "{} ({}) counts its tokens from the scores, on the host; device-side \
@@ -83,6 +78,12 @@ impl DeiT {
                     pruner.mode()
                 ))
             })?;
+            if pruner.needs().values {
+                return Err(ModelError::InvalidPruning(format!(
+                    "{}: value norms are not provided on the device path",
+                    pruner.kind()
+                )));
+            }
             counts.push(count);
             len = num_prefix + count.keep + count.fused.is_some() as usize;
         }
@@ -117,12 +118,6 @@ impl DeiT {
                     let image = h.reshape((b, len, c))?;
                     let mut input = PruneInput::new(&image, num_prefix).with_lengths(&lengths);
                     input = input.with_cls_attn(&attn);
-                    if pruner.needs().values {
-                        return Err(ModelError::InvalidPruning(format!(
-                            "{}: value norms are not provided on the device path",
-                            pruner.kind()
-                        )));
-                    }
                     (pruner.scores(&input)?, Some(h))
                 }
             };

@@ -295,6 +295,19 @@ impl Tokens {
 }
 
 impl DeiT {
+    /// Every pruner sits at one of this model's blocks, one pruner per block at most.
+    pub(crate) fn check_pruner_blocks(&self, pruners: &[BlockPruner]) -> Result<(), ModelError> {
+        let depth = self.blocks.len();
+        for (i, (block, _)) in pruners.iter().enumerate() {
+            if *block >= depth || pruners[..i].iter().any(|(b, _)| b == block) {
+                return Err(ModelError::InvalidPruning(format!(
+                    "pruner at block {block}: the model has {depth} blocks and one pruner per block at most"
+                )));
+            }
+        }
+        Ok(())
+    }
+
     /// Builds `schedule`'s pruners for this model (its depth, width and device). DynamicViT
     /// predictors load from `weights` when given, else are randomly initialised.
     pub fn build_pruners(
@@ -322,14 +335,7 @@ impl DeiT {
         pruners: &[BlockPruner],
         path: ExecutionPath,
     ) -> Result<PrunedForward, ModelError> {
-        let depth = self.blocks.len();
-        for (i, (block, _)) in pruners.iter().enumerate() {
-            if *block >= depth || pruners[..i].iter().any(|(b, _)| b == block) {
-                return Err(ModelError::InvalidPruning(format!(
-                    "pruner at block {block}: the model has {depth} blocks and one pruner per block at most"
-                )));
-            }
-        }
+        self.check_pruner_blocks(pruners)?;
         if path == ExecutionPath::Dense {
             if !pruners.is_empty() {
                 return Err(ModelError::InvalidPruning(
