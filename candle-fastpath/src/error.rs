@@ -49,6 +49,8 @@ pub enum FastpathError {
     Cublas { op: &'static str, status: String },
     #[error("CUDA graph: {0}")]
     Graph(String),
+    #[error("CUDA memory pool, {what}: {code}")]
+    Pool { what: String, code: String },
 }
 
 impl From<FastpathError> for candle_core::Error {

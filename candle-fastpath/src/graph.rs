@@ -200,39 +200,3 @@ impl candle_core::InplaceOp2 for CopyInto {
         }
     }
 }
-
-/// Keeps memory that candle frees on `device` cached in the CUDA memory pool across
-/// synchronisations, instead of returning it to the driver.
-///
-/// candle's CUDA allocations are stream-ordered (`cuMemAllocAsync`) from the device's default
-/// pool, whose release threshold is 0: at every synchronisation (a read-back, a
-/// `Device::synchronize`) the pool hands all free memory back, and the next allocations map
-/// fresh pages. A forward with a read-back per pruning step then pays that mapping again after
-/// every step. With the threshold at its maximum the pool behaves like PyTorch's caching
-/// allocator. `retain = false` restores the driver's default (release at every sync).
-/// Process-wide for the device; a no-op on the CPU.
-pub fn retain_freed_memory(device: &Device, retain: bool) -> Result<()> {
-    let Device::Cuda(dev) = device else {
-        return Ok(());
-    };
-    let cu_dev = dev.cuda_stream().context().cu_device();
-    let mut pool = std::mem::MaybeUninit::uninit();
-    // SAFETY: driver calls on a valid device; `pool` is written on success, and the attribute
-    // is a u64 as the driver expects.
-    unsafe {
-        let r = sys::cuDeviceGetDefaultMemPool(pool.as_mut_ptr(), cu_dev);
-        if r != sys::CUresult::CUDA_SUCCESS {
-            return Err(graph_err("cuDeviceGetDefaultMemPool", r));
-        }
-        let mut threshold = if retain { u64::MAX } else { 0 };
-        let r = sys::cuMemPoolSetAttribute(
-            pool.assume_init(),
-            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
-            &mut threshold as *mut u64 as *mut std::ffi::c_void,
-        );
-        if r != sys::CUresult::CUDA_SUCCESS {
-            return Err(graph_err("setting the memory pool's release threshold", r));
-        }
-    }
-    Ok(())
-}

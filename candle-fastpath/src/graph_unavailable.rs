@@ -38,9 +38,3 @@ impl CapturedForward {
         match self.never {}
     }
 }
-
-/// Without CUDA there is no memory pool to configure: always `Ok`.
-pub fn retain_freed_memory(device: &candle_core::Device, retain: bool) -> Result<()> {
-    let _ = (device, retain);
-    Ok(())
-}

@@ -10,6 +10,8 @@
 //!   on the CPU).
 //! - [`patchify`]: a ViT's patch rows (im2col of the stride-p patch conv) gathered and cast in
 //!   one kernel.
+//! - [`retain_freed_memory`] and [`PeakMemory`]: the CUDA memory pool candle allocates from,
+//!   kept cached across synchronisations, and its high-water mark.
 //! - [`CapturedForward`] (CUDA; elsewhere `capture` returns an error): captures a whole forward (any closure of candle ops) into a CUDA
 //!   graph once and replays it, so a call costs one graph launch instead of hundreds of kernel
 //!   launches through candle's generic op path.
@@ -42,9 +44,11 @@ mod graph;
 mod linear;
 mod norm;
 mod patch;
+mod pool;
 
 pub use error::{FastpathError, Result};
-pub use graph::{retain_freed_memory, CapturedForward};
+pub use graph::CapturedForward;
 pub use linear::{linear, linear_no_bias, Epilogue, FusedLinear};
 pub use norm::{layer_norm, LayerNorm};
 pub use patch::patchify;
+pub use pool::{retain_freed_memory, PeakMemory};

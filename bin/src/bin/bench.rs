@@ -13,10 +13,10 @@ use std::process::ExitCode;
 use std::time::Instant;
 
 use anyhow::{Context, Result};
-use bin::{run_main, DTypeArg, DeviceArg, PeakMemory};
+use bin::{run_main, DTypeArg, DeviceArg};
 use candle_core::Module;
 use candle_core::{DType, Device, Tensor};
-use candle_fastpath::CapturedForward;
+use candle_fastpath::{CapturedForward, PeakMemory};
 use clap::Parser;
 use models::{expected_tensors, Checkpoint, DeiT, DeiTConfig, ExecutionPath, WeightNaming};
 use pruners::{Mode, PrunerSpec, PruningSchedule};
