@@ -103,6 +103,164 @@ __device__ __forceinline__ void load_kv_tile(T *ks, T *vs, const T *k, const T *
     }
 }
 
+// Four 8x8 b16 matrices from shared memory, not transposed: with K's rows (keys) as the matrix
+// rows, these are the B operands of Q K^T for two consecutive k-steps.
+__device__ __forceinline__ void ldmatrix_x4(uint32_t &r0, uint32_t &r1, uint32_t &r2, uint32_t &r3, const void *p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(smem_addr(p)));
+}
+
+// Per-warp state of 16 query rows: the row of Q as A fragments, the output accumulators and the
+// online softmax's running max (log2 units) and partial row sums of rows g and g + 8.
+template <int D> struct RowState {
+    uint32_t qa[D / 16][4];
+    float acc_o[D / 8][4];
+    float m0, m1, l0, l1;
+};
+
+// Loads the 16 query rows row_base.. of one (sequence, head) as A fragments (rows past the end
+// are zero) and resets the accumulators.
+template <typename T, int D>
+__device__ __forceinline__ void begin_rows(RowState<D> &st, const T *qh, long long q_tok, int row_base, int len, int lane) {
+    const int g = lane / 4, t = lane % 4;
+    const int row0 = row_base + g, row1 = row0 + 8;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+        const int c = kk * 16 + t * 2;
+        st.qa[kk][0] = row0 < len ? *reinterpret_cast<const uint32_t *>(qh + row0 * q_tok + c) : 0u;
+        st.qa[kk][1] = row1 < len ? *reinterpret_cast<const uint32_t *>(qh + row1 * q_tok + c) : 0u;
+        st.qa[kk][2] = row0 < len ? *reinterpret_cast<const uint32_t *>(qh + row0 * q_tok + c + 8) : 0u;
+        st.qa[kk][3] = row1 < len ? *reinterpret_cast<const uint32_t *>(qh + row1 * q_tok + c + 8) : 0u;
+    }
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i) st.acc_o[i][0] = st.acc_o[i][1] = st.acc_o[i][2] = st.acc_o[i][3] = 0.f;
+    st.m0 = st.m1 = -INFINITY;
+    st.l0 = st.l1 = 0.f;
+}
+
+// One warp, 16 query rows, one chunk of KEYS keys staged in shared memory (rows of C::ROW
+// elements starting at kt / vt): S = Q K^T, online-softmax update, O += P V. `valid` (1..KEYS)
+// keys of the chunk are real; n-tiles and k-steps wholly past them are skipped (warp-uniform
+// branches), keys past them inside a live n-tile are masked. Shared rows up to the next multiple
+// of 16 past the last valid key must hold finite values (zeros): P is exactly 0 there.
+template <typename T, int D, int KEYS>
+__device__ __forceinline__ void attend_chunk(RowState<D> &st, const T *kt, const T *vt, int valid, float scale_log2,
+                                             int lane) {
+    using C = TileCfg<D>;
+    constexpr int KSTEPS = D / 16;     // k-steps of Q K^T over the head dim
+    constexpr int NT_S = KEYS / 8;     // n-tiles of S per chunk
+    constexpr int NT_O = D / 8;        // n-tiles of O over the head dim
+    constexpr int PSTEPS = KEYS / 16;  // k-steps of P V over the keys of a chunk
+    const int t = lane % 4;
+
+    // S = Q K^T for 16 rows x KEYS keys; K's B operands by ldmatrix, two k-steps per load.
+    float s[NT_S][4];
+#pragma unroll
+    for (int nt = 0; nt < NT_S; ++nt) {
+        s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+        if (nt * 8 >= valid) continue;
+        const T *krow = kt + (nt * 8 + (lane & 7)) * C::ROW + (lane >> 3) * 8;
+#pragma unroll
+        for (int kk = 0; kk < KSTEPS; kk += 2) {
+            uint32_t b0, b1, b2, b3;
+            ldmatrix_x4(b0, b1, b2, b3, krow + kk * 16);
+            mma_16816<T>(s[nt], st.qa[kk], b0, b1);
+            mma_16816<T>(s[nt], st.qa[kk + 1], b2, b3);
+        }
+    }
+
+    // Scale into log2 units; mask keys past the end only in a partial chunk.
+    float tmax0 = -INFINITY, tmax1 = -INFINITY;
+    const bool partial = valid < KEYS;
+#pragma unroll
+    for (int nt = 0; nt < NT_S; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int key = nt * 8 + t * 2 + (e & 1);
+            s[nt][e] = (!partial || key < valid) ? s[nt][e] * scale_log2 : -INFINITY;
+        }
+        tmax0 = fmaxf(tmax0, fmaxf(s[nt][0], s[nt][1]));
+        tmax1 = fmaxf(tmax1, fmaxf(s[nt][2], s[nt][3]));
+    }
+    // The four threads of a quad hold one row between them.
+    tmax0 = fmaxf(tmax0, __shfl_xor_sync(0xffffffff, tmax0, 1));
+    tmax0 = fmaxf(tmax0, __shfl_xor_sync(0xffffffff, tmax0, 2));
+    tmax1 = fmaxf(tmax1, __shfl_xor_sync(0xffffffff, tmax1, 1));
+    tmax1 = fmaxf(tmax1, __shfl_xor_sync(0xffffffff, tmax1, 2));
+    // Every chunk holds at least one valid key, so the new maxima are finite.
+    const float new_m0 = fmaxf(st.m0, tmax0);
+    const float new_m1 = fmaxf(st.m1, tmax1);
+    const float alpha0 = exp2f(st.m0 - new_m0);
+    const float alpha1 = exp2f(st.m1 - new_m1);
+    st.m0 = new_m0;
+    st.m1 = new_m1;
+
+    uint32_t pa[PSTEPS][4];
+    float sum0 = 0.f, sum1 = 0.f;
+#pragma unroll
+    for (int nt = 0; nt < NT_S; ++nt) {
+        const bool live = nt * 8 < valid;  // masked n-tiles contribute exact zeros without exp2
+        const float p0 = live ? exp2f(s[nt][0] - new_m0) : 0.f;
+        const float p1 = live ? exp2f(s[nt][1] - new_m0) : 0.f;
+        const float p2 = live ? exp2f(s[nt][2] - new_m1) : 0.f;
+        const float p3 = live ? exp2f(s[nt][3] - new_m1) : 0.f;
+        sum0 += p0 + p1;
+        sum1 += p2 + p3;
+        // The accumulator layout of S is the A-operand layout of P: no shuffles needed.
+        pa[nt / 2][(nt % 2) * 2 + 0] = Pack2<T>::from_floats(p0, p1);
+        pa[nt / 2][(nt % 2) * 2 + 1] = Pack2<T>::from_floats(p2, p3);
+    }
+    st.l0 = st.l0 * alpha0 + sum0;
+    st.l1 = st.l1 * alpha1 + sum1;
+#pragma unroll
+    for (int i = 0; i < NT_O; ++i) {
+        st.acc_o[i][0] *= alpha0;
+        st.acc_o[i][1] *= alpha0;
+        st.acc_o[i][2] *= alpha1;
+        st.acc_o[i][3] *= alpha1;
+    }
+
+    // O += P V; V's B operands come transposed out of its row-major rows by ldmatrix.
+#pragma unroll
+    for (int ps = 0; ps < PSTEPS; ++ps) {
+        if (ps * 16 >= valid) continue;
+        const T *vrow = vt + (ps * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * C::ROW + (lane >> 4) * 8;
+#pragma unroll
+        for (int dt = 0; dt < NT_O; dt += 2) {
+            uint32_t b0, b1, b2, b3;
+            ldmatrix_x4_trans(b0, b1, b2, b3, vrow + dt * 8);
+            mma_16816<T>(st.acc_o[dt], pa[ps], b0, b1);
+            mma_16816<T>(st.acc_o[dt + 1], pa[ps], b2, b3);
+        }
+    }
+}
+
+// Normalises the 16 rows row_base.. and writes those inside the sequence to o (contiguous).
+template <typename T, int D>
+__device__ __forceinline__ void end_rows(RowState<D> &st, T *oh, long long o_tok, int row_base, int len, int lane) {
+    const int g = lane / 4, t = lane % 4;
+    float l0 = st.l0, l1 = st.l1;
+    l0 += __shfl_xor_sync(0xffffffff, l0, 1);
+    l0 += __shfl_xor_sync(0xffffffff, l0, 2);
+    l1 += __shfl_xor_sync(0xffffffff, l1, 1);
+    l1 += __shfl_xor_sync(0xffffffff, l1, 2);
+    const float inv0 = 1.f / l0;
+    const float inv1 = 1.f / l1;
+    const int row0 = row_base + g, row1 = row0 + 8;
+#pragma unroll
+    for (int dt = 0; dt < D / 8; ++dt) {
+        const int c = dt * 8 + t * 2;
+        if (row0 < len)
+            *reinterpret_cast<uint32_t *>(oh + row0 * o_tok + c) = Pack2<T>::from_floats(st.acc_o[dt][0] * inv0, st.acc_o[dt][1] * inv0);
+        if (row1 < len)
+            *reinterpret_cast<uint32_t *>(oh + row1 * o_tok + c) = Pack2<T>::from_floats(st.acc_o[dt][2] * inv1, st.acc_o[dt][3] * inv1);
+    }
+}
+
+// Tiled kernel (any length up to MAX_SEQ_LEN): grid (ceil(max_len / 64), heads, batch), a block
+// takes 64 queries of one (sequence, head) and streams K / V through shared memory one key tile at
+// a time, double buffered with cp.async.
 template <typename T, int D>
 __device__ __forceinline__ void attn_mma_kernel(const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v,
                                                 T *__restrict__ o, const uint32_t *__restrict__ cu_seqlens,
@@ -110,10 +268,6 @@ __device__ __forceinline__ void attn_mma_kernel(const T *__restrict__ q, const T
                                                 long long v_tok, long long v_head, int heads, float scale_log2) {
     using C = TileCfg<D>;
     constexpr int KEYS = C::KEYS;
-    constexpr int KSTEPS = D / 16;     // k-steps of Q K^T over the head dim
-    constexpr int NT_S = KEYS / 8;     // n-tiles of S per key tile
-    constexpr int NT_O = D / 8;        // n-tiles of O over the head dim
-    constexpr int PSTEPS = KEYS / 16;  // k-steps of P V over the keys of a tile
 
     __shared__ __align__(128) T ks[2][KEYS * C::ROW];
     __shared__ __align__(128) T vs[2][KEYS * C::ROW];
@@ -127,8 +281,6 @@ __device__ __forceinline__ void attn_mma_kernel(const T *__restrict__ q, const T
 
     const int warp = threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
-    const int g = lane / 4;  // "groupID" of the mma fragment layouts
-    const int t = lane % 4;  // "threadID_in_group"
 
     const T *qh = q + start * q_tok + h * q_head;
     const T *kh = k + start * k_tok + h * k_head;
@@ -138,25 +290,11 @@ __device__ __forceinline__ void attn_mma_kernel(const T *__restrict__ q, const T
     load_kv_tile<T, D>(ks[0], vs[0], kh, vh, k_tok, v_tok, 0, len);
     cp_async_commit();
 
-    // Q fragments (A operand, row major) straight from global memory; rows past the end are zero.
-    const bool warp_active = q_block + warp * 16 < len;
-    const int row0 = q_block + warp * 16 + g;
-    const int row1 = row0 + 8;
-    uint32_t qa[KSTEPS][4];
-#pragma unroll
-    for (int kk = 0; kk < KSTEPS; ++kk) {
-        const int c = kk * 16 + t * 2;
-        qa[kk][0] = row0 < len ? *reinterpret_cast<const uint32_t *>(qh + row0 * q_tok + c) : 0u;
-        qa[kk][1] = row1 < len ? *reinterpret_cast<const uint32_t *>(qh + row1 * q_tok + c) : 0u;
-        qa[kk][2] = row0 < len ? *reinterpret_cast<const uint32_t *>(qh + row0 * q_tok + c + 8) : 0u;
-        qa[kk][3] = row1 < len ? *reinterpret_cast<const uint32_t *>(qh + row1 * q_tok + c + 8) : 0u;
-    }
-
-    float acc_o[NT_O][4];
-#pragma unroll
-    for (int i = 0; i < NT_O; ++i) acc_o[i][0] = acc_o[i][1] = acc_o[i][2] = acc_o[i][3] = 0.f;
-    float m0 = -INFINITY, m1 = -INFINITY;  // running max (in log2 units) of rows g and g+8
-    float l0 = 0.f, l1 = 0.f;              // this thread's share of the running row sums
+    // A warp whose 16 rows all lie past the end only helps with loads and barriers.
+    const int row_base = q_block + warp * 16;
+    const bool warp_active = row_base < len;
+    RowState<D> st;
+    begin_rows<T, D>(st, qh, q_tok, row_base, len, lane);
 
     for (int tile = 0; tile < n_tiles; ++tile) {
         const int buf = tile & 1;
@@ -168,113 +306,76 @@ __device__ __forceinline__ void attn_mma_kernel(const T *__restrict__ q, const T
             cp_async_wait<0>();
         }
         __syncthreads();
-
-        const T *kt = ks[buf];
-        const T *vt = vs[buf];
-        // Valid keys in this tile: the n-tiles / k-steps past them are skipped (warp-uniform
-        // branches); a warp whose 16 rows all lie past the end only helps with loads and barriers.
-        const int key_base = tile * KEYS;
-        const int valid = min(KEYS, len - key_base);
-        if (warp_active) {
-
-        // S = Q K^T for 16 rows x KEYS keys.
-        float s[NT_S][4];
-#pragma unroll
-        for (int nt = 0; nt < NT_S; ++nt) {
-            s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
-            if (nt * 8 >= valid) continue;
-            const T *krow = kt + (nt * 8 + g) * C::ROW + t * 2;
-#pragma unroll
-            for (int kk = 0; kk < KSTEPS; ++kk) {
-                const uint32_t b0 = *reinterpret_cast<const uint32_t *>(krow + kk * 16);
-                const uint32_t b1 = *reinterpret_cast<const uint32_t *>(krow + kk * 16 + 8);
-                mma_16816<T>(s[nt], qa[kk], b0, b1);
-            }
-        }
-
-        // Scale into log2 units and mask keys past the end of the sequence.
-        float tmax0 = -INFINITY, tmax1 = -INFINITY;
-#pragma unroll
-        for (int nt = 0; nt < NT_S; ++nt) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int key = key_base + nt * 8 + t * 2 + (e & 1);
-                s[nt][e] = key < len ? s[nt][e] * scale_log2 : -INFINITY;
-            }
-            tmax0 = fmaxf(tmax0, fmaxf(s[nt][0], s[nt][1]));
-            tmax1 = fmaxf(tmax1, fmaxf(s[nt][2], s[nt][3]));
-        }
-        // The four threads of a quad hold one row between them.
-        tmax0 = fmaxf(tmax0, __shfl_xor_sync(0xffffffff, tmax0, 1));
-        tmax0 = fmaxf(tmax0, __shfl_xor_sync(0xffffffff, tmax0, 2));
-        tmax1 = fmaxf(tmax1, __shfl_xor_sync(0xffffffff, tmax1, 1));
-        tmax1 = fmaxf(tmax1, __shfl_xor_sync(0xffffffff, tmax1, 2));
-        // Every tile holds at least one valid key, so the new maxima are finite.
-        const float new_m0 = fmaxf(m0, tmax0);
-        const float new_m1 = fmaxf(m1, tmax1);
-        const float alpha0 = exp2f(m0 - new_m0);
-        const float alpha1 = exp2f(m1 - new_m1);
-        m0 = new_m0;
-        m1 = new_m1;
-
-        uint32_t pa[PSTEPS][4];
-        float sum0 = 0.f, sum1 = 0.f;
-#pragma unroll
-        for (int nt = 0; nt < NT_S; ++nt) {
-            const bool live = nt * 8 < valid;  // masked n-tiles contribute exact zeros without exp2
-            const float p0 = live ? exp2f(s[nt][0] - m0) : 0.f;
-            const float p1 = live ? exp2f(s[nt][1] - m0) : 0.f;
-            const float p2 = live ? exp2f(s[nt][2] - m1) : 0.f;
-            const float p3 = live ? exp2f(s[nt][3] - m1) : 0.f;
-            sum0 += p0 + p1;
-            sum1 += p2 + p3;
-            // The accumulator layout of S is the A-operand layout of P: no shuffles needed.
-            pa[nt / 2][(nt % 2) * 2 + 0] = Pack2<T>::from_floats(p0, p1);
-            pa[nt / 2][(nt % 2) * 2 + 1] = Pack2<T>::from_floats(p2, p3);
-        }
-        l0 = l0 * alpha0 + sum0;
-        l1 = l1 * alpha1 + sum1;
-#pragma unroll
-        for (int i = 0; i < NT_O; ++i) {
-            acc_o[i][0] *= alpha0;
-            acc_o[i][1] *= alpha0;
-            acc_o[i][2] *= alpha1;
-            acc_o[i][3] *= alpha1;
-        }
-
-        // O += P V; V's B operands come transposed out of its row-major tile by ldmatrix.
-#pragma unroll
-        for (int ps = 0; ps < PSTEPS; ++ps) {
-            if (ps * 16 >= valid) continue;
-            const int key = ps * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
-#pragma unroll
-            for (int dt = 0; dt < NT_O; dt += 2) {
-                uint32_t b0, b1, b2, b3;
-                ldmatrix_x4_trans(b0, b1, b2, b3, vt + key * C::ROW + dt * 8 + (lane >> 4) * 8);
-                mma_16816<T>(acc_o[dt], pa[ps], b0, b1);
-                mma_16816<T>(acc_o[dt + 1], pa[ps], b2, b3);
-            }
-        }
-        }  // warp_active
+        if (warp_active) attend_chunk<T, D, KEYS>(st, ks[buf], vs[buf], min(KEYS, len - tile * KEYS), scale_log2, lane);
         __syncthreads();  // this buffer is refilled two tiles from now
     }
 
-    l0 += __shfl_xor_sync(0xffffffff, l0, 1);
-    l0 += __shfl_xor_sync(0xffffffff, l0, 2);
-    l1 += __shfl_xor_sync(0xffffffff, l1, 1);
-    l1 += __shfl_xor_sync(0xffffffff, l1, 2);
-    const float inv0 = 1.f / l0;
-    const float inv1 = 1.f / l1;
+    const long long o_tok = static_cast<long long>(heads) * D;
+    end_rows<T, D>(st, o + static_cast<long long>(start) * o_tok + h * D, o_tok, row_base, len, lane);
+}
 
+// Resident kernel (sequences up to RESIDENT_MAX_LEN, head_dim <= 64): grid (splits, heads, batch),
+// blockDim.x / 32 warps per block (chosen on the host: about two 16-row query tiles per warp, so
+// that no warp of a block idles while another walks extra tiles). A block stages the whole K and
+// V of its (sequence, head) in dynamic shared memory once (one barrier), then every warp walks its
+// own query tiles, warp_id, warp_id + warps·splits, ... with warp_id = blockIdx.x · warps + warp,
+// over all keys with no further barrier. With splits > 1 (small batches) each split re-reads K / V
+// from L2 and every warp takes about one tile.
+#define RESIDENT_MAX_LEN 256
+#define RESIDENT_MAX_WARPS 8
+
+template <typename T, int D>
+__device__ __forceinline__ void attn_resident_kernel(const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v,
+                                                     T *__restrict__ o, const uint32_t *__restrict__ cu_seqlens,
+                                                     long long q_tok, long long q_head, long long k_tok, long long k_head,
+                                                     long long v_tok, long long v_head, int heads, float scale_log2) {
+    using C = TileCfg<D>;
+    constexpr int KEYS = 64;  // keys per online-softmax step
+    extern __shared__ __align__(128) unsigned char resident_smem[];
+
+    const int b = blockIdx.z;
+    const int h = blockIdx.y;
+    const int start = cu_seqlens[b];
+    const int len = static_cast<int>(cu_seqlens[b + 1]) - start;
+    const int q_tiles = (len + 15) / 16;
+    const int warps = blockDim.x / 32;
+    const int first_tile = blockIdx.x * warps;
+    if (first_tile >= q_tiles) return;  // uniform over the block
+
+    // K rows then V rows, each padded to a multiple of 16 keys with zeros (see attend_chunk).
+    const int rows = (len + 15) & ~15;
+    T *ks = reinterpret_cast<T *>(resident_smem);
+    T *vs = ks + rows * C::ROW;
+    const T *kh = k + start * k_tok + h * k_head;
+    const T *vh = v + start * v_tok + h * v_head;
+    for (int i = threadIdx.x; i < rows * C::CHUNKS; i += blockDim.x) {
+        const int row = i / C::CHUNKS;
+        const int chunk = i % C::CHUNKS;
+        const bool ok = row < len;
+        const int src = ok ? row : 0;
+        cp_async_16(ks + row * C::ROW + chunk * 8, kh + src * k_tok + chunk * 8, ok ? 16 : 0);
+        cp_async_16(vs + row * C::ROW + chunk * 8, vh + src * v_tok + chunk * 8, ok ? 16 : 0);
+    }
+    cp_async_commit();
+
+    const int warp = threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    const T *qh = q + start * q_tok + h * q_head;
     const long long o_tok = static_cast<long long>(heads) * D;
     T *oh = o + static_cast<long long>(start) * o_tok + h * D;
-#pragma unroll
-    for (int dt = 0; dt < NT_O; ++dt) {
-        const int c = dt * 8 + t * 2;
-        if (row0 < len)
-            *reinterpret_cast<uint32_t *>(oh + row0 * o_tok + c) = Pack2<T>::from_floats(acc_o[dt][0] * inv0, acc_o[dt][1] * inv0);
-        if (row1 < len)
-            *reinterpret_cast<uint32_t *>(oh + row1 * o_tok + c) = Pack2<T>::from_floats(acc_o[dt][2] * inv1, acc_o[dt][3] * inv1);
+    const int stride = gridDim.x * warps;
+
+    int tile = first_tile + warp;
+    RowState<D> st;
+    if (tile < q_tiles) begin_rows<T, D>(st, qh, q_tok, tile * 16, len, lane);  // overlaps the K / V copy
+    cp_async_wait<0>();
+    __syncthreads();
+
+    for (; tile < q_tiles; tile += stride) {
+        if (tile != first_tile + warp) begin_rows<T, D>(st, qh, q_tok, tile * 16, len, lane);
+        for (int key0 = 0; key0 < len; key0 += KEYS)
+            attend_chunk<T, D, KEYS>(st, ks + key0 * C::ROW, vs + key0 * C::ROW, min(KEYS, len - key0), scale_log2, lane);
+        end_rows<T, D>(st, oh, o_tok, tile * 16, len, lane);
     }
 }
 
@@ -408,12 +509,20 @@ __device__ __forceinline__ void unpack_rows(const VEC *__restrict__ packed, VEC 
     extern "C" __global__ void __launch_bounds__(WARPS * 32) NAME(ATTN_ARGS(T)) {                \
         attn_mma_kernel<T, D>(ATTN_PASS);                                                         \
     }
+#define RESIDENT_ENTRY(NAME, T, D)                                                                \
+    extern "C" __global__ void __launch_bounds__(RESIDENT_MAX_WARPS * 32, 2) NAME(ATTN_ARGS(T)) {    \
+        attn_resident_kernel<T, D>(ATTN_PASS);                                                    \
+    }
 MMA_ENTRY(ragged_attn_f16_d32, __half, 32)
 MMA_ENTRY(ragged_attn_f16_d64, __half, 64)
 MMA_ENTRY(ragged_attn_f16_d128, __half, 128)
 MMA_ENTRY(ragged_attn_bf16_d32, __nv_bfloat16, 32)
 MMA_ENTRY(ragged_attn_bf16_d64, __nv_bfloat16, 64)
 MMA_ENTRY(ragged_attn_bf16_d128, __nv_bfloat16, 128)
+RESIDENT_ENTRY(ragged_attn_resident_f16_d32, __half, 32)
+RESIDENT_ENTRY(ragged_attn_resident_f16_d64, __half, 64)
+RESIDENT_ENTRY(ragged_attn_resident_bf16_d32, __nv_bfloat16, 32)
+RESIDENT_ENTRY(ragged_attn_resident_bf16_d64, __nv_bfloat16, 64)
 
 #define F32_ENTRY(NAME, D)                                                                        \
     extern "C" __global__ void __launch_bounds__(QUERIES_PER_BLOCK) NAME(ATTN_ARGS(float)) {     \

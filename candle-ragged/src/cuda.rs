@@ -6,7 +6,7 @@ use crate::batch::RaggedBatch;
 use crate::error::RaggedError;
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaFunction, CudaSlice, LaunchConfig, PushKernelArg,
+    sys, CudaFunction, CudaSlice, LaunchConfig, PushKernelArg,
 };
 use candle_core::cuda_backend::{CudaDevice, CudaStorageSlice, DeviceId, WrapErr};
 use candle_core::{CudaStorage, DType, Layout, Result, Shape, Storage};
@@ -14,6 +14,30 @@ use std::sync::{Arc, Mutex};
 
 const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/ragged_attention.ptx"));
 const MODULE: &str = "candle_ragged";
+
+/// The resident kernel (whole K / V of a (sequence, head) in shared memory, no barrier in the key
+/// loop) for f16 / bf16 and head_dim 32 / 64, by [dtype - 1][head_dim index].
+const RESIDENT_NAMES: [[&str; 2]; 2] = [
+    [
+        "ragged_attn_resident_f16_d32",
+        "ragged_attn_resident_f16_d64",
+    ],
+    [
+        "ragged_attn_resident_bf16_d32",
+        "ragged_attn_resident_bf16_d64",
+    ],
+];
+/// Longest sequence the resident kernel takes (RESIDENT_MAX_LEN in the kernel source); longer
+/// batches use the tiled kernel.
+const RESIDENT_MAX_LEN: usize = 256;
+/// Most warps per resident block (RESIDENT_MAX_WARPS in the kernel source), 16 query rows each.
+const RESIDENT_MAX_WARPS: usize = 8;
+
+/// Shared memory of a resident block: K and V rows (head_dim + 8 elements, padded so ldmatrix
+/// is conflict-free) for the longest sequence rounded up to 16 keys.
+fn resident_smem_bytes(max_len: usize, head_dim: usize) -> usize {
+    2 * max_len.next_multiple_of(16) * (head_dim + 8) * 2
+}
 
 const ATTN_NAMES: [[&str; 3]; 3] = [
     [
@@ -55,6 +79,12 @@ const SELECT_NAMES: [&str; 3] = [
 
 struct Kernels {
     attn: Vec<Vec<CudaFunction>>,
+    resident: Vec<Vec<CudaFunction>>,
+    /// Streaming multiprocessors: the resident kernel splits a (sequence, head) over several
+    /// blocks when the batch alone would not fill them.
+    sm_count: usize,
+    /// `CANDLE_RAGGED_ATTENTION=tiled` turns the resident kernel off (for A/B measurements).
+    resident_enabled: bool,
     select: Vec<CudaFunction>,
     pack: Vec<CudaFunction>,
     unpack: Vec<CudaFunction>,
@@ -72,11 +102,33 @@ fn kernels(dev: &CudaDevice) -> Result<Arc<Kernels>> {
             .get_or_load_custom_func(name, MODULE, PTX)?
             .into_cuda_function())
     };
+    let resident: Vec<Vec<CudaFunction>> = RESIDENT_NAMES
+        .iter()
+        .map(|row| row.iter().map(|n| load(n)).collect())
+        .collect::<Result<_>>()?;
+    // Past 48 KB of dynamic shared memory a kernel must opt in.
+    for (fs, dim) in resident.iter().flat_map(|row| row.iter().zip([32, 64])) {
+        fs.set_attribute(
+            sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            resident_smem_bytes(RESIDENT_MAX_LEN, dim) as i32,
+        )
+        .w()?;
+    }
+    let sm_count = dev
+        .cuda_stream()
+        .context()
+        .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+        .w()?
+        .max(1) as usize;
+    let resident_enabled = std::env::var("CANDLE_RAGGED_ATTENTION").as_deref() != Ok("tiled");
     let k = Arc::new(Kernels {
         attn: ATTN_NAMES
             .iter()
             .map(|row| row.iter().map(|n| load(n)).collect())
             .collect::<Result<_>>()?,
+        resident,
+        sm_count,
+        resident_enabled,
         select: SELECT_NAMES
             .iter()
             .map(|n| load(n))
@@ -164,7 +216,8 @@ pub(crate) fn attention(
         return Ok((zero_len_storage(dev, sq.dtype())?, shape));
     }
     let k = kernels(dev)?;
-    let func = &k.attn[dtype_index][dim_index];
+    let resident =
+        k.resident_enabled && dtype_index > 0 && dim <= 64 && batch.max_len() <= RESIDENT_MAX_LEN;
     let (cu_storage, cu_off) = u32_storage(batch.cu_seqlens());
     let cu = cuda_u32(&cu_storage)?.slice(cu_off..);
 
@@ -174,14 +227,36 @@ pub(crate) fn attention(
     let (v_tok, v_head) = strides(lv);
     let heads_i = heads as i32;
     let scale_log2 = softmax_scale * std::f32::consts::LOG2_E;
-    let cfg = LaunchConfig {
-        grid_dim: (
-            batch.max_len().div_ceil(64) as u32,
-            heads as u32,
-            batch.batch_size() as u32,
-        ),
-        block_dim: (if dtype_index == 0 { 64 } else { 128 }, 1, 1),
-        shared_mem_bytes: 0,
+    let (func, cfg) = if resident {
+        // One block per (sequence, head) whose warps take two 16-row query tiles each (a block
+        // holds its shared memory until its slowest warp ends, so the tiles must spread evenly);
+        // when the batch would leave SMs idle (about 16 warps fit per SM), two blocks per
+        // (sequence, head) and a tile per warp.
+        let pairs = batch.batch_size() * heads;
+        let q_tiles = batch.max_len().div_ceil(16);
+        let warps = q_tiles.div_ceil(2).clamp(1, RESIDENT_MAX_WARPS);
+        let splits = if pairs * warps < 8 * k.sm_count {
+            q_tiles.div_ceil(warps).clamp(1, 2)
+        } else {
+            1
+        };
+        let cfg = LaunchConfig {
+            grid_dim: (splits as u32, heads as u32, batch.batch_size() as u32),
+            block_dim: ((warps * 32) as u32, 1, 1),
+            shared_mem_bytes: resident_smem_bytes(batch.max_len(), dim) as u32,
+        };
+        (&k.resident[dtype_index - 1][dim_index], cfg)
+    } else {
+        let cfg = LaunchConfig {
+            grid_dim: (
+                batch.max_len().div_ceil(64) as u32,
+                heads as u32,
+                batch.batch_size() as u32,
+            ),
+            block_dim: (if dtype_index == 0 { 64 } else { 128 }, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        (&k.attn[dtype_index][dim_index], cfg)
     };
     let elems = total * heads * dim;
     macro_rules! launch {

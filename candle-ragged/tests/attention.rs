@@ -118,6 +118,19 @@ fn longest_supported_length() {
     check(&[1024], 1, 64, DType::F32, true, 0.125, 32);
 }
 
+/// Up to 256 tokens the resident kernel runs (K / V of a whole sequence in shared memory), past
+/// it the tiled one: both sides of the boundary, and a single long-ish sequence split over
+/// several blocks (batch 1).
+#[test]
+fn resident_and_tiled_kernels_meet_at_256() {
+    for dtype in [DType::F16, DType::BF16, DType::F32] {
+        check(&[256, 17, 1], 2, 64, dtype, true, 0.125, 70);
+        check(&[257, 3], 2, 64, dtype, true, 0.125, 71);
+        check(&[255], 12, 64, dtype, false, 0.125, 72);
+        check(&[200, 40], 4, 32, dtype, true, 0.125, 73);
+    }
+}
+
 #[test]
 fn every_head_dim() {
     for &dim in SUPPORTED_HEAD_DIMS {
