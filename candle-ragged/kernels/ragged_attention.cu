@@ -558,6 +558,9 @@ COPY_ENTRIES(v2, uint16_t)
 // rule, so device and host decisions agree bit for bit. With fuse = 1 (weighted mean) or 2
 // (weighted sum) one more row follows: the dropped rows weighted by max(score, 0) (NaN: 0), the
 // mean falling back to the plain mean when every weight is 0 (EViT's extra token).
+// The scores are given, or computed in the block itself (`mode`, see sequence_scores): a row's
+// L2 norm (Threshold-L2) or the class token's attention (EViT), so that a pruning step is one
+// kernel instead of a handful of small ones, which is what a step costs at small batches.
 // Ranks are counted (O(len²) comparisons per block, ~40k for 197 tokens: far below the copy).
 // ---------------------------------------------------------------------------------------------
 
@@ -588,14 +591,157 @@ __device__ __forceinline__ float weight(float s) {
     return ((bits & 0x7fffffff) > 0x7f800000) ? 0.f : fmaxf(s, 0.f);
 }
 
+// Block-wide max or sum of one float per thread (every thread gets the result); red[32] scratch.
+template <bool MAX>
+__device__ __forceinline__ float block_reduce(float v, float *red) {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float w = __shfl_xor_sync(0xffffffffu, v, o);
+        v = MAX ? fmaxf(v, w) : v + w;
+    }
+    __syncthreads();  // red may still be read from a previous reduction
+    if (lane == 0) red[warp] = v;
+    __syncthreads();
+    float r = red[0];
+    for (int w = 1; w < warps; ++w) r = MAX ? fmaxf(r, red[w]) : r + red[w];
+    return r;
+}
+
+// Dot product of an f32 vector (shared memory) with n elements of T (global), in ascending
+// order whichever path loads them; 16-byte loads when the row allows it.
 template <typename T>
-__device__ void select_top_k(const T *__restrict__ x, const float *__restrict__ scores, T *__restrict__ out,
-                             int len, int C, int prefix, int keep, int fuse) {
-    __shared__ int key[SELECT_MAX_LEN];
-    __shared__ int row_of[SELECT_MAX_LEN];  // output row within the sequence, -1: dropped
+__device__ __forceinline__ float dot_row(const float *a, const T *row, int n, bool vec) {
+    float acc = 0.f;
+    if (vec) {
+        constexpr int V = 16 / sizeof(T);
+        for (int d0 = 0; d0 < n; d0 += V) {
+            const uint4 u = *reinterpret_cast<const uint4 *>(row + d0);
+            const T *e = reinterpret_cast<const T *>(&u);
+#pragma unroll
+            for (int i = 0; i < V; ++i) acc = fmaf(a[d0 + i], to_f32(e[i]), acc);
+        }
+    } else {
+        for (int d = 0; d < n; ++d) acc = fmaf(a[d], to_f32(row[d]), acc);
+    }
+    return acc;
+}
+
+// The scores of sequence b's `len` rows into sc (shared), by `mode`:
+//   0: given, scores[b·len + j];
+//   1: the L2 norm of row j of x (f32 sum of squares);
+//   2: the class token's attention averaged over heads, from the fused projection qkv
+//      [B·len, 3·C] (q, k, v blocks of C = heads · head_dim columns): per head, softmax over j of
+//      T(T(q_cls · scale) · k_j) (rounded to T like a T matmul's output), then the mean.
+// tmp: 2·SELECT_MAX_LEN floats of scratch. Every (head, key) logit is computed at once when they
+// fit in tmp (DeiT: 12 × 197), so a step costs a few barriers, not a few per head: at batch 1
+// this kernel's latency is the step's latency.
+template <typename T>
+__device__ void sequence_scores(float *sc, float *tmp, float *red, const T *__restrict__ x, const float *__restrict__ scores,
+                                const T *__restrict__ qkv, int len, int C, int mode, int heads, float scale) {
+    const int b = blockIdx.x;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+    constexpr int V = 16 / sizeof(T);
+    if (mode == 0) {
+        for (int j = threadIdx.x; j < len; j += blockDim.x) sc[j] = scores[(size_t)b * len + j];
+    } else if (mode == 1) {
+        const T *xb = x + (size_t)b * len * C;
+        const bool vec = C % V == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0;
+        for (int j = warp; j < len; j += warps) {
+            const T *row = xb + (size_t)j * C;
+            float acc = 0.f;
+            if (vec) {
+                for (int c0 = lane * V; c0 < C; c0 += 32 * V) {
+                    const uint4 u = *reinterpret_cast<const uint4 *>(row + c0);
+                    const T *e = reinterpret_cast<const T *>(&u);
+#pragma unroll
+                    for (int i = 0; i < V; ++i) acc = fmaf(to_f32(e[i]), to_f32(e[i]), acc);
+                }
+            } else {
+                for (int c = lane; c < C; c += 32) acc = fmaf(to_f32(row[c]), to_f32(row[c]), acc);
+            }
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+            if (lane == 0) sc[j] = sqrtf(acc);
+        }
+    } else {
+        const int D = C / heads;
+        const size_t stride = 3 * (size_t)C;
+        const T *qb = qkv + (size_t)b * len * stride;
+        const bool vec = D % V == 0 && C % V == 0 && reinterpret_cast<uintptr_t>(qkv) % 16 == 0;
+        const float inv_heads = 1.f / (float)heads;
+        if (heads * len <= 2 * SELECT_MAX_LEN && C <= SELECT_MAX_LEN && heads <= 16) {
+            float *qs = sc;      // q_cls · scale rounded to T, every head (sc is written last)
+            float *logit = tmp;  // [heads][len]
+            for (int i = threadIdx.x; i < C; i += blockDim.x) qs[i] = to_f32(from_f32<T>(to_f32(qb[i]) * scale));
+            __syncthreads();
+            for (int p = threadIdx.x; p < heads * len; p += blockDim.x) {
+                const int h = p / len, j = p % len;
+                logit[p] = to_f32(from_f32<T>(dot_row<T>(qs + h * D, qb + (size_t)j * stride + C + h * D, D, vec)));
+            }
+            __syncthreads();
+            // Each head's max and exp-sum by one warp: red[2h], red[2h + 1].
+            for (int h = warp; h < heads; h += warps) {
+                const float *l = logit + h * len;
+                float m = -INFINITY;
+                for (int j = lane; j < len; j += 32) m = fmaxf(m, l[j]);
+#pragma unroll
+                for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+                float sum = 0.f;
+                for (int j = lane; j < len; j += 32) sum += expf(l[j] - m);
+#pragma unroll
+                for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+                if (lane == 0) {
+                    red[2 * h] = m;
+                    red[2 * h + 1] = sum;
+                }
+            }
+            __syncthreads();
+            for (int j = threadIdx.x; j < len; j += blockDim.x) {
+                float acc = 0.f;
+                for (int h = 0; h < heads; ++h) acc += expf(logit[h * len + j] - red[2 * h]) / red[2 * h + 1];
+                sc[j] = acc * inv_heads;
+            }
+        } else {
+            // One head at a time (long sequences or many heads): q in tmp[0..D), logits after it.
+            float *qs = tmp;
+            float *logit = tmp + D;
+            for (int j = threadIdx.x; j < len; j += blockDim.x) sc[j] = 0.f;
+            for (int h = 0; h < heads; ++h) {
+                for (int i = threadIdx.x; i < D; i += blockDim.x)
+                    qs[i] = to_f32(from_f32<T>(to_f32(qb[h * D + i]) * scale));
+                __syncthreads();
+                for (int j = threadIdx.x; j < len; j += blockDim.x)
+                    logit[j] = to_f32(from_f32<T>(dot_row<T>(qs, qb + (size_t)j * stride + C + h * D, D, vec)));
+                __syncthreads();
+                float m = -INFINITY;
+                for (int j = threadIdx.x; j < len; j += blockDim.x) m = fmaxf(m, logit[j]);
+                m = block_reduce<true>(m, red);
+                float sum = 0.f;
+                for (int j = threadIdx.x; j < len; j += blockDim.x) sum += expf(logit[j] - m);
+                sum = block_reduce<false>(sum, red);
+                for (int j = threadIdx.x; j < len; j += blockDim.x) sc[j] += expf(logit[j] - m) / sum;
+                __syncthreads();  // qs and logits are rewritten for the next head
+            }
+            for (int j = threadIdx.x; j < len; j += blockDim.x) sc[j] *= inv_heads;
+        }
+    }
+    __syncthreads();
+}
+
+template <typename T>
+__device__ void select_top_k(const T *__restrict__ x, const float *__restrict__ scores, const T *__restrict__ qkv,
+                             T *__restrict__ out, int len, int C, int prefix, int keep, int fuse, int mode, int heads,
+                             float scale) {
+    __shared__ int scratch[2 * SELECT_MAX_LEN];
+    int *key = scratch;
+    int *row_of = scratch + SELECT_MAX_LEN;  // output row within the sequence, -1: dropped
+    __shared__ float sc[SELECT_MAX_LEN];     // the sequence's scores
     __shared__ float red[32];
     const int b = blockIdx.x;
-    const float *s = scores + (size_t)b * len;
+    // The scratch holds the logits of mode 2 until the ranking below.
+    sequence_scores<T>(sc, reinterpret_cast<float *>(scratch), red, x, scores, qkv, len, C, mode, heads, scale);
+    const float *s = sc;
     for (int j = threadIdx.x; j < len; j += blockDim.x) key[j] = total_key(s[j]);
     __syncthreads();
     for (int j = threadIdx.x; j < len; j += blockDim.x) {
@@ -673,10 +819,11 @@ __device__ void select_top_k(const T *__restrict__ x, const float *__restrict__ 
 
 }  // namespace select_detail
 
-#define SELECT_ENTRY(SUFFIX, T)                                                                           \
-    extern "C" __global__ void ragged_select_top_k_##SUFFIX(const T *x, const float *scores, T *out, int len, \
-                                                            int C, int prefix, int keep, int fuse) {        \
-        select_detail::select_top_k<T>(x, scores, out, len, C, prefix, keep, fuse);                           \
+#define SELECT_ENTRY(SUFFIX, T)                                                                             \
+    extern "C" __global__ void ragged_select_top_k_##SUFFIX(const T *x, const float *scores, const T *qkv, T *out, \
+                                                            int len, int C, int prefix, int keep, int fuse,        \
+                                                            int mode, int heads, float scale) {                    \
+        select_detail::select_top_k<T>(x, scores, qkv, out, len, C, prefix, keep, fuse, mode, heads, scale);      \
     }
 SELECT_ENTRY(f32, float)
 SELECT_ENTRY(f16, __half)

@@ -34,6 +34,12 @@ pub struct RaggedAttention<'a> {
 ///
 /// `head_dim` must be one of [`SUPPORTED_HEAD_DIMS`] and every sequence at most [`MAX_SEQ_LEN`]
 /// tokens; anything else is a [`RaggedError`] before any kernel is launched.
+///
+/// On CUDA, f16 / bf16 batches whose sequences are at most 256 tokens with `head_dim` ≤ 64 (ViTs
+/// at 224 px) run a kernel that keeps each (sequence, head)'s whole K and V in shared memory;
+/// other batches stream K and V in tiles. Both give the same results up to f32 summation order.
+/// `CANDLE_RAGGED_ATTENTION=tiled` in the environment (read once per device) forces the tiled one,
+/// for A/B measurements.
 pub fn ragged_attention(
     q: &Tensor,
     k: &Tensor,

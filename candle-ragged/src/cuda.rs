@@ -443,19 +443,37 @@ pub(crate) fn select_top_k(
     (x, lx): (&CudaStorage, &Layout),
     (s, ls): (&CudaStorage, &Layout),
 ) -> Result<(CudaStorage, Shape)> {
+    use crate::select::ScoreSource;
     let dev = &x.device;
     let (rows, c) = lx.shape().dims2()?;
     let b = rows / op.len;
-    if !lx.is_contiguous() || !ls.is_contiguous() || ls.shape().elem_count() != b * op.len {
-        candle_core::bail!("select_top_k: x and scores must be contiguous and agree in size");
+    let aux_elems = match op.source {
+        ScoreSource::Given => b * op.len,
+        ScoreSource::RowL2Norm => rows * c,
+        ScoreSource::ClsAttention { .. } => rows * 3 * c,
+    };
+    if !lx.is_contiguous() || !ls.is_contiguous() || ls.shape().elem_count() != aux_elems {
+        candle_core::bail!(
+            "select_top_k: x and its scores / qkv must be contiguous and agree in size"
+        );
     }
     if op.len > crate::MAX_SEQ_LEN {
         candle_core::bail!("select_top_k: sequences longer than {}", crate::MAX_SEQ_LEN);
     }
     let k = kernels(dev)?;
     let out_rows = b * op.out_len();
-    let scores = s.as_cuda_slice::<f32>()?.slice(ls.start_offset()..);
     let (len, cc, prefix, keep) = (op.len as i32, c as i32, op.prefix as i32, op.keep as i32);
+    let (mode, heads, scale): (i32, i32, f32) = match op.source {
+        ScoreSource::Given => (0, 1, 1.0),
+        ScoreSource::RowL2Norm => (1, 1, 1.0),
+        ScoreSource::ClsAttention { heads, scale } => (2, heads as i32, scale),
+    };
+    // The kernel reads only the pointer its mode needs; the others get a null pointer.
+    let null: u64 = 0;
+    let scores = match op.source {
+        ScoreSource::Given => Some(s.as_cuda_slice::<f32>()?.slice(ls.start_offset()..)),
+        _ => None,
+    };
     let fuse: i32 = match op.fusion {
         None => 0,
         Some(crate::DroppedFusion::WeightedMean) => 1,
@@ -473,17 +491,33 @@ pub(crate) fn select_top_k(
     macro_rules! run {
         ($t:ty, $i:expr) => {{
             let xs = x.as_cuda_slice::<$t>()?.slice(lx.start_offset()..);
+            let qkv = match op.source {
+                ScoreSource::ClsAttention { .. } => {
+                    Some(s.as_cuda_slice::<$t>()?.slice(ls.start_offset()..))
+                }
+                _ => None,
+            };
             // SAFETY: the kernel writes every one of the `out_rows · c` elements.
             let out = unsafe { dev.alloc::<$t>(out_rows * c)? };
             let mut builder = stream.launch_builder(&k.select[$i]);
             builder.arg(&xs);
-            builder.arg(&scores);
+            match &scores {
+                Some(sv) => builder.arg(sv),
+                None => builder.arg(&null),
+            };
+            match &qkv {
+                Some(qv) => builder.arg(qv),
+                None => builder.arg(&null),
+            };
             builder.arg(&out);
             builder.arg(&len);
             builder.arg(&cc);
             builder.arg(&prefix);
             builder.arg(&keep);
             builder.arg(&fuse);
+            builder.arg(&mode);
+            builder.arg(&heads);
+            builder.arg(&scale);
             // SAFETY: sizes checked above and by select_top_k; one block per sequence.
             unsafe { builder.launch(cfg) }.w()?;
             CudaStorage::wrap_cuda_slice(out, dev.clone())

@@ -45,4 +45,4 @@ pub use attention::{ragged_attention, RaggedAttention, SUPPORTED_HEAD_DIMS};
 pub use batch::{RaggedBatch, MAX_SEQ_LEN};
 pub use error::{RaggedError, Result};
 pub use pack::{pack, unpack, Pack, Unpack};
-pub use select::{select_top_k, DroppedFusion};
+pub use select::{select_top_k, select_top_k_by, DroppedFusion, TokenScores};

@@ -20,6 +20,25 @@ pub enum DroppedFusion {
     WeightedSum,
 }
 
+/// Where [`select_top_k_by`] takes each token's score from.
+#[derive(Debug, Clone, Copy)]
+pub enum TokenScores<'a> {
+    /// `[B, len]` f32.
+    Given(&'a Tensor),
+    /// The L2 norm of each row of `x`, summed in f32 (Threshold-L2's score).
+    RowL2Norm,
+    /// The class token's attention averaged over heads (EViT's score), from the fused
+    /// projection `qkv` `[B·len, 3·C]` (q, k, v blocks of `C = heads · head_dim` columns, `C` the
+    /// width of `x`, the class token first in each sequence): per head
+    /// `softmax_j(r(r(q_cls · scale) · k_j))`, `r` rounding to the dtype of `qkv` as that
+    /// dtype's matmul would, softmax in f32, then the mean over heads.
+    ClsAttention {
+        qkv: &'a Tensor,
+        heads: usize,
+        scale: f32,
+    },
+}
+
 /// Per sequence of `len = x.dim(0) / B` tokens: rows `0..prefix`, then the `keep` rows of
 /// `prefix..len` with the highest scores in ascending position, then (with `fusion`, when some
 /// row is dropped) one row fusing the dropped ones.
@@ -43,6 +62,32 @@ pub fn select_top_k(
         expected: 2,
         shape: scores.shape().clone(),
     })?;
+    if x.rank() == 2 && x.dim(0)? != b * len {
+        return Err(RaggedError::ShapeMismatch {
+            op: OP,
+            what: "x",
+            expected: Shape::from((b * len, x.dim(1)?)),
+            found: x.shape().clone(),
+        });
+    }
+    select_top_k_by(x, b, TokenScores::Given(scores), prefix, keep, fusion)
+}
+
+/// [`select_top_k`] with the scores computed inside the op from `x` or from the attention's
+/// `qkv` ([`TokenScores`]): one kernel on CUDA for a whole pruning step, where computing the
+/// scores as tensor ops first would take four to eight more small launches.
+///
+/// * `x` - `[batch_size·len, C]` packed tokens, f32 / f16 / bf16.
+///
+/// Returns `[batch_size·len', C]` and `len'`, as [`select_top_k`].
+pub fn select_top_k_by(
+    x: &Tensor,
+    batch_size: usize,
+    scores: TokenScores<'_>,
+    prefix: usize,
+    keep: usize,
+    fusion: Option<DroppedFusion>,
+) -> Result<(Tensor, usize)> {
     if x.rank() != 2 {
         return Err(RaggedError::Rank {
             op: OP,
@@ -52,29 +97,82 @@ pub fn select_top_k(
         });
     }
     let (rows, c) = x.dims2()?;
-    if b == 0 || len == 0 || rows != b * len {
-        return Err(RaggedError::ShapeMismatch {
-            op: OP,
-            what: "x",
-            expected: Shape::from((b * len, c)),
-            found: x.shape().clone(),
-        });
+    if batch_size == 0 || rows == 0 || rows % batch_size != 0 {
+        return Err(msg(format!(
+            "x [{rows}, {c}] does not split into {batch_size} sequences of equal length"
+        )));
     }
-    if scores.dtype() != DType::F32 {
-        return Err(msg(format!("scores must be f32, got {:?}", scores.dtype())));
-    }
+    let len = rows / batch_size;
     if !matches!(x.dtype(), DType::F32 | DType::F16 | DType::BF16) {
         return Err(RaggedError::UnsupportedDType {
             op: OP,
             dtype: x.dtype(),
         });
     }
-    if !scores.device().same_device(x.device()) {
-        return Err(msg(format!(
-            "scores are on {:?} but x is on {:?}",
-            scores.device().location(),
-            x.device().location()
-        )));
+    let (source, aux) = match scores {
+        TokenScores::Given(s) => {
+            if s.rank() != 2 {
+                return Err(RaggedError::Rank {
+                    op: OP,
+                    what: "scores",
+                    expected: 2,
+                    shape: s.shape().clone(),
+                });
+            }
+            if s.dims() != [batch_size, len] {
+                return Err(RaggedError::ShapeMismatch {
+                    op: OP,
+                    what: "x",
+                    expected: Shape::from((s.dim(0)? * s.dim(1)?, c)),
+                    found: x.shape().clone(),
+                });
+            }
+            if s.dtype() != DType::F32 {
+                return Err(msg(format!("scores must be f32, got {:?}", s.dtype())));
+            }
+            (ScoreSource::Given, Some(s))
+        }
+        TokenScores::RowL2Norm => (ScoreSource::RowL2Norm, None),
+        TokenScores::ClsAttention { qkv, heads, scale } => {
+            if qkv.dims() != [rows, 3 * c] {
+                return Err(RaggedError::ShapeMismatch {
+                    op: OP,
+                    what: "qkv",
+                    expected: Shape::from((rows, 3 * c)),
+                    found: qkv.shape().clone(),
+                });
+            }
+            if qkv.dtype() != x.dtype() {
+                return Err(msg(format!(
+                    "qkv is {:?} but x is {:?}",
+                    qkv.dtype(),
+                    x.dtype()
+                )));
+            }
+            if heads == 0 || c % heads != 0 {
+                return Err(msg(format!("{heads} heads do not divide {c} channels")));
+            }
+            // The CUDA kernel keeps one head's query (and its logits) in shared memory.
+            if c / heads > MAX_SEQ_LEN {
+                return Err(msg(format!(
+                    "head_dim {} is over the supported {MAX_SEQ_LEN}",
+                    c / heads
+                )));
+            }
+            if !scale.is_finite() {
+                return Err(msg(format!("softmax scale must be finite, got {scale}")));
+            }
+            (ScoreSource::ClsAttention { heads, scale }, Some(qkv))
+        }
+    };
+    if let Some(a) = aux {
+        if !a.device().same_device(x.device()) {
+            return Err(msg(format!(
+                "scores are on {:?} but x is on {:?}",
+                a.device().location(),
+                x.device().location()
+            )));
+        }
     }
     if len > MAX_SEQ_LEN {
         return Err(RaggedError::SequenceTooLong {
@@ -96,15 +194,28 @@ pub fn select_top_k(
         prefix,
         keep,
         fusion: fuse,
+        source,
     };
-    let out = x
-        .contiguous()?
-        .apply_op2_no_bwd(&scores.contiguous()?, &op)?;
+    let x = x.contiguous()?;
+    // RowL2Norm reads only x; the op still takes two operands, so x stands in for the second.
+    let aux = match aux {
+        Some(a) => a.contiguous()?,
+        None => x.clone(),
+    };
+    let out = x.apply_op2_no_bwd(&aux, &op)?;
     Ok((out, new_len))
 }
 
 fn msg(m: String) -> RaggedError {
     RaggedError::Candle(candle_core::Error::Msg(format!("{OP}: {m}")))
+}
+
+/// How the op gets its scores; the second operand is the scores, `qkv`, or unused.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) enum ScoreSource {
+    Given,
+    RowL2Norm,
+    ClsAttention { heads: usize, scale: f32 },
 }
 
 /// The op behind [`select_top_k`] (arguments checked there).
@@ -113,6 +224,7 @@ pub(crate) struct SelectTopK {
     pub prefix: usize,
     pub keep: usize,
     pub fusion: Option<DroppedFusion>,
+    pub source: ScoreSource,
 }
 
 impl SelectTopK {
@@ -153,6 +265,54 @@ impl SelectTopK {
                 }
             })
             .collect()
+    }
+
+    /// The `[B·len]` scores of the CPU path: given, or computed as the CUDA kernel does.
+    fn cpu_scores<T: candle_core::WithDType>(
+        &self,
+        x: &[T],
+        aux: Option<&[T]>,
+        given: Option<&[f32]>,
+        c: usize,
+    ) -> candle_core::Result<Vec<f32>> {
+        let f = |v: T| v.to_f64() as f32;
+        // Rounding to T, as a T matmul's output or a T product is rounded.
+        let r = |v: f32| T::from_f64(v as f64).to_f64() as f32;
+        Ok(match self.source {
+            ScoreSource::Given => given
+                .ok_or_else(|| candle_core::Error::Msg(format!("{OP}: scores must be f32")))?
+                .to_vec(),
+            ScoreSource::RowL2Norm => x
+                .chunks(c)
+                .map(|row| row.iter().map(|&v| f(v) * f(v)).sum::<f32>().sqrt())
+                .collect(),
+            ScoreSource::ClsAttention { heads, scale } => {
+                let qkv = aux.ok_or_else(|| candle_core::Error::Msg(format!("{OP}: no qkv")))?;
+                let d = c / heads;
+                let b_count = x.len() / c / self.len;
+                let mut out = vec![0f32; b_count * self.len];
+                let mut logits = vec![0f32; self.len];
+                for b in 0..b_count {
+                    let seq = &qkv[b * self.len * 3 * c..(b + 1) * self.len * 3 * c];
+                    let sc = &mut out[b * self.len..(b + 1) * self.len];
+                    for h in 0..heads {
+                        let q: Vec<f32> = (0..d).map(|i| r(f(seq[h * d + i]) * scale)).collect();
+                        for (j, l) in logits.iter_mut().enumerate() {
+                            let k = &seq[j * 3 * c + c + h * d..j * 3 * c + c + (h + 1) * d];
+                            *l = r(q.iter().zip(k).map(|(&a, &b)| a * f(b)).sum());
+                        }
+                        let m = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                        let sum: f32 = logits.iter().map(|&l| (l - m).exp()).sum();
+                        for (s, &l) in sc.iter_mut().zip(&logits) {
+                            *s += (l - m).exp() / sum;
+                        }
+                    }
+                    let inv = 1.0 / heads as f32;
+                    sc.iter_mut().for_each(|s| *s *= inv);
+                }
+                out
+            }
+        })
     }
 
     fn cpu<T: candle_core::WithDType>(&self, x: &[T], scores: &[f32], c: usize) -> Vec<T> {
@@ -209,15 +369,30 @@ impl CustomOp2 for SelectTopK {
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         let (rows, c) = lx.shape().dims2()?;
         let b = rows / self.len;
-        let scores = match s {
-            CpuStorage::F32(v) => &v[ls.start_offset()..ls.start_offset() + b * self.len],
-            _ => candle_core::bail!("{OP}: scores must be f32"),
-        };
         let span = lx.start_offset()..lx.start_offset() + rows * c;
+        let aux_span = ls.start_offset()..ls.start_offset() + ls.shape().elem_count();
+        let given = match (self.source, s) {
+            (ScoreSource::Given, CpuStorage::F32(v)) => {
+                Some(&v[ls.start_offset()..ls.start_offset() + b * self.len])
+            }
+            (ScoreSource::Given, _) => candle_core::bail!("{OP}: scores must be f32"),
+            _ => None,
+        };
+        macro_rules! run {
+            ($variant:ident, $v:expr) => {{
+                let xs = &$v[span];
+                let aux = match s {
+                    CpuStorage::$variant(a) => Some(&a[aux_span.clone()]),
+                    _ => None,
+                };
+                let scores = self.cpu_scores(xs, aux, given, c)?;
+                CpuStorage::$variant(self.cpu(xs, &scores, c))
+            }};
+        }
         let out = match x {
-            CpuStorage::F32(v) => CpuStorage::F32(self.cpu(&v[span], scores, c)),
-            CpuStorage::F16(v) => CpuStorage::F16(self.cpu(&v[span], scores, c)),
-            CpuStorage::BF16(v) => CpuStorage::BF16(self.cpu(&v[span], scores, c)),
+            CpuStorage::F32(v) => run!(F32, v),
+            CpuStorage::F16(v) => run!(F16, v),
+            CpuStorage::BF16(v) => run!(BF16, v),
             _ => candle_core::bail!("{OP}: unsupported dtype"),
         };
         Ok((out, Shape::from((b * self.out_len(), c))))

@@ -6,7 +6,7 @@
 mod common;
 
 use candle_core::{DType, Tensor};
-use candle_ragged::{select_top_k, DroppedFusion};
+use candle_ragged::{select_top_k, select_top_k_by, DroppedFusion, TokenScores};
 use common::{device, poison, quantize, randn, rng};
 use rand::Rng;
 
@@ -173,4 +173,193 @@ fn bad_inputs_are_clear_errors() {
         None
     ))
     .contains("unsupported dtype"));
+}
+
+/// A position permutation of `0..len` (distinct ranks for the scores built from it).
+fn permuted(j: usize, len: usize) -> f32 {
+    ((j * 7919 + 3) % len) as f32
+}
+
+/// Scores computed inside the op ([`TokenScores::RowL2Norm`], [`TokenScores::ClsAttention`])
+/// pick exactly what the same scores computed as tensor ops (as the pruners compute them) pick;
+/// the data keep the scores well apart, so rounding differences cannot swap two of them.
+#[test]
+fn computed_scores_pick_what_given_scores_pick() {
+    use candle_core::D;
+    let dev = device();
+    let mut r = rng(31);
+    // (heads, head_dim): 16-byte row loads, and 5 (scalar loads). 3 heads x 1400 tokens: more
+    // logits than the kernel keeps at once (one head at a time), f32 only (with half types the
+    // logits of 1400 well-separated ranks would be closer than their rounding).
+    let cases = [
+        (3usize, 16usize, 1usize, 2usize),
+        (3, 16, 3, 65),
+        (3, 16, 2, 197),
+        (2, 5, 2, 66),
+        (3, 16, 1, 1400),
+    ];
+    for dtype in [DType::F32, DType::F16, DType::BF16] {
+        for &(heads, d, b, len) in &cases {
+            if len > 1000 && dtype != DType::F32 {
+                continue;
+            }
+            let c = heads * d;
+            let keep = (len - 1).div_ceil(2);
+            // Threshold-L2: unit rows scaled by 1 + 2 % per rank.
+            let mut x = randn(&mut r, b * len * c, 1.0);
+            for (i, row) in x.chunks_mut(c).enumerate() {
+                let norm = row.iter().map(|v| v * v).sum::<f32>().sqrt();
+                let scale = (1.0 + 0.02 * permuted(i % len, len)) / norm;
+                row.iter_mut().for_each(|v| *v *= scale);
+            }
+            let xt = Tensor::from_slice(&x, (b * len, c), &dev)
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap();
+            let norms = xt
+                .to_dtype(DType::F32)
+                .unwrap()
+                .sqr()
+                .unwrap()
+                .sum(1)
+                .unwrap()
+                .sqrt()
+                .unwrap()
+                .reshape((b, len))
+                .unwrap();
+            let (want, _) = select_top_k(&xt, &norms, 1, keep, None).unwrap();
+            poison(&dev, want.elem_count(), dtype);
+            let (got, got_len) =
+                select_top_k_by(&xt, b, TokenScores::RowL2Norm, 1, keep, None).unwrap();
+            assert_eq!(got_len, 1 + keep);
+            let flat = |t: &Tensor| -> Vec<f32> {
+                let t = t.to_dtype(DType::F32).unwrap();
+                t.flatten_all().unwrap().to_vec1().unwrap()
+            };
+            assert_eq!(
+                flat(&got),
+                flat(&want),
+                "row norms, {dtype:?} b={b} len={len}"
+            );
+
+            // EViT: k_j of every head along that head's q_cls, so the logit is 20 · rank / len.
+            let scale = 0.25f32;
+            let mut qkv = randn(&mut r, b * len * 3 * c, 1.0);
+            for bi in 0..b {
+                let q_cls: Vec<f32> = qkv[bi * len * 3 * c..bi * len * 3 * c + c].to_vec();
+                for h in 0..heads {
+                    let q = &q_cls[h * d..(h + 1) * d];
+                    let q2: f32 = q.iter().map(|v| v * v).sum();
+                    for j in 0..len {
+                        let logit = 20.0 * permuted(j, len) / len as f32;
+                        let k = &mut qkv[(bi * len + j) * 3 * c + c + h * d..][..d];
+                        for (kv, qv) in k.iter_mut().zip(q) {
+                            *kv = logit * qv / (q2 * scale);
+                        }
+                    }
+                }
+            }
+            let qkv_t = Tensor::from_slice(&qkv, (b * len, 3 * c), &dev)
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap();
+            let seq = qkv_t.reshape((b, len, 3 * c)).unwrap();
+            let q = (seq
+                .narrow(1, 0, 1)
+                .unwrap()
+                .narrow(2, 0, c)
+                .unwrap()
+                .reshape((b, heads, 1, d))
+                .unwrap()
+                * scale as f64)
+                .unwrap();
+            let k = seq
+                .narrow(2, c, c)
+                .unwrap()
+                .reshape((b, len, heads, d))
+                .unwrap()
+                .transpose(1, 2)
+                .unwrap()
+                .contiguous()
+                .unwrap();
+            let logits = q
+                .matmul(&k.t().unwrap())
+                .unwrap()
+                .to_dtype(DType::F32)
+                .unwrap();
+            let e = logits
+                .broadcast_sub(&logits.max_keepdim(D::Minus1).unwrap())
+                .unwrap()
+                .exp()
+                .unwrap();
+            let attn = e
+                .broadcast_div(&e.sum_keepdim(D::Minus1).unwrap())
+                .unwrap()
+                .squeeze(2)
+                .unwrap()
+                .mean(1)
+                .unwrap();
+            let fusion = Some(DroppedFusion::WeightedMean);
+            let (want, _) = select_top_k(&xt, &attn, 1, keep, fusion).unwrap();
+            poison(&dev, want.elem_count(), dtype);
+            let source = TokenScores::ClsAttention {
+                qkv: &qkv_t,
+                heads,
+                scale,
+            };
+            let (got, got_len) = select_top_k_by(&xt, b, source, 1, keep, fusion).unwrap();
+            let fused = keep < len - 1;
+            assert_eq!(got_len, 1 + keep + fused as usize);
+            let (got, want) = (flat(&got), flat(&want));
+            let kept = (1 + keep) * c;
+            let new_len = got_len * c;
+            for bi in 0..b {
+                let (g, w) = (&got[bi * new_len..], &want[bi * new_len..]);
+                assert_eq!(
+                    &g[..kept],
+                    &w[..kept],
+                    "cls attention, {dtype:?} b={b} len={len}"
+                );
+                if fused {
+                    // The fused row's weights are the scores themselves: equal up to rounding.
+                    for ch in 0..c {
+                        let (gv, wv) = (g[kept + ch], w[kept + ch]);
+                        let tol = if dtype == DType::F32 { 1e-5 } else { 2e-2 };
+                        assert!(
+                            (gv - wv).abs() <= tol * (1.0 + wv.abs()),
+                            "fused {gv} vs {wv}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn computed_score_inputs_are_checked() {
+    let dev = device();
+    let x = Tensor::zeros((6, 4), DType::F32, &dev).unwrap();
+    let err = |r: candle_ragged::Result<(Tensor, usize)>| r.unwrap_err().to_string();
+    assert!(
+        err(select_top_k_by(&x, 4, TokenScores::RowL2Norm, 1, 1, None))
+            .contains("does not split into 4 sequences")
+    );
+    assert!(
+        err(select_top_k_by(&x, 0, TokenScores::RowL2Norm, 1, 1, None))
+            .contains("does not split into 0 sequences")
+    );
+    let qkv = Tensor::zeros((6, 12), DType::F32, &dev).unwrap();
+    let cls = |qkv, heads, scale| TokenScores::ClsAttention { qkv, heads, scale };
+    assert!(err(select_top_k_by(&x, 2, cls(&x, 2, 1.0), 1, 1, None))
+        .contains("qkv has shape [6, 4], expected [6, 12]"));
+    assert!(err(select_top_k_by(&x, 2, cls(&qkv, 3, 1.0), 1, 1, None))
+        .contains("3 heads do not divide 4 channels"));
+    assert!(
+        err(select_top_k_by(&x, 2, cls(&qkv, 2, f32::NAN), 1, 1, None))
+            .contains("softmax scale must be finite")
+    );
+    let half = qkv.to_dtype(DType::F16).unwrap();
+    assert!(err(select_top_k_by(&x, 2, cls(&half, 2, 1.0), 1, 1, None))
+        .contains("qkv is F16 but x is F32"));
 }

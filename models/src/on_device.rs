@@ -2,11 +2,12 @@
 //!
 //! [`DeiT::forward_pruned`] decides on the host: one read-back per pruning step, which drains
 //! the GPU queue and leaves it idle while the host decides and launches again, and which no CUDA
-//! graph can contain. For the fixed-ratio pruners ([`pruners::TokenPruner::fixed_count`]) the counts are
-//! known before any score exists, so nothing needs the host: the scores are tensor ops, and the
-//! top-k, the gather of kept rows and EViT's fused token are one
-//! [`candle_ragged::select_top_k`] kernel; every shape is known on the host, and the whole call
-//! can be captured once and replayed
+//! graph can contain. For the fixed-ratio pruners ([`pruners::TokenPruner::fixed_count`]) the
+//! counts are known before any score exists, so nothing needs the host: the top-k, the gather of
+//! kept rows and EViT's fused token are one [`candle_ragged::select_top_k_by`] kernel, which also
+//! computes the scores when they follow a [`pruners::ScoreRecipe`] (Threshold-L2's norms, EViT's
+//! class attention; DynamicViT's predictor still runs as tensor ops). Every shape is known on the
+//! host, and the whole call can be captured once and replayed
 //! ([`candle_fastpath::CapturedForward`]).
 //!
 //! Every image keeps the same number of tokens here, so the packed `[B·L, C]` tokens are also
@@ -16,21 +17,22 @@
 //! NaN lowest, ties to the lower position), given bit-identical scores.
 
 use candle_core::{DType, Module, Tensor};
-use candle_ragged::{select_top_k, DroppedFusion, RaggedBatch};
-use pruners::{EvitFusion, FixedCount, PruneInput, PruneSite};
+use candle_ragged::{select_top_k_by, DroppedFusion, RaggedBatch, TokenScores};
+use pruners::{EvitFusion, FixedCount, PruneInput, PruneSite, ScoreRecipe};
 
 use crate::attention::{cls_attention, AttentionInputs};
 use crate::deit::DeiT;
 use crate::error::ModelError;
 use crate::pruned::BlockPruner;
 
-/// One fixed-count pruning step on packed tokens `x` `[B·len, C]` with per-token `scores`
-/// `[B, len]` f32: the new packed tokens `[B·len', C]` (prefix, kept patches in ascending
-/// position, then EViT's fused token) and `len'`, as one [`candle_ragged::select_top_k`] (one
-/// kernel on CUDA).
+/// One fixed-count pruning step on packed tokens `x` `[B·len, C]` of `b` images, scored by
+/// `scores`: the new packed tokens `[B·len', C]` (prefix, kept patches in ascending position,
+/// then EViT's fused token) and `len'`, as one [`candle_ragged::select_top_k_by`] (one kernel on
+/// CUDA, scores included when they are computed inside it).
 fn apply_fixed(
     x: &Tensor,
-    scores: &Tensor,
+    b: usize,
+    scores: TokenScores<'_>,
     num_prefix: usize,
     count: FixedCount,
 ) -> candle_core::Result<(Tensor, usize)> {
@@ -39,15 +41,9 @@ fn apply_fixed(
         Some(EvitFusion::ReferenceSum) => Some(DroppedFusion::WeightedSum),
         Some(EvitFusion::Off) | None => None,
     };
-    let patches = scores.dim(1)? - num_prefix;
+    let patches = x.dim(0)? / b - num_prefix;
     let keep = count.keep.clamp(1, patches);
-    Ok(select_top_k(
-        x,
-        &scores.to_dtype(DType::F32)?,
-        num_prefix,
-        keep,
-        fusion,
-    )?)
+    Ok(select_top_k_by(x, b, scores, num_prefix, keep, fusion)?)
 }
 
 impl DeiT {
@@ -103,26 +99,42 @@ impl DeiT {
                 continue;
             };
             let lengths = vec![len; b];
-            let (scores, h) = match pruner.site() {
-                PruneSite::BeforeBlock => {
+            // Scores the selection kernel computes itself (Threshold-L2's norms, EViT's class
+            // attention) are not materialised: the whole step is one launch.
+            let (next, next_len) = match (pruner.site(), pruner.score_recipe()) {
+                (PruneSite::BeforeBlock, ScoreRecipe::TokenL2Norm) => {
+                    apply_fixed(&x, b, TokenScores::RowL2Norm, num_prefix, *count)?
+                }
+                (PruneSite::BeforeBlock, _) => {
                     let image = x.reshape((b, len, c))?;
                     let input = PruneInput::new(&image, num_prefix).with_lengths(&lengths);
-                    (pruner.scores(&input)?, None)
+                    let scores = pruner.scores(&input)?.to_dtype(DType::F32)?;
+                    apply_fixed(&x, b, TokenScores::Given(&scores), num_prefix, *count)?
                 }
-                PruneSite::AfterAttention => {
+                (PruneSite::AfterAttention, recipe) => {
                     let (h, qkv) = block.attn_residual_with_qkv(&x, &inputs)?;
-                    let qkv = qkv.reshape((b, len, 3 * c))?;
-                    let q_cls = qkv.narrow(1, 0, 1)?.squeeze(1)?.narrow(1, 0, c)?;
-                    let k = qkv.narrow(2, c, c)?;
-                    let attn = cls_attention(&q_cls, &k, block.attn.heads, block.attn.scale, None)?;
-                    let image = h.reshape((b, len, c))?;
-                    let mut input = PruneInput::new(&image, num_prefix).with_lengths(&lengths);
-                    input = input.with_cls_attn(&attn);
-                    (pruner.scores(&input)?, Some(h))
+                    if recipe == ScoreRecipe::ClsAttentionMean {
+                        let scores = TokenScores::ClsAttention {
+                            qkv: &qkv,
+                            heads: block.attn.heads,
+                            scale: block.attn.scale as f32,
+                        };
+                        apply_fixed(&h, b, scores, num_prefix, *count)?
+                    } else {
+                        let qkv = qkv.reshape((b, len, 3 * c))?;
+                        let q_cls = qkv.narrow(1, 0, 1)?.squeeze(1)?.narrow(1, 0, c)?;
+                        let k = qkv.narrow(2, c, c)?;
+                        let attn =
+                            cls_attention(&q_cls, &k, block.attn.heads, block.attn.scale, None)?;
+                        let image = h.reshape((b, len, c))?;
+                        let input = PruneInput::new(&image, num_prefix)
+                            .with_lengths(&lengths)
+                            .with_cls_attn(&attn);
+                        let scores = pruner.scores(&input)?.to_dtype(DType::F32)?;
+                        apply_fixed(&h, b, TokenScores::Given(&scores), num_prefix, *count)?
+                    }
                 }
             };
-            let source = h.as_ref().unwrap_or(&x);
-            let (next, next_len) = apply_fixed(source, &scores, num_prefix, *count)?;
             len = next_len;
             x = next;
             batch =

@@ -140,6 +140,10 @@ impl TokenPruner for Evit {
         cls_attn_mean(a)
     }
 
+    fn score_recipe(&self) -> crate::ScoreRecipe {
+        crate::ScoreRecipe::ClsAttentionMean
+    }
+
     fn fixed_count(&self, patches: usize) -> Option<crate::FixedCount> {
         match self.config.mode {
             EvitMode::TopK { keep_rate } => {

@@ -108,6 +108,20 @@ pub struct Needs {
     pub values: bool,
 }
 
+/// What a pruner's [`TokenPruner::scores`] are, when they follow a recipe simple enough for a
+/// model to compute inside its own selection kernel (one launch per pruning step instead of the
+/// handful of small tensor ops `scores` takes): the model must then pick exactly what the
+/// top-k of `scores` picks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ScoreRecipe {
+    /// The L2 norm of each token (in f32).
+    TokenL2Norm,
+    /// The class token's attention of this block, softmax per head in f32, averaged over heads.
+    ClsAttentionMean,
+    /// Anything else (learned predictors, products of inputs): use [`TokenPruner::scores`].
+    Custom,
+}
+
 /// Decides, for a batch of tokens at one site, which tokens each image keeps.
 pub trait TokenPruner: Send + Sync + std::fmt::Debug {
     fn kind(&self) -> PrunerKind;
@@ -121,6 +135,10 @@ pub trait TokenPruner: Send + Sync + std::fmt::Debug {
     /// Per-token scores `[B, N]` f32 on the input's device (higher = more important; entries
     /// at prefix and padding positions are unspecified). Validates the input.
     fn scores(&self, input: &PruneInput) -> Result<Tensor>;
+    /// The recipe [`TokenPruner::scores`] follows ([`ScoreRecipe::Custom`] by default).
+    fn score_recipe(&self) -> ScoreRecipe {
+        ScoreRecipe::Custom
+    }
     /// The keep decision. Validates the input; never panics on bad input.
     fn plan(&self, input: &PruneInput) -> Result<KeepPlan>;
     /// For pruners whose counts do not depend on the scores (the fixed-ratio modes of

@@ -102,6 +102,10 @@ impl TokenPruner for ThresholdL2 {
         Ok(t.sqr()?.sum(D::Minus1)?.sqrt()?)
     }
 
+    fn score_recipe(&self) -> crate::ScoreRecipe {
+        crate::ScoreRecipe::TokenL2Norm
+    }
+
     fn fixed_count(&self, patches: usize) -> Option<crate::FixedCount> {
         match self.config.mode {
             ThresholdL2Mode::TopK { keep_ratio } => Some(crate::FixedCount {

@@ -311,3 +311,34 @@ fn prefix_of_two_is_never_ranked() {
         1e-5,
     );
 }
+
+/// The recipe EViT declares (a model may compute it inside its selection kernel) is what its
+/// scores are: the class attention averaged over heads, in every mode.
+#[test]
+fn scores_follow_the_declared_recipe() {
+    let (t, _) = pad_batch(&[image()], 7, 0.0);
+    let a = attn_tensor(&[attn_heads()], 7);
+    for mode in [
+        EvitMode::TopK { keep_rate: 0.5 },
+        EvitMode::AttentionMass { share: 0.9 },
+    ] {
+        let p = Evit::new(EvitConfig {
+            mode,
+            fusion: EvitFusion::WeightedMean,
+        })
+        .unwrap();
+        assert_eq!(p.score_recipe(), pruners::ScoreRecipe::ClsAttentionMean);
+        let got: Vec<f32> = p
+            .scores(&PruneInput::new(&t, 1).with_cls_attn(&a))
+            .unwrap()
+            .squeeze(0)
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        let heads = attn_heads();
+        for (j, g) in got.iter().enumerate() {
+            let want = (heads[0][j] + heads[1][j]) / 2.0;
+            assert!((g - want).abs() < 1e-7, "token {j}: {g} vs {want}");
+        }
+    }
+}

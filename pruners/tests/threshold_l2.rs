@@ -258,3 +258,29 @@ fn keep_mask_and_gather_follow_the_plan() {
     assert_eq!(g[1][2], imgs[1][3]);
     assert_eq!(g[1][3], vec![0.0; 4]);
 }
+
+/// The recipe Threshold-L2 declares (a model may compute it inside its selection kernel) is
+/// what its scores are: each token's L2 norm, in every mode.
+#[test]
+fn scores_follow_the_declared_recipe() {
+    let img = image_with_norms(1, &NORMS, 8);
+    let (t, _) = pad_batch(&[img], 1 + NORMS.len(), 0.0);
+    for cfg in [
+        ThresholdL2Config::fixed(0.5),
+        ThresholdL2Config::absolute(4.0),
+        ThresholdL2Config::relative(1.0),
+    ] {
+        let p = ThresholdL2::new(cfg).unwrap();
+        assert_eq!(p.score_recipe(), pruners::ScoreRecipe::TokenL2Norm);
+        let got: Vec<f32> = p
+            .scores(&PruneInput::new(&t, 1))
+            .unwrap()
+            .squeeze(0)
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        for (g, want) in got[1..].iter().zip(NORMS) {
+            assert!((g - want).abs() < 1e-5, "{g} vs {want}");
+        }
+    }
+}
