@@ -231,7 +231,7 @@ fn make_plan(handle: sys::cublasLtHandle_t, key: PlanKey) -> candle_core::Result
                 P::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
                 WORKSPACE_BYTES as u64,
             )?;
-            let align = key.align as u32;
+            let align = key.align;
             for attr in [
                 P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
                 P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
