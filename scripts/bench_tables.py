@@ -4,6 +4,7 @@
 usage: scripts/bench_tables.py attention docs/benchmarks/h100-attention.json
        scripts/bench_tables.py e2e docs/benchmarks/h100-e2e.json
        scripts/bench_tables.py e2e-summary docs/benchmarks/h100-e2e.json
+       scripts/bench_tables.py peers docs/benchmarks/h100-e2e.json docs/benchmarks/h100-peers.json
 """
 import json
 import sys
@@ -90,4 +91,36 @@ def e2e_summary(path):
         print(f"\n{dtype}: {met} of {total} pruner x mode x model x batch cells reach >= 1.00.")
 
 
-{"attention": attention, "e2e": e2e, "e2e-summary": e2e_summary}[sys.argv[1]](sys.argv[2])
+def peers(path, peers_path):
+    """f16, per model x batch: our dense (eager, graph), our best pruned-ragged row of the issue's
+    default schedule (EViT or Threshold-L2, fixed keep 0.7, any variant), timm in eager and the best
+    PyTorch mode of the same device call, the ratios, and peak memory padded / ragged of the
+    pruner of that best row."""
+    ours = [x for x in json.load(open(path))["rows"] if x["dtype"] == "f16"]
+    theirs = json.load(open(peers_path))["rows"]
+    print("| model | batch | ours dense, eager | ours dense, CUDA graph | ours best pruned-ragged (EViT / Threshold-L2, keep 0.7) "
+          "| torch eager | best PyTorch (mode) | dense / best PyTorch | pruned / best PyTorch | peak MiB, padded / ragged |")
+    print("| --- | ---: | ---: | ---: | --- | ---: | --- | ---: | ---: | ---: |")
+    cell = lambda x: f"{x['img_s']:.0f} img/s, {x['latency_ms']:.3f} ms"
+    for model in ["deit-tiny", "deit-small", "deit-base"]:
+        for b in [1, 8, 64, 256]:
+            dense = {x.get("cuda_graph", False): x for x in ours
+                     if (x["model"], x["batch"], x["path"]) == (model, b, "dense")}
+            pruned = [x for x in ours if (x["model"], x["batch"], x["path"], x["mode"]) == (model, b, "ragged", "fixed")
+                      and x["pruner"] in ("evit", "threshold-l2")]
+            peer = [x for x in theirs if (x["model"], x["batch"]) == (model, b)]
+            if not dense or not pruned or not peer:
+                continue
+            best = max(pruned, key=lambda x: x["img_s"])
+            eager = next((x for x in peer if x["path"] == "torch-eager"), None)
+            top = max(peer, key=lambda x: x["img_s"])
+            top_dense = max(dense.values(), key=lambda x: x["img_s"])
+            how = ", ".join(v for v in [best["pruner"], best.get("decisions", "host"), "graph" if best.get("cuda_graph") else ""] if v)
+            mem = lambda p: max((x.get("peak_mem_mb") or 0) for x in ours
+                                if (x["model"], x["batch"], x["pruner"], x["mode"], x["path"]) == (model, b, best["pruner"], "fixed", p))
+            print(f"| {model} | {b} | {cell(dense[False])} | {cell(dense[True]) if True in dense else ''} | {cell(best)} ({how}) | "
+                  f"{cell(eager) if eager else ''} | {cell(top)} ({top['path']}) | {top_dense['img_s'] / top['img_s']:.2f} | "
+                  f"{best['img_s'] / top['img_s']:.2f} | {mem('padded'):.0f} / {mem('ragged'):.0f} |")
+
+
+{"attention": attention, "e2e": e2e, "e2e-summary": e2e_summary, "peers": peers}[sys.argv[1]](*sys.argv[2:])
