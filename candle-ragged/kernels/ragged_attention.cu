@@ -591,23 +591,6 @@ __device__ __forceinline__ float weight(float s) {
     return ((bits & 0x7fffffff) > 0x7f800000) ? 0.f : fmaxf(s, 0.f);
 }
 
-// Block-wide max or sum of one float per thread (every thread gets the result); red[32] scratch.
-template <bool MAX>
-__device__ __forceinline__ float block_reduce(float v, float *red) {
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        const float w = __shfl_xor_sync(0xffffffffu, v, o);
-        v = MAX ? fmaxf(v, w) : v + w;
-    }
-    __syncthreads();  // red may still be read from a previous reduction
-    if (lane == 0) red[warp] = v;
-    __syncthreads();
-    float r = red[0];
-    for (int w = 1; w < warps; ++w) r = MAX ? fmaxf(r, red[w]) : r + red[w];
-    return r;
-}
-
 // Dot product of an f32 vector (shared memory) with n elements of T (global), in ascending
 // order whichever path loads them; 16-byte loads when the row allows it.
 template <typename T>
@@ -633,9 +616,9 @@ __device__ __forceinline__ float dot_row(const float *a, const T *row, int n, bo
 //   2: the class token's attention averaged over heads, from the fused projection qkv
 //      [B·len, 3·C] (q, k, v blocks of C = heads · head_dim columns): per head, softmax over j of
 //      T(T(q_cls · scale) · k_j) (rounded to T like a T matmul's output), then the mean.
-// tmp: 2·SELECT_MAX_LEN floats of scratch. Every (head, key) logit is computed at once when they
-// fit in tmp (DeiT: 12 × 197), so a step costs a few barriers, not a few per head: at batch 1
-// this kernel's latency is the step's latency.
+// tmp: 2·SELECT_MAX_LEN floats of scratch. Every (head, key) logit of a group of heads is
+// computed at once (DeiT: all 12 heads × 197 keys), so a step costs a few barriers, not a few per
+// head: at batch 1 this kernel's latency is the step's latency.
 template <typename T>
 __device__ void sequence_scores(float *sc, float *tmp, float *red, const T *__restrict__ x, const float *__restrict__ scores,
                                 const T *__restrict__ qkv, int len, int C, int mode, int heads, float scale) {
@@ -669,19 +652,24 @@ __device__ void sequence_scores(float *sc, float *tmp, float *red, const T *__re
         const size_t stride = 3 * (size_t)C;
         const T *qb = qkv + (size_t)b * len * stride;
         const bool vec = D % V == 0 && C % V == 0 && reinterpret_cast<uintptr_t>(qkv) % 16 == 0;
-        const float inv_heads = 1.f / (float)heads;
-        if (heads * len <= 2 * SELECT_MAX_LEN && C <= SELECT_MAX_LEN && heads <= 16) {
-            float *qs = sc;      // q_cls · scale rounded to T, every head (sc is written last)
-            float *logit = tmp;  // [heads][len]
-            for (int i = threadIdx.x; i < C; i += blockDim.x) qs[i] = to_f32(from_f32<T>(to_f32(qb[i]) * scale));
+        // Heads in groups whose queries and logits fit in tmp together (all 12 of DeiT at 197
+        // tokens: one group), at most 16 so that red holds each head's max and exp-sum.
+        const int group = min(16, max(1, 2 * SELECT_MAX_LEN / (len + D)));
+        float *logit = tmp;                    // [group][len]
+        float *qs = tmp + group * len;         // [group][D]: q_cls · scale rounded to T
+        for (int j = threadIdx.x; j < len; j += blockDim.x) sc[j] = 0.f;
+        for (int h0 = 0; h0 < heads; h0 += group) {
+            const int hn = min(group, heads - h0);
+            for (int i = threadIdx.x; i < hn * D; i += blockDim.x)
+                qs[i] = to_f32(from_f32<T>(to_f32(qb[h0 * D + i]) * scale));
             __syncthreads();
-            for (int p = threadIdx.x; p < heads * len; p += blockDim.x) {
+            for (int p = threadIdx.x; p < hn * len; p += blockDim.x) {
                 const int h = p / len, j = p % len;
-                logit[p] = to_f32(from_f32<T>(dot_row<T>(qs + h * D, qb + (size_t)j * stride + C + h * D, D, vec)));
+                logit[p] = to_f32(from_f32<T>(dot_row<T>(qs + h * D, qb + (size_t)j * stride + C + (h0 + h) * D, D, vec)));
             }
             __syncthreads();
             // Each head's max and exp-sum by one warp: red[2h], red[2h + 1].
-            for (int h = warp; h < heads; h += warps) {
+            for (int h = warp; h < hn; h += warps) {
                 const float *l = logit + h * len;
                 float m = -INFINITY;
                 for (int j = lane; j < len; j += 32) m = fmaxf(m, l[j]);
@@ -697,34 +685,16 @@ __device__ void sequence_scores(float *sc, float *tmp, float *red, const T *__re
                 }
             }
             __syncthreads();
+            // Heads added in order, as the host's mean over heads adds them.
             for (int j = threadIdx.x; j < len; j += blockDim.x) {
-                float acc = 0.f;
-                for (int h = 0; h < heads; ++h) acc += expf(logit[h * len + j] - red[2 * h]) / red[2 * h + 1];
-                sc[j] = acc * inv_heads;
+                float acc = sc[j];
+                for (int h = 0; h < hn; ++h) acc += expf(logit[h * len + j] - red[2 * h]) / red[2 * h + 1];
+                sc[j] = acc;
             }
-        } else {
-            // One head at a time (long sequences or many heads): q in tmp[0..D), logits after it.
-            float *qs = tmp;
-            float *logit = tmp + D;
-            for (int j = threadIdx.x; j < len; j += blockDim.x) sc[j] = 0.f;
-            for (int h = 0; h < heads; ++h) {
-                for (int i = threadIdx.x; i < D; i += blockDim.x)
-                    qs[i] = to_f32(from_f32<T>(to_f32(qb[h * D + i]) * scale));
-                __syncthreads();
-                for (int j = threadIdx.x; j < len; j += blockDim.x)
-                    logit[j] = to_f32(from_f32<T>(dot_row<T>(qs, qb + (size_t)j * stride + C + h * D, D, vec)));
-                __syncthreads();
-                float m = -INFINITY;
-                for (int j = threadIdx.x; j < len; j += blockDim.x) m = fmaxf(m, logit[j]);
-                m = block_reduce<true>(m, red);
-                float sum = 0.f;
-                for (int j = threadIdx.x; j < len; j += blockDim.x) sum += expf(logit[j] - m);
-                sum = block_reduce<false>(sum, red);
-                for (int j = threadIdx.x; j < len; j += blockDim.x) sc[j] += expf(logit[j] - m) / sum;
-                __syncthreads();  // qs and logits are rewritten for the next head
-            }
-            for (int j = threadIdx.x; j < len; j += blockDim.x) sc[j] *= inv_heads;
+            __syncthreads();  // qs, logits and red are rewritten by the next group
         }
+        const float inv_heads = 1.f / (float)heads;
+        for (int j = threadIdx.x; j < len; j += blockDim.x) sc[j] *= inv_heads;
     }
     __syncthreads();
 }

@@ -56,21 +56,16 @@ pub fn select_top_k(
     keep: usize,
     fusion: Option<DroppedFusion>,
 ) -> Result<(Tensor, usize)> {
-    let (b, len) = scores.dims2().map_err(|_| RaggedError::Rank {
-        op: OP,
-        what: "scores",
-        expected: 2,
-        shape: scores.shape().clone(),
-    })?;
-    if x.rank() == 2 && x.dim(0)? != b * len {
-        return Err(RaggedError::ShapeMismatch {
-            op: OP,
-            what: "x",
-            expected: Shape::from((b * len, x.dim(1)?)),
-            found: x.shape().clone(),
-        });
-    }
-    select_top_k_by(x, b, TokenScores::Given(scores), prefix, keep, fusion)
+    // select_top_k_by checks the scores' rank and shape (a rank-0 tensor gets a batch of 0 here).
+    let batch_size = scores.dims().first().copied().unwrap_or(0);
+    select_top_k_by(
+        x,
+        batch_size,
+        TokenScores::Given(scores),
+        prefix,
+        keep,
+        fusion,
+    )
 }
 
 /// [`select_top_k`] with the scores computed inside the op from `x` or from the attention's
@@ -97,6 +92,23 @@ pub fn select_top_k_by(
         });
     }
     let (rows, c) = x.dims2()?;
+    // Given scores fix the layout themselves: checked first, so a mismatch names their shape.
+    if let TokenScores::Given(s) = scores {
+        let (b, len) = s.dims2().map_err(|_| RaggedError::Rank {
+            op: OP,
+            what: "scores",
+            expected: 2,
+            shape: s.shape().clone(),
+        })?;
+        if rows != b * len || b != batch_size {
+            return Err(RaggedError::ShapeMismatch {
+                op: OP,
+                what: "x",
+                expected: Shape::from((b * len, c)),
+                found: x.shape().clone(),
+            });
+        }
+    }
     if batch_size == 0 || rows == 0 || rows % batch_size != 0 {
         return Err(msg(format!(
             "x [{rows}, {c}] does not split into {batch_size} sequences of equal length"
@@ -111,22 +123,6 @@ pub fn select_top_k_by(
     }
     let (source, aux) = match scores {
         TokenScores::Given(s) => {
-            if s.rank() != 2 {
-                return Err(RaggedError::Rank {
-                    op: OP,
-                    what: "scores",
-                    expected: 2,
-                    shape: s.shape().clone(),
-                });
-            }
-            if s.dims() != [batch_size, len] {
-                return Err(RaggedError::ShapeMismatch {
-                    op: OP,
-                    what: "x",
-                    expected: Shape::from((s.dim(0)? * s.dim(1)?, c)),
-                    found: x.shape().clone(),
-                });
-            }
             if s.dtype() != DType::F32 {
                 return Err(msg(format!("scores must be f32, got {:?}", s.dtype())));
             }
