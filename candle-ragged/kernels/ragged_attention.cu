@@ -610,25 +610,28 @@ __device__ __forceinline__ float dot_row(const float *a, const T *row, int n, bo
     return acc;
 }
 
-// The scores of sequence b's `len` rows into sc (shared), by `mode`:
-//   0: given, scores[b·len + j];
+// The scores of sequence b = blockIdx.x, packed rows start..start + len, into sc (shared), by `mode`:
+//   0: given, scores[b·score_stride + j];
 //   1: the L2 norm of row j of x (f32 sum of squares);
 //   2: the class token's attention averaged over heads, from the fused projection qkv
-//      [B·len, 3·C] (q, k, v blocks of C = heads · head_dim columns): per head, softmax over j of
-//      T(T(q_cls · scale) · k_j) (rounded to T like a T matmul's output), then the mean.
-// tmp: 2·SELECT_MAX_LEN floats of scratch. Every (head, key) logit of a group of heads is
-// computed at once (DeiT: all 12 heads × 197 keys), so a step costs a few barriers, not a few per
-// head: at batch 1 this kernel's latency is the step's latency.
+//      [rows, 3·C] (q, k, v blocks of C = heads · head_dim columns): per head, softmax over j of
+//      T(T(q_cls · scale) · k_j) (rounded to T like a T matmul's output), then the mean;
+//   3: ATS's significance: the same attention summed over heads (in head order), times the L2
+//      norm of row j's value vector (all heads).
+// tmp: tmp_floats floats of scratch. Every (head, key) logit of a group of heads is computed at
+// once (DeiT: all 12 heads × 197 keys), so a step costs a few barriers, not a few per head: at
+// batch 1 this kernel's latency is the step's latency.
 template <typename T>
-__device__ void sequence_scores(float *sc, float *tmp, float *red, const T *__restrict__ x, const float *__restrict__ scores,
-                                const T *__restrict__ qkv, int len, int C, int mode, int heads, float scale) {
+__device__ void sequence_scores(float *sc, float *tmp, int tmp_floats, float *red, const T *__restrict__ x,
+                                const float *__restrict__ scores, int score_stride, const T *__restrict__ qkv,
+                                int start, int len, int C, int mode, int heads, float scale) {
     const int b = blockIdx.x;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
     constexpr int V = 16 / sizeof(T);
     if (mode == 0) {
-        for (int j = threadIdx.x; j < len; j += blockDim.x) sc[j] = scores[(size_t)b * len + j];
+        for (int j = threadIdx.x; j < len; j += blockDim.x) sc[j] = scores[(size_t)b * score_stride + j];
     } else if (mode == 1) {
-        const T *xb = x + (size_t)b * len * C;
+        const T *xb = x + (size_t)start * C;
         const bool vec = C % V == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0;
         for (int j = warp; j < len; j += warps) {
             const T *row = xb + (size_t)j * C;
@@ -650,11 +653,11 @@ __device__ void sequence_scores(float *sc, float *tmp, float *red, const T *__re
     } else {
         const int D = C / heads;
         const size_t stride = 3 * (size_t)C;
-        const T *qb = qkv + (size_t)b * len * stride;
+        const T *qb = qkv + (size_t)start * stride;
         const bool vec = D % V == 0 && C % V == 0 && reinterpret_cast<uintptr_t>(qkv) % 16 == 0;
         // Heads in groups whose queries and logits fit in tmp together (all 12 of DeiT at 197
         // tokens: one group), at most 16 so that red holds each head's max and exp-sum.
-        const int group = min(16, max(1, 2 * SELECT_MAX_LEN / (len + D)));
+        const int group = min(16, max(1, tmp_floats / (len + D)));
         float *logit = tmp;                    // [group][len]
         float *qs = tmp + group * len;         // [group][D]: q_cls · scale rounded to T
         for (int j = threadIdx.x; j < len; j += blockDim.x) sc[j] = 0.f;
@@ -693,8 +696,30 @@ __device__ void sequence_scores(float *sc, float *tmp, float *red, const T *__re
             }
             __syncthreads();  // qs, logits and red are rewritten by the next group
         }
-        const float inv_heads = 1.f / (float)heads;
-        for (int j = threadIdx.x; j < len; j += blockDim.x) sc[j] *= inv_heads;
+        if (mode == 2) {
+            const float inv_heads = 1.f / (float)heads;
+            for (int j = threadIdx.x; j < len; j += blockDim.x) sc[j] *= inv_heads;
+        } else {
+            // Times ‖v_j‖, a warp per row (the head loop ended on a barrier).
+            const bool vvec = C % V == 0 && reinterpret_cast<uintptr_t>(qkv) % 16 == 0;
+            for (int j = warp; j < len; j += warps) {
+                const T *row = qb + (size_t)j * stride + 2 * C;
+                float acc = 0.f;
+                if (vvec) {
+                    for (int c0 = lane * V; c0 < C; c0 += 32 * V) {
+                        const uint4 u = *reinterpret_cast<const uint4 *>(row + c0);
+                        const T *e = reinterpret_cast<const T *>(&u);
+#pragma unroll
+                        for (int i = 0; i < V; ++i) acc = fmaf(to_f32(e[i]), to_f32(e[i]), acc);
+                    }
+                } else {
+                    for (int c = lane; c < C; c += 32) acc = fmaf(to_f32(row[c]), to_f32(row[c]), acc);
+                }
+#pragma unroll
+                for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+                if (lane == 0) sc[j] *= __fsqrt_rn(acc);
+            }
+        }
     }
     __syncthreads();
 }
@@ -710,7 +735,8 @@ __device__ void select_top_k(const T *__restrict__ x, const float *__restrict__ 
     __shared__ float red[32];
     const int b = blockIdx.x;
     // The scratch holds the logits of mode 2 until the ranking below.
-    sequence_scores<T>(sc, reinterpret_cast<float *>(scratch), red, x, scores, qkv, len, C, mode, heads, scale);
+    sequence_scores<T>(sc, reinterpret_cast<float *>(scratch), 2 * SELECT_MAX_LEN, red, x, scores, len, qkv,
+                       b * len, len, C, mode, heads, scale);
     const float *s = sc;
     for (int j = threadIdx.x; j < len; j += blockDim.x) key[j] = total_key(s[j]);
     __syncthreads();
@@ -798,3 +824,331 @@ __device__ void select_top_k(const T *__restrict__ x, const float *__restrict__ 
 SELECT_ENTRY(f32, float)
 SELECT_ENTRY(f16, __half)
 SELECT_ENTRY(bf16, __nv_bfloat16)
+
+// ---------------------------------------------------------------------------------------------
+// Rule-based token selection over a ragged batch: token pruning whose counts depend on the
+// scores (adaptive thresholds, attention-mass shares, ATS's inverse-transform sampling).
+//
+// Two kernels with one host read between them. `ragged_select_decide_*` (one block per sequence)
+// computes the sequence's scores (sequence_scores), applies the keep rule and writes a plan; the
+// host reads the new lengths and uploads the new cu_seqlens; `ragged_select_gather_*` copies the
+// kept rows and builds the fused rows. The rules repeat KeepRule::keep (src/keep.rs) operation
+// for operation: the same comparisons, f64 sums in the same order with no contraction into
+// fused multiply-adds, the same roundings, so a device decision equals the host's given the
+// same scores.
+//
+// plan (u32): [0, B) each sequence's new length; [B, 2B) 1 where a fused row ends it;
+// [2B, 2B + total) each input row's slot inside its sequence's output, -1 when dropped;
+// [2B + total, 2B + 2·total) the f32 bits of each dropped row's weight in the fused row.
+// ---------------------------------------------------------------------------------------------
+
+#define RULE_TOP 0
+#define RULE_AT_LEAST 1
+#define RULE_ABOVE 2
+#define RULE_MEAN_TIMES 3
+#define RULE_MASS_SHARE 4
+#define RULE_INVERSE_TRANSFORM 5
+
+namespace rule_detail {
+using namespace select_detail;
+
+// KeepCount::of / samples: count_kind 0 is Exactly(count), 1 is CeilRatio(ratio).
+__device__ __forceinline__ int ceil_count(double ratio, int n) {
+    const double v = ceil(__dmul_rn(ratio, (double)n));
+    if (!(v >= 1.0)) return 1;  // NaN too, as Rust's saturating cast then clamp
+    return v >= (double)max(n, 1) ? max(n, 1) : (int)v;
+}
+
+// First position of ascending a[0, n) that is not below y (Rust's partition_point(|c| c < y)).
+__device__ __forceinline__ int lower_bound(const double *a, int n, double y) {
+    int lo = 0, hi = n;
+    while (lo < hi) {
+        const int mid = (lo + hi) / 2;
+        if (a[mid] < y) lo = mid + 1;
+        else hi = mid;
+    }
+    return lo;
+}
+
+// nearest_first of src/keep.rs: the position of the value nearest to y, the lowest on ties.
+__device__ __forceinline__ int nearest_first(const double *a, int n, double y) {
+    const int above = lower_bound(a, n, y);
+    if (above == 0) return 0;
+    const double below_value = a[above - 1];
+    const int below = lower_bound(a, n, below_value);
+    if (above == n || fabs(__dsub_rn(y, below_value)) <= fabs(__dsub_rn(y, a[above]))) return below;
+    return above;
+}
+
+// Block-wide minimum of a double (every thread gets it). dred: 32 doubles of shared memory.
+__device__ __forceinline__ double block_min(double v, double *dred) {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmin(v, __shfl_xor_sync(0xffffffffu, v, o));
+    if (lane == 0) dred[warp] = v;
+    __syncthreads();
+    double m = dred[0];
+    for (int w = 1; w < warps; ++w) m = fmin(m, dred[w]);
+    __syncthreads();  // dred is reused
+    return m;
+}
+
+// ATS's inverse-transform sampling over the n = len - prefix patches (inverse_transform_sample
+// of src/keep.rs): sets flag[j] for every kept position j. a, c: n doubles each of scratch;
+// order: n ints.
+__device__ void inverse_transform(const float *sc, int prefix, int n, int samples, double *a, double *c, int *order,
+                                  int *flag, double *dred, double *dshared) {
+    if (n <= 1) {
+        for (int i = threadIdx.x; i < n; i += blockDim.x) flag[prefix + i] = 1;
+        return;
+    }
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        const double s = (double)sc[prefix + i];  // NaN stays NaN and fails both tests below
+        a[i] = (isfinite(s) && s > 0.0) ? s : 0.0;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        double total = -0.0;  // Rust's f64 sum starts at -0.0
+        for (int i = 0; i < n; ++i) total = __dadd_rn(total, a[i]);
+        dshared[0] = total;
+    }
+    __syncthreads();
+    const double total = dshared[0];
+    for (int i = threadIdx.x; i < n; i += blockDim.x)
+        a[i] = total > 0.0 ? __ddiv_rn(a[i], total) : __ddiv_rn(1.0, (double)n);
+    __syncthreads();
+    // Ascending (weight, position): every weight is a finite non-negative double.
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        const double ai = a[i];
+        int rank = 0;
+        for (int l = 0; l < n; ++l) rank += (a[l] < ai) || (a[l] == ai && l < i);
+        order[rank] = i;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        double acc = 0.0;
+        for (int r = 0; r < n; ++r) {
+            acc = __dadd_rn(acc, a[order[r]]);
+            c[r] = acc;
+        }
+    }
+    __syncthreads();
+    const double lo = c[0], hi = c[n - 1];
+    const double range = __dsub_rn(hi, lo);
+    if (!(range > 0.0)) {
+        if (threadIdx.x == 0) flag[prefix + order[n - 1]] = 1;
+        return;
+    }
+    __syncthreads();  // every thread has read c[0] and c[n - 1] before they are normalised
+    double smallest = INFINITY;
+    for (int r = threadIdx.x; r < n; r += blockDim.x) {
+        const double v = __ddiv_rn(__dsub_rn(c[r], lo), range);
+        c[r] = v;
+        if (v > 0.0) smallest = fmin(smallest, v);
+    }
+    double y0 = block_min(smallest, dred);  // its barrier also publishes the normalised c
+    if (!isfinite(y0)) y0 = 1.0;
+    for (int i = threadIdx.x; i < samples; i += blockDim.x) {
+        const double y = samples == 1
+                             ? 1.0
+                             : __dadd_rn(y0, __ddiv_rn(__dmul_rn((double)i, __dsub_rn(1.0, y0)), (double)(samples - 1)));
+        // Several points may pick one token: an atomic store, so the writes do not race.
+        atomicExch(&flag[prefix + order[nearest_first(c, n, y)]], 1);
+    }
+}
+
+// One block per sequence. Dynamic shared memory: tmp_floats floats of scratch (at least 4·len:
+// the score computation's logits, then two f64 arrays for inverse_transform), then sc, key,
+// order and flag, len entries each.
+template <typename T>
+__device__ void select_decide(const T *__restrict__ x, const float *__restrict__ scores, int score_stride,
+                              const T *__restrict__ qkv, const uint32_t *__restrict__ cu, uint32_t *__restrict__ plan,
+                              int batch, int total, int C, int prefix, int mode, int heads, float scale, int rule,
+                              int count_kind, int count, double param, int fuse, int tmp_floats) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    __shared__ float red[32];
+    __shared__ double dred[32];
+    __shared__ double dshared[1];
+    __shared__ int ishared[2];
+    const int b = blockIdx.x;
+    const int start = (int)cu[b], len = (int)cu[b + 1] - start;
+    const int n = len - prefix;  // >= 1, checked on the host
+    float *tmp = reinterpret_cast<float *>(smem);
+    float *sc = tmp + tmp_floats;
+    int *key = reinterpret_cast<int *>(sc + len);
+    int *order = key + len;
+    int *flag = order + len;
+
+    sequence_scores<T>(sc, tmp, tmp_floats, red, x, scores, score_stride, qkv, start, len, C, mode, heads, scale);
+    for (int j = threadIdx.x; j < len; j += blockDim.x) {
+        key[j] = total_key(sc[j]);
+        flag[j] = 0;
+    }
+    if (threadIdx.x == 0) ishared[1] = 0;
+    __syncthreads();
+    // order[r]: the patch position ranked r-th best (descending score, ties to the lower position).
+    for (int j = prefix + threadIdx.x; j < len; j += blockDim.x) {
+        const int kj = key[j];
+        int rank = 0;
+        for (int i = prefix; i < len; ++i) {
+            const int ki = key[i];
+            rank += (ki > kj) || (ki == kj && i < j);
+        }
+        order[rank] = j;
+    }
+    __syncthreads();
+    int k = -1;  // best-first tokens kept (count rules); -1: the rule set the flags itself
+    if (rule == RULE_TOP) {
+        k = count_kind == 0 ? min(max(count, 1), n) : ceil_count(param, n);
+    } else if (rule == RULE_AT_LEAST || rule == RULE_ABOVE || rule == RULE_MEAN_TIMES) {
+        float t = (float)param;
+        if (rule == RULE_MEAN_TIMES) {
+            if (threadIdx.x == 0) {
+                double sum = -0.0;
+                for (int j = prefix; j < len; ++j) sum = __dadd_rn(sum, (double)sc[j]);
+                red[0] = __double2float_rn(__dmul_rn(param, __ddiv_rn(sum, (double)n)));
+            }
+            __syncthreads();
+            t = red[0];
+        }
+        int any = 0;
+        for (int j = prefix + threadIdx.x; j < len; j += blockDim.x) {
+            const int pass = rule == RULE_ABOVE ? sc[j] > t : sc[j] >= t;
+            flag[j] = pass;
+            any |= pass;
+        }
+        // Nothing passes: the best one.
+        if (!__syncthreads_or(any) && threadIdx.x == 0) flag[order[0]] = 1;
+    } else if (rule == RULE_MASS_SHARE) {
+        if (threadIdx.x == 0) {
+            double whole = -0.0;
+            for (int r = 0; r < n; ++r) whole = __dadd_rn(whole, (double)weight(sc[order[r]]));
+            const double target = __dmul_rn(param, whole);
+            double acc = 0.0;
+            int kk = n;
+            for (int r = 0; r < n; ++r) {
+                acc = __dadd_rn(acc, (double)weight(sc[order[r]]));
+                if (acc >= target) {
+                    kk = r + 1;
+                    break;
+                }
+            }
+            ishared[0] = max(kk, 1);
+        }
+        __syncthreads();
+        k = ishared[0];
+    } else {
+        const int samples = count_kind == 0 ? max(count, 1) : ceil_count(param, n);
+        double *a = reinterpret_cast<double *>(tmp);
+        inverse_transform(sc, prefix, n, samples, a, a + len, order, flag, dred, dshared);
+    }
+    for (int r = threadIdx.x; r < k; r += blockDim.x) flag[order[r]] = 1;
+    __syncthreads();
+    // Slots (kept rows in ascending position after the prefix) and the kept count.
+    int kept_here = 0;
+    for (int j = threadIdx.x; j < len; j += blockDim.x) {
+        int slot;
+        if (j < prefix) {
+            slot = j;
+        } else if (flag[j]) {
+            slot = prefix;
+            for (int i = prefix; i < j; ++i) slot += flag[i];
+            ++kept_here;
+        } else {
+            slot = -1;
+        }
+        plan[2 * batch + start + j] = (uint32_t)slot;
+    }
+    atomicAdd(&ishared[1], kept_here);
+    __syncthreads();
+    const int kept = ishared[1];
+    const int fused = fuse != 0 && kept < n;
+    float *w_out = reinterpret_cast<float *>(plan + 2 * batch + total) + start;
+    if (threadIdx.x == 0) {
+        plan[b] = (uint32_t)(prefix + kept + fused);
+        plan[batch + b] = (uint32_t)fused;
+        // The dropped rows' weights, f64 in position order (the EViT pruner's host rule).
+        double whole = -0.0;
+        if (fused)
+            for (int j = prefix; j < len; ++j)
+                if (!flag[j]) whole = __dadd_rn(whole, (double)weight(sc[j]));
+        dshared[0] = whole;
+    }
+    __syncthreads();
+    const double whole = dshared[0];
+    const int dropped = n - kept;
+    for (int j = threadIdx.x; j < len; j += blockDim.x) {
+        float v = 0.f;
+        if (fused && j >= prefix && !flag[j]) {
+            const double wj = (double)weight(sc[j]);
+            if (fuse == 2) v = (float)wj;
+            else if (whole > 0.0) v = __double2float_rn(__ddiv_rn(wj, whole));
+            else v = __double2float_rn(__ddiv_rn(1.0, (double)dropped));
+        }
+        w_out[j] = v;
+    }
+}
+
+// Copies kept rows to their slots and builds the fused rows. Blocks [0, row_blocks): a warp per
+// input row (its sequence found by binary search in cu); blocks [row_blocks, row_blocks + B): the
+// fused row of sequence b (when the plan says so), Σ w_j x_j over its rows in position order.
+template <typename T>
+__device__ void select_gather(const T *__restrict__ x, const uint32_t *__restrict__ plan, const uint32_t *__restrict__ cu,
+                              const uint32_t *__restrict__ new_cu, T *__restrict__ out, int batch, int total, int C,
+                              int row_blocks) {
+    const int *slot = reinterpret_cast<const int *>(plan + 2 * batch);
+    const float *w = reinterpret_cast<const float *>(plan + 2 * batch + total);
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+    if ((int)blockIdx.x < row_blocks) {
+        const int row = blockIdx.x * warps + warp;
+        if (row >= total) return;
+        const int s = slot[row];
+        if (s < 0) return;
+        int lo = 0, hi = batch;  // the last b with cu[b] <= row
+        while (hi - lo > 1) {
+            const int mid = (lo + hi) / 2;
+            if ((int)cu[mid] <= row) lo = mid;
+            else hi = mid;
+        }
+        const T *src = x + (size_t)row * C;
+        T *dst = out + ((size_t)new_cu[lo] + s) * C;
+        const bool vec = ((C * sizeof(T)) % 16 == 0) && ((reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(out)) % 16 == 0);
+        if (vec) {
+            const int nv = C * sizeof(T) / 16;
+            for (int c = lane; c < nv; c += 32)
+                reinterpret_cast<uint4 *>(dst)[c] = reinterpret_cast<const uint4 *>(src)[c];
+        } else {
+            for (int c = lane; c < C; c += 32) dst[c] = src[c];
+        }
+        return;
+    }
+    const int b = blockIdx.x - row_blocks;
+    if (!plan[batch + b]) return;
+    const int start = (int)cu[b], end = (int)cu[b + 1];
+    T *dst = out + ((size_t)new_cu[b + 1] - 1) * C;
+    for (int c = threadIdx.x; c < C; c += blockDim.x) {
+        float acc = 0.f;
+        for (int j = start; j < end; ++j)
+            if (slot[j] < 0) acc = fmaf(w[j], to_f32(x[(size_t)j * C + c]), acc);
+        dst[c] = from_f32<T>(acc);
+    }
+}
+
+}  // namespace rule_detail
+
+#define RULE_ENTRIES(SUFFIX, T)                                                                                    \
+    extern "C" __global__ void ragged_select_decide_##SUFFIX(                                                      \
+        const T *x, const float *scores, int score_stride, const T *qkv, const uint32_t *cu, uint32_t *plan,      \
+        int batch, int total, int C, int prefix, int mode, int heads, float scale, int rule, int count_kind,      \
+        int count, double param, int fuse, int tmp_floats) {                                                       \
+        rule_detail::select_decide<T>(x, scores, score_stride, qkv, cu, plan, batch, total, C, prefix, mode,      \
+                                      heads, scale, rule, count_kind, count, param, fuse, tmp_floats);             \
+    }                                                                                                              \
+    extern "C" __global__ void ragged_select_gather_##SUFFIX(const T *x, const uint32_t *plan, const uint32_t *cu, \
+                                                             const uint32_t *new_cu, T *out, int batch, int total, \
+                                                             int C, int row_blocks) {                              \
+        rule_detail::select_gather<T>(x, plan, cu, new_cu, out, batch, total, C, row_blocks);                      \
+    }
+RULE_ENTRIES(f32, float)
+RULE_ENTRIES(f16, __half)
+RULE_ENTRIES(bf16, __nv_bfloat16)

@@ -76,6 +76,20 @@ const SELECT_NAMES: [&str; 3] = [
     "ragged_select_top_k_f16",
     "ragged_select_top_k_bf16",
 ];
+const DECIDE_NAMES: [&str; 3] = [
+    "ragged_select_decide_f32",
+    "ragged_select_decide_f16",
+    "ragged_select_decide_bf16",
+];
+const GATHER_NAMES: [&str; 3] = [
+    "ragged_select_gather_f32",
+    "ragged_select_gather_f16",
+    "ragged_select_gather_bf16",
+];
+/// Floats of score-computation scratch a decide block may get beyond 4 per token (the logits of
+/// a group of heads); with MAX_SEQ_LEN tokens the block then needs DECIDE_MAX_SMEM bytes.
+const DECIDE_LOGIT_FLOATS: usize = 16384;
+const DECIDE_MAX_SMEM: usize = 4 * DECIDE_LOGIT_FLOATS + 16 * crate::MAX_SEQ_LEN;
 
 struct Kernels {
     attn: Vec<Vec<CudaFunction>>,
@@ -86,6 +100,8 @@ struct Kernels {
     /// `CANDLE_RAGGED_ATTENTION=tiled` turns the resident kernel off (for A/B measurements).
     resident_enabled: bool,
     select: Vec<CudaFunction>,
+    decide: Vec<CudaFunction>,
+    gather: Vec<CudaFunction>,
     pack: Vec<CudaFunction>,
     unpack: Vec<CudaFunction>,
 }
@@ -121,6 +137,17 @@ fn kernels(dev: &CudaDevice) -> Result<Arc<Kernels>> {
         .w()?
         .max(1) as usize;
     let resident_enabled = std::env::var("CANDLE_RAGGED_ATTENTION").as_deref() != Ok("tiled");
+    let decide: Vec<CudaFunction> = DECIDE_NAMES
+        .iter()
+        .map(|n| load(n))
+        .collect::<Result<_>>()?;
+    for f in &decide {
+        f.set_attribute(
+            sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            DECIDE_MAX_SMEM as i32,
+        )
+        .w()?;
+    }
     let k = Arc::new(Kernels {
         attn: ATTN_NAMES
             .iter()
@@ -130,6 +157,11 @@ fn kernels(dev: &CudaDevice) -> Result<Arc<Kernels>> {
         sm_count,
         resident_enabled,
         select: SELECT_NAMES
+            .iter()
+            .map(|n| load(n))
+            .collect::<Result<_>>()?,
+        decide,
+        gather: GATHER_NAMES
             .iter()
             .map(|n| load(n))
             .collect::<Result<_>>()?,
@@ -443,14 +475,14 @@ pub(crate) fn select_top_k(
     (x, lx): (&CudaStorage, &Layout),
     (s, ls): (&CudaStorage, &Layout),
 ) -> Result<(CudaStorage, Shape)> {
-    use crate::select::ScoreSource;
+    use crate::scores::ScoreSource;
     let dev = &x.device;
     let (rows, c) = lx.shape().dims2()?;
     let b = rows / op.len;
     let aux_elems = match op.source {
         ScoreSource::Given => b * op.len,
         ScoreSource::RowL2Norm => rows * c,
-        ScoreSource::ClsAttention { .. } => rows * 3 * c,
+        ScoreSource::ClsAttention { .. } | ScoreSource::Significance { .. } => rows * 3 * c,
     };
     if !lx.is_contiguous() || !ls.is_contiguous() || ls.shape().elem_count() != aux_elems {
         candle_core::bail!(
@@ -463,11 +495,7 @@ pub(crate) fn select_top_k(
     let k = kernels(dev)?;
     let out_rows = b * op.out_len();
     let (len, cc, prefix, keep) = (op.len as i32, c as i32, op.prefix as i32, op.keep as i32);
-    let (mode, heads, scale): (i32, i32, f32) = match op.source {
-        ScoreSource::Given => (0, 1, 1.0),
-        ScoreSource::RowL2Norm => (1, 1, 1.0),
-        ScoreSource::ClsAttention { heads, scale } => (2, heads as i32, scale),
-    };
+    let (mode, heads, scale) = op.source.kernel_args();
     // The kernel reads only the pointer its mode needs; the others get a null pointer.
     let null: u64 = 0;
     let scores = match op.source {
@@ -491,11 +519,10 @@ pub(crate) fn select_top_k(
     macro_rules! run {
         ($t:ty, $i:expr) => {{
             let xs = x.as_cuda_slice::<$t>()?.slice(lx.start_offset()..);
-            let qkv = match op.source {
-                ScoreSource::ClsAttention { .. } => {
-                    Some(s.as_cuda_slice::<$t>()?.slice(ls.start_offset()..))
-                }
-                _ => None,
+            let qkv = if op.source.reads_qkv() {
+                Some(s.as_cuda_slice::<$t>()?.slice(ls.start_offset()..))
+            } else {
+                None
             };
             // SAFETY: the kernel writes every one of the `out_rows · c` elements.
             let out = unsafe { dev.alloc::<$t>(out_rows * c)? };
@@ -530,6 +557,211 @@ pub(crate) fn select_top_k(
         dtype => {
             return Err(RaggedError::UnsupportedDType {
                 op: "select_top_k",
+                dtype,
+            }
+            .into())
+        }
+    };
+    Ok((out, Shape::from((out_rows, c))))
+}
+
+/// The leading `n` u32 of a CUDA tensor, copied to the host (and nothing else of it).
+pub(crate) fn read_u32_prefix(t: &candle_core::Tensor, n: usize) -> Result<Vec<u32>> {
+    let (storage, layout) = t.storage_and_layout();
+    let Storage::Cuda(cs) = &*storage else {
+        candle_core::bail!("candle-ragged: expected a CUDA tensor");
+    };
+    let view = cs
+        .as_cuda_slice::<u32>()?
+        .slice(layout.start_offset()..layout.start_offset() + n);
+    cs.device.cuda_stream().clone_dtoh(&view).w()
+}
+
+/// [`crate::select_by_rule`]'s first kernel on CUDA: one block of 256 threads per sequence.
+pub(crate) fn select_decide(
+    op: &crate::select_rule::Decide,
+    (x, lx): (&CudaStorage, &Layout),
+    (s, ls): (&CudaStorage, &Layout),
+) -> Result<(CudaStorage, Shape)> {
+    use crate::keep::{KeepCount, KeepRule};
+    use crate::select_rule::plan_len;
+    let dev = &x.device;
+    let (rows, c) = lx.shape().dims2()?;
+    let batch = &op.batch;
+    let (b, max_len) = (batch.batch_size(), batch.max_len());
+    if !lx.is_contiguous() || !ls.is_contiguous() || rows != batch.total_tokens() {
+        candle_core::bail!("select_by_rule: x and its scores / qkv must be contiguous");
+    }
+    if max_len > crate::MAX_SEQ_LEN {
+        candle_core::bail!(
+            "select_by_rule: sequences longer than {}",
+            crate::MAX_SEQ_LEN
+        );
+    }
+    let (mode, heads, scale) = op.source.kernel_args();
+    // Scratch: the logits of a group of heads (and their queries), and at least 4 floats per
+    // token (two f64 arrays for the inverse-transform rule); a multiple of 4 keeps them aligned.
+    let head_dim = c / heads.max(1) as usize;
+    let logits = if op.source.reads_qkv() {
+        (heads.clamp(1, 16) as usize * (max_len + head_dim)).min(DECIDE_LOGIT_FLOATS)
+    } else {
+        0
+    };
+    let tmp_floats = (4 * max_len)
+        .max(max_len + head_dim)
+        .max(logits)
+        .next_multiple_of(4);
+    let smem = 4 * tmp_floats + 16 * max_len;
+    let (rule, count_kind, count, param): (i32, i32, i32, f64) = {
+        let count = |c: KeepCount| match c {
+            KeepCount::Exactly(k) => (0, k.min(i32::MAX as usize) as i32, 0.0),
+            KeepCount::CeilRatio(r) => (1, 0, r),
+        };
+        match op.rule {
+            KeepRule::Top(c) => {
+                let (kind, k, r) = count(c);
+                (0, kind, k, r)
+            }
+            KeepRule::AtLeast(t) => (1, 0, 0, t as f64),
+            KeepRule::Above(t) => (2, 0, 0, t as f64),
+            KeepRule::AtLeastMeanTimes(f) => (3, 0, 0, f as f64),
+            KeepRule::MassShare(share) => (4, 0, 0, share),
+            KeepRule::InverseTransform { samples } => {
+                let (kind, k, r) = count(samples);
+                (5, kind, k, r)
+            }
+        }
+    };
+    let fuse: i32 = match op.fusion {
+        None => 0,
+        Some(crate::DroppedFusion::WeightedMean) => 1,
+        Some(crate::DroppedFusion::WeightedSum) => 2,
+    };
+    let k = kernels(dev)?;
+    let (cu_storage, cu_off) = u32_storage(batch.cu_seqlens());
+    let cu = cuda_u32(&cu_storage)?.slice(cu_off..);
+    let null: u64 = 0;
+    let scores = match op.source {
+        crate::scores::ScoreSource::Given => {
+            Some(s.as_cuda_slice::<f32>()?.slice(ls.start_offset()..))
+        }
+        _ => None,
+    };
+    let (b_i, total_i, c_i, prefix_i, stride_i, tmp_i) = (
+        b as i32,
+        rows as i32,
+        c as i32,
+        op.prefix as i32,
+        op.score_stride as i32,
+        tmp_floats as i32,
+    );
+    let cfg = LaunchConfig {
+        grid_dim: (b as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: smem as u32,
+    };
+    // SAFETY: the kernel writes every entry of the plan (see plan_len).
+    let plan = unsafe { dev.alloc::<u32>(plan_len(b, rows))? };
+    let stream = dev.cuda_stream();
+    macro_rules! run {
+        ($t:ty, $i:expr) => {{
+            let xs = x.as_cuda_slice::<$t>()?.slice(lx.start_offset()..);
+            let qkv = if op.source.reads_qkv() {
+                Some(s.as_cuda_slice::<$t>()?.slice(ls.start_offset()..))
+            } else {
+                None
+            };
+            let mut builder = stream.launch_builder(&k.decide[$i]);
+            builder.arg(&xs);
+            match &scores {
+                Some(sv) => builder.arg(sv),
+                None => builder.arg(&null),
+            };
+            builder.arg(&stride_i);
+            match &qkv {
+                Some(qv) => builder.arg(qv),
+                None => builder.arg(&null),
+            };
+            builder.arg(&cu).arg(&plan);
+            builder.arg(&b_i).arg(&total_i).arg(&c_i).arg(&prefix_i);
+            builder.arg(&mode).arg(&heads).arg(&scale);
+            builder.arg(&rule).arg(&count_kind).arg(&count).arg(&param);
+            builder.arg(&fuse).arg(&tmp_i);
+            // SAFETY: arguments match ragged_select_decide_* in kernels/ragged_attention.cu;
+            // sizes checked above and by select_by_rule.
+            unsafe { builder.launch(cfg) }.w()?;
+        }};
+    }
+    match x.dtype() {
+        DType::F32 => run!(f32, 0),
+        DType::F16 => run!(half::f16, 1),
+        DType::BF16 => run!(half::bf16, 2),
+        dtype => {
+            return Err(RaggedError::UnsupportedDType {
+                op: "select_by_rule",
+                dtype,
+            }
+            .into())
+        }
+    };
+    let n = plan_len(b, rows);
+    Ok((
+        CudaStorage::wrap_cuda_slice(plan, dev.clone()),
+        Shape::from(n),
+    ))
+}
+
+/// [`crate::select_by_rule`]'s second kernel on CUDA: a warp per input row, then a block per
+/// sequence for its fused row.
+pub(crate) fn select_gather(
+    op: &crate::select_rule::Gather,
+    (x, lx): (&CudaStorage, &Layout),
+    (p, lp): (&CudaStorage, &Layout),
+) -> Result<(CudaStorage, Shape)> {
+    let dev = &x.device;
+    let (rows, c) = lx.shape().dims2()?;
+    let b = op.batch.batch_size();
+    let out_rows = op.new_batch.total_tokens();
+    if !lx.is_contiguous()
+        || rows != op.batch.total_tokens()
+        || lp.shape().elem_count() != crate::select_rule::plan_len(b, rows)
+    {
+        candle_core::bail!("select_by_rule: x and the plan do not match the batch");
+    }
+    let k = kernels(dev)?;
+    let (cu_storage, cu_off) = u32_storage(op.batch.cu_seqlens());
+    let cu = cuda_u32(&cu_storage)?.slice(cu_off..);
+    let (new_storage, new_off) = u32_storage(op.new_batch.cu_seqlens());
+    let new_cu = cuda_u32(&new_storage)?.slice(new_off..);
+    let plan = p.as_cuda_slice::<u32>()?.slice(lp.start_offset()..);
+    let row_blocks = rows.div_ceil(8);
+    let (b_i, total_i, c_i, row_blocks_i) = (b as i32, rows as i32, c as i32, row_blocks as i32);
+    let cfg = LaunchConfig {
+        grid_dim: ((row_blocks + b) as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let stream = dev.cuda_stream();
+    macro_rules! run {
+        ($t:ty, $i:expr) => {{
+            let xs = x.as_cuda_slice::<$t>()?.slice(lx.start_offset()..);
+            // SAFETY: every output row is a kept row's slot or a fused row (see the kernel).
+            let out = unsafe { dev.alloc::<$t>(out_rows * c)? };
+            let mut builder = stream.launch_builder(&k.gather[$i]);
+            builder.arg(&xs).arg(&plan).arg(&cu).arg(&new_cu).arg(&out);
+            builder.arg(&b_i).arg(&total_i).arg(&c_i).arg(&row_blocks_i);
+            // SAFETY: arguments match ragged_select_gather_* in kernels/ragged_attention.cu.
+            unsafe { builder.launch(cfg) }.w()?;
+            CudaStorage::wrap_cuda_slice(out, dev.clone())
+        }};
+    }
+    let out = match x.dtype() {
+        DType::F32 => run!(f32, 0),
+        DType::F16 => run!(half::f16, 1),
+        DType::BF16 => run!(half::bf16, 2),
+        dtype => {
+            return Err(RaggedError::UnsupportedDType {
+                op: "select_by_rule",
                 dtype,
             }
             .into())

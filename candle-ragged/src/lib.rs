@@ -38,11 +38,17 @@ mod cpu;
 #[cfg(feature = "cuda")]
 mod cuda;
 mod error;
+pub mod keep;
 mod pack;
+mod scores;
 mod select;
+mod select_rule;
 
 pub use attention::{ragged_attention, RaggedAttention, SUPPORTED_HEAD_DIMS};
 pub use batch::{RaggedBatch, MAX_SEQ_LEN};
 pub use error::{RaggedError, Result};
+pub use keep::{KeepCount, KeepRule};
 pub use pack::{pack, unpack, Pack, Unpack};
-pub use select::{select_top_k, select_top_k_by, DroppedFusion, TokenScores};
+pub use scores::TokenScores;
+pub use select::{select_top_k, select_top_k_by, DroppedFusion};
+pub use select_rule::select_by_rule;

@@ -7,6 +7,7 @@ use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Tensor};
 
 use crate::batch::MAX_SEQ_LEN;
 use crate::error::{RaggedError, Result};
+use crate::scores::{score_source, sequence_scores, ScoreSource, TokenScores};
 
 const OP: &str = "select_top_k";
 
@@ -18,25 +19,6 @@ pub enum DroppedFusion {
     WeightedMean,
     /// `Σ w_j x_j` over the dropped tokens.
     WeightedSum,
-}
-
-/// Where [`select_top_k_by`] takes each token's score from.
-#[derive(Debug, Clone, Copy)]
-pub enum TokenScores<'a> {
-    /// `[B, len]` f32.
-    Given(&'a Tensor),
-    /// The L2 norm of each row of `x`, summed in f32 (Threshold-L2's score).
-    RowL2Norm,
-    /// The class token's attention averaged over heads (EViT's score), from the fused
-    /// projection `qkv` `[B·len, 3·C]` (q, k, v blocks of `C = heads · head_dim` columns, `C` the
-    /// width of `x`, the class token first in each sequence): per head
-    /// `softmax_j(r(r(q_cls · scale) · k_j))`, `r` rounding to the dtype of `qkv` as that
-    /// dtype's matmul would, softmax in f32, then the mean over heads.
-    ClsAttention {
-        qkv: &'a Tensor,
-        heads: usize,
-        scale: f32,
-    },
 }
 
 /// Per sequence of `len = x.dim(0) / B` tokens: rows `0..prefix`, then the `keep` rows of
@@ -121,55 +103,7 @@ pub fn select_top_k_by(
             dtype: x.dtype(),
         });
     }
-    let (source, aux) = match scores {
-        TokenScores::Given(s) => {
-            if s.dtype() != DType::F32 {
-                return Err(msg(format!("scores must be f32, got {:?}", s.dtype())));
-            }
-            (ScoreSource::Given, Some(s))
-        }
-        TokenScores::RowL2Norm => (ScoreSource::RowL2Norm, None),
-        TokenScores::ClsAttention { qkv, heads, scale } => {
-            if qkv.dims() != [rows, 3 * c] {
-                return Err(RaggedError::ShapeMismatch {
-                    op: OP,
-                    what: "qkv",
-                    expected: Shape::from((rows, 3 * c)),
-                    found: qkv.shape().clone(),
-                });
-            }
-            if qkv.dtype() != x.dtype() {
-                return Err(msg(format!(
-                    "qkv is {:?} but x is {:?}",
-                    qkv.dtype(),
-                    x.dtype()
-                )));
-            }
-            if heads == 0 || c % heads != 0 {
-                return Err(msg(format!("{heads} heads do not divide {c} channels")));
-            }
-            // The CUDA kernel keeps one head's query (and its logits) in shared memory.
-            if c / heads > MAX_SEQ_LEN {
-                return Err(msg(format!(
-                    "head_dim {} is over the supported {MAX_SEQ_LEN}",
-                    c / heads
-                )));
-            }
-            if !scale.is_finite() {
-                return Err(msg(format!("softmax scale must be finite, got {scale}")));
-            }
-            (ScoreSource::ClsAttention { heads, scale }, Some(qkv))
-        }
-    };
-    if let Some(a) = aux {
-        if !a.device().same_device(x.device()) {
-            return Err(msg(format!(
-                "scores are on {:?} but x is on {:?}",
-                a.device().location(),
-                x.device().location()
-            )));
-        }
-    }
+    let (source, aux) = score_source(OP, scores, x, rows, c)?;
     if len > MAX_SEQ_LEN {
         return Err(RaggedError::SequenceTooLong {
             op: OP,
@@ -204,14 +138,6 @@ pub fn select_top_k_by(
 
 fn msg(m: String) -> RaggedError {
     RaggedError::Candle(candle_core::Error::Msg(format!("{OP}: {m}")))
-}
-
-/// How the op gets its scores; the second operand is the scores, `qkv`, or unused.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub(crate) enum ScoreSource {
-    Given,
-    RowL2Norm,
-    ClsAttention { heads: usize, scale: f32 },
 }
 
 /// The op behind [`select_top_k`] (arguments checked there).
@@ -271,44 +197,21 @@ impl SelectTopK {
         given: Option<&[f32]>,
         c: usize,
     ) -> candle_core::Result<Vec<f32>> {
-        let f = |v: T| v.to_f64() as f32;
-        // Rounding to T, as a T matmul's output or a T product is rounded.
-        let r = |v: f32| T::from_f64(v as f64).to_f64() as f32;
-        Ok(match self.source {
-            ScoreSource::Given => given
-                .ok_or_else(|| candle_core::Error::Msg(format!("{OP}: scores must be f32")))?
-                .to_vec(),
-            ScoreSource::RowL2Norm => x
-                .chunks(c)
-                .map(|row| row.iter().map(|&v| f(v) * f(v)).sum::<f32>().sqrt())
-                .collect(),
-            ScoreSource::ClsAttention { heads, scale } => {
-                let qkv = aux.ok_or_else(|| candle_core::Error::Msg(format!("{OP}: no qkv")))?;
-                let d = c / heads;
-                let b_count = x.len() / c / self.len;
-                let mut out = vec![0f32; b_count * self.len];
-                let mut logits = vec![0f32; self.len];
-                for b in 0..b_count {
-                    let seq = &qkv[b * self.len * 3 * c..(b + 1) * self.len * 3 * c];
-                    let sc = &mut out[b * self.len..(b + 1) * self.len];
-                    for h in 0..heads {
-                        let q: Vec<f32> = (0..d).map(|i| r(f(seq[h * d + i]) * scale)).collect();
-                        for (j, l) in logits.iter_mut().enumerate() {
-                            let k = &seq[j * 3 * c + c + h * d..j * 3 * c + c + (h + 1) * d];
-                            *l = r(q.iter().zip(k).map(|(&a, &b)| a * f(b)).sum());
-                        }
-                        let m = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                        let sum: f32 = logits.iter().map(|&l| (l - m).exp()).sum();
-                        for (s, &l) in sc.iter_mut().zip(&logits) {
-                            *s += (l - m).exp() / sum;
-                        }
-                    }
-                    let inv = 1.0 / heads as f32;
-                    sc.iter_mut().for_each(|s| *s *= inv);
-                }
-                out
-            }
-        })
+        let b_count = x.len() / c / self.len;
+        let mut out = Vec::with_capacity(b_count * self.len);
+        for b in 0..b_count {
+            let given = given.map(|g| &g[b * self.len..]);
+            out.extend(sequence_scores(
+                self.source,
+                x,
+                aux,
+                given,
+                c,
+                b * self.len,
+                self.len,
+            )?);
+        }
+        Ok(out)
     }
 
     fn cpu<T: candle_core::WithDType>(&self, x: &[T], scores: &[f32], c: usize) -> Vec<T> {

@@ -68,6 +68,9 @@ pub enum ModelError {
     Prune(#[from] pruners::PruneError),
 
     #[error(transparent)]
+    Ragged(#[from] candle_ragged::RaggedError),
+
+    #[error(transparent)]
     Candle(#[from] candle_core::Error),
 }
 

@@ -1,146 +1,203 @@
 //! The packed (ragged) pruned forward with every keep decision made on the device.
 //!
-//! [`DeiT::forward_pruned`] decides on the host: one read-back per pruning step, which drains
-//! the GPU queue and leaves it idle while the host decides and launches again, and which no CUDA
-//! graph can contain. For the fixed-ratio pruners ([`pruners::TokenPruner::fixed_count`]) the
-//! counts are known before any score exists, so nothing needs the host: the top-k, the gather of
-//! kept rows and EViT's fused token are one [`candle_ragged::select_top_k_by`] kernel, which also
-//! computes the scores when they follow a [`pruners::ScoreRecipe`] (Threshold-L2's norms, EViT's
-//! class attention; DynamicViT's predictor still runs as tensor ops). Every shape is known on the
-//! host, and the whole call can be captured once and replayed
-//! ([`candle_fastpath::CapturedForward`]).
+//! [`DeiT::forward_pruned`] decides on the host: each step reads the `[B, L]` scores back, decides
+//! image by image on the CPU and uploads the gather rows, with the GPU idle meanwhile. Here the
+//! decision is a kernel, a pruner's [`pruners::TokenPruner::keep_rule`] applied to its scores on
+//! the device, which computes the scores itself when they follow a [`pruners::ScoreRecipe`]
+//! (Threshold-L2's norms, EViT's class attention, ATS's significance; DynamicViT's predictor runs
+//! as tensor ops first):
 //!
-//! Every image keeps the same number of tokens here, so the packed `[B·L, C]` tokens are also
-//! the image-shaped `[B, L, C]` ones (a free reshape): no unpack, no padding mask.
+//! - **Fixed counts** (every pruner has [`pruners::TokenPruner::fixed_count`]: the fixed-ratio
+//!   Threshold-L2, DynamicViT and EViT): the top-k, the gather and EViT's fused token are one
+//!   [`candle_ragged::select_top_k_by`] kernel per step, and every image keeps the same number of
+//!   tokens, so the packed `[B·L, C]` tokens are also the image-shaped `[B, L, C]` ones. Every
+//!   shape is known on the host: **no host sync**, and the whole call can be captured once and
+//!   replayed ([`candle_fastpath::CapturedForward`]).
+//! - **Counts from the scores** (adaptive modes, ATS): each step is a
+//!   [`candle_ragged::select_by_rule`]: two kernels and **one host read of B u32** (the new
+//!   lengths, to allocate the new packed tensor). Not capturable.
 //!
-//! Same decisions as the host path, ties and NaN scores included (both use f32's total order,
-//! NaN lowest, ties to the lower position), given bit-identical scores.
+//! Same decisions as the host path, ties and NaN scores included, given bit-identical scores
+//! (the rules are one definition, [`candle_ragged::KeepRule`]).
 
 use candle_core::{DType, Module, Tensor};
-use candle_ragged::{select_top_k_by, DroppedFusion, RaggedBatch, TokenScores};
+use candle_ragged::{
+    select_by_rule, select_top_k_by, unpack, DroppedFusion, RaggedBatch, TokenScores,
+};
 use pruners::{EvitFusion, FixedCount, PruneInput, PruneSite, ScoreRecipe};
 
 use crate::attention::{cls_attention, AttentionInputs};
 use crate::deit::DeiT;
 use crate::error::ModelError;
-use crate::pruned::BlockPruner;
+use crate::pruned::{packed_prefix, BlockPruner};
 
-/// One fixed-count pruning step on packed tokens `x` `[B·len, C]` of `b` images, scored by
-/// `scores`: the new packed tokens `[B·len', C]` (prefix, kept patches in ascending position,
-/// then EViT's fused token) and `len'`, as one [`candle_ragged::select_top_k_by`] (one kernel on
-/// CUDA, scores included when they are computed inside it).
-fn apply_fixed(
-    x: &Tensor,
-    b: usize,
-    scores: TokenScores<'_>,
-    num_prefix: usize,
-    count: FixedCount,
-) -> candle_core::Result<(Tensor, usize)> {
-    let fusion = match count.fused {
+/// What [`DeiT::forward_pruned_on_device`] returns.
+#[derive(Debug, Clone)]
+pub struct DevicePrunedForward {
+    /// `[B, num_classes]` in the model dtype.
+    pub logits: Tensor,
+    /// Per pruning step (block order), per image: tokens after the step (prefix and fused token
+    /// included). Known on the host without a sync: fixed counts are, and the other steps read
+    /// their lengths back anyway.
+    pub kept_tokens: Vec<Vec<usize>>,
+}
+
+impl DevicePrunedForward {
+    /// Mean over images of the tokens left after the last pruning step (`initial` when there
+    /// is none).
+    pub fn mean_final_tokens(&self, initial: usize) -> f64 {
+        match self.kept_tokens.last() {
+            None => initial as f64,
+            Some(k) => k.iter().sum::<usize>() as f64 / k.len().max(1) as f64,
+        }
+    }
+}
+
+fn fusion_of(f: Option<EvitFusion>) -> Option<DroppedFusion> {
+    match f {
         Some(EvitFusion::WeightedMean) => Some(DroppedFusion::WeightedMean),
         Some(EvitFusion::ReferenceSum) => Some(DroppedFusion::WeightedSum),
         Some(EvitFusion::Off) | None => None,
-    };
-    let patches = x.dim(0)? / b - num_prefix;
-    let keep = count.keep.clamp(1, patches);
-    Ok(select_top_k_by(x, b, scores, num_prefix, keep, fusion)?)
+    }
+}
+
+/// The scores a step's kernel computes itself, from a recipe (`None`: use the pruner's
+/// `scores`). `qkv` is the block's fused projection (after-attention sites only).
+fn computed_scores<'a>(
+    recipe: ScoreRecipe,
+    site: PruneSite,
+    qkv: Option<&'a Tensor>,
+    heads: usize,
+    scale: f32,
+) -> Option<TokenScores<'a>> {
+    match (recipe, site, qkv) {
+        (ScoreRecipe::TokenL2Norm, PruneSite::BeforeBlock, _) => Some(TokenScores::RowL2Norm),
+        (ScoreRecipe::ClsAttentionMean, PruneSite::AfterAttention, Some(qkv)) => {
+            Some(TokenScores::ClsAttention { qkv, heads, scale })
+        }
+        (ScoreRecipe::Significance, PruneSite::AfterAttention, Some(qkv)) => {
+            Some(TokenScores::Significance { qkv, heads, scale })
+        }
+        _ => None,
+    }
 }
 
 impl DeiT {
-    /// Logits `[B, num_classes]` of `pixels` with fixed-count `pruners` (see
-    /// [`pruners::TokenPruner::fixed_count`]) on the packed path, every keep decision made on the device:
-    /// no host sync anywhere, so the call can be captured into a CUDA graph. Same tokens kept and
-    /// same logits as [`DeiT::forward_pruned`] on [`crate::ExecutionPath::Ragged`] (the same
-    /// selection rule, ties included); an error, before any work, for pruners that count on the host (adaptive modes,
-    /// ATS).
+    /// Logits `[B, num_classes]` of `pixels` with `pruners` on the packed path, every keep decision
+    /// made on the device (see the module docs): with fixed-count pruners no host sync at all (the
+    /// call can be captured into a CUDA graph), otherwise one read of `B` lengths per step. Same
+    /// tokens kept and same logits as [`DeiT::forward_pruned`] on [`crate::ExecutionPath::Ragged`]
+    /// (the same rules, ties included). An error, before any work, for a pruner without a
+    /// [`pruners::TokenPruner::keep_rule`] or whose scores the device path cannot form (a custom
+    /// score after attention that needs value norms).
     pub fn forward_pruned_on_device(
         &self,
         pixels: &Tensor,
         pruners: &[BlockPruner],
-    ) -> Result<Tensor, ModelError> {
+    ) -> Result<DevicePrunedForward, ModelError> {
         self.check_pruner_blocks(pruners)?;
-        let num_prefix = self.config.num_prefix_tokens();
-        // Every step's count (and what it needs), checked before anything runs.
-        let mut len = self.config.seq_len();
-        let mut counts = Vec::with_capacity(pruners.len());
         let mut order: Vec<&BlockPruner> = pruners.iter().collect();
         order.sort_by_key(|(block, _)| *block);
         for (_, pruner) in &order {
-            let count = pruner.fixed_count(len - num_prefix).ok_or_else(|| {
-                ModelError::InvalidPruning(format!(
-                    "{} ({}) counts its tokens from the scores, on the host; device-side \
-                     decisions need fixed-ratio pruners (use forward_pruned)",
-                    pruner.kind(),
-                    pruner.mode()
-                ))
-            })?;
-            if pruner.needs().values {
+            if pruner.keep_rule().is_none() {
+                return Err(ModelError::InvalidPruning(format!(
+                    "{}: no keep rule to apply on the device (it decides in its own plan); use \
+                     forward_pruned",
+                    pruner.kind()
+                )));
+            }
+            if pruner.site() == PruneSite::AfterAttention
+                && pruner.score_recipe() == ScoreRecipe::Custom
+                && pruner.needs().values
+            {
                 return Err(ModelError::InvalidPruning(format!(
                     "{}: value norms are not provided on the device path",
                     pruner.kind()
                 )));
             }
+        }
+        match self.fixed_counts(&order) {
+            Some(counts) => self.forward_fixed_on_device(pixels, &order, &counts),
+            None => self.forward_ragged_on_device(pixels, &order),
+        }
+    }
+
+    /// Every step's count when every pruner has a fixed one (the lengths then stay equal).
+    fn fixed_counts(&self, order: &[&BlockPruner]) -> Option<Vec<FixedCount>> {
+        let num_prefix = self.config.num_prefix_tokens();
+        let mut len = self.config.seq_len();
+        let mut counts = Vec::with_capacity(order.len());
+        for (_, pruner) in order {
+            let count = pruner.fixed_count(len - num_prefix)?;
             counts.push(count);
             len = num_prefix + count.keep + count.fused.is_some() as usize;
         }
+        Some(counts)
+    }
 
+    /// Fixed counts: one `select_top_k_by` per step, no host sync.
+    fn forward_fixed_on_device(
+        &self,
+        pixels: &Tensor,
+        order: &[&BlockPruner],
+        counts: &[FixedCount],
+    ) -> Result<DevicePrunedForward, ModelError> {
+        let num_prefix = self.config.num_prefix_tokens();
         let x = self.embed(pixels)?;
         let (b, n, c) = x.dims3()?;
         let dev = x.device().clone();
         let mut len = n;
         let mut x = x.reshape((b * n, c))?;
-        let mut batch =
-            RaggedBatch::from_lengths(&vec![n; b], &dev).map_err(candle_core::Error::from)?;
-        let mut steps = order.iter().zip(&counts).peekable();
+        let mut batch = RaggedBatch::from_lengths(&vec![n; b], &dev)?;
+        let mut kept_tokens = Vec::with_capacity(counts.len());
+        let mut steps = order.iter().zip(counts).peekable();
         for (i, block) in self.blocks.iter().enumerate() {
             let inputs = AttentionInputs::Ragged { batch: &batch };
             let Some(((_, pruner), count)) = steps.next_if(|((blk, _), _)| *blk == i) else {
                 x = block.forward_with(&x, &inputs)?;
                 continue;
             };
+            let site = pruner.site();
+            let patches = len - num_prefix;
+            let keep = count.keep.clamp(1, patches);
+            let fusion = fusion_of(count.fused);
+            let (heads, scale) = (block.attn.heads, block.attn.scale);
             let lengths = vec![len; b];
-            // Scores the selection kernel computes itself (Threshold-L2's norms, EViT's class
-            // attention) are not materialised: the whole step is one launch.
-            let (next, next_len) = match (pruner.site(), pruner.score_recipe()) {
-                (PruneSite::BeforeBlock, ScoreRecipe::TokenL2Norm) => {
-                    apply_fixed(&x, b, TokenScores::RowL2Norm, num_prefix, *count)?
-                }
-                (PruneSite::BeforeBlock, _) => {
-                    let image = x.reshape((b, len, c))?;
-                    let input = PruneInput::new(&image, num_prefix).with_lengths(&lengths);
-                    let scores = pruner.scores(&input)?.to_dtype(DType::F32)?;
-                    apply_fixed(&x, b, TokenScores::Given(&scores), num_prefix, *count)?
-                }
-                (PruneSite::AfterAttention, recipe) => {
+            // Scores the selection kernel computes itself are not materialised: the whole step
+            // is one launch.
+            let (tokens, qkv) = match site {
+                PruneSite::BeforeBlock => (x.clone(), None),
+                PruneSite::AfterAttention => {
                     let (h, qkv) = block.attn_residual_with_qkv(&x, &inputs)?;
-                    if recipe == ScoreRecipe::ClsAttentionMean {
-                        let scores = TokenScores::ClsAttention {
-                            qkv: &qkv,
-                            heads: block.attn.heads,
-                            scale: block.attn.scale as f32,
-                        };
-                        apply_fixed(&h, b, scores, num_prefix, *count)?
-                    } else {
+                    (h, Some(qkv))
+                }
+            };
+            let given;
+            let recipe = pruner.score_recipe();
+            let scores = match computed_scores(recipe, site, qkv.as_ref(), heads, scale as f32) {
+                Some(s) => s,
+                None => {
+                    let image = tokens.reshape((b, len, c))?;
+                    let attn;
+                    let mut input = PruneInput::new(&image, num_prefix).with_lengths(&lengths);
+                    if let Some(qkv) = &qkv {
                         let qkv = qkv.reshape((b, len, 3 * c))?;
                         let q_cls = qkv.narrow(1, 0, 1)?.squeeze(1)?.narrow(1, 0, c)?;
                         let k = qkv.narrow(2, c, c)?;
-                        let attn =
-                            cls_attention(&q_cls, &k, block.attn.heads, block.attn.scale, None)?;
-                        let image = h.reshape((b, len, c))?;
-                        let input = PruneInput::new(&image, num_prefix)
-                            .with_lengths(&lengths)
-                            .with_cls_attn(&attn);
-                        let scores = pruner.scores(&input)?.to_dtype(DType::F32)?;
-                        apply_fixed(&h, b, TokenScores::Given(&scores), num_prefix, *count)?
+                        attn = cls_attention(&q_cls, &k, heads, scale, None)?;
+                        input = input.with_cls_attn(&attn);
                     }
+                    given = pruner.scores(&input)?.to_dtype(DType::F32)?;
+                    TokenScores::Given(&given)
                 }
             };
+            let (next, next_len) = select_top_k_by(&tokens, b, scores, num_prefix, keep, fusion)?;
             len = next_len;
             x = next;
-            batch =
-                RaggedBatch::from_lengths(&vec![len; b], &dev).map_err(candle_core::Error::from)?;
+            kept_tokens.push(vec![len; b]);
+            batch = RaggedBatch::from_lengths(&vec![len; b], &dev)?;
             let inputs = AttentionInputs::Ragged { batch: &batch };
-            x = match pruner.site() {
+            x = match site {
                 PruneSite::BeforeBlock => block.forward_with(&x, &inputs)?,
                 PruneSite::AfterAttention => block.mlp_residual(&x)?,
             };
@@ -149,6 +206,85 @@ impl DeiT {
             .reshape((b, len, c))?
             .narrow(1, 0, num_prefix)?
             .contiguous()?;
-        Ok(self.forward_head(&self.norm.forward(&prefix)?)?)
+        Ok(DevicePrunedForward {
+            logits: self.forward_head(&self.norm.forward(&prefix)?)?,
+            kept_tokens,
+        })
+    }
+
+    /// Counts from the scores: one `select_by_rule` per step (one read of the new lengths).
+    fn forward_ragged_on_device(
+        &self,
+        pixels: &Tensor,
+        order: &[&BlockPruner],
+    ) -> Result<DevicePrunedForward, ModelError> {
+        let num_prefix = self.config.num_prefix_tokens();
+        let x = self.embed(pixels)?;
+        let (b, n, c) = x.dims3()?;
+        let mut x = x.reshape((b * n, c))?;
+        let mut batch = RaggedBatch::from_lengths(&vec![n; b], x.device())?;
+        let mut kept_tokens = Vec::with_capacity(order.len());
+        let mut steps = order.iter().peekable();
+        for (i, block) in self.blocks.iter().enumerate() {
+            let inputs = AttentionInputs::Ragged { batch: &batch };
+            let Some((_, pruner)) = steps.next_if(|(blk, _)| *blk == i) else {
+                x = block.forward_with(&x, &inputs)?;
+                continue;
+            };
+            let site = pruner.site();
+            let (heads, scale) = (block.attn.heads, block.attn.scale as f32);
+            let (tokens, qkv) = match site {
+                PruneSite::BeforeBlock => (x.clone(), None),
+                PruneSite::AfterAttention => {
+                    let (h, qkv) = block.attn_residual_with_qkv(&x, &inputs)?;
+                    (h, Some(qkv))
+                }
+            };
+            let given;
+            let scores =
+                match computed_scores(pruner.score_recipe(), site, qkv.as_ref(), heads, scale) {
+                    Some(s) => s,
+                    None if site == PruneSite::BeforeBlock => {
+                        // The pruner's own scores over the image-shaped tokens (zeros past each
+                        // image's length), `[B, max_len]`.
+                        let image = unpack(&tokens, &batch, batch.max_len())?;
+                        let lengths = batch.lengths();
+                        let input = PruneInput::new(&image, num_prefix).with_lengths(&lengths);
+                        given = pruner.scores(&input)?.to_dtype(DType::F32)?;
+                        TokenScores::Given(&given)
+                    }
+                    None => {
+                        return Err(ModelError::InvalidPruning(format!(
+                        "{}: custom scores after attention need the host path (forward_pruned) \
+                         when counts vary",
+                        pruner.kind()
+                    )))
+                    }
+                };
+            let rule = pruner.keep_rule().ok_or_else(|| {
+                ModelError::InvalidPruning(format!("{}: no keep rule", pruner.kind()))
+            })?;
+            let (next, next_batch) = select_by_rule(
+                &tokens,
+                &batch,
+                scores,
+                num_prefix,
+                rule,
+                fusion_of(pruner.fusion()),
+            )?;
+            x = next;
+            batch = next_batch;
+            kept_tokens.push(batch.lengths());
+            let inputs = AttentionInputs::Ragged { batch: &batch };
+            x = match site {
+                PruneSite::BeforeBlock => block.forward_with(&x, &inputs)?,
+                PruneSite::AfterAttention => block.mlp_residual(&x)?,
+            };
+        }
+        let prefix = packed_prefix(&x, &batch, num_prefix)?;
+        Ok(DevicePrunedForward {
+            logits: self.forward_head(&self.norm.forward(&prefix)?)?,
+            kept_tokens,
+        })
     }
 }

@@ -187,26 +187,11 @@ impl Tokens {
         }
     }
 
-    /// Row `offsets[b] + i` of the packed tensor for every image `b` and `i` in `rows`
-    /// (uploaded from the host offsets; no sync).
-    fn packed_rows(batch: &RaggedBatch, rows: std::ops::Range<u32>) -> candle_core::Result<Tensor> {
-        let offsets = &batch.offsets()[..batch.batch_size()];
-        let idx: Vec<u32> = offsets
-            .iter()
-            .flat_map(|&o| rows.clone().map(move |i| o + i))
-            .collect();
-        Tensor::from_vec(idx, offsets.len() * rows.len(), batch.device())
-    }
-
     /// The leading `p` tokens of every image, `[B, p, C]`.
     fn prefix(&self, p: usize) -> candle_core::Result<Tensor> {
         match self {
             Self::Padded { x, .. } => x.narrow(1, 0, p),
-            Self::Ragged { x, batch } => {
-                let rows = Self::packed_rows(batch, 0..p as u32)?;
-                x.index_select(&rows, 0)?
-                    .reshape((batch.batch_size(), p, x.dim(1)?))
-            }
+            Self::Ragged { x, batch } => packed_prefix(x, batch, p),
         }
     }
 
@@ -227,7 +212,7 @@ impl Tokens {
                 (q_cls, kv, (!mask.is_full()).then(|| mask.clone()))
             }
             Self::Ragged { batch, .. } => {
-                let rows = Self::packed_rows(batch, 0..1)?;
+                let rows = packed_rows(batch, 0..1)?;
                 let q_cls = qkv.index_select(&rows, 0)?.narrow(1, 0, c)?;
                 let width = if values { 2 * c } else { c };
                 let kv = unpack(&qkv.narrow(1, c, width)?, batch, batch.max_len())?;
@@ -292,6 +277,28 @@ impl Tokens {
             }
         }
     }
+}
+
+/// Row `offsets[b] + i` of a packed tensor for every image `b` and `i` in `rows` (uploaded from
+/// the host offsets; no sync).
+fn packed_rows(batch: &RaggedBatch, rows: std::ops::Range<u32>) -> candle_core::Result<Tensor> {
+    let offsets = &batch.offsets()[..batch.batch_size()];
+    let idx: Vec<u32> = offsets
+        .iter()
+        .flat_map(|&o| rows.clone().map(move |i| o + i))
+        .collect();
+    Tensor::from_vec(idx, offsets.len() * rows.len(), batch.device())
+}
+
+/// The leading `p` rows of every sequence of the packed `x` `[total, C]`, as `[B, p, C]`.
+pub(crate) fn packed_prefix(
+    x: &Tensor,
+    batch: &RaggedBatch,
+    p: usize,
+) -> candle_core::Result<Tensor> {
+    let rows = packed_rows(batch, 0..p as u32)?;
+    x.index_select(&rows, 0)?
+        .reshape((batch.batch_size(), p, x.dim(1)?))
 }
 
 impl DeiT {

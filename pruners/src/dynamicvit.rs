@@ -22,14 +22,15 @@
 //!   Random init (no checkpoint) follows the reference `_init_weights`: Linear weights
 //!   truncated-normal std 0.02, biases 0, LayerNorm weight 1 / bias 0 (seeded, deterministic).
 
+use std::sync::OnceLock;
+
 use candle_core::{DType, Device, Module, Tensor, D};
 use candle_fastpath::{FusedLinear, LayerNorm};
 use candle_nn::VarBuilder;
 
 use crate::error::{PruneError, Result};
-use crate::input::{KeepPlan, PruneInput};
-use crate::select::{finish, keep_where, map_rows, top_k};
-use crate::{Mode, Needs, PruneSite, PrunerKind, TokenPruner};
+use crate::input::PruneInput;
+use crate::{KeepCount, KeepRule, Mode, Needs, PruneSite, PrunerKind, TokenPruner};
 
 /// Where the predictor's weights came from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -114,16 +115,56 @@ impl DynamicVitConfig {
     }
 }
 
-/// DynamicViT's `PredictorLG`, computed in f32. As a candle [`Module`] it maps patch tokens
-/// `[B, P, C]` (all valid) to log-probabilities `[B, P, 2]` (column 0: keep, column 1: drop).
+/// DynamicViT's `PredictorLG`. As a candle [`Module`] it maps patch tokens `[B, P, C]` (all
+/// valid) to log-probabilities `[B, P, 2]` (column 0: keep, column 1: drop).
+///
+/// It computes in the tokens' dtype, as the reference evaluates under
+/// `torch.cuda.amp.autocast()`: for f16 / bf16 tokens the Linear layers and GELUs run in that
+/// dtype (weights cast once, on first use), with the LayerNorm statistics, the pooled mean and
+/// the log-softmax in f32; f32 tokens run everything in f32. (In f32 the predictor's matmuls
+/// cost about as much as the blocks the pruning saves.)
 #[derive(Debug, Clone)]
 pub struct PredictorLG {
+    /// The weights as loaded, in f32.
+    f32: PredictorModules,
+    /// The same weights in f16 and bf16, made on first use.
+    half: [OnceLock<PredictorModules>; 2],
+    embed_dim: usize,
+}
+
+/// The predictor's layers in one dtype.
+#[derive(Debug, Clone)]
+struct PredictorModules {
     norm: LayerNorm,
     // FusedLinear: on CUDA the bias and GELU ride in the matmul's epilogue (candle's Linear
     // would add two more passes over every token's features).
     in_linear: FusedLinear,
     out: [FusedLinear; 3],
-    embed_dim: usize,
+}
+
+impl PredictorModules {
+    fn to_dtype(&self, dtype: DType) -> Result<Self> {
+        let fused = |e| candle_core::Error::from(e);
+        let norm = LayerNorm::new(
+            self.norm.weight().to_dtype(dtype)?,
+            self.norm.bias().to_dtype(dtype)?,
+            self.norm.eps(),
+        )
+        .map_err(fused)?;
+        let linear = |l: &FusedLinear| -> Result<FusedLinear> {
+            let bias = l.bias().map(|b| b.to_dtype(dtype)).transpose()?;
+            Ok(FusedLinear::new(l.weight().to_dtype(dtype)?, bias).map_err(fused)?)
+        };
+        Ok(Self {
+            norm,
+            in_linear: linear(&self.in_linear)?,
+            out: [
+                linear(&self.out[0])?,
+                linear(&self.out[1])?,
+                linear(&self.out[2])?,
+            ],
+        })
+    }
 }
 
 fn load_tensor(vb: &VarBuilder, name: &str, shape: &[usize]) -> Result<Tensor> {
@@ -206,9 +247,12 @@ impl PredictorLG {
         let in_linear = linear()?;
         let out = [linear()?, linear()?, linear()?];
         Ok(Self {
-            norm,
-            in_linear,
-            out,
+            f32: PredictorModules {
+                norm,
+                in_linear,
+                out,
+            },
+            half: Default::default(),
             embed_dim: c,
         })
     }
@@ -261,16 +305,18 @@ impl PredictorLG {
                 got: x.dims().to_vec(),
             });
         }
+        let (dtype, m) = self.modules(x.dtype())?;
         // Contiguous: candle's CUDA matmul refuses strided inputs (the tokens often arrive as a
         // narrowed or transposed view), while its CPU matmul silently accepts them.
-        let x = x.to_dtype(DType::F32)?.contiguous()?;
-        let h = self
+        let x = x.to_dtype(dtype)?.contiguous()?;
+        let h = m
             .in_linear
-            .forward_gelu(&self.norm.forward(&x)?)
+            .forward_gelu(&m.norm.forward(&x)?)
             .map_err(candle_core::Error::from)?;
         let half = c / 2;
         let local = h.narrow(D::Minus1, 0, half)?;
-        let glob = h.narrow(D::Minus1, half, c - half)?;
+        // The pooled mean in f32 (autocast's mean accumulates in f32 too).
+        let glob = h.narrow(D::Minus1, half, c - half)?.to_dtype(DType::F32)?;
         let pooled = match valid {
             None => glob.mean_keepdim(1)?,
             Some(valid) => {
@@ -286,15 +332,34 @@ impl PredictorLG {
                 masked.sum_keepdim(1)?.broadcast_mul(&inv)?
             }
         };
+        let pooled = pooled.to_dtype(dtype)?;
         // candle's cat along the last dim can return a strided tensor: make it contiguous for
         // the CUDA matmul below.
         let feats = Tensor::cat(&[local, pooled.broadcast_as((b, p, c - half))?], D::Minus1)?
             .contiguous()?;
         let fused = |e| candle_core::Error::from(e);
-        let mut y = self.out[0].forward_gelu(&feats).map_err(fused)?;
-        y = self.out[1].forward_gelu(&y).map_err(fused)?;
-        y = self.out[2].forward(&y)?;
+        let mut y = m.out[0].forward_gelu(&feats).map_err(fused)?;
+        y = m.out[1].forward_gelu(&y).map_err(fused)?;
+        y = m.out[2].forward(&y)?.to_dtype(DType::F32)?;
         Ok(candle_nn::ops::log_softmax(&y, D::Minus1)?)
+    }
+
+    /// The compute dtype for tokens of `dtype` (f16 and bf16 as themselves, anything else f32)
+    /// and the layers in it.
+    fn modules(&self, dtype: DType) -> Result<(DType, &PredictorModules)> {
+        let slot = match dtype {
+            DType::F16 => &self.half[0],
+            DType::BF16 => &self.half[1],
+            _ => return Ok((DType::F32, &self.f32)),
+        };
+        if slot.get().is_none() {
+            // Two threads racing here both cast; one result is kept.
+            let _ = slot.set(self.f32.to_dtype(dtype)?);
+        }
+        let m = slot
+            .get()
+            .ok_or_else(|| candle_core::Error::Msg("predictor weights not cast".into()))?;
+        Ok((dtype, m))
     }
 }
 
@@ -418,34 +483,13 @@ impl TokenPruner for DynamicVit {
         Ok(Tensor::cat(&[prefix, keep], 1)?)
     }
 
-    fn fixed_count(&self, patches: usize) -> Option<crate::FixedCount> {
-        let keep = self.config.fixed_keep_count()?.clamp(1, patches.max(1));
-        Some(crate::FixedCount { keep, fused: None })
-    }
-
-    fn plan(&self, input: &PruneInput) -> Result<KeepPlan> {
-        let g = input.validate()?;
-        let scores = self.scores(input)?.to_vec2::<f32>()?;
-        let p = g.num_prefix;
-        // Per image, in parallel for large batches (see map_rows).
-        let indices = map_rows(&scores, |b, row| {
-            let len = g.lengths[b];
-            let kept = match self.config.mode {
-                DynamicVitMode::TopK { .. } => {
-                    let k = self.config.fixed_keep_count().unwrap_or(1);
-                    top_k(row, p, len, k.min(len - p))
-                }
-                DynamicVitMode::Probability { threshold } => {
-                    let t = threshold.ln();
-                    keep_where(row, p, len, |lp| lp > t)
-                }
-            };
-            finish(p, kept)
-        });
-        Ok(KeepPlan {
-            indices,
-            fused: None,
-            num_prefix: p,
+    fn keep_rule(&self) -> Option<KeepRule> {
+        Some(match self.config.mode {
+            DynamicVitMode::TopK { .. } => KeepRule::Top(KeepCount::Exactly(
+                self.config.fixed_keep_count().unwrap_or(1),
+            )),
+            // Scores are log-probabilities: p > threshold is log p > ln(threshold).
+            DynamicVitMode::Probability { threshold } => KeepRule::Above(threshold.ln()),
         })
     }
 }

@@ -27,8 +27,9 @@ use candle_core::{DType, Tensor};
 
 use crate::error::{PruneError, Result};
 use crate::input::{cls_attn_mean, FusedTokens, KeepPlan, PruneInput};
-use crate::select::{ceil_count, finish, map_rows, partition_top_k, rank_desc, sane};
-use crate::{Mode, Needs, PruneSite, PrunerKind, TokenPruner};
+use crate::select::{decide, Decisions};
+use crate::{KeepCount, KeepRule, Mode, Needs, PruneSite, PrunerKind, TokenPruner};
+use candle_ragged::keep::sane;
 
 /// How EViT decides how many tokens to keep.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -104,11 +105,13 @@ impl Evit {
     pub fn config(&self) -> &EvitConfig {
         &self.config
     }
+    fn rule(&self) -> KeepRule {
+        match self.config.mode {
+            EvitMode::TopK { keep_rate } => KeepRule::Top(KeepCount::CeilRatio(keep_rate)),
+            EvitMode::AttentionMass { share } => KeepRule::MassShare(share),
+        }
+    }
 }
-
-/// One image's decision: kept positions, whether a fused token follows, and the fusion weight
-/// of each dropped position.
-type ImagePlan = (Vec<u32>, bool, Vec<(usize, f32)>);
 
 impl TokenPruner for Evit {
     fn kind(&self) -> PrunerKind {
@@ -144,88 +147,57 @@ impl TokenPruner for Evit {
         crate::ScoreRecipe::ClsAttentionMean
     }
 
-    fn fixed_count(&self, patches: usize) -> Option<crate::FixedCount> {
-        match self.config.mode {
-            EvitMode::TopK { keep_rate } => {
-                let keep = ceil_count(keep_rate, patches);
-                let fused = (keep < patches && self.config.fusion != EvitFusion::Off)
-                    .then_some(self.config.fusion);
-                Some(crate::FixedCount { keep, fused })
-            }
-            EvitMode::AttentionMass { .. } => None,
-        }
+    fn keep_rule(&self) -> Option<KeepRule> {
+        Some(self.rule())
+    }
+
+    fn fusion(&self) -> Option<EvitFusion> {
+        (self.config.fusion != EvitFusion::Off).then_some(self.config.fusion)
     }
 
     fn plan(&self, input: &PruneInput) -> Result<KeepPlan> {
         let g = input.validate()?;
-        let scores = self.scores(input)?.to_vec2::<f32>()?;
+        let Decisions { indices, rows } = decide(&g, &self.scores(input)?, self.rule())?;
         let p = g.num_prefix;
-        // Per image, in parallel for large batches (see map_rows).
-        let per_image: Vec<ImagePlan> = map_rows(&scores, |b, row| {
-            let len = g.lengths[b];
-            let n_patch = len - p;
-            let (ranked, k) = match self.config.mode {
-                EvitMode::TopK { keep_rate } => {
-                    let k = ceil_count(keep_rate, n_patch);
-                    (partition_top_k(row, p, len, k), k)
-                }
-                EvitMode::AttentionMass { share } => {
-                    let ranked = rank_desc(row, p, len);
-                    let mass = |j: usize| sane(row[j]).max(0.0) as f64;
-                    let total: f64 = ranked.iter().map(|&j| mass(j)).sum();
-                    let target = share * total;
-                    let mut acc = 0.0;
-                    let mut k = n_patch;
-                    for (i, &j) in ranked.iter().enumerate() {
-                        acc += mass(j);
-                        if acc >= target {
-                            k = i + 1;
-                            break;
-                        }
+        let fused = match self.fusion() {
+            None => None,
+            Some(fusion) => {
+                // Per image, the dropped patches' weights (f64 sums in position order, as the
+                // device kernel of candle_ragged::select_by_rule sums them).
+                let mut weights = vec![0f32; g.batch * g.tokens];
+                let mut present = vec![false; g.batch];
+                for (b, (kept, row)) in indices.iter().zip(&rows).enumerate() {
+                    let len = g.lengths[b];
+                    let mut kept = kept[p..].iter().map(|&j| j as usize).peekable();
+                    let dropped: Vec<usize> = (p..len)
+                        .filter(|&j| kept.next_if_eq(&j).is_none())
+                        .collect();
+                    if dropped.is_empty() {
+                        continue;
                     }
-                    (ranked, k.max(1))
+                    present[b] = true;
+                    let w: Vec<f64> = dropped
+                        .iter()
+                        .map(|&j| sane(row[j]).max(0.0) as f64)
+                        .collect();
+                    let total: f64 = w.iter().sum();
+                    for (&j, &wj) in dropped.iter().zip(&w) {
+                        let v = match fusion {
+                            EvitFusion::ReferenceSum => wj,
+                            // All-zero attention on the dropped tokens: plain mean.
+                            _ if total <= 0.0 => 1.0 / dropped.len() as f64,
+                            _ => wj / total,
+                        };
+                        weights[b * g.tokens + j] = v as f32;
+                    }
                 }
-            };
-            let (kept, dropped) = ranked.split_at(k);
-            let mut weights = Vec::new();
-            let present = !dropped.is_empty() && self.config.fusion != EvitFusion::Off;
-            if present {
-                let w: Vec<f64> = dropped
-                    .iter()
-                    .map(|&j| sane(row[j]).max(0.0) as f64)
-                    .collect();
-                let total: f64 = w.iter().sum();
-                for (&j, &wj) in dropped.iter().zip(&w) {
-                    let v = match self.config.fusion {
-                        EvitFusion::ReferenceSum => wj,
-                        // All-zero attention on the dropped tokens: plain mean.
-                        _ if total <= 0.0 => 1.0 / dropped.len() as f64,
-                        _ => wj / total,
-                    };
-                    weights.push((j, v as f32));
-                }
+                let dev = input.tokens.device();
+                let w = Tensor::from_vec(weights, (g.batch, 1, g.tokens), dev)?;
+                // Contiguous: candle's CUDA matmul refuses strided operands (its CPU matmul does not).
+                let x = input.tokens.to_dtype(DType::F32)?.contiguous()?;
+                let f = w.matmul(&x)?.squeeze(1)?.to_dtype(input.tokens.dtype())?;
+                Some(FusedTokens { tokens: f, present })
             }
-            (finish(p, kept.to_vec()), present, weights)
-        });
-        let mut indices = Vec::with_capacity(g.batch);
-        let mut weights = vec![0f32; g.batch * g.tokens];
-        let mut present = vec![false; g.batch];
-        for (b, (idx, has, w)) in per_image.into_iter().enumerate() {
-            indices.push(idx);
-            present[b] = has;
-            for (j, v) in w {
-                weights[b * g.tokens + j] = v;
-            }
-        }
-        let fused = if self.config.fusion == EvitFusion::Off {
-            None
-        } else {
-            let dev = input.tokens.device();
-            let w = Tensor::from_vec(weights, (g.batch, 1, g.tokens), dev)?;
-            // Contiguous: candle's CUDA matmul refuses strided operands (its CPU matmul does not).
-            let x = input.tokens.to_dtype(DType::F32)?.contiguous()?;
-            let f = w.matmul(&x)?.squeeze(1)?.to_dtype(input.tokens.dtype())?;
-            Some(FusedTokens { tokens: f, present })
         };
         Ok(KeepPlan {
             indices,

@@ -8,7 +8,9 @@
 //!
 //! Guarantees shared by all pruners:
 //! - Scores are computed with tensor ops on the input's device, in f32 whatever the token
-//!   dtype; the decision (sort / top-k / threshold) runs on the host over `[B, N]` scores.
+//!   dtype; the decision (a [`KeepRule`]: top-k, threshold, mass share, inverse-transform
+//!   sampling) runs on the host over `[B, N]` scores in [`TokenPruner::plan`], or on the device
+//!   through [`candle_ragged::select_by_rule`], which applies the same rule.
 //! - Ties break to the lower token index; NaN scores rank last. Padding (rows past an image's
 //!   length) never enters a decision, so an image's plan does not depend on its batch
 //!   neighbours (given bit-identical per-token scores).
@@ -26,8 +28,10 @@ mod select;
 pub mod threshold;
 
 use candle_core::Tensor;
+pub use candle_ragged::{KeepCount, KeepRule};
 
-pub use ats::{inverse_transform_sample, Ats, AtsConfig, AtsMode};
+pub use ats::{Ats, AtsConfig, AtsMode};
+pub use candle_ragged::keep::inverse_transform_sample;
 pub use dynamicvit::{DynamicVit, DynamicVitConfig, DynamicVitMode, PredictorLG, WeightsSource};
 pub use error::{PruneError, Result};
 pub use evit::{Evit, EvitConfig, EvitFusion, EvitMode};
@@ -110,19 +114,27 @@ pub struct Needs {
 
 /// What a pruner's [`TokenPruner::scores`] are, when they follow a recipe simple enough for a
 /// model to compute inside its own selection kernel (one launch per pruning step instead of the
-/// handful of small tensor ops `scores` takes): the model must then pick exactly what the
-/// top-k of `scores` picks.
+/// handful of small tensor ops `scores` takes): the model must then decide exactly as the
+/// pruner's [`TokenPruner::keep_rule`] over `scores` does.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ScoreRecipe {
     /// The L2 norm of each token (in f32).
     TokenL2Norm,
     /// The class token's attention of this block, softmax per head in f32, averaged over heads.
     ClsAttentionMean,
-    /// Anything else (learned predictors, products of inputs): use [`TokenPruner::scores`].
+    /// ATS's significance: the class token's attention summed over heads, times the L2 norm of
+    /// the token's value vector (all heads concatenated), in f32.
+    Significance,
+    /// Anything else (learned predictors): use [`TokenPruner::scores`].
     Custom,
 }
 
 /// Decides, for a batch of tokens at one site, which tokens each image keeps.
+///
+/// Every pruner here is a score ([`TokenPruner::scores`], [`TokenPruner::score_recipe`]) plus a
+/// per-image [`KeepRule`] over the patch positions ([`TokenPruner::keep_rule`]), plus EViT's fused
+/// token ([`TokenPruner::fusion`]); [`TokenPruner::plan`] applies the rule on the host, and a model
+/// may apply the same rule on the device ([`candle_ragged::select_by_rule`]) to the same effect.
 pub trait TokenPruner: Send + Sync + std::fmt::Debug {
     fn kind(&self) -> PrunerKind;
     fn mode(&self) -> Mode;
@@ -139,18 +151,45 @@ pub trait TokenPruner: Send + Sync + std::fmt::Debug {
     fn score_recipe(&self) -> ScoreRecipe {
         ScoreRecipe::Custom
     }
-    /// The keep decision. Validates the input; never panics on bad input.
-    fn plan(&self, input: &PruneInput) -> Result<KeepPlan>;
-    /// For pruners whose counts do not depend on the scores (the fixed-ratio modes of
-    /// Threshold-L2, DynamicViT and EViT): how many of `patches` patch tokens every image keeps,
-    /// and the fused token EViT appends. Known on the host before any score exists, so a model
-    /// can keep the whole decision on the device: the top-`keep` of [`TokenPruner::scores`]
-    /// (a model should keep this crate's order: f32's total order, NaN lowest, ties to the lower
-    /// position), no host sync. `None` (the default)
-    /// for pruners that must look at the scores to count: adaptive modes and ATS.
-    fn fixed_count(&self, patches: usize) -> Option<FixedCount> {
-        let _ = patches;
+    /// The rule that picks an image's kept patch positions from its scores (prefix positions
+    /// are always kept; at least one patch is). `None` (the default) for a pruner that decides
+    /// otherwise: it must then override [`TokenPruner::plan`], and a model can only run it on
+    /// the host.
+    fn keep_rule(&self) -> Option<KeepRule> {
         None
+    }
+    /// EViT's extra token from the dropped ones, weighted by [`TokenPruner::scores`], appended
+    /// to every image that drops a patch; `None` (the default) for pruners that drop outright.
+    fn fusion(&self) -> Option<EvitFusion> {
+        None
+    }
+    /// The keep decision: [`TokenPruner::keep_rule`] over [`TokenPruner::scores`], read back to
+    /// the host (one sync); pruners that fuse override it to add the fused tokens. Validates the
+    /// input; never panics on bad input.
+    fn plan(&self, input: &PruneInput) -> Result<KeepPlan> {
+        let g = input.validate()?;
+        let rule = self.keep_rule().ok_or_else(|| {
+            PruneError::InvalidConfig(format!(
+                "{}: a pruner without a keep rule must decide in its own plan",
+                self.kind()
+            ))
+        })?;
+        let indices = select::decide(&g, &self.scores(input)?, rule)?.indices;
+        Ok(KeepPlan {
+            indices,
+            fused: None,
+            num_prefix: g.num_prefix,
+        })
+    }
+    /// For pruners whose counts do not depend on the scores (a [`KeepRule::Top`] rule: the
+    /// fixed-ratio modes of Threshold-L2, DynamicViT and EViT): how many of `patches` patch
+    /// tokens every image keeps, and the fused token EViT appends. Known on the host before any
+    /// score exists, so a model can keep the whole decision on the device with no host sync.
+    /// `None` for pruners that must look at the scores to count: adaptive modes and ATS.
+    fn fixed_count(&self, patches: usize) -> Option<FixedCount> {
+        let keep = self.keep_rule()?.fixed_count(patches)?;
+        let fused = self.fusion().filter(|_| keep < patches);
+        Some(FixedCount { keep, fused })
     }
 }
 

@@ -5,9 +5,8 @@
 use candle_core::{DType, Tensor, D};
 
 use crate::error::{PruneError, Result};
-use crate::input::{KeepPlan, PruneInput};
-use crate::select::{ceil_count, finish, keep_where, map_rows, top_k};
-use crate::{Mode, Needs, PruneSite, PrunerKind, TokenPruner};
+use crate::input::PruneInput;
+use crate::{KeepCount, KeepRule, Mode, Needs, PruneSite, PrunerKind, TokenPruner};
 
 /// How Threshold-L2 decides.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -106,43 +105,11 @@ impl TokenPruner for ThresholdL2 {
         crate::ScoreRecipe::TokenL2Norm
     }
 
-    fn fixed_count(&self, patches: usize) -> Option<crate::FixedCount> {
-        match self.config.mode {
-            ThresholdL2Mode::TopK { keep_ratio } => Some(crate::FixedCount {
-                keep: ceil_count(keep_ratio, patches),
-                fused: None,
-            }),
-            ThresholdL2Mode::Absolute { .. } | ThresholdL2Mode::Relative { .. } => None,
-        }
-    }
-
-    fn plan(&self, input: &PruneInput) -> Result<KeepPlan> {
-        let g = input.validate()?;
-        let scores = self.scores(input)?.to_vec2::<f32>()?;
-        let p = g.num_prefix;
-        // Per image, in parallel for large batches (see map_rows).
-        let indices = map_rows(&scores, |b, row| {
-            let len = g.lengths[b];
-            let n_patch = len - p;
-            let kept = match self.config.mode {
-                ThresholdL2Mode::TopK { keep_ratio } => {
-                    top_k(row, p, len, ceil_count(keep_ratio, n_patch))
-                }
-                ThresholdL2Mode::Absolute { threshold } => {
-                    keep_where(row, p, len, |x| x >= threshold)
-                }
-                ThresholdL2Mode::Relative { factor } => {
-                    let mean = row[p..len].iter().map(|&x| x as f64).sum::<f64>() / n_patch as f64;
-                    let t = (factor as f64 * mean) as f32;
-                    keep_where(row, p, len, |x| x >= t)
-                }
-            };
-            finish(p, kept)
-        });
-        Ok(KeepPlan {
-            indices,
-            fused: None,
-            num_prefix: p,
+    fn keep_rule(&self) -> Option<KeepRule> {
+        Some(match self.config.mode {
+            ThresholdL2Mode::TopK { keep_ratio } => KeepRule::Top(KeepCount::CeilRatio(keep_ratio)),
+            ThresholdL2Mode::Absolute { threshold } => KeepRule::AtLeast(threshold),
+            ThresholdL2Mode::Relative { factor } => KeepRule::AtLeastMeanTimes(factor),
         })
     }
 }

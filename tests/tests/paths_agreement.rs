@@ -384,6 +384,12 @@ impl TokenPruner for Recording {
     fn scores(&self, input: &PruneInput) -> pruners::Result<Tensor> {
         self.inner.scores(input)
     }
+    fn keep_rule(&self) -> Option<pruners::KeepRule> {
+        self.inner.keep_rule()
+    }
+    fn fusion(&self) -> Option<pruners::EvitFusion> {
+        self.inner.fusion()
+    }
     fn plan(&self, input: &PruneInput) -> pruners::Result<KeepPlan> {
         let plan = self.inner.plan(input)?;
         self.plans.lock().unwrap().push(plan.clone());
@@ -743,9 +749,9 @@ fn images_deciding_differently(m: &DeiT, pixels: &Tensor, pruners: &Pruners) -> 
 }
 
 /// [`DeiT::forward_pruned_on_device`] against the host-decided ragged forward `host` of the
-/// same pruners: same logits (so same kept tokens) within the f32 tolerance;
-/// on CUDA also its captured graph, replayed, against the eager call (bit-identical). Returns
-/// the max |Δlogit| against `host`.
+/// same pruners: the same kept tokens per stage and the same logits within the f32 tolerance;
+/// on CUDA, for fixed-count pruners, also its captured graph, replayed, against the eager call
+/// (bit-identical). Returns the max |Δlogit| against `host`.
 fn check_on_device(
     what: &str,
     m: &DeiT,
@@ -753,7 +759,13 @@ fn check_on_device(
     pruners: &Pruners,
     host: &PrunedForward,
 ) -> f32 {
-    let eager = m.forward_pruned_on_device(pixels, pruners).unwrap();
+    let on_device = m.forward_pruned_on_device(pixels, pruners).unwrap();
+    assert_eq!(
+        on_device.kept_tokens,
+        host.kept_tokens(),
+        "{what}: kept tokens per stage, device vs host decisions"
+    );
+    let eager = on_device.logits;
     let want = logits(host);
     let got: Vec<Vec<f32>> = eager.to_dtype(DType::F32).unwrap().to_vec2().unwrap();
     let d = assert_logits_agree(
@@ -762,9 +774,13 @@ fn check_on_device(
         &want,
         tolerance(DType::F32, &want),
     );
-    if pixels.device().is_cuda() {
+    let fixed = pruners
+        .iter()
+        .all(|(_, p)| p.fixed_count(m.config.num_patches()).is_some());
+    if pixels.device().is_cuda() && fixed {
         let graph = candle_fastpath::CapturedForward::capture(pixels, |x| {
             m.forward_pruned_on_device(x, pruners)
+                .map(|f| f.logits)
                 .map_err(candle_core::Error::wrap)
         })
         .unwrap();
@@ -789,8 +805,9 @@ fn check_on_device(
     d
 }
 
-/// Device-side decisions (fixed-ratio pruners) give the host-decided ragged forward's logits;
-/// pruners that count on the host are refused with a clear error.
+/// Device-side decisions give the host-decided ragged forward's kept tokens and logits, for
+/// every pruner and mode: fixed counts through the sync-free path, the others through
+/// `select_by_rule`; a pruner without a keep rule is refused with a clear error.
 #[test]
 fn device_decisions_equal_host_decisions() {
     let dev = Device::Cpu;
@@ -798,35 +815,37 @@ fn device_decisions_equal_host_decisions() {
         let cfg = small_cfg(distilled);
         let m = model(&cfg, DType::F32, &dev, 300 + distilled as u64);
         let pixels = varied_pixels(16, &cfg, 9, &dev);
-        for kind in [
-            PrunerKind::ThresholdL2,
-            PrunerKind::DynamicVit,
-            PrunerKind::Evit,
-        ] {
-            let what = format!("{kind}-fixed distilled={distilled}");
-            let s = schedule(&BLOCKS, |st| {
-                small_config(kind, Mode::Fixed, st, cfg.num_patches())
-            });
-            let pruners = build(&m, &s, &dev);
-            let host = m
-                .forward_pruned(&pixels, &pruners, ExecutionPath::Ragged)
-                .unwrap();
-            check_on_device(&what, &m, &pixels, &pruners, &host);
+        for kind in PrunerKind::ALL {
+            for mode in [Mode::Fixed, Mode::Adaptive] {
+                let what = format!("{kind}-{mode} distilled={distilled}");
+                let s = schedule(&BLOCKS, |st| {
+                    small_config(kind, mode, st, cfg.num_patches())
+                });
+                let pruners = build(&m, &s, &dev);
+                let host = m
+                    .forward_pruned(&pixels, &pruners, ExecutionPath::Ragged)
+                    .unwrap();
+                let d = check_on_device(&what, &m, &pixels, &pruners, &host);
+                eprintln!("{what}: device vs host decisions, max |Δlogit| {d:.2e}");
+            }
         }
-        for (kind, mode) in [
-            (PrunerKind::Ats, Mode::Fixed),
-            (PrunerKind::Evit, Mode::Adaptive),
-            (PrunerKind::ThresholdL2, Mode::Adaptive),
-        ] {
-            let s = schedule(&BLOCKS, |st| {
-                small_config(kind, mode, st, cfg.num_patches())
-            });
-            let err = m
-                .forward_pruned_on_device(&pixels, &build(&m, &s, &dev))
-                .unwrap_err()
-                .to_string();
-            assert!(err.contains("counts its tokens"), "{kind}-{mode}: {err}");
-        }
+        let plan = KeepPlan {
+            indices: vec![(0..cfg.seq_len() as u32).collect(); 16],
+            fused: None,
+            num_prefix: cfg.num_prefix_tokens(),
+        };
+        let replay: Pruners = vec![(
+            1,
+            Box::new(Replay {
+                site: PruneSite::BeforeBlock,
+                plan,
+            }),
+        )];
+        let err = m
+            .forward_pruned_on_device(&pixels, &replay)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("keep rule"), "replayed plan: {err}");
     }
 }
 
@@ -886,10 +905,8 @@ fn published_sizes_padded_equals_ragged() {
                             o.max_diff,
                             o.ragged.mean_final_tokens()
                         );
-                        if mode == Mode::Fixed {
-                            let d = check_on_device(&what, &m, &pixels, &pruners, &o.ragged);
-                            eprintln!("{what}: device decisions (and CUDA graph replay) vs host: max |Δlogit| {d:.2e}");
-                        }
+                        let d = check_on_device(&what, &m, &pixels, &pruners, &o.ragged);
+                        eprintln!("{what}: device decisions (and, fixed, CUDA graph replay) vs host: max |Δlogit| {d:.2e}");
                     } else {
                         let differ = images_deciding_differently(&m, &pixels, &pruners);
                         let d = check_half_with_replayed_plans(&what, &m, &pixels, pruners);

@@ -100,8 +100,9 @@ struct Row {
     mean_kept_tokens: f64,
     /// Whether the forward was replayed from a captured CUDA graph.
     cuda_graph: bool,
-    /// Where pruning decisions were made: "host" (one read-back per step) or "device" (no host
-    /// sync; fixed-ratio pruners only).
+    /// Where pruning decisions were made: "host" (scores read back and decided on the CPU, per
+    /// step) or "device" (a kernel decides: no host sync for fixed-ratio pruners, one read of
+    /// the new lengths per step otherwise).
     decisions: String,
     /// Most device memory in use at once during the timed runs (weights and inputs included);
     /// null on the CPU.
@@ -286,25 +287,26 @@ fn main() -> ExitCode {
                             let (latency, kept, peak) = time(&device, args.warmup, args.reps, run)?;
                             rows.push((latency, kept, peak, true, "host"));
                         }
-                        // Fixed-count pruners can decide on the device (no host sync), eagerly
-                        // and replayed from a CUDA graph.
-                        let on_device = v.path == ExecutionPath::Ragged
-                            && pruners
+                        // The ragged path can also decide on the device: with fixed counts no
+                        // host sync (eagerly, and replayed from a CUDA graph), otherwise one read
+                        // of the new lengths per step.
+                        if v.path == ExecutionPath::Ragged {
+                            let fixed = pruners
                                 .iter()
                                 .all(|(_, p)| p.fixed_count(cfg.num_patches()).is_some());
-                        if on_device {
                             let forward = |x: &Tensor| {
                                 model
                                     .forward_pruned_on_device(x, &pruners)
                                     .map_err(candle_core::Error::wrap)
                             };
+                            let initial = cfg.seq_len();
                             let run = || -> Result<f64> {
-                                forward(&pixels)?;
-                                Ok(kept)
+                                Ok(forward(&pixels)?.mean_final_tokens(initial))
                             };
-                            let (latency, _, peak) = time(&device, args.warmup, args.reps, run)?;
+                            let (latency, kept, peak) = time(&device, args.warmup, args.reps, run)?;
                             rows.push((latency, kept, peak, false, "device"));
-                            if graphable {
+                            if graphable && fixed {
+                                let forward = |x: &Tensor| Ok(forward(x)?.logits);
                                 let graph = CapturedForward::capture(&pixels, forward)?;
                                 let run = || -> Result<f64> {
                                     graph.replay(&pixels)?;

@@ -1,0 +1,354 @@
+//! [`select_by_rule`]: a token-pruning step on a ragged batch whose counts depend on the scores
+//! (adaptive thresholds, attention-mass shares, ATS's sampling): scores, the keep decision, the
+//! row gathers and EViT's fused token in two kernels on CUDA, with one host read in between (the
+//! new lengths: the host must know the new total to allocate the output).
+//!
+//! The decision is [`KeepRule::keep`] itself on the CPU, and the same rule repeated operation for
+//! operation in the CUDA kernel, so a host pruner's decision over the same scores is the same.
+
+use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Tensor, WithDType};
+
+use crate::batch::{RaggedBatch, MAX_SEQ_LEN};
+use crate::error::{RaggedError, Result};
+use crate::keep::{sane, KeepRule};
+use crate::scores::{score_source, sequence_scores, ScoreSource, TokenScores};
+use crate::select::DroppedFusion;
+
+const OP: &str = "select_by_rule";
+
+/// Per sequence of `batch` (packed rows of `x`): rows `0..prefix`, then the rows of
+/// `prefix..len` that `rule` keeps given the scores, in ascending position, then (with `fusion`,
+/// when some row is dropped) one row fusing the dropped ones, weighted by `max(score, 0)`
+/// (NaN: 0) as [`DroppedFusion`] says; the weights of a mean are summed in f64 in position order
+/// (the EViT pruner's host rule), the fused row in f32.
+///
+/// * `x` - `[total, C]` packed tokens, f32 / f16 / bf16, `total = batch.total_tokens()`.
+/// * `scores` - [`TokenScores::Given`] takes `[B, S]` f32 with `S >= batch.max_len()`, sequence
+///   `b`'s scores leading row `b` (an image-shaped score tensor); the computed ones read `x` or
+///   a `qkv` laid out like `x`.
+/// * every sequence must be longer than `prefix` (it has a patch to keep); at most
+///   [`MAX_SEQ_LEN`] tokens.
+///
+/// Returns the new packed tokens `[total', C]` and their [`RaggedBatch`]. Reads `B` u32 back from
+/// the device (the one host sync); everything else stays on the device.
+pub fn select_by_rule(
+    x: &Tensor,
+    batch: &RaggedBatch,
+    scores: TokenScores<'_>,
+    prefix: usize,
+    rule: KeepRule,
+    fusion: Option<DroppedFusion>,
+) -> Result<(Tensor, RaggedBatch)> {
+    if x.rank() != 2 {
+        return Err(RaggedError::Rank {
+            op: OP,
+            what: "x",
+            expected: 2,
+            shape: x.shape().clone(),
+        });
+    }
+    let (rows, c) = x.dims2()?;
+    if rows != batch.total_tokens() {
+        return Err(RaggedError::TotalMismatch {
+            op: OP,
+            what: "x",
+            expected: batch.total_tokens(),
+            found: rows,
+        });
+    }
+    if !matches!(x.dtype(), DType::F32 | DType::F16 | DType::BF16) {
+        return Err(RaggedError::UnsupportedDType {
+            op: OP,
+            dtype: x.dtype(),
+        });
+    }
+    if !batch.device().same_device(x.device()) {
+        return Err(msg(format!(
+            "x is on {:?} but the batch's cu_seqlens are on {:?}",
+            x.device().location(),
+            batch.device().location()
+        )));
+    }
+    if c == 0 {
+        return Err(msg("x has no channels".into()));
+    }
+    let b = batch.batch_size();
+    if let Some((index, len)) = batch
+        .lengths()
+        .into_iter()
+        .enumerate()
+        .find(|&(_, len)| len <= prefix)
+    {
+        return Err(msg(format!(
+            "sequence {index} has {len} tokens: it needs more than the {prefix} prefix tokens"
+        )));
+    }
+    if batch.max_len() > MAX_SEQ_LEN {
+        return Err(RaggedError::SequenceTooLong {
+            op: OP,
+            len: batch.max_len(),
+            limit: MAX_SEQ_LEN,
+        });
+    }
+    let mut score_stride = 0;
+    if let TokenScores::Given(s) = scores {
+        let (sb, ss) = s.dims2().map_err(|_| RaggedError::Rank {
+            op: OP,
+            what: "scores",
+            expected: 2,
+            shape: s.shape().clone(),
+        })?;
+        if sb != b || ss < batch.max_len() {
+            return Err(RaggedError::ShapeMismatch {
+                op: OP,
+                what: "scores",
+                expected: Shape::from((b, batch.max_len())),
+                found: s.shape().clone(),
+            });
+        }
+        score_stride = ss;
+    }
+    let (source, aux) = score_source(OP, scores, x, rows, c)?;
+    rule.validate()?;
+
+    let x = x.contiguous()?;
+    // RowL2Norm reads only x; the op still takes two operands, so x stands in for the second.
+    let aux = match aux {
+        Some(a) => a.contiguous()?,
+        None => x.clone(),
+    };
+    let decide = Decide {
+        batch: batch.clone(),
+        prefix,
+        rule,
+        fusion,
+        source,
+        score_stride,
+    };
+    let plan = x.apply_op2_no_bwd(&aux, &decide)?;
+    let lengths: Vec<usize> = read_lengths(&plan, b)?
+        .into_iter()
+        .map(|l| l as usize)
+        .collect();
+    let new_batch = RaggedBatch::from_lengths(&lengths, x.device())?;
+    let gather = Gather {
+        batch: batch.clone(),
+        new_batch: new_batch.clone(),
+    };
+    let out = x.apply_op2_no_bwd(&plan, &gather)?;
+    Ok((out, new_batch))
+}
+
+fn msg(m: String) -> RaggedError {
+    RaggedError::Candle(candle_core::Error::Msg(format!("{OP}: {m}")))
+}
+
+/// The plan's leading `b` entries (the new lengths), and nothing more, read back to the host.
+fn read_lengths(plan: &Tensor, b: usize) -> Result<Vec<u32>> {
+    #[cfg(feature = "cuda")]
+    if plan.device().is_cuda() {
+        return Ok(crate::cuda::read_u32_prefix(plan, b)?);
+    }
+    Ok(plan.narrow(0, 0, b)?.to_vec1::<u32>()?)
+}
+
+/// The plan's layout (u32, shared with the CUDA kernels): `[0, B)` new lengths, `[B, 2B)` 1 where
+/// a fused row ends the sequence, `[2B, 2B + total)` each input row's slot in its sequence's
+/// output (`-1` as u32: dropped), `[2B + total, 2B + 2·total)` the f32 bits of each row's weight
+/// in the fused row (0 for kept rows).
+pub(crate) fn plan_len(batch: usize, total: usize) -> usize {
+    2 * batch + 2 * total
+}
+
+/// First kernel: scores, rule, plan (see [`plan_len`]).
+pub(crate) struct Decide {
+    pub batch: RaggedBatch,
+    pub prefix: usize,
+    pub rule: KeepRule,
+    pub fusion: Option<DroppedFusion>,
+    pub source: ScoreSource,
+    /// Row stride of given scores (unused otherwise).
+    pub score_stride: usize,
+}
+
+impl Decide {
+    fn cpu<T: WithDType>(
+        &self,
+        x: &[T],
+        qkv: Option<&[T]>,
+        given: Option<&[f32]>,
+        c: usize,
+    ) -> candle_core::Result<Vec<u32>> {
+        let b_count = self.batch.batch_size();
+        let total = self.batch.total_tokens();
+        let mut plan = vec![0u32; plan_len(b_count, total)];
+        let (head, rest) = plan.split_at_mut(2 * b_count);
+        let (slots, weights) = rest.split_at_mut(total);
+        let p = self.prefix;
+        for (b, w) in self.batch.offsets().windows(2).enumerate() {
+            let (start, len) = (w[0] as usize, (w[1] - w[0]) as usize);
+            let given = given.map(|g| &g[b * self.score_stride..]);
+            let s = sequence_scores(self.source, x, qkv, given, c, start, len)?;
+            let kept = self.rule.keep(&s, p, len);
+            let mut flag = vec![false; len];
+            kept.iter().for_each(|&j| flag[j] = true);
+            let mut next = p;
+            for j in 0..len {
+                slots[start + j] = if j < p {
+                    j as u32
+                } else if flag[j] {
+                    next += 1;
+                    (next - 1) as u32
+                } else {
+                    u32::MAX
+                };
+            }
+            let fused = self.fusion.filter(|_| kept.len() < len - p);
+            head[b] = (p + kept.len() + fused.is_some() as usize) as u32;
+            head[b_count + b] = fused.is_some() as u32;
+            let Some(fusion) = fused else { continue };
+            let weight = |j: usize| sane(s[j]).max(0.0) as f64;
+            let dropped: Vec<usize> = (p..len).filter(|&j| !flag[j]).collect();
+            let whole: f64 = dropped.iter().map(|&j| weight(j)).sum();
+            for &j in &dropped {
+                let v = match fusion {
+                    DroppedFusion::WeightedSum => weight(j),
+                    DroppedFusion::WeightedMean if whole > 0.0 => weight(j) / whole,
+                    DroppedFusion::WeightedMean => 1.0 / dropped.len() as f64,
+                };
+                weights[start + j] = (v as f32).to_bits();
+            }
+        }
+        Ok(plan)
+    }
+}
+
+impl CustomOp2 for Decide {
+    fn name(&self) -> &'static str {
+        "select-by-rule-decide"
+    }
+
+    fn cpu_fwd(
+        &self,
+        x: &CpuStorage,
+        lx: &Layout,
+        s: &CpuStorage,
+        ls: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (rows, c) = lx.shape().dims2()?;
+        let span = lx.start_offset()..lx.start_offset() + rows * c;
+        let aux_span = ls.start_offset()..ls.start_offset() + ls.shape().elem_count();
+        let given = match (self.source, s) {
+            (ScoreSource::Given, CpuStorage::F32(v)) => Some(&v[aux_span.clone()]),
+            (ScoreSource::Given, _) => candle_core::bail!("{OP}: scores must be f32"),
+            _ => None,
+        };
+        macro_rules! run {
+            ($variant:ident, $v:expr) => {{
+                let qkv = match s {
+                    CpuStorage::$variant(a) if self.source.reads_qkv() => Some(&a[aux_span]),
+                    _ => None,
+                };
+                self.cpu(&$v[span], qkv, given, c)?
+            }};
+        }
+        let plan = match x {
+            CpuStorage::F32(v) => run!(F32, v),
+            CpuStorage::F16(v) => run!(F16, v),
+            CpuStorage::BF16(v) => run!(BF16, v),
+            _ => candle_core::bail!("{OP}: unsupported dtype"),
+        };
+        let n = plan.len();
+        Ok((CpuStorage::U32(plan), Shape::from(n)))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x: &candle_core::CudaStorage,
+        lx: &Layout,
+        s: &candle_core::CudaStorage,
+        ls: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        crate::cuda::select_decide(self, (x, lx), (s, ls))
+    }
+}
+
+/// Second kernel: the kept rows to their slots and the fused rows, from the plan.
+pub(crate) struct Gather {
+    pub batch: RaggedBatch,
+    pub new_batch: RaggedBatch,
+}
+
+impl Gather {
+    fn cpu<T: WithDType>(&self, x: &[T], plan: &[u32], c: usize) -> Vec<T> {
+        let b_count = self.batch.batch_size();
+        let total = self.batch.total_tokens();
+        let slots = &plan[2 * b_count..2 * b_count + total];
+        let weights = &plan[2 * b_count + total..];
+        let mut out = vec![T::zero(); self.new_batch.total_tokens() * c];
+        let (old, new) = (self.batch.offsets(), self.new_batch.offsets());
+        for b in 0..b_count {
+            let (start, end, dst) = (old[b] as usize, old[b + 1] as usize, new[b] as usize);
+            for j in start..end {
+                if slots[j] != u32::MAX {
+                    let r = dst + slots[j] as usize;
+                    out[r * c..(r + 1) * c].copy_from_slice(&x[j * c..(j + 1) * c]);
+                }
+            }
+            if plan[b_count + b] == 0 {
+                continue;
+            }
+            let r = new[b + 1] as usize - 1;
+            for ch in 0..c {
+                let mut acc = 0f32;
+                for j in (start..end).filter(|&j| slots[j] == u32::MAX) {
+                    acc += f32::from_bits(weights[j]) * x[j * c + ch].to_f64() as f32;
+                }
+                out[r * c + ch] = T::from_f64(acc as f64);
+            }
+        }
+        out
+    }
+}
+
+impl CustomOp2 for Gather {
+    fn name(&self) -> &'static str {
+        "select-by-rule-gather"
+    }
+
+    fn cpu_fwd(
+        &self,
+        x: &CpuStorage,
+        lx: &Layout,
+        plan: &CpuStorage,
+        lp: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (rows, c) = lx.shape().dims2()?;
+        let x_span = lx.start_offset()..lx.start_offset() + rows * c;
+        let plan = match plan {
+            CpuStorage::U32(p) => {
+                &p[lp.start_offset()..lp.start_offset() + lp.shape().elem_count()]
+            }
+            _ => candle_core::bail!("{OP}: the plan must be u32"),
+        };
+        let out = match x {
+            CpuStorage::F32(v) => CpuStorage::F32(self.cpu(&v[x_span], plan, c)),
+            CpuStorage::F16(v) => CpuStorage::F16(self.cpu(&v[x_span], plan, c)),
+            CpuStorage::BF16(v) => CpuStorage::BF16(self.cpu(&v[x_span], plan, c)),
+            _ => candle_core::bail!("{OP}: unsupported dtype"),
+        };
+        Ok((out, Shape::from((self.new_batch.total_tokens(), c))))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x: &candle_core::CudaStorage,
+        lx: &Layout,
+        plan: &candle_core::CudaStorage,
+        lp: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        crate::cuda::select_gather(self, (x, lx), (plan, lp))
+    }
+}
