@@ -41,7 +41,7 @@ for stage in $stages; do
       note "racecheck clean pack"; else note "racecheck FAIL pack"; status=1; fi
     if compute-sanitizer --tool racecheck --error-exitcode 9 "$bin"/test-select --test-threads=1 >> "$out/sanitizer.log" 2>&1; then
       note "racecheck clean select"; else note "racecheck FAIL select"; status=1; fi
-    if compute-sanitizer --tool racecheck --error-exitcode 9 "$bin"/test-select_rule --test-threads=1 >> "$out/sanitizer.log" 2>&1; then
+    if compute-sanitizer --tool racecheck --error-exitcode 9 "$bin"/test-select_rule --test-threads=1 every_rule_once >> "$out/sanitizer.log" 2>&1; then
       note "racecheck clean select_rule"; else note "racecheck FAIL select_rule"; status=1; fi
     grep -E "ERROR SUMMARY|RACECHECK SUMMARY|Invalid|Race" "$out/sanitizer.log" | sort | uniq -c | head -20
     ;;

@@ -908,6 +908,25 @@ fn published_sizes_padded_equals_ragged() {
                         let d = check_on_device(&what, &m, &pixels, &pruners, &o.ragged);
                         eprintln!("{what}: device decisions (and, fixed, CUDA graph replay) vs host: max |Δlogit| {d:.2e}");
                     } else {
+                        if dtype == DType::F32 {
+                            // ATS on the device: informational, as padded vs ragged above.
+                            let host = m
+                                .forward_pruned(&pixels, &pruners, ExecutionPath::Ragged)
+                                .unwrap();
+                            let device = m.forward_pruned_on_device(&pixels, &pruners).unwrap();
+                            let want = host.kept_tokens();
+                            let differ = (0..batch)
+                                .filter(|&i| {
+                                    want.iter()
+                                        .zip(&device.kept_tokens)
+                                        .any(|(a, b)| a[i] != b[i])
+                                })
+                                .count();
+                            eprintln!(
+                                "{what}: device vs host decisions, {differ}/{batch} images keep \
+                                 different counts"
+                            );
+                        }
                         let differ = images_deciding_differently(&m, &pixels, &pruners);
                         let d = check_half_with_replayed_plans(&what, &m, &pixels, pruners);
                         eprintln!(
