@@ -610,6 +610,28 @@ __device__ __forceinline__ float dot_row(const float *a, const T *row, int n, bo
     return acc;
 }
 
+// Σ row[c]² over the C elements of a row, in f32, by one warp (every lane gets the sum); 16-byte
+// loads when `vec` (C a multiple of the vector and the row aligned).
+template <typename T>
+__device__ __forceinline__ float warp_sum_of_squares(const T *row, int C, bool vec) {
+    constexpr int V = 16 / sizeof(T);
+    const int lane = threadIdx.x % 32;
+    float acc = 0.f;
+    if (vec) {
+        for (int c0 = lane * V; c0 < C; c0 += 32 * V) {
+            const uint4 u = *reinterpret_cast<const uint4 *>(row + c0);
+            const T *e = reinterpret_cast<const T *>(&u);
+#pragma unroll
+            for (int i = 0; i < V; ++i) acc = fmaf(to_f32(e[i]), to_f32(e[i]), acc);
+        }
+    } else {
+        for (int c = lane; c < C; c += 32) acc = fmaf(to_f32(row[c]), to_f32(row[c]), acc);
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+    return acc;
+}
+
 // The scores of sequence b = blockIdx.x, packed rows start..start + len, into sc (shared), by `mode`:
 //   0: given, scores[b·score_stride + j];
 //   1: the L2 norm of row j of x (f32 sum of squares);
@@ -634,20 +656,7 @@ __device__ void sequence_scores(float *sc, float *tmp, int tmp_floats, float *re
         const T *xb = x + (size_t)start * C;
         const bool vec = C % V == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0;
         for (int j = warp; j < len; j += warps) {
-            const T *row = xb + (size_t)j * C;
-            float acc = 0.f;
-            if (vec) {
-                for (int c0 = lane * V; c0 < C; c0 += 32 * V) {
-                    const uint4 u = *reinterpret_cast<const uint4 *>(row + c0);
-                    const T *e = reinterpret_cast<const T *>(&u);
-#pragma unroll
-                    for (int i = 0; i < V; ++i) acc = fmaf(to_f32(e[i]), to_f32(e[i]), acc);
-                }
-            } else {
-                for (int c = lane; c < C; c += 32) acc = fmaf(to_f32(row[c]), to_f32(row[c]), acc);
-            }
-#pragma unroll
-            for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+            const float acc = warp_sum_of_squares<T>(xb + (size_t)j * C, C, vec);
             if (lane == 0) sc[j] = sqrtf(acc);
         }
     } else {
@@ -703,20 +712,7 @@ __device__ void sequence_scores(float *sc, float *tmp, int tmp_floats, float *re
             // Times ‖v_j‖, a warp per row (the head loop ended on a barrier).
             const bool vvec = C % V == 0 && reinterpret_cast<uintptr_t>(qkv) % 16 == 0;
             for (int j = warp; j < len; j += warps) {
-                const T *row = qb + (size_t)j * stride + 2 * C;
-                float acc = 0.f;
-                if (vvec) {
-                    for (int c0 = lane * V; c0 < C; c0 += 32 * V) {
-                        const uint4 u = *reinterpret_cast<const uint4 *>(row + c0);
-                        const T *e = reinterpret_cast<const T *>(&u);
-#pragma unroll
-                        for (int i = 0; i < V; ++i) acc = fmaf(to_f32(e[i]), to_f32(e[i]), acc);
-                    }
-                } else {
-                    for (int c = lane; c < C; c += 32) acc = fmaf(to_f32(row[c]), to_f32(row[c]), acc);
-                }
-#pragma unroll
-                for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+                const float acc = warp_sum_of_squares<T>(qb + (size_t)j * stride + 2 * C, C, vvec);
                 if (lane == 0) sc[j] *= __fsqrt_rn(acc);
             }
         }

@@ -209,6 +209,30 @@ macro_rules! push_positions {
     };
 }
 
+/// Pushes an optional device slice onto a launch, or a null pointer (kernels that read only the
+/// pointer their mode needs).
+macro_rules! push_opt {
+    ($builder:ident, $opt:expr, $null:expr) => {
+        match $opt {
+            Some(v) => $builder.arg(v),
+            None => $builder.arg($null),
+        };
+    };
+}
+
+/// `$run!(element type, kernel index)` for the f32 / f16 / bf16 storages of the select kernels,
+/// or the unsupported-dtype error of `$op`.
+macro_rules! by_float_dtype {
+    ($dtype:expr, $op:expr, $run:ident) => {
+        match $dtype {
+            DType::F32 => $run!(f32, 0),
+            DType::F16 => $run!(half::f16, 1),
+            DType::BF16 => $run!(half::bf16, 2),
+            dtype => return Err(RaggedError::UnsupportedDType { op: $op, dtype }.into()),
+        }
+    };
+}
+
 pub(crate) fn attention(
     batch: &RaggedBatch,
     softmax_scale: f32,
@@ -528,14 +552,8 @@ pub(crate) fn select_top_k(
             let out = unsafe { dev.alloc::<$t>(out_rows * c)? };
             let mut builder = stream.launch_builder(&k.select[$i]);
             builder.arg(&xs);
-            match &scores {
-                Some(sv) => builder.arg(sv),
-                None => builder.arg(&null),
-            };
-            match &qkv {
-                Some(qv) => builder.arg(qv),
-                None => builder.arg(&null),
-            };
+            push_opt!(builder, &scores, &null);
+            push_opt!(builder, &qkv, &null);
             builder.arg(&out);
             builder.arg(&len);
             builder.arg(&cc);
@@ -550,18 +568,7 @@ pub(crate) fn select_top_k(
             CudaStorage::wrap_cuda_slice(out, dev.clone())
         }};
     }
-    let out = match x.dtype() {
-        DType::F32 => run!(f32, 0),
-        DType::F16 => run!(half::f16, 1),
-        DType::BF16 => run!(half::bf16, 2),
-        dtype => {
-            return Err(RaggedError::UnsupportedDType {
-                op: "select_top_k",
-                dtype,
-            }
-            .into())
-        }
-    };
+    let out = by_float_dtype!(x.dtype(), "select_top_k", run);
     Ok((out, Shape::from((out_rows, c))))
 }
 
@@ -673,15 +680,9 @@ pub(crate) fn select_decide(
             };
             let mut builder = stream.launch_builder(&k.decide[$i]);
             builder.arg(&xs);
-            match &scores {
-                Some(sv) => builder.arg(sv),
-                None => builder.arg(&null),
-            };
+            push_opt!(builder, &scores, &null);
             builder.arg(&stride_i);
-            match &qkv {
-                Some(qv) => builder.arg(qv),
-                None => builder.arg(&null),
-            };
+            push_opt!(builder, &qkv, &null);
             builder.arg(&cu).arg(&plan);
             builder.arg(&b_i).arg(&total_i).arg(&c_i).arg(&prefix_i);
             builder.arg(&mode).arg(&heads).arg(&scale);
@@ -692,18 +693,7 @@ pub(crate) fn select_decide(
             unsafe { builder.launch(cfg) }.w()?;
         }};
     }
-    match x.dtype() {
-        DType::F32 => run!(f32, 0),
-        DType::F16 => run!(half::f16, 1),
-        DType::BF16 => run!(half::bf16, 2),
-        dtype => {
-            return Err(RaggedError::UnsupportedDType {
-                op: "select_by_rule",
-                dtype,
-            }
-            .into())
-        }
-    };
+    by_float_dtype!(x.dtype(), "select_by_rule", run);
     let n = plan_len(b, rows);
     Ok((
         CudaStorage::wrap_cuda_slice(plan, dev.clone()),
@@ -755,17 +745,6 @@ pub(crate) fn select_gather(
             CudaStorage::wrap_cuda_slice(out, dev.clone())
         }};
     }
-    let out = match x.dtype() {
-        DType::F32 => run!(f32, 0),
-        DType::F16 => run!(half::f16, 1),
-        DType::BF16 => run!(half::bf16, 2),
-        dtype => {
-            return Err(RaggedError::UnsupportedDType {
-                op: "select_by_rule",
-                dtype,
-            }
-            .into())
-        }
-    };
+    let out = by_float_dtype!(x.dtype(), "select_by_rule", run);
     Ok((out, Shape::from((out_rows, c))))
 }

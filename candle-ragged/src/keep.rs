@@ -12,6 +12,7 @@
 use std::cmp::Ordering;
 
 use crate::error::{RaggedError, Result};
+use crate::select::DroppedFusion;
 
 /// How many tokens a count-based rule takes out of the `n` a sequence offers.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -135,6 +136,26 @@ impl KeepRule {
         kept.sort_unstable();
         kept
     }
+}
+
+/// The weight of each `dropped` position of `row` (ascending) in the row fused from them (EViT's
+/// extra token): `max(score, 0)` (NaN: 0) for [`DroppedFusion::WeightedSum`]; for
+/// [`DroppedFusion::WeightedMean`] divided by their total, summed in f64 in position order, or
+/// `1 / dropped.len()` each when that total is 0. The host pruner, the CPU op and (operation for
+/// operation) the CUDA kernel of [`crate::select_by_rule`] all use these weights.
+pub fn fusion_weights(row: &[f32], dropped: &[usize], fusion: DroppedFusion) -> Vec<f32> {
+    let w: Vec<f64> = dropped
+        .iter()
+        .map(|&j| sane(row[j]).max(0.0) as f64)
+        .collect();
+    let total: f64 = w.iter().sum();
+    w.iter()
+        .map(|&wj| match fusion {
+            DroppedFusion::WeightedSum => wj as f32,
+            DroppedFusion::WeightedMean if total > 0.0 => (wj / total) as f32,
+            DroppedFusion::WeightedMean => (1.0 / dropped.len() as f64) as f32,
+        })
+        .collect()
 }
 
 fn rule_error(m: String) -> RaggedError {

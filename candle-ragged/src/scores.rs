@@ -65,6 +65,35 @@ impl ScoreSource {
     }
 }
 
+/// The `[rows, C]` of a selection op's tokens `x`, which must be rank 2 and f32 / f16 / bf16.
+pub(crate) fn token_dims(op: &'static str, x: &Tensor) -> Result<(usize, usize)> {
+    if x.rank() != 2 {
+        return Err(RaggedError::Rank {
+            op,
+            what: "x",
+            expected: 2,
+            shape: x.shape().clone(),
+        });
+    }
+    if !matches!(x.dtype(), DType::F32 | DType::F16 | DType::BF16) {
+        return Err(RaggedError::UnsupportedDType {
+            op,
+            dtype: x.dtype(),
+        });
+    }
+    Ok(x.dims2()?)
+}
+
+/// The `[B, S]` of given scores, which must be rank 2.
+pub(crate) fn given_dims(op: &'static str, s: &Tensor) -> Result<(usize, usize)> {
+    s.dims2().map_err(|_| RaggedError::Rank {
+        op,
+        what: "scores",
+        expected: 2,
+        shape: s.shape().clone(),
+    })
+}
+
 /// Checks `scores` against `x` (`[rows, c]`) apart from a given tensor's shape, which each op
 /// checks itself, and returns the source and the op's second operand.
 pub(crate) fn score_source<'a>(

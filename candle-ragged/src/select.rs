@@ -3,11 +3,13 @@
 //! op (one kernel on CUDA, replacing a sort, gathers and a concatenation), with no host sync: the
 //! output size is known from the arguments alone.
 
-use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp2, Layout, Shape, Tensor};
 
 use crate::batch::MAX_SEQ_LEN;
 use crate::error::{RaggedError, Result};
-use crate::scores::{score_source, sequence_scores, ScoreSource, TokenScores};
+use crate::scores::{
+    given_dims, score_source, sequence_scores, token_dims, ScoreSource, TokenScores,
+};
 
 const OP: &str = "select_top_k";
 
@@ -65,23 +67,10 @@ pub fn select_top_k_by(
     keep: usize,
     fusion: Option<DroppedFusion>,
 ) -> Result<(Tensor, usize)> {
-    if x.rank() != 2 {
-        return Err(RaggedError::Rank {
-            op: OP,
-            what: "x",
-            expected: 2,
-            shape: x.shape().clone(),
-        });
-    }
-    let (rows, c) = x.dims2()?;
+    let (rows, c) = token_dims(OP, x)?;
     // Given scores fix the layout themselves: checked first, so a mismatch names their shape.
     if let TokenScores::Given(s) = scores {
-        let (b, len) = s.dims2().map_err(|_| RaggedError::Rank {
-            op: OP,
-            what: "scores",
-            expected: 2,
-            shape: s.shape().clone(),
-        })?;
+        let (b, len) = given_dims(OP, s)?;
         if rows != b * len || b != batch_size {
             return Err(RaggedError::ShapeMismatch {
                 op: OP,
@@ -97,12 +86,6 @@ pub fn select_top_k_by(
         )));
     }
     let len = rows / batch_size;
-    if !matches!(x.dtype(), DType::F32 | DType::F16 | DType::BF16) {
-        return Err(RaggedError::UnsupportedDType {
-            op: OP,
-            dtype: x.dtype(),
-        });
-    }
     let (source, aux) = score_source(OP, scores, x, rows, c)?;
     if len > MAX_SEQ_LEN {
         return Err(RaggedError::SequenceTooLong {

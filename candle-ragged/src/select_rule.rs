@@ -6,12 +6,14 @@
 //! The decision is [`KeepRule::keep`] itself on the CPU, and the same rule repeated operation for
 //! operation in the CUDA kernel, so a host pruner's decision over the same scores is the same.
 
-use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Tensor, WithDType};
+use candle_core::{CpuStorage, CustomOp2, Layout, Shape, Tensor, WithDType};
 
 use crate::batch::{RaggedBatch, MAX_SEQ_LEN};
 use crate::error::{RaggedError, Result};
-use crate::keep::{sane, KeepRule};
-use crate::scores::{score_source, sequence_scores, ScoreSource, TokenScores};
+use crate::keep::{fusion_weights, KeepRule};
+use crate::scores::{
+    given_dims, score_source, sequence_scores, token_dims, ScoreSource, TokenScores,
+};
 use crate::select::DroppedFusion;
 
 const OP: &str = "select_by_rule";
@@ -39,27 +41,13 @@ pub fn select_by_rule(
     rule: KeepRule,
     fusion: Option<DroppedFusion>,
 ) -> Result<(Tensor, RaggedBatch)> {
-    if x.rank() != 2 {
-        return Err(RaggedError::Rank {
-            op: OP,
-            what: "x",
-            expected: 2,
-            shape: x.shape().clone(),
-        });
-    }
-    let (rows, c) = x.dims2()?;
+    let (rows, c) = token_dims(OP, x)?;
     if rows != batch.total_tokens() {
         return Err(RaggedError::TotalMismatch {
             op: OP,
             what: "x",
             expected: batch.total_tokens(),
             found: rows,
-        });
-    }
-    if !matches!(x.dtype(), DType::F32 | DType::F16 | DType::BF16) {
-        return Err(RaggedError::UnsupportedDType {
-            op: OP,
-            dtype: x.dtype(),
         });
     }
     if !batch.device().same_device(x.device()) {
@@ -92,12 +80,7 @@ pub fn select_by_rule(
     }
     let mut score_stride = 0;
     if let TokenScores::Given(s) = scores {
-        let (sb, ss) = s.dims2().map_err(|_| RaggedError::Rank {
-            op: OP,
-            what: "scores",
-            expected: 2,
-            shape: s.shape().clone(),
-        })?;
+        let (sb, ss) = given_dims(OP, s)?;
         if sb != b || ss < batch.max_len() {
             return Err(RaggedError::ShapeMismatch {
                 op: OP,
@@ -207,16 +190,9 @@ impl Decide {
             head[b] = (p + kept.len() + fused.is_some() as usize) as u32;
             head[b_count + b] = fused.is_some() as u32;
             let Some(fusion) = fused else { continue };
-            let weight = |j: usize| sane(s[j]).max(0.0) as f64;
             let dropped: Vec<usize> = (p..len).filter(|&j| !flag[j]).collect();
-            let whole: f64 = dropped.iter().map(|&j| weight(j)).sum();
-            for &j in &dropped {
-                let v = match fusion {
-                    DroppedFusion::WeightedSum => weight(j),
-                    DroppedFusion::WeightedMean if whole > 0.0 => weight(j) / whole,
-                    DroppedFusion::WeightedMean => 1.0 / dropped.len() as f64,
-                };
-                weights[start + j] = (v as f32).to_bits();
+            for (&j, v) in dropped.iter().zip(fusion_weights(&s, &dropped, fusion)) {
+                weights[start + j] = v.to_bits();
             }
         }
         Ok(plan)

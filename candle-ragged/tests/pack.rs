@@ -25,15 +25,6 @@ fn image_tensor(
     (v, t)
 }
 
-fn host(t: &Tensor) -> Vec<f32> {
-    t.to_dtype(DType::F32)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1()
-        .unwrap()
-}
-
 #[test]
 fn pack_by_keep_indices_then_unpack_restores_kept_positions() {
     let dev = device();

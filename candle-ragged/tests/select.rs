@@ -7,7 +7,7 @@ mod common;
 
 use candle_core::{DType, Tensor};
 use candle_ragged::{select_top_k, select_top_k_by, DroppedFusion, TokenScores};
-use common::{device, poison, quantize, randn, rng};
+use common::{cls_attention_by_tensor_ops, device, host, poison, quantize, randn, rng};
 use rand::Rng;
 
 /// Kept positions by the rule: total order with NaN lowest, ties to the lower position.
@@ -185,7 +185,6 @@ fn permuted(j: usize, len: usize) -> f32 {
 /// the data keep the scores well apart, so rounding differences cannot swap two of them.
 #[test]
 fn computed_scores_pick_what_given_scores_pick() {
-    use candle_core::D;
     let dev = device();
     let mut r = rng(31);
     // (heads, head_dim): 16-byte row loads, and 5 (scalar loads). 3 heads x 1400 tokens: more
@@ -232,13 +231,9 @@ fn computed_scores_pick_what_given_scores_pick() {
             let (got, got_len) =
                 select_top_k_by(&xt, b, TokenScores::RowL2Norm, 1, keep, None).unwrap();
             assert_eq!(got_len, 1 + keep);
-            let flat = |t: &Tensor| -> Vec<f32> {
-                let t = t.to_dtype(DType::F32).unwrap();
-                t.flatten_all().unwrap().to_vec1().unwrap()
-            };
             assert_eq!(
-                flat(&got),
-                flat(&want),
+                host(&got),
+                host(&want),
                 "row norms, {dtype:?} b={b} len={len}"
             );
 
@@ -264,39 +259,7 @@ fn computed_scores_pick_what_given_scores_pick() {
                 .to_dtype(dtype)
                 .unwrap();
             let seq = qkv_t.reshape((b, len, 3 * c)).unwrap();
-            let q = (seq
-                .narrow(1, 0, 1)
-                .unwrap()
-                .narrow(2, 0, c)
-                .unwrap()
-                .reshape((b, heads, 1, d))
-                .unwrap()
-                * scale as f64)
-                .unwrap();
-            let k = seq
-                .narrow(2, c, c)
-                .unwrap()
-                .reshape((b, len, heads, d))
-                .unwrap()
-                .transpose(1, 2)
-                .unwrap()
-                .contiguous()
-                .unwrap();
-            let logits = q
-                .matmul(&k.t().unwrap())
-                .unwrap()
-                .to_dtype(DType::F32)
-                .unwrap();
-            let e = logits
-                .broadcast_sub(&logits.max_keepdim(D::Minus1).unwrap())
-                .unwrap()
-                .exp()
-                .unwrap();
-            let attn = e
-                .broadcast_div(&e.sum_keepdim(D::Minus1).unwrap())
-                .unwrap()
-                .squeeze(2)
-                .unwrap()
+            let attn = cls_attention_by_tensor_ops(&seq, heads, scale)
                 .mean(1)
                 .unwrap();
             let fusion = Some(DroppedFusion::WeightedMean);
@@ -310,7 +273,7 @@ fn computed_scores_pick_what_given_scores_pick() {
             let (got, got_len) = select_top_k_by(&xt, b, source, 1, keep, fusion).unwrap();
             let fused = keep < len - 1;
             assert_eq!(got_len, 1 + keep + fused as usize);
-            let (got, want) = (flat(&got), flat(&want));
+            let (got, want) = (host(&got), host(&want));
             let kept = (1 + keep) * c;
             let new_len = got_len * c;
             for bi in 0..b {

@@ -11,7 +11,7 @@ use candle_core::{DType, Device, Tensor, D};
 use candle_ragged::{
     select_by_rule, DroppedFusion, KeepCount, KeepRule, RaggedBatch, TokenScores, MAX_SEQ_LEN,
 };
-use common::{device, poison, quantize, randn, rng};
+use common::{cls_attention_by_tensor_ops, device, host, poison, quantize, randn, rng};
 use rand::rngs::StdRng;
 use rand::Rng;
 
@@ -43,15 +43,6 @@ const FUSIONS: [Option<DroppedFusion>; 3] = [
     Some(DroppedFusion::WeightedMean),
     Some(DroppedFusion::WeightedSum),
 ];
-
-fn flat(t: &Tensor) -> Vec<f32> {
-    t.to_dtype(DType::F32)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1()
-        .unwrap()
-}
 
 /// Scores of one sequence: coarse values (ties), a few NaN, negatives and zeros; for the
 /// inverse-transform rule mostly distinct positive values (its CDF), still with ties and zeros.
@@ -169,7 +160,7 @@ fn check_against_the_rule(
                     let (out, new_batch) =
                         select_by_rule(&xt, &batch, TokenScores::Given(&st), prefix, rule, fusion)
                             .unwrap();
-                    let out = flat(&out);
+                    let out = host(&out);
                     assert_eq!(out.len(), new_batch.total_tokens() * c, "{what}");
                     let mut start = 0;
                     for (bi, &len) in lengths.iter().enumerate() {
@@ -224,8 +215,7 @@ fn permuted(j: usize, len: usize) -> f32 {
 /// attention (mean or sum over heads) and value norms, from `x` `[len, c]` and `qkv`
 /// `[len, 3c]` of one sequence.
 fn tensor_op_scores(x: &Tensor, qkv: &Tensor, heads: usize, scale: f32) -> [Vec<f32>; 3] {
-    let (len, c) = x.dims2().unwrap();
-    let d = c / heads;
+    let c = x.dim(1).unwrap();
     let norm = |t: &Tensor| -> Tensor {
         t.to_dtype(DType::F32)
             .unwrap()
@@ -236,38 +226,8 @@ fn tensor_op_scores(x: &Tensor, qkv: &Tensor, heads: usize, scale: f32) -> [Vec<
             .sqrt()
             .unwrap()
     };
-    let q = (qkv
-        .narrow(0, 0, 1)
-        .unwrap()
-        .narrow(1, 0, c)
-        .unwrap()
-        .reshape((heads, 1, d))
-        .unwrap()
-        * scale as f64)
-        .unwrap();
-    let k = qkv
-        .narrow(1, c, c)
-        .unwrap()
-        .reshape((len, heads, d))
-        .unwrap()
-        .transpose(0, 1)
-        .unwrap()
-        .contiguous()
-        .unwrap();
-    let logits = q
-        .matmul(&k.t().unwrap())
-        .unwrap()
-        .to_dtype(DType::F32)
-        .unwrap();
-    let e = logits
-        .broadcast_sub(&logits.max_keepdim(D::Minus1).unwrap())
-        .unwrap()
-        .exp()
-        .unwrap();
-    let attn = e
-        .broadcast_div(&e.sum_keepdim(D::Minus1).unwrap())
-        .unwrap()
-        .squeeze(1)
+    let attn = cls_attention_by_tensor_ops(&qkv.unsqueeze(0).unwrap(), heads, scale)
+        .squeeze(0)
         .unwrap();
     let v_norm = norm(&qkv.narrow(1, 2 * c, c).unwrap());
     let v = |t: Tensor| t.to_vec1::<f32>().unwrap();
@@ -381,7 +341,7 @@ fn computed_scores_decide_as_given_scores() {
                     let (got, got_batch) =
                         select_by_rule(&xt, &batch, source, 1, rule, fusion).unwrap();
                     assert_eq!(got_batch.lengths(), want_batch.lengths(), "{what}");
-                    let (got, want) = (flat(&got), flat(&want));
+                    let (got, want) = (host(&got), host(&want));
                     for (bi, len) in got_batch.lengths().into_iter().enumerate() {
                         let o = got_batch.offsets()[bi] as usize * c;
                         let fused = len < lengths[bi];

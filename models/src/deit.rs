@@ -17,6 +17,7 @@ use candle_core::{DType, Module, Result, Tensor, D};
 use candle_fastpath::{layer_norm, linear, FusedLinear, LayerNorm};
 use candle_nn::VarBuilder;
 use candle_ragged::RaggedBatch;
+use pruners::PruneSite;
 
 use crate::attention::{attend, merge_heads, split_heads, AttentionInputs};
 use crate::config::DeiTConfig;
@@ -195,6 +196,38 @@ impl Block {
 
     pub fn forward_with(&self, x: &Tensor, inputs: &AttentionInputs) -> Result<Tensor> {
         self.mlp_residual(&self.attn_residual(x, inputs)?)
+    }
+
+    /// What a pruner at `site` of this block sees: the block's input (before the block), or the
+    /// hidden states after attention + residual together with the block's fused qkv (after
+    /// attention, for the class token's attention).
+    pub fn tokens_at(
+        &self,
+        site: PruneSite,
+        x: &Tensor,
+        inputs: &AttentionInputs,
+    ) -> Result<(Tensor, Option<Tensor>)> {
+        match site {
+            PruneSite::BeforeBlock => Ok((x.clone(), None)),
+            PruneSite::AfterAttention => {
+                let (h, qkv) = self.attn_residual_with_qkv(x, inputs)?;
+                Ok((h, Some(qkv)))
+            }
+        }
+    }
+
+    /// The rest of the block after a pruning step at `site` on the kept tokens `x` (laid out as
+    /// `inputs` says): the whole block, or its MLP half.
+    pub fn rest_after(
+        &self,
+        site: PruneSite,
+        x: &Tensor,
+        inputs: &AttentionInputs,
+    ) -> Result<Tensor> {
+        match site {
+            PruneSite::BeforeBlock => self.forward_with(x, inputs),
+            PruneSite::AfterAttention => self.mlp_residual(x),
+        }
     }
 }
 

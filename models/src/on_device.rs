@@ -165,13 +165,7 @@ impl DeiT {
             let lengths = vec![len; b];
             // Scores the selection kernel computes itself are not materialised: the whole step
             // is one launch.
-            let (tokens, qkv) = match site {
-                PruneSite::BeforeBlock => (x.clone(), None),
-                PruneSite::AfterAttention => {
-                    let (h, qkv) = block.attn_residual_with_qkv(&x, &inputs)?;
-                    (h, Some(qkv))
-                }
-            };
+            let (tokens, qkv) = block.tokens_at(site, &x, &inputs)?;
             let given;
             let recipe = pruner.score_recipe();
             let scores = match computed_scores(recipe, site, qkv.as_ref(), heads, scale as f32) {
@@ -197,10 +191,7 @@ impl DeiT {
             kept_tokens.push(vec![len; b]);
             batch = RaggedBatch::from_lengths(&vec![len; b], &dev)?;
             let inputs = AttentionInputs::Ragged { batch: &batch };
-            x = match site {
-                PruneSite::BeforeBlock => block.forward_with(&x, &inputs)?,
-                PruneSite::AfterAttention => block.mlp_residual(&x)?,
-            };
+            x = block.rest_after(site, &x, &inputs)?;
         }
         let prefix = x
             .reshape((b, len, c))?
@@ -233,13 +224,7 @@ impl DeiT {
             };
             let site = pruner.site();
             let (heads, scale) = (block.attn.heads, block.attn.scale as f32);
-            let (tokens, qkv) = match site {
-                PruneSite::BeforeBlock => (x.clone(), None),
-                PruneSite::AfterAttention => {
-                    let (h, qkv) = block.attn_residual_with_qkv(&x, &inputs)?;
-                    (h, Some(qkv))
-                }
-            };
+            let (tokens, qkv) = block.tokens_at(site, &x, &inputs)?;
             let given;
             let scores =
                 match computed_scores(pruner.score_recipe(), site, qkv.as_ref(), heads, scale) {
@@ -276,10 +261,7 @@ impl DeiT {
             batch = next_batch;
             kept_tokens.push(batch.lengths());
             let inputs = AttentionInputs::Ragged { batch: &batch };
-            x = match site {
-                PruneSite::BeforeBlock => block.forward_with(&x, &inputs)?,
-                PruneSite::AfterAttention => block.mlp_residual(&x)?,
-            };
+            x = block.rest_after(site, &x, &inputs)?;
         }
         let prefix = packed_prefix(&x, &batch, num_prefix)?;
         Ok(DevicePrunedForward {

@@ -405,10 +405,7 @@ impl DeiT {
             };
             tokens = tokens.apply(&plan, &image)?;
             stages.push(record_stage(i, pruner.site(), &plan, &mut origins));
-            let x = match pruner.site() {
-                PruneSite::BeforeBlock => block.forward_with(tokens.x(), &tokens.inputs())?,
-                PruneSite::AfterAttention => block.mlp_residual(tokens.x())?,
-            };
+            let x = block.rest_after(pruner.site(), tokens.x(), &tokens.inputs())?;
             tokens.set_x(x);
         }
         debug_assert_eq!(

@@ -29,7 +29,8 @@ use crate::error::{PruneError, Result};
 use crate::input::{cls_attn_mean, FusedTokens, KeepPlan, PruneInput};
 use crate::select::{decide, Decisions};
 use crate::{KeepCount, KeepRule, Mode, Needs, PruneSite, PrunerKind, TokenPruner};
-use candle_ragged::keep::sane;
+use candle_ragged::keep::fusion_weights;
+use candle_ragged::DroppedFusion;
 
 /// How EViT decides how many tokens to keep.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -162,8 +163,13 @@ impl TokenPruner for Evit {
         let fused = match self.fusion() {
             None => None,
             Some(fusion) => {
-                // Per image, the dropped patches' weights (f64 sums in position order, as the
-                // device kernel of candle_ragged::select_by_rule sums them).
+                // All-zero attention on the dropped tokens: their plain mean.
+                let fusion = match fusion {
+                    EvitFusion::ReferenceSum => DroppedFusion::WeightedSum,
+                    _ => DroppedFusion::WeightedMean,
+                };
+                // Per image, the dropped patches' weights (the rule candle_ragged's device
+                // selection applies too).
                 let mut weights = vec![0f32; g.batch * g.tokens];
                 let mut present = vec![false; g.batch];
                 for (b, (kept, row)) in indices.iter().zip(&rows).enumerate() {
@@ -176,19 +182,8 @@ impl TokenPruner for Evit {
                         continue;
                     }
                     present[b] = true;
-                    let w: Vec<f64> = dropped
-                        .iter()
-                        .map(|&j| sane(row[j]).max(0.0) as f64)
-                        .collect();
-                    let total: f64 = w.iter().sum();
-                    for (&j, &wj) in dropped.iter().zip(&w) {
-                        let v = match fusion {
-                            EvitFusion::ReferenceSum => wj,
-                            // All-zero attention on the dropped tokens: plain mean.
-                            _ if total <= 0.0 => 1.0 / dropped.len() as f64,
-                            _ => wj / total,
-                        };
-                        weights[b * g.tokens + j] = v as f32;
+                    for (&j, v) in dropped.iter().zip(fusion_weights(row, &dropped, fusion)) {
+                        weights[b * g.tokens + j] = v;
                     }
                 }
                 let dev = input.tokens.device();

@@ -60,6 +60,57 @@ pub fn quantize(v: &[f32], dtype: DType) -> Vec<f32> {
         .unwrap()
 }
 
+/// A tensor's values as a flat f32 vector on the host.
+pub fn host(t: &Tensor) -> Vec<f32> {
+    t.to_dtype(DType::F32)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap()
+}
+
+/// The class token's attention per head, `[B, heads, len]` f32, from a fused projection `qkv`
+/// `[B, len, 3·C]` as the pruners compute it with tensor ops: `q_cls · scale` and the logits in
+/// the dtype of `qkv` (as its matmul rounds them), the softmax in f32.
+pub fn cls_attention_by_tensor_ops(qkv: &Tensor, heads: usize, scale: f32) -> Tensor {
+    use candle_core::D;
+    let (b, len, c3) = qkv.dims3().unwrap();
+    let (c, d) = (c3 / 3, c3 / 3 / heads);
+    let q = (qkv
+        .narrow(1, 0, 1)
+        .unwrap()
+        .narrow(2, 0, c)
+        .unwrap()
+        .reshape((b, heads, 1, d))
+        .unwrap()
+        * scale as f64)
+        .unwrap();
+    let k = qkv
+        .narrow(2, c, c)
+        .unwrap()
+        .reshape((b, len, heads, d))
+        .unwrap()
+        .transpose(1, 2)
+        .unwrap()
+        .contiguous()
+        .unwrap();
+    let logits = q
+        .matmul(&k.t().unwrap())
+        .unwrap()
+        .to_dtype(DType::F32)
+        .unwrap();
+    let e = logits
+        .broadcast_sub(&logits.max_keepdim(D::Minus1).unwrap())
+        .unwrap()
+        .exp()
+        .unwrap();
+    e.broadcast_div(&e.sum_keepdim(D::Minus1).unwrap())
+        .unwrap()
+        .squeeze(2)
+        .unwrap()
+}
+
 /// Naive attention in f64: q, k, v as `[total, heads, dim]` row-major values.
 pub fn reference(
     q: &[f32],
