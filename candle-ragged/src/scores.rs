@@ -161,6 +161,22 @@ pub(crate) fn score_source<'a>(
     Ok((source, aux))
 }
 
+/// On the CPU: the given scores of a selection op's second operand (the whole `[B, S]` f32
+/// slice), `None` for computed scores.
+pub(crate) fn given_on_cpu<'a>(
+    op: &str,
+    source: ScoreSource,
+    s: &'a candle_core::CpuStorage,
+    ls: &candle_core::Layout,
+) -> candle_core::Result<Option<&'a [f32]>> {
+    let span = ls.start_offset()..ls.start_offset() + ls.shape().elem_count();
+    match (source, s) {
+        (ScoreSource::Given, candle_core::CpuStorage::F32(v)) => Ok(Some(&v[span])),
+        (ScoreSource::Given, _) => candle_core::bail!("{op}: scores must be f32"),
+        _ => Ok(None),
+    }
+}
+
 /// One sequence's scores on the CPU, computed as the CUDA kernel computes them: the `len` rows
 /// from `start` of the packed `x` (`[rows, c]`) or of `qkv` (`[rows, 3c]`), or `given`, that
 /// sequence's row of given scores.

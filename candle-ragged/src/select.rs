@@ -8,7 +8,7 @@ use candle_core::{CpuStorage, CustomOp2, Layout, Shape, Tensor};
 use crate::batch::MAX_SEQ_LEN;
 use crate::error::{RaggedError, Result};
 use crate::scores::{
-    given_dims, score_source, sequence_scores, token_dims, ScoreSource, TokenScores,
+    given_dims, given_on_cpu, score_source, sequence_scores, token_dims, ScoreSource, TokenScores,
 };
 
 const OP: &str = "select_top_k";
@@ -253,13 +253,7 @@ impl CustomOp2 for SelectTopK {
         let b = rows / self.len;
         let span = lx.start_offset()..lx.start_offset() + rows * c;
         let aux_span = ls.start_offset()..ls.start_offset() + ls.shape().elem_count();
-        let given = match (self.source, s) {
-            (ScoreSource::Given, CpuStorage::F32(v)) => {
-                Some(&v[ls.start_offset()..ls.start_offset() + b * self.len])
-            }
-            (ScoreSource::Given, _) => candle_core::bail!("{OP}: scores must be f32"),
-            _ => None,
-        };
+        let given = given_on_cpu(OP, self.source, s, ls)?;
         macro_rules! run {
             ($variant:ident, $v:expr) => {{
                 let xs = &$v[span];

@@ -12,7 +12,7 @@ use crate::batch::{RaggedBatch, MAX_SEQ_LEN};
 use crate::error::{RaggedError, Result};
 use crate::keep::{fusion_weights, KeepRule};
 use crate::scores::{
-    given_dims, score_source, sequence_scores, token_dims, ScoreSource, TokenScores,
+    given_dims, given_on_cpu, score_source, sequence_scores, token_dims, ScoreSource, TokenScores,
 };
 use crate::select::DroppedFusion;
 
@@ -214,11 +214,7 @@ impl CustomOp2 for Decide {
         let (rows, c) = lx.shape().dims2()?;
         let span = lx.start_offset()..lx.start_offset() + rows * c;
         let aux_span = ls.start_offset()..ls.start_offset() + ls.shape().elem_count();
-        let given = match (self.source, s) {
-            (ScoreSource::Given, CpuStorage::F32(v)) => Some(&v[aux_span.clone()]),
-            (ScoreSource::Given, _) => candle_core::bail!("{OP}: scores must be f32"),
-            _ => None,
-        };
+        let given = given_on_cpu(OP, self.source, s, ls)?;
         macro_rules! run {
             ($variant:ident, $v:expr) => {{
                 let qkv = match s {
