@@ -175,3 +175,61 @@ extern "C" __global__ void fastpath_patchify_bf16(const float* px, __nv_bfloat16
                                                   int cin, int h, int w, int p) {
     patchify(px, out, n, cin, h, w, p);
 }
+
+// The log-probability of one class under a small linear classifier, per row:
+//   out[r] = log_softmax(x[r]·Wᵀ + b)[cls],  W [K, D], K <= HEAD_MAX_CLASSES,
+// the logits summed in f32 and rounded to T (as a T matmul with a bias epilogue stores them),
+// the log-softmax in f32. One warp per row; x rows may be strided (ldx elements apart).
+// (DynamicViT's keep score: Linear(C/4, 2), LogSoftmax, column 0 — one kernel instead of a
+// matmul, a cast and the six passes of a log-softmax over two columns.)
+#define HEAD_MAX_CLASSES 8
+
+template <typename T>
+__device__ void linear_log_prob_rows(const T* __restrict__ x, const T* __restrict__ w,
+                                     const T* __restrict__ b, float* __restrict__ out,
+                                     unsigned rows, unsigned long long ldx, int D, int K, int cls) {
+    const unsigned row = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
+    const unsigned lane = threadIdx.x % 32;
+    if (row >= rows) return;
+    const T* xr = x + (unsigned long long)row * ldx;
+    float acc[HEAD_MAX_CLASSES];
+#pragma unroll
+    for (int j = 0; j < HEAD_MAX_CLASSES; ++j) acc[j] = 0.f;
+    for (int i = lane; i < D; i += 32) {
+        const float xv = to_f32(xr[i]);
+#pragma unroll
+        for (int j = 0; j < HEAD_MAX_CLASSES; ++j)
+            if (j < K) acc[j] = fmaf(xv, to_f32(w[j * D + i]), acc[j]);
+    }
+    float m = __int_as_float(0xff800000);  // -inf
+#pragma unroll
+    for (int j = 0; j < HEAD_MAX_CLASSES; ++j) {
+        if (j < K) {
+            acc[j] = to_f32(from_f32<T>(warp_sum(acc[j]) + to_f32(b[j])));
+            m = fmaxf(m, acc[j]);
+        }
+    }
+    float s = 0.f, z = 0.f;
+#pragma unroll
+    for (int j = 0; j < HEAD_MAX_CLASSES; ++j) {
+        if (j < K) s += expf(acc[j] - m);
+        if (j == cls) z = acc[j];
+    }
+    if (lane == 0) out[row] = (z - m) - logf(s);
+}
+
+extern "C" __global__ void fastpath_linear_log_prob_f32(const float* x, const float* w, const float* b,
+                                                        float* out, unsigned rows, unsigned long long ldx,
+                                                        int D, int K, int cls) {
+    linear_log_prob_rows(x, w, b, out, rows, ldx, D, K, cls);
+}
+extern "C" __global__ void fastpath_linear_log_prob_f16(const __half* x, const __half* w, const __half* b,
+                                                        float* out, unsigned rows, unsigned long long ldx,
+                                                        int D, int K, int cls) {
+    linear_log_prob_rows(x, w, b, out, rows, ldx, D, K, cls);
+}
+extern "C" __global__ void fastpath_linear_log_prob_bf16(const __nv_bfloat16* x, const __nv_bfloat16* w,
+                                                         const __nv_bfloat16* b, float* out, unsigned rows,
+                                                         unsigned long long ldx, int D, int K, int cls) {
+    linear_log_prob_rows(x, w, b, out, rows, ldx, D, K, cls);
+}

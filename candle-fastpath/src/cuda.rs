@@ -43,6 +43,11 @@ const PATCH_NAMES: [&str; 3] = [
     "fastpath_patchify_f16",
     "fastpath_patchify_bf16",
 ];
+const HEAD_NAMES: [&str; 3] = [
+    "fastpath_linear_log_prob_f32",
+    "fastpath_linear_log_prob_f16",
+    "fastpath_linear_log_prob_bf16",
+];
 /// `LN_MAX_CHUNKS` in kernels/fastpath.cu: 16-byte chunks per lane.
 const LN_MAX_CHUNKS: usize = 8;
 /// NVIDIA's recommendation for Hopper; cuBLASLt picks split-K and stream-K kernels within it.
@@ -68,6 +73,8 @@ struct PlanKey {
     n: u64,
     k: u64,
     bias: bool,
+    /// Row stride of `x` in elements (`k` when contiguous).
+    ldx: u64,
     /// Smallest power-of-two alignment (bytes, ≤ 256) of all operand pointers: the heuristic
     /// may only pick kernels that accept it.
     align: u32,
@@ -100,6 +107,7 @@ struct DeviceState {
     gelu: Vec<CudaFunction>,
     layer_norm: Vec<CudaFunction>,
     patchify: Vec<CudaFunction>,
+    head: Vec<CudaFunction>,
     plans: HashMap<PlanKey, Plan>,
 }
 
@@ -156,6 +164,7 @@ fn new_state(dev: &CudaDevice) -> candle_core::Result<DeviceState> {
         gelu: load(&GELU_NAMES)?,
         layer_norm: load(&LN_NAMES)?,
         patchify: load(&PATCH_NAMES)?,
+        head: load(&HEAD_NAMES)?,
         plans: HashMap::new(),
     })
 }
@@ -198,7 +207,7 @@ fn make_plan(handle: sys::cublasLtHandle_t, key: PlanKey) -> candle_core::Result
     )
     .map_err(cublas_err)?;
     let a = lt::create_matrix_layout(ty, key.k, key.n, key.k as i64).map_err(cublas_err)?;
-    let b = lt::create_matrix_layout(ty, key.k, key.m, key.k as i64).map_err(cublas_err)?;
+    let b = lt::create_matrix_layout(ty, key.k, key.m, key.ldx as i64).map_err(cublas_err)?;
     let cd = lt::create_matrix_layout(ty, key.n, key.m, key.n as i64).map_err(cublas_err)?;
     let mut plan = Plan {
         desc,
@@ -288,11 +297,15 @@ impl LinearOp {
         if k != k2 {
             candle_core::bail!("fused_linear: x is [{m}, {k}] but the weight is [{n}, {k2}]");
         }
-        for (what, layout) in [("x", x.1), ("weight", w.1)] {
-            if !layout.is_contiguous() {
-                return Err(not_contiguous(what, layout));
-            }
+        if !w.1.is_contiguous() {
+            return Err(not_contiguous("weight", w.1));
         }
+        // x: contiguous rows at any row stride >= k (a column slice of a wider tensor).
+        let ldx = x.1.stride()[0];
+        if x.1.stride()[1] != 1 || (m > 1 && ldx < k) {
+            return Err(not_contiguous("x rows", x.1));
+        }
+        let ldx = if m > 1 { ldx } else { k };
         let stream = dev.cuda_stream();
         let xs = x.0.as_cuda_slice::<T>()?.slice(x.1.start_offset()..);
         let ws = w.0.as_cuda_slice::<T>()?.slice(w.1.start_offset()..);
@@ -330,7 +343,7 @@ impl LinearOp {
             &stream,
             dev,
             (&xs, &ws, &out),
-            (m, n, k),
+            (m, n, k, ldx),
             bias_view.as_ref(),
             res_view.as_ref(),
         )?;
@@ -346,7 +359,7 @@ impl LinearOp {
         stream: &std::sync::Arc<candle_core::cuda_backend::cudarc::driver::CudaStream>,
         dev: &CudaDevice,
         (xs, ws, out): (&CudaView<T>, &CudaView<T>, &CudaSlice<T>),
-        (m, n, k): (usize, usize, usize),
+        (m, n, k, ldx): (usize, usize, usize, usize),
         bias_view: Option<&CudaView<T>>,
         res_view: Option<&CudaView<T>>,
     ) -> candle_core::Result<()>
@@ -374,6 +387,7 @@ impl LinearOp {
             n: n as u64,
             k: k as u64,
             bias: bias_ptr.is_some(),
+            ldx: ldx as u64,
             align,
         };
 
@@ -672,4 +686,84 @@ impl candle_core::CustomOp1 for PatchifyOp {
         };
         Ok((out, Shape::from((rows, cols))))
     }
+}
+
+/// [`crate::linear_log_prob`] on CUDA: one warp per row, 8 rows per block.
+pub(crate) fn linear_log_prob(
+    class: usize,
+    (x, lx): (&CudaStorage, &Layout),
+    (w, lw): (&CudaStorage, &Layout),
+    (b, lb): (&CudaStorage, &Layout),
+) -> candle_core::Result<(CudaStorage, Shape)> {
+    let dev = &x.device;
+    let (rows, d) = lx.shape().dims2()?;
+    let (k, d2) = lw.shape().dims2()?;
+    if d != d2
+        || lb.shape().elem_count() != k
+        || k > crate::head::HEAD_MAX_CLASSES
+        || class >= k
+        || lx.stride()[1] != 1
+        || !lw.is_contiguous()
+        || !lb.is_contiguous()
+    {
+        candle_core::bail!(
+            "linear_log_prob: x {:?} and weight {:?} do not match",
+            lx,
+            lw
+        );
+    }
+    let func = {
+        let mut states = STATE.lock().unwrap_or_else(|e| e.into_inner());
+        device_state(&mut states, dev)?.head[dtype_index(x.dtype())?].clone()
+    };
+    let rows_per_block = 8usize;
+    let cfg = LaunchConfig {
+        grid_dim: (rows.div_ceil(rows_per_block) as u32, 1, 1),
+        block_dim: (32 * rows_per_block as u32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let (rows_u, ldx, d_i, k_i, cls_i) = (
+        rows as u32,
+        lx.stride()[0] as u64,
+        d as i32,
+        k as i32,
+        class as i32,
+    );
+    let stream = dev.cuda_stream();
+    // SAFETY: one warp per row writes that row's value; the grid covers every row.
+    let out = unsafe { dev.alloc::<f32>(rows)? };
+    macro_rules! run {
+        ($t:ty) => {{
+            let xs = x.as_cuda_slice::<$t>()?.slice(lx.start_offset()..);
+            let ws = w.as_cuda_slice::<$t>()?.slice(lw.start_offset()..);
+            let bs = b.as_cuda_slice::<$t>()?.slice(lb.start_offset()..);
+            let mut builder = stream.launch_builder(&func);
+            builder.arg(&xs).arg(&ws).arg(&bs).arg(&out);
+            builder
+                .arg(&rows_u)
+                .arg(&ldx)
+                .arg(&d_i)
+                .arg(&k_i)
+                .arg(&cls_i);
+            // SAFETY: arguments match fastpath_linear_log_prob_* in kernels/fastpath.cu; reads
+            // stay within rows · ldx of x, K · D of the weight and K of the bias.
+            unsafe { builder.launch(cfg) }.map_err(candle_core::Error::wrap)?;
+        }};
+    }
+    match x.dtype() {
+        DType::F32 => run!(f32),
+        DType::F16 => run!(half::f16),
+        DType::BF16 => run!(half::bf16),
+        dtype => {
+            return Err(FastpathError::UnsupportedDType {
+                op: "linear_log_prob",
+                dtype,
+            }
+            .into())
+        }
+    }
+    Ok((
+        CudaStorage::wrap_cuda_slice(out, dev.clone()),
+        Shape::from(rows),
+    ))
 }

@@ -8,6 +8,8 @@
 //!   identical semantics.
 //! - [`LayerNorm`]: torch's LayerNorm as one bandwidth-bound kernel on CUDA (candle-nn's fused op
 //!   on the CPU).
+//! - [`linear_log_prob`]: one class's log-probability under a small linear classifier (a learned
+//!   pruner's keep score) as one kernel.
 //! - [`patchify`]: a ViT's patch rows (im2col of the stride-p patch conv) gathered and cast in
 //!   one kernel.
 //! - [`retain_freed_memory`] and [`PeakMemory`]: the CUDA memory pool candle allocates from,
@@ -41,6 +43,7 @@ mod graph;
 #[cfg(not(feature = "cuda"))]
 #[path = "graph_unavailable.rs"]
 mod graph;
+mod head;
 mod linear;
 mod norm;
 mod patch;
@@ -48,6 +51,7 @@ mod pool;
 
 pub use error::{FastpathError, Result};
 pub use graph::CapturedForward;
+pub use head::{linear_log_prob, HEAD_MAX_CLASSES};
 pub use linear::{linear, linear_no_bias, Epilogue, FusedLinear};
 pub use norm::{layer_norm, LayerNorm};
 pub use patch::patchify;

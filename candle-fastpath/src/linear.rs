@@ -18,13 +18,31 @@ pub enum Epilogue<'a> {
     Gelu,
     /// `r + x·Wᵀ + b`, `r` shaped like the output: a pre-norm transformer's residual add.
     Residual(&'a Tensor),
+    /// `gelu(r + x·Wᵀ + b)`: a layer whose input is split in two (a concatenation of `x` and a
+    /// part whose product `r` was formed elsewhere), followed by the exact GELU.
+    ResidualGelu(&'a Tensor),
+}
+
+impl Epilogue<'_> {
+    fn residual(&self) -> Option<&Tensor> {
+        match self {
+            Epilogue::Residual(r) | Epilogue::ResidualGelu(r) => Some(r),
+            _ => None,
+        }
+    }
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    fn gelu(&self) -> bool {
+        matches!(self, Epilogue::Gelu | Epilogue::ResidualGelu(_))
+    }
 }
 
 /// `y = x·Wᵀ + b` over the last dim of `x`, with an [`Epilogue`].
 ///
 /// * `weight` - `[out, in]` (PyTorch / candle-nn layout).
 /// * `bias` - `[out]`, optional.
-/// * input `x` - `[.., in]`, any leading dims; output `[.., out]`, contiguous.
+/// * input `x` - `[.., in]`, any leading dims; output `[.., out]`, contiguous. A rank-2 `x`
+///   whose rows are strided (a column slice `t.narrow(1, a, in)` of a wider `t`) is read in
+///   place on CUDA, without a copy.
 #[derive(Debug, Clone)]
 pub struct FusedLinear {
     weight: Tensor,
@@ -107,7 +125,7 @@ impl FusedLinear {
     }
 
     /// `x` `[.., in]` → `[.., out]` with `epilogue` applied (see [`Epilogue`]). On CUDA: one
-    /// cuBLASLt call (bias and residual in its epilogue) plus, for [`Epilogue::Gelu`], one
+    /// cuBLASLt call (bias and residual in its epilogue) plus, for the GELU epilogues, one
     /// in-place GELU kernel; the output is the only allocation.
     pub fn forward_with(&self, x: &Tensor, epilogue: Epilogue) -> Result<Tensor> {
         let dims = x.dims();
@@ -131,21 +149,29 @@ impl FusedLinear {
                 shape: x.shape().clone(),
             });
         }
-        if let Epilogue::Residual(r) = epilogue {
+        if let Some(r) = epilogue.residual() {
             check_like(OP, &self.weight, "residual", r, &out_shape)?;
         }
-        let x2 = x.reshape((rows, self.in_dim()))?;
+        // Rows strided but each row contiguous: cuBLASLt reads them in place (its leading
+        // dimension), so a column slice costs no copy.
+        let row_strided = x.rank() == 2 && x.stride()[1] == 1 && x.stride()[0] >= self.in_dim();
+        let x2 = if row_strided {
+            x.clone()
+        } else {
+            x.reshape((rows, self.in_dim()))?
+        };
         #[cfg(feature = "cuda")]
         if x.device().is_cuda() {
             let op = crate::cuda::LinearOp {
                 bias: self.bias.clone(),
-                gelu: matches!(epilogue, Epilogue::Gelu),
-                residual: match epilogue {
-                    Epilogue::Residual(r) => Some(r.reshape((rows, self.out_dim()))?.contiguous()?),
-                    _ => None,
+                gelu: epilogue.gelu(),
+                residual: match epilogue.residual() {
+                    Some(r) => Some(r.reshape((rows, self.out_dim()))?.contiguous()?),
+                    None => None,
                 },
             };
-            let y = x2.contiguous()?.apply_op2_no_bwd(&self.weight, &op)?;
+            let x2 = if row_strided { x2 } else { x2.contiguous()? };
+            let y = x2.apply_op2_no_bwd(&self.weight, &op)?;
             return Ok(y.reshape(out_shape)?);
         }
         let y = self.reference(&x2, epilogue, rows)?;
@@ -174,6 +200,7 @@ impl FusedLinear {
             Epilogue::Plain => y,
             Epilogue::Gelu => y.gelu_erf()?,
             Epilogue::Residual(r) => (y + r.reshape((rows, self.out_dim()))?)?,
+            Epilogue::ResidualGelu(r) => (y + r.reshape((rows, self.out_dim()))?)?.gelu_erf()?,
         })
     }
 }

@@ -19,6 +19,7 @@ enum Kind {
     Plain,
     Gelu,
     Residual,
+    ResidualGelu,
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -32,11 +33,14 @@ fn check(
     bias: bool,
     kind: Kind,
     offset_rows: usize,
+    // x is then the last k columns of a [.., extra_cols + k] buffer: strided rows.
+    extra_cols: usize,
 ) {
     let w = quantize(&randn(rng, n * k, 1.0 / (k as f32).sqrt()), dtype);
     let b = quantize(&randn(rng, n, 0.5), dtype);
     // x is a view starting `offset_rows` rows into a larger buffer (unaligned when odd).
-    let x_all = quantize(&randn(rng, (m + offset_rows) * k, 1.0), dtype);
+    let width = extra_cols + k;
+    let x_all = quantize(&randn(rng, (m + offset_rows) * width, 1.0), dtype);
     let r = quantize(&randn(rng, m * n, 1.0), dtype);
     let to = |v: &[f32], shape: &[usize]| {
         Tensor::from_slice(v, shape, dev)
@@ -45,8 +49,10 @@ fn check(
             .unwrap()
     };
     let layer = FusedLinear::new(to(&w, &[n, k]), bias.then(|| to(&b, &[n]))).unwrap();
-    let x = to(&x_all, &[m + offset_rows, k])
+    let x = to(&x_all, &[m + offset_rows, width])
         .narrow(0, offset_rows, m)
+        .unwrap()
+        .narrow(1, extra_cols, k)
         .unwrap();
     let res = to(&r, &[m, n]);
     poison(dev, m * n, dtype);
@@ -54,6 +60,7 @@ fn check(
         Kind::Plain => Epilogue::Plain,
         Kind::Gelu => Epilogue::Gelu,
         Kind::Residual => Epilogue::Residual(&res),
+        Kind::ResidualGelu => Epilogue::ResidualGelu(&res),
     };
     let got = layer
         .forward_with(&x, epilogue)
@@ -72,26 +79,28 @@ fn check(
         DType::F16 => 3e-3,
         _ => 2e-2,
     };
-    let x = &x_all[offset_rows * k..];
+    let x = &x_all[offset_rows * width..];
     for i in 0..m {
         for j in 0..n {
             let mut acc = if bias { b[j] as f64 } else { 0.0 };
             for t in 0..k {
-                acc += x[i * k + t] as f64 * w[j * k + t] as f64;
+                acc += x[i * width + extra_cols + t] as f64 * w[j * k + t] as f64;
             }
             let want = match kind {
                 Kind::Plain => acc,
                 Kind::Gelu => gelu(acc),
                 Kind::Residual => acc + r[i * n + j] as f64,
+                Kind::ResidualGelu => gelu(acc + r[i * n + j] as f64),
             };
             let g = got[i * n + j] as f64;
             let scale = 1.0
                 + acc.abs()
-                + matches!(kind, Kind::Residual) as u8 as f64 * r[i * n + j].abs() as f64;
+                + matches!(kind, Kind::Residual | Kind::ResidualGelu) as u8 as f64
+                    * r[i * n + j].abs() as f64;
             assert!(
                 (g - want).abs() <= tol * scale,
-                "{dtype:?} m={m} k={k} n={n} bias={bias} {kind:?} offset={offset_rows}: \
-                 [{i}, {j}] got {g}, want {want}"
+                "{dtype:?} m={m} k={k} n={n} bias={bias} {kind:?} offset={offset_rows} \
+                 extra_cols={extra_cols}: [{i}, {j}] got {g}, want {want}"
             );
         }
     }
@@ -104,14 +113,25 @@ fn matches_reference_every_epilogue_dtype_and_shape() {
     for dtype in [DType::F32, DType::F16, DType::BF16] {
         for &(k, n) in &[(64, 192), (7, 5), (40, 24), (384, 1152)] {
             for &m in &[1, 2, 63, 64, 65, 197, 577] {
-                for kind in [Kind::Plain, Kind::Gelu, Kind::Residual] {
+                for kind in [Kind::Plain, Kind::Gelu, Kind::Residual, Kind::ResidualGelu] {
                     let bias = m % 2 == 1 || matches!(kind, Kind::Gelu);
-                    check(&dev, &mut rng, dtype, m, k, n, bias, kind, m % 3);
+                    check(&dev, &mut rng, dtype, m, k, n, bias, kind, m % 3, 0);
                 }
             }
         }
         // DeiT-B's MLP and a large row count (a packed batch of 256 pruned images).
-        check(&dev, &mut rng, dtype, 1031, 768, 3072, true, Kind::Gelu, 0);
+        check(
+            &dev,
+            &mut rng,
+            dtype,
+            1031,
+            768,
+            3072,
+            true,
+            Kind::Gelu,
+            0,
+            0,
+        );
         check(
             &dev,
             &mut rng,
@@ -122,7 +142,36 @@ fn matches_reference_every_epilogue_dtype_and_shape() {
             true,
             Kind::Residual,
             1,
+            0,
         );
+    }
+}
+
+#[test]
+fn column_slices_are_read_in_place_with_every_epilogue() {
+    // DynamicViT's predictor feeds the first half of a [rows, C] tensor to a Linear: rows strided
+    // by C. Odd widths make the leading dimension unaligned too.
+    let dev = device();
+    let mut rng = StdRng::seed_from_u64(12);
+    for dtype in [DType::F32, DType::F16, DType::BF16] {
+        for &(k, n, extra) in &[(192, 192, 192), (48, 48, 48), (7, 5, 3), (64, 24, 1)] {
+            for &m in &[1, 2, 65, 197] {
+                for kind in [Kind::Plain, Kind::Gelu, Kind::Residual, Kind::ResidualGelu] {
+                    check(
+                        &dev,
+                        &mut rng,
+                        dtype,
+                        m,
+                        k,
+                        n,
+                        m % 2 == 1,
+                        kind,
+                        m % 3,
+                        extra,
+                    );
+                }
+            }
+        }
     }
 }
 

@@ -1148,3 +1148,50 @@ __device__ void select_gather(const T *__restrict__ x, const uint32_t *__restric
 RULE_ENTRIES(f32, float)
 RULE_ENTRIES(f16, __half)
 RULE_ENTRIES(bf16, __nv_bfloat16)
+
+// ---------------------------------------------------------------------------------------------
+// Per-sequence mean rows (sequence_mean): block (b, y) averages columns 32y..32y+31 of sequence
+// b's rows after its first `skip`. Warp w sums rows first+w, first+w+8, ... (MEAN_PARTIALS
+// partials per column), then warp 0 adds the partials in order and divides with IEEE rounding:
+// the CPU path sums in the same order, so both give the same bits. x rows may be strided.
+// ---------------------------------------------------------------------------------------------
+
+#define MEAN_PARTIALS 8
+
+namespace mean_detail {
+using select_detail::from_f32;
+using select_detail::to_f32;
+
+template <typename T>
+__device__ __forceinline__ void sequence_mean_cols(const T *__restrict__ x, T *__restrict__ out,
+                                                   const uint32_t *__restrict__ cu, long long row_stride, int D,
+                                                   int skip) {
+    __shared__ float partial[MEAN_PARTIALS][32];
+    const int b = blockIdx.x;
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    const int col = blockIdx.y * 32 + lane;
+    const int first = (int)cu[b] + skip, end = (int)cu[b + 1];
+    float acc = 0.f;
+    if (col < D)
+        for (int r = first + w; r < end; r += MEAN_PARTIALS) acc += to_f32(x[(long long)r * row_stride + col]);
+    partial[w][lane] = acc;
+    __syncthreads();
+    if (w == 0 && col < D) {
+        float s = 0.f;
+#pragma unroll
+        for (int i = 0; i < MEAN_PARTIALS; ++i) s += partial[i][lane];
+        out[(long long)b * D + col] = from_f32<T>(__fdiv_rn(s, (float)(end - first)));
+    }
+}
+
+}  // namespace mean_detail
+
+#define MEAN_ENTRY(SUFFIX, T)                                                                                     \
+    extern "C" __global__ void __launch_bounds__(MEAN_PARTIALS * 32)                                             \
+        ragged_sequence_mean_##SUFFIX(const T *x, T *out, const uint32_t *cu, long long row_stride, int D,       \
+                                      int skip) {                                                                 \
+        mean_detail::sequence_mean_cols<T>(x, out, cu, row_stride, D, skip);                                     \
+    }
+MEAN_ENTRY(f32, float)
+MEAN_ENTRY(f16, __half)
+MEAN_ENTRY(bf16, __nv_bfloat16)

@@ -86,6 +86,11 @@ const GATHER_NAMES: [&str; 3] = [
     "ragged_select_gather_f16",
     "ragged_select_gather_bf16",
 ];
+const MEAN_NAMES: [&str; 3] = [
+    "ragged_sequence_mean_f32",
+    "ragged_sequence_mean_f16",
+    "ragged_sequence_mean_bf16",
+];
 /// Floats of score-computation scratch a decide block may get beyond 4 per token (the logits of
 /// a group of heads); with MAX_SEQ_LEN tokens the block then needs DECIDE_MAX_SMEM bytes.
 const DECIDE_LOGIT_FLOATS: usize = 16384;
@@ -104,6 +109,7 @@ struct Kernels {
     gather: Vec<CudaFunction>,
     pack: Vec<CudaFunction>,
     unpack: Vec<CudaFunction>,
+    mean: Vec<CudaFunction>,
 }
 
 static LOADED: Mutex<Vec<(DeviceId, Arc<Kernels>)>> = Mutex::new(Vec::new());
@@ -170,6 +176,7 @@ fn kernels(dev: &CudaDevice) -> Result<Arc<Kernels>> {
             .iter()
             .map(|n| load(n))
             .collect::<Result<_>>()?,
+        mean: MEAN_NAMES.iter().map(|n| load(n)).collect::<Result<_>>()?,
     });
     loaded.push((dev.id(), k.clone()));
     Ok(k)
@@ -747,4 +754,45 @@ pub(crate) fn select_gather(
     }
     let out = by_float_dtype!(x.dtype(), "select_by_rule", run);
     Ok((out, Shape::from((out_rows, c))))
+}
+
+/// [`crate::sequence_mean`] on CUDA: a block of 8 warps per (sequence, 32 columns).
+pub(crate) fn sequence_mean(
+    batch: &RaggedBatch,
+    skip: usize,
+    s: &CudaStorage,
+    l: &Layout,
+) -> Result<(CudaStorage, Shape)> {
+    let dev = &s.device;
+    let (rows, d) = l.shape().dims2()?;
+    let b = batch.batch_size();
+    if rows != batch.total_tokens() || l.stride()[1] != 1 {
+        candle_core::bail!("sequence_mean: x does not match the batch or has a strided last dim");
+    }
+    let k = kernels(dev)?;
+    let (cu_storage, cu_off) = u32_storage(batch.cu_seqlens());
+    let cu = cuda_u32(&cu_storage)?.slice(cu_off..);
+    let (row_stride, d_i, skip_i) = (l.stride()[0] as i64, d as i32, skip as i32);
+    let cfg = LaunchConfig {
+        grid_dim: (b as u32, d.div_ceil(32) as u32, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let stream = dev.cuda_stream();
+    macro_rules! run {
+        ($t:ty, $i:expr) => {{
+            let xs = s.as_cuda_slice::<$t>()?.slice(l.start_offset()..);
+            // SAFETY: block (b, y) writes columns 32y.. of output row b; the grid covers them all.
+            let out = unsafe { dev.alloc::<$t>(b * d)? };
+            let mut builder = stream.launch_builder(&k.mean[$i]);
+            builder.arg(&xs).arg(&out).arg(&cu);
+            builder.arg(&row_stride).arg(&d_i).arg(&skip_i);
+            // SAFETY: arguments match ragged_sequence_mean_* in kernels/ragged_attention.cu; every
+            // sequence has more than `skip` rows (checked by sequence_mean).
+            unsafe { builder.launch(cfg) }.w()?;
+            CudaStorage::wrap_cuda_slice(out, dev.clone())
+        }};
+    }
+    let out = by_float_dtype!(s.dtype(), "sequence_mean", run);
+    Ok((out, Shape::from((b, d))))
 }

@@ -5,7 +5,7 @@
 //! decision is a kernel, a pruner's [`pruners::TokenPruner::keep_rule`] applied to its scores on
 //! the device, which computes the scores itself when they follow a [`pruners::ScoreRecipe`]
 //! (Threshold-L2's norms, EViT's class attention, ATS's significance; DynamicViT's predictor runs
-//! as tensor ops first):
+//! first, on the packed tokens: [`pruners::TokenPruner::packed_scores`]):
 //!
 //! - **Fixed counts** (every pruner has [`pruners::TokenPruner::fixed_count`]: the fixed-ratio
 //!   Threshold-L2, DynamicViT and EViT): the top-k, the gather and EViT's fused token are one
@@ -171,17 +171,24 @@ impl DeiT {
             let scores = match computed_scores(recipe, site, qkv.as_ref(), heads, scale as f32) {
                 Some(s) => s,
                 None => {
-                    let image = tokens.reshape((b, len, c))?;
-                    let attn;
-                    let mut input = PruneInput::new(&image, num_prefix).with_lengths(&lengths);
-                    if let Some(qkv) = &qkv {
-                        let qkv = qkv.reshape((b, len, 3 * c))?;
-                        let q_cls = qkv.narrow(1, 0, 1)?.squeeze(1)?.narrow(1, 0, c)?;
-                        let k = qkv.narrow(2, c, c)?;
-                        attn = cls_attention(&q_cls, &k, heads, scale, None)?;
-                        input = input.with_cls_attn(&attn);
-                    }
-                    given = pruner.scores(&input)?.to_dtype(DType::F32)?;
+                    given = match pruner.packed_scores(&tokens, &batch, num_prefix)? {
+                        // Equal lengths: the packed `[B·len]` scores are the `[B, len]` ones.
+                        Some(packed) => packed.reshape((b, len))?,
+                        None => {
+                            let image = tokens.reshape((b, len, c))?;
+                            let attn;
+                            let mut input =
+                                PruneInput::new(&image, num_prefix).with_lengths(&lengths);
+                            if let Some(qkv) = &qkv {
+                                let qkv = qkv.reshape((b, len, 3 * c))?;
+                                let q_cls = qkv.narrow(1, 0, 1)?.squeeze(1)?.narrow(1, 0, c)?;
+                                let k = qkv.narrow(2, c, c)?;
+                                attn = cls_attention(&q_cls, &k, heads, scale, None)?;
+                                input = input.with_cls_attn(&attn);
+                            }
+                            pruner.scores(&input)?.to_dtype(DType::F32)?
+                        }
+                    };
                     TokenScores::Given(&given)
                 }
             };
@@ -226,26 +233,35 @@ impl DeiT {
             let (heads, scale) = (block.attn.heads, block.attn.scale as f32);
             let (tokens, qkv) = block.tokens_at(site, &x, &inputs)?;
             let given;
-            let scores =
-                match computed_scores(pruner.score_recipe(), site, qkv.as_ref(), heads, scale) {
-                    Some(s) => s,
-                    None if site == PruneSite::BeforeBlock => {
-                        // The pruner's own scores over the image-shaped tokens (zeros past each
-                        // image's length), `[B, max_len]`.
-                        let image = unpack(&tokens, &batch, batch.max_len())?;
-                        let lengths = batch.lengths();
-                        let input = PruneInput::new(&image, num_prefix).with_lengths(&lengths);
-                        given = pruner.scores(&input)?.to_dtype(DType::F32)?;
-                        TokenScores::Given(&given)
-                    }
-                    None => {
-                        return Err(ModelError::InvalidPruning(format!(
+            let computed = computed_scores(pruner.score_recipe(), site, qkv.as_ref(), heads, scale);
+            let packed = match computed {
+                Some(_) => None,
+                None => pruner.packed_scores(&tokens, &batch, num_prefix)?,
+            };
+            let scores = match (computed, packed) {
+                (Some(s), _) => s,
+                // `[total]` packed scores (DynamicViT's predictor) to `[B, max_len]`.
+                (None, Some(packed)) => {
+                    given = unpack(&packed.unsqueeze(1)?, &batch, batch.max_len())?.squeeze(2)?;
+                    TokenScores::Given(&given)
+                }
+                (None, None) if site == PruneSite::BeforeBlock => {
+                    // The pruner's own scores over the image-shaped tokens (zeros past each
+                    // image's length), `[B, max_len]`.
+                    let image = unpack(&tokens, &batch, batch.max_len())?;
+                    let lengths = batch.lengths();
+                    let input = PruneInput::new(&image, num_prefix).with_lengths(&lengths);
+                    given = pruner.scores(&input)?.to_dtype(DType::F32)?;
+                    TokenScores::Given(&given)
+                }
+                (None, None) => {
+                    return Err(ModelError::InvalidPruning(format!(
                         "{}: custom scores after attention need the host path (forward_pruned) \
                          when counts vary",
                         pruner.kind()
                     )))
-                    }
-                };
+                }
+            };
             let rule = pruner.keep_rule().ok_or_else(|| {
                 ModelError::InvalidPruning(format!("{}: no keep rule", pruner.kind()))
             })?;

@@ -25,8 +25,9 @@
 use std::sync::OnceLock;
 
 use candle_core::{DType, Device, Module, Tensor, D};
-use candle_fastpath::{FusedLinear, LayerNorm};
+use candle_fastpath::{linear_log_prob, Epilogue, FusedLinear, LayerNorm};
 use candle_nn::VarBuilder;
+use candle_ragged::{pack, sequence_mean, RaggedBatch};
 
 use crate::error::{PruneError, Result};
 use crate::input::PruneInput;
@@ -140,6 +141,48 @@ struct PredictorModules {
     // would add two more passes over every token's features).
     in_linear: FusedLinear,
     out: [FusedLinear; 3],
+    packed: PackedLayers,
+}
+
+/// The same weights arranged for packed tokens ([`PredictorLG::keep_log_probs_packed`]):
+/// `out_conv.0` split by its input halves, so that the concatenation `[local, pooled]` is never
+/// formed (`W·[l; g] + b = W_l·l + (W_g·g + b)`, the second term once per image), and the last
+/// layer kept as weights for the one-kernel keep log-probability.
+#[derive(Debug, Clone)]
+struct PackedLayers {
+    /// `out_conv.0.weight[:, :C/2]`, no bias.
+    out0_local: FusedLinear,
+    /// `out_conv.0.weight[:, C/2:]` with `out_conv.0.bias`.
+    out0_pooled: FusedLinear,
+    /// `out_conv.4.weight` `[2, C/4]` and its bias.
+    head_weight: Tensor,
+    head_bias: Tensor,
+}
+
+impl PackedLayers {
+    fn new(out: &[FusedLinear; 3]) -> Result<Self> {
+        let fused = |e| candle_core::Error::from(e);
+        let w0 = out[0].weight();
+        let (c_in, half) = (w0.dim(1)?, w0.dim(1)? / 2);
+        let b0 = out[0].bias().ok_or_else(|| {
+            PruneError::InvalidConfig("dynamicvit: out_conv.0 has no bias".into())
+        })?;
+        let head_bias = out[2]
+            .bias()
+            .ok_or_else(|| PruneError::InvalidConfig("dynamicvit: out_conv.4 has no bias".into()))?
+            .clone();
+        Ok(Self {
+            out0_local: FusedLinear::new(w0.narrow(1, 0, half)?.contiguous()?, None)
+                .map_err(fused)?,
+            out0_pooled: FusedLinear::new(
+                w0.narrow(1, half, c_in - half)?.contiguous()?,
+                Some(b0.clone()),
+            )
+            .map_err(fused)?,
+            head_weight: out[2].weight().clone(),
+            head_bias,
+        })
+    }
 }
 
 impl PredictorModules {
@@ -155,14 +198,16 @@ impl PredictorModules {
             let bias = l.bias().map(|b| b.to_dtype(dtype)).transpose()?;
             Ok(FusedLinear::new(l.weight().to_dtype(dtype)?, bias).map_err(fused)?)
         };
+        let out = [
+            linear(&self.out[0])?,
+            linear(&self.out[1])?,
+            linear(&self.out[2])?,
+        ];
         Ok(Self {
             norm,
             in_linear: linear(&self.in_linear)?,
-            out: [
-                linear(&self.out[0])?,
-                linear(&self.out[1])?,
-                linear(&self.out[2])?,
-            ],
+            packed: PackedLayers::new(&out)?,
+            out,
         })
     }
 }
@@ -250,6 +295,7 @@ impl PredictorLG {
             f32: PredictorModules {
                 norm,
                 in_linear,
+                packed: PackedLayers::new(&out)?,
                 out,
             },
             half: Default::default(),
@@ -342,6 +388,67 @@ impl PredictorLG {
         y = m.out[1].forward_gelu(&y).map_err(fused)?;
         y = m.out[2].forward(&y)?.to_dtype(DType::F32)?;
         Ok(candle_nn::ops::log_softmax(&y, D::Minus1)?)
+    }
+
+    /// The keep log-probability (`log_softmax(..)[0]`, f32) of every row of packed tokens `x`
+    /// `[total, C]` laid out as `batch`, whose sequences start with `num_prefix` class /
+    /// distillation rows. The predictor runs on every row (the prefix rows' values are
+    /// meaningless: a rule never reads them) and pools each image's mean over its patch rows
+    /// only, as [`Self::forward_masked`] does over valid patch tokens; same precision policy.
+    ///
+    /// Built for the packed path: no concatenation, no image-shaped copy, no host work. On CUDA,
+    /// eleven kernels: LayerNorm, `in_conv` (matmul + GELU), the pooled mean
+    /// ([`candle_ragged::sequence_mean`]), `out_conv.0`'s pooled half per image and its copy to
+    /// every row, its local half read in place with that copy and the GELU in the epilogue
+    /// (matmul + GELU), `out_conv.2` (matmul + GELU), and `out_conv.4` with the log-softmax
+    /// ([`candle_fastpath::linear_log_prob`]). The values equal [`Self::forward_masked`]'s up
+    /// to the dtype's rounding (the pooled half's product is rounded once more, on its own).
+    pub fn keep_log_probs_packed(
+        &self,
+        x: &Tensor,
+        batch: &RaggedBatch,
+        num_prefix: usize,
+    ) -> Result<Tensor> {
+        let (rows, c) = x.dims2().map_err(|_| PruneError::Shape {
+            what: "packed tokens (dynamicvit predictor)",
+            expected: format!("[total, {}]", self.embed_dim),
+            got: x.dims().to_vec(),
+        })?;
+        if c != self.embed_dim || rows != batch.total_tokens() {
+            return Err(PruneError::Shape {
+                what: "packed tokens (dynamicvit predictor)",
+                expected: format!("[{}, {}]", batch.total_tokens(), self.embed_dim),
+                got: x.dims().to_vec(),
+            });
+        }
+        let fused = |e| candle_core::Error::from(e);
+        let (dtype, m) = self.modules(x.dtype())?;
+        let x = x.to_dtype(dtype)?;
+        let h = m
+            .in_linear
+            .forward_gelu(&m.norm.forward(&x)?)
+            .map_err(fused)?;
+        let half = c / 2;
+        let pooled = sequence_mean(&h.narrow(1, half, c - half)?, batch, num_prefix)?;
+        let per_image = m.packed.out0_pooled.forward(&pooled)?;
+        // Each image's term on each of its rows: pack reads the broadcast view in place.
+        let (b, width) = per_image.dims2()?;
+        let tokens = if batch.positions().is_some() {
+            batch.min_tokens_per_image()
+        } else {
+            batch.max_len()
+        };
+        let per_row = pack(
+            &per_image.unsqueeze(1)?.broadcast_as((b, tokens, width))?,
+            batch,
+        )?;
+        let y = m
+            .packed
+            .out0_local
+            .forward_with(&h.narrow(1, 0, half)?, Epilogue::ResidualGelu(&per_row))
+            .map_err(fused)?;
+        let y = m.out[1].forward_gelu(&y).map_err(fused)?;
+        Ok(linear_log_prob(&y, &m.packed.head_weight, &m.packed.head_bias, 0).map_err(fused)?)
     }
 
     /// The compute dtype for tokens of `dtype` (f16 and bf16 as themselves, anything else f32)
@@ -442,6 +549,29 @@ impl DynamicVit {
             .collect()
     }
 
+    /// Keep log-probabilities `[total]` of packed tokens (see
+    /// [`PredictorLG::keep_log_probs_packed`]), after checking that every image has a patch.
+    fn packed_log_probs(
+        &self,
+        tokens: &Tensor,
+        batch: &RaggedBatch,
+        num_prefix: usize,
+    ) -> Result<Tensor> {
+        if let Some((index, len)) = batch
+            .lengths()
+            .into_iter()
+            .enumerate()
+            .find(|&(_, len)| len <= num_prefix)
+        {
+            return Err(PruneError::InvalidConfig(format!(
+                "dynamicvit: image {index} has {len} tokens, no patch after its {num_prefix} \
+                 prefix tokens"
+            )));
+        }
+        self.predictor
+            .keep_log_probs_packed(tokens, batch, num_prefix)
+    }
+
     /// Keep/drop log-probabilities `[B, N - num_prefix, 2]` of the patch positions.
     pub fn log_probs(&self, input: &PruneInput) -> Result<Tensor> {
         let g = input.validate()?;
@@ -474,13 +604,30 @@ impl TokenPruner for DynamicVit {
         Some(self.source)
     }
 
-    /// `[B, N]` f32 keep log-probability; prefix positions hold 0 (= log 1).
+    /// `[B, N]` f32 keep log-probability; prefix positions hold 0 (= log 1), padding 0. Computed
+    /// by [`PredictorLG::keep_log_probs_packed`] over the valid tokens packed, so that a model's
+    /// packed path ([`TokenPruner::packed_scores`]) sees bit-identical scores.
     fn scores(&self, input: &PruneInput) -> Result<Tensor> {
-        let lp = self.log_probs(input)?;
-        let keep = lp.narrow(D::Minus1, 0, 1)?.squeeze(D::Minus1)?;
-        let b = keep.dim(0)?;
-        let prefix = Tensor::zeros((b, input.num_prefix), DType::F32, keep.device())?;
-        Ok(Tensor::cat(&[prefix, keep], 1)?)
+        let g = input.validate()?;
+        let batch = RaggedBatch::from_lengths(&g.lengths, input.tokens.device())?;
+        let packed = pack(input.tokens, &batch)?;
+        let keep = self.packed_log_probs(&packed, &batch, g.num_prefix)?;
+        let image = candle_ragged::unpack(&keep.unsqueeze(1)?, &batch, g.tokens)?.squeeze(2)?;
+        let p = g.num_prefix;
+        let prefix = Tensor::zeros((g.batch, p), DType::F32, image.device())?;
+        Ok(Tensor::cat(
+            &[prefix, image.narrow(1, p, g.tokens - p)?],
+            1,
+        )?)
+    }
+
+    fn packed_scores(
+        &self,
+        tokens: &Tensor,
+        batch: &RaggedBatch,
+        num_prefix: usize,
+    ) -> Result<Option<Tensor>> {
+        self.packed_log_probs(tokens, batch, num_prefix).map(Some)
     }
 
     fn keep_rule(&self) -> Option<KeepRule> {

@@ -48,6 +48,9 @@ pub enum PruneError {
     /// A tensor operation failed.
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
+    /// A packed-token op of candle-ragged refused its input or failed.
+    #[error(transparent)]
+    Ragged(#[from] candle_ragged::RaggedError),
 }
 
 /// Result alias of this crate.

@@ -147,6 +147,19 @@ pub trait TokenPruner: Send + Sync + std::fmt::Debug {
     /// Per-token scores `[B, N]` f32 on the input's device (higher = more important; entries
     /// at prefix and padding positions are unspecified). Validates the input.
     fn scores(&self, input: &PruneInput) -> Result<Tensor>;
+    /// The same scores over packed tokens `[total, C]` laid out as `batch` (each sequence
+    /// starting with `num_prefix` prefix rows): `[total]` f32, bit-identical to what
+    /// [`TokenPruner::scores`] gives at those tokens, for a model's packed path to decide
+    /// without forming image-shaped tensors. `None` (the default): the pruner scores only
+    /// image-shaped input (or its scores follow a [`ScoreRecipe`] the model computes itself).
+    fn packed_scores(
+        &self,
+        _tokens: &Tensor,
+        _batch: &candle_ragged::RaggedBatch,
+        _num_prefix: usize,
+    ) -> Result<Option<Tensor>> {
+        Ok(None)
+    }
     /// The recipe [`TokenPruner::scores`] follows ([`ScoreRecipe::Custom`] by default).
     fn score_recipe(&self) -> ScoreRecipe {
         ScoreRecipe::Custom

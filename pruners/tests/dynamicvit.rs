@@ -490,3 +490,96 @@ fn bad_input_is_a_typed_error() {
     assert!(p.predictor().forward(&wrong_c).is_err());
     let _ = PredictorLG::tensor_specs(8);
 }
+
+#[test]
+fn packed_scores_match_the_reference_and_the_image_path_bit_for_bit() {
+    use candle_ragged::{pack, RaggedBatch};
+    let c = 16;
+    let w = random_weights(c, 17);
+    let p = load(
+        &w,
+        1,
+        cfg(1, DynamicVitMode::TopK { keep_ratio: 0.5 }, 12),
+        c,
+    );
+    // Three images of different lengths (class token first), padding full of garbage.
+    let imgs: Vec<Vec<Vec<f32>>> = [9usize, 4, 13]
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| {
+            (0..n)
+                .map(|t| {
+                    pseudo(c, 500 + 50 * i as u64 + t as u64, 2.0)
+                        .iter()
+                        .map(|&v| v as f32)
+                        .collect()
+                })
+                .collect()
+        })
+        .collect();
+    let (t, lens) = pad_batch(&imgs, 13, 1e3);
+    let input = PruneInput::new(&t, 1).with_lengths(&lens);
+    let image_scores = p.scores(&input).unwrap().to_vec2::<f32>().unwrap();
+    let batch = RaggedBatch::from_lengths(&lens, &Device::Cpu).unwrap();
+    let packed = pack(&t, &batch).unwrap();
+    let packed_scores = p
+        .packed_scores(&packed, &batch, 1)
+        .unwrap()
+        .expect("dynamicvit scores packed tokens")
+        .to_vec1::<f32>()
+        .unwrap();
+    let mut start = 0;
+    for (b, img) in imgs.iter().enumerate() {
+        let patches: Vec<Vec<f64>> = img[1..]
+            .iter()
+            .map(|r| r.iter().map(|&v| v as f64).collect())
+            .collect();
+        let want = reference(&patches, &w);
+        for (j, r) in want.iter().enumerate() {
+            let got = packed_scores[start + 1 + j];
+            assert!(
+                (got as f64 - r[0]).abs() < 1e-4,
+                "image {b} patch {j}: {got} vs {}",
+                r[0]
+            );
+            // The image-shaped scores are the packed ones, bit for bit.
+            assert_eq!(
+                image_scores[b][1 + j].to_bits(),
+                got.to_bits(),
+                "image {b} patch {j}"
+            );
+        }
+        assert_eq!(image_scores[b][0], 0.0, "prefix score");
+        start += img.len();
+    }
+    // Half precision: the packed formulation stays within the dtype's rounding of the module's.
+    for dt in [DType::F16, DType::BF16] {
+        let th = to_dtype(&t, dt);
+        let module = p
+            .log_probs(&PruneInput::new(&th, 1).with_lengths(&lens))
+            .unwrap()
+            .to_vec3::<f32>()
+            .unwrap();
+        let packed = p
+            .packed_scores(&pack(&th, &batch).unwrap(), &batch, 1)
+            .unwrap()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
+        let mut start = 0;
+        for (b, &len) in lens.iter().enumerate() {
+            for j in 0..len - 1 {
+                let (a, m) = (packed[start + 1 + j], module[b][j][0]);
+                assert!(
+                    (a - m).abs() < 2e-2,
+                    "{dt:?} image {b} patch {j}: {a} vs {m}"
+                );
+            }
+            start += len;
+        }
+    }
+    // An image with nothing but its class token is a clear error.
+    let only_cls = RaggedBatch::from_lengths(&[1, 3], &Device::Cpu).unwrap();
+    let x = Tensor::zeros((4, c), DType::F32, &Device::Cpu).unwrap();
+    assert!(p.packed_scores(&x, &only_cls, 1).is_err());
+}
