@@ -598,6 +598,8 @@ __device__ __forceinline__ float dot_row(const float *a, const T *row, int n, bo
     float acc = 0.f;
     if (vec) {
         constexpr int V = 16 / sizeof(T);
+        // Unrolled so that a head's loads are in flight together (the sum's order is unchanged).
+#pragma unroll 8
         for (int d0 = 0; d0 < n; d0 += V) {
             const uint4 u = *reinterpret_cast<const uint4 *>(row + d0);
             const T *e = reinterpret_cast<const T *>(&u);
@@ -610,26 +612,53 @@ __device__ __forceinline__ float dot_row(const float *a, const T *row, int n, bo
     return acc;
 }
 
-// Σ row[c]² over the C elements of a row, in f32, by one warp (every lane gets the sum); 16-byte
-// loads when `vec` (C a multiple of the vector and the row aligned).
+// Σ row[c]² over the C elements of SQ_ROWS rows at once (rows j0, j0 + step, ... below len, at
+// row_stride elements apart from base), in f32, by one warp: every lane gets every sum. The rows'
+// loads are issued together: at batch 1 one block scores a whole image, and a row at a time left
+// each warp waiting on one load after another (a 197-token step took ~25 µs). Per row the
+// arithmetic order is fixed (each lane's columns ascending, then a butterfly over lanes).
+// 16-byte loads when `vec` (C a multiple of the vector and the rows aligned).
+#define SQ_ROWS 8
 template <typename T>
-__device__ __forceinline__ float warp_sum_of_squares(const T *row, int C, bool vec) {
+__device__ __forceinline__ void warp_sums_of_squares(float (&acc)[SQ_ROWS], const T *base, size_t row_stride, int j0,
+                                                     int step, int len, int C, bool vec) {
     constexpr int V = 16 / sizeof(T);
     const int lane = threadIdx.x % 32;
-    float acc = 0.f;
+#pragma unroll
+    for (int u = 0; u < SQ_ROWS; ++u) acc[u] = 0.f;
     if (vec) {
         for (int c0 = lane * V; c0 < C; c0 += 32 * V) {
-            const uint4 u = *reinterpret_cast<const uint4 *>(row + c0);
-            const T *e = reinterpret_cast<const T *>(&u);
+            uint4 raw[SQ_ROWS];
 #pragma unroll
-            for (int i = 0; i < V; ++i) acc = fmaf(to_f32(e[i]), to_f32(e[i]), acc);
+            for (int u = 0; u < SQ_ROWS; ++u) {
+                const int j = j0 + u * step;
+                raw[u] = j < len ? *reinterpret_cast<const uint4 *>(base + (size_t)j * row_stride + c0)
+                                 : make_uint4(0u, 0u, 0u, 0u);
+            }
+#pragma unroll
+            for (int u = 0; u < SQ_ROWS; ++u) {
+                const T *e = reinterpret_cast<const T *>(&raw[u]);
+#pragma unroll
+                for (int i = 0; i < V; ++i) acc[u] = fmaf(to_f32(e[i]), to_f32(e[i]), acc[u]);
+            }
         }
     } else {
-        for (int c = lane; c < C; c += 32) acc = fmaf(to_f32(row[c]), to_f32(row[c]), acc);
+        for (int c = lane; c < C; c += 32) {
+            float v[SQ_ROWS];
+#pragma unroll
+            for (int u = 0; u < SQ_ROWS; ++u) {
+                const int j = j0 + u * step;
+                v[u] = j < len ? to_f32(base[(size_t)j * row_stride + c]) : 0.f;
+            }
+#pragma unroll
+            for (int u = 0; u < SQ_ROWS; ++u) acc[u] = fmaf(v[u], v[u], acc[u]);
+        }
     }
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-    return acc;
+    for (int o = 16; o > 0; o >>= 1) {
+#pragma unroll
+        for (int u = 0; u < SQ_ROWS; ++u) acc[u] += __shfl_xor_sync(0xffffffffu, acc[u], o);
+    }
 }
 
 // The scores of sequence b = blockIdx.x, packed rows start..start + len, into sc (shared), by `mode`:
@@ -655,9 +684,12 @@ __device__ void sequence_scores(float *sc, float *tmp, int tmp_floats, float *re
     } else if (mode == 1) {
         const T *xb = x + (size_t)start * C;
         const bool vec = C % V == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0;
-        for (int j = warp; j < len; j += warps) {
-            const float acc = warp_sum_of_squares<T>(xb + (size_t)j * C, C, vec);
-            if (lane == 0) sc[j] = sqrtf(acc);
+        for (int j0 = warp; j0 < len; j0 += SQ_ROWS * warps) {
+            float acc[SQ_ROWS];
+            warp_sums_of_squares<T>(acc, xb, C, j0, warps, len, C, vec);
+#pragma unroll
+            for (int u = 0; u < SQ_ROWS; ++u)
+                if (lane == 0 && j0 + u * warps < len) sc[j0 + u * warps] = sqrtf(acc[u]);
         }
     } else {
         const int D = C / heads;
@@ -711,9 +743,12 @@ __device__ void sequence_scores(float *sc, float *tmp, int tmp_floats, float *re
         } else {
             // Times ‖v_j‖, a warp per row (the head loop ended on a barrier).
             const bool vvec = C % V == 0 && reinterpret_cast<uintptr_t>(qkv) % 16 == 0;
-            for (int j = warp; j < len; j += warps) {
-                const float acc = warp_sum_of_squares<T>(qb + (size_t)j * stride + 2 * C, C, vvec);
-                if (lane == 0) sc[j] *= __fsqrt_rn(acc);
+            for (int j0 = warp; j0 < len; j0 += SQ_ROWS * warps) {
+                float acc[SQ_ROWS];
+                warp_sums_of_squares<T>(acc, qb + 2 * C, stride, j0, warps, len, C, vvec);
+#pragma unroll
+                for (int u = 0; u < SQ_ROWS; ++u)
+                    if (lane == 0 && j0 + u * warps < len) sc[j0 + u * warps] *= __fsqrt_rn(acc[u]);
             }
         }
     }
@@ -783,7 +818,14 @@ __device__ void select_top_k(const T *__restrict__ x, const float *__restrict__ 
             for (int c = lane; c < C; c += 32) ob[(size_t)r * C + c] = xb[(size_t)j * C + c];
         }
     }
-    if (!fuse || blockIdx.y != 0) return;
+    if (!fuse) return;
+    // The fused row. Its columns are split over the sequence's blocks (a slice per blockIdx.y),
+    // and a block's threads over (row group g, column c): thread (g, c) sums the dropped rows
+    // prefix + g, prefix + g + G, ... of column c, then the G partials are added in order. One
+    // thread walking every row of a column left a step waiting on ~60 loads in a row at batch 1.
+    const int cols = (C + (int)gridDim.y - 1) / (int)gridDim.y;
+    const int c_begin = blockIdx.y * cols, c_end = min(C, c_begin + cols);
+    if (c_begin >= c_end) return;  // the whole block leaves: no barrier below is split
     float part = 0.f;
     for (int j = prefix + threadIdx.x; j < len; j += blockDim.x)
         if (key[j] < 0) part += weight(s[j]);
@@ -794,18 +836,40 @@ __device__ void select_top_k(const T *__restrict__ x, const float *__restrict__ 
     float total = 0.f;
     for (int w = 0; w < warps; ++w) total += red[w];
     const int dropped = len - prefix - keep;
-    for (int c = threadIdx.x; c < C; c += blockDim.x) {
+    const int width = min(c_end - c_begin, (int)blockDim.x);
+    const int groups = blockDim.x / width;
+    const int g = threadIdx.x / width, ci = threadIdx.x % width;
+    // row_of is free now: the groups' partial sums, [2][groups][width] floats (<= 2 · blockDim.x).
+    float *part_acc = reinterpret_cast<float *>(row_of);
+    float *part_plain = part_acc + groups * width;
+    for (int c0 = c_begin; c0 < c_end; c0 += width) {
+        const int c = c0 + ci;
         float acc = 0.f, plain = 0.f;
-        for (int j = prefix; j < len; ++j) {
-            if (key[j] >= 0) continue;
-            const float v = to_f32(xb[(size_t)j * C + c]);
-            acc += weight(s[j]) * v;
-            plain += v;
+        if (g < groups && c < c_end) {
+            for (int j = prefix + g; j < len; j += groups) {
+                if (key[j] >= 0) continue;
+                const float v = to_f32(xb[(size_t)j * C + c]);
+                acc += weight(s[j]) * v;
+                plain += v;
+            }
         }
-        float f;
-        if (fuse == 2) f = acc;
-        else f = total > 0.f ? acc / total : plain / (float)dropped;
-        ob[(size_t)(prefix + keep) * C + c] = from_f32<T>(f);
+        __syncthreads();  // the previous chunk's partials have been read
+        if (g < groups) {
+            part_acc[g * width + ci] = acc;
+            part_plain[g * width + ci] = plain;
+        }
+        __syncthreads();
+        if (threadIdx.x < width && c < c_end) {
+            float a = 0.f, p = 0.f;
+            for (int q = 0; q < groups; ++q) {
+                a += part_acc[q * width + ci];
+                p += part_plain[q * width + ci];
+            }
+            float f;
+            if (fuse == 2) f = a;
+            else f = total > 0.f ? a / total : p / (float)dropped;
+            ob[(size_t)(prefix + keep) * C + c] = from_f32<T>(f);
+        }
     }
 }
 
@@ -844,6 +908,9 @@ SELECT_ENTRY(bf16, __nv_bfloat16)
 #define RULE_MEAN_TIMES 3
 #define RULE_MASS_SHARE 4
 #define RULE_INVERSE_TRANSFORM 5
+
+// Threads of a ragged_select_gather block (the host launches exactly this many).
+#define GATHER_THREADS 256
 
 namespace rule_detail {
 using namespace select_detail;
@@ -1086,12 +1153,13 @@ __device__ void select_decide(const T *__restrict__ x, const float *__restrict__
 }
 
 // Copies kept rows to their slots and builds the fused rows. Blocks [0, row_blocks): a warp per
-// input row (its sequence found by binary search in cu); blocks [row_blocks, row_blocks + B): the
-// fused row of sequence b (when the plan says so), Σ w_j x_j over its rows in position order.
+// input row (its sequence found by binary search in cu); blocks [row_blocks, row_blocks + B·F):
+// column slices of the fused row of each sequence (when the plan says so), Σ w_j x_j over its
+// dropped rows.
 template <typename T>
 __device__ void select_gather(const T *__restrict__ x, const uint32_t *__restrict__ plan, const uint32_t *__restrict__ cu,
                               const uint32_t *__restrict__ new_cu, T *__restrict__ out, int batch, int total, int C,
-                              int row_blocks) {
+                              int row_blocks, int fused_slices) {
     const int *slot = reinterpret_cast<const int *>(plan + 2 * batch);
     const float *w = reinterpret_cast<const float *>(plan + 2 * batch + total);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
@@ -1118,15 +1186,35 @@ __device__ void select_gather(const T *__restrict__ x, const uint32_t *__restric
         }
         return;
     }
-    const int b = blockIdx.x - row_blocks;
+    // Fused rows: `fused_slices` blocks per sequence, a column slice each; inside a block thread
+    // (g, c) sums the dropped rows start + g, start + g + G, ... of column c and the G partials
+    // are added in order (one thread walking every row of a column was a chain of loads).
+    const int q = blockIdx.x - row_blocks;
+    const int b = q / fused_slices, f = q % fused_slices;
     if (!plan[batch + b]) return;
+    const int cols = (C + fused_slices - 1) / fused_slices;
+    const int c_begin = f * cols, c_end = min(C, c_begin + cols);
+    if (c_begin >= c_end) return;  // the whole block leaves: no barrier below is split
     const int start = (int)cu[b], end = (int)cu[b + 1];
     T *dst = out + ((size_t)new_cu[b + 1] - 1) * C;
-    for (int c = threadIdx.x; c < C; c += blockDim.x) {
+    __shared__ float part[GATHER_THREADS];
+    const int width = min(c_end - c_begin, (int)blockDim.x);
+    const int groups = blockDim.x / width;
+    const int g = threadIdx.x / width, ci = threadIdx.x % width;
+    for (int c0 = c_begin; c0 < c_end; c0 += width) {
+        const int c = c0 + ci;
         float acc = 0.f;
-        for (int j = start; j < end; ++j)
-            if (slot[j] < 0) acc = fmaf(w[j], to_f32(x[(size_t)j * C + c]), acc);
-        dst[c] = from_f32<T>(acc);
+        if (g < groups && c < c_end)
+            for (int j = start + g; j < end; j += groups)
+                if (slot[j] < 0) acc = fmaf(w[j], to_f32(x[(size_t)j * C + c]), acc);
+        __syncthreads();  // the previous chunk's partials have been read
+        if (g < groups) part[g * width + ci] = acc;
+        __syncthreads();
+        if (threadIdx.x < width && c < c_end) {
+            float a = 0.f;
+            for (int k = 0; k < groups; ++k) a += part[k * width + ci];
+            dst[c] = from_f32<T>(a);
+        }
     }
 }
 
@@ -1142,8 +1230,8 @@ __device__ void select_gather(const T *__restrict__ x, const uint32_t *__restric
     }                                                                                                              \
     extern "C" __global__ void ragged_select_gather_##SUFFIX(const T *x, const uint32_t *plan, const uint32_t *cu, \
                                                              const uint32_t *new_cu, T *out, int batch, int total, \
-                                                             int C, int row_blocks) {                              \
-        rule_detail::select_gather<T>(x, plan, cu, new_cu, out, batch, total, C, row_blocks);                      \
+                                                             int C, int row_blocks, int fused_slices) {            \
+        rule_detail::select_gather<T>(x, plan, cu, new_cu, out, batch, total, C, row_blocks, fused_slices);        \
     }
 RULE_ENTRIES(f32, float)
 RULE_ENTRIES(f16, __half)

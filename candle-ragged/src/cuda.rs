@@ -732,9 +732,19 @@ pub(crate) fn select_gather(
     let new_cu = cuda_u32(&new_storage)?.slice(new_off..);
     let plan = p.as_cuda_slice::<u32>()?.slice(lp.start_offset()..);
     let row_blocks = rows.div_ceil(8);
-    let (b_i, total_i, c_i, row_blocks_i) = (b as i32, rows as i32, c as i32, row_blocks as i32);
+    // Blocks per fused row (column slices of at least 32): enough to spread a small batch's fused
+    // rows over the GPU, one per sequence at large batches.
+    let fused_slices = (264 / b.max(1)).clamp(1, c.div_ceil(32).max(1));
+    let (b_i, total_i, c_i, row_blocks_i, slices_i) = (
+        b as i32,
+        rows as i32,
+        c as i32,
+        row_blocks as i32,
+        fused_slices as i32,
+    );
     let cfg = LaunchConfig {
-        grid_dim: ((row_blocks + b) as u32, 1, 1),
+        grid_dim: ((row_blocks + b * fused_slices) as u32, 1, 1),
+        // GATHER_THREADS in the kernel source.
         block_dim: (256, 1, 1),
         shared_mem_bytes: 0,
     };
@@ -746,7 +756,7 @@ pub(crate) fn select_gather(
             let out = unsafe { dev.alloc::<$t>(out_rows * c)? };
             let mut builder = stream.launch_builder(&k.gather[$i]);
             builder.arg(&xs).arg(&plan).arg(&cu).arg(&new_cu).arg(&out);
-            builder.arg(&b_i).arg(&total_i).arg(&c_i).arg(&row_blocks_i);
+            builder.arg(&b_i).arg(&total_i).arg(&c_i).arg(&row_blocks_i).arg(&slices_i);
             // SAFETY: arguments match ragged_select_gather_* in kernels/ragged_attention.cu.
             unsafe { builder.launch(cfg) }.w()?;
             CudaStorage::wrap_cuda_slice(out, dev.clone())
