@@ -972,6 +972,8 @@ __device__ void inverse_transform(const float *sc, int prefix, int n, int sample
     __syncthreads();
     if (threadIdx.x == 0) {
         double total = -0.0;  // Rust's f64 sum starts at -0.0
+        // Unrolled so that the loads run ahead of the (ordered, unchanged) chain of adds.
+#pragma unroll 8
         for (int i = 0; i < n; ++i) total = __dadd_rn(total, a[i]);
         dshared[0] = total;
     }
@@ -990,6 +992,7 @@ __device__ void inverse_transform(const float *sc, int prefix, int n, int sample
     __syncthreads();
     if (threadIdx.x == 0) {
         double acc = 0.0;
+#pragma unroll 8
         for (int r = 0; r < n; ++r) {
             acc = __dadd_rn(acc, a[order[r]]);
             c[r] = acc;
@@ -1068,6 +1071,7 @@ __device__ void select_decide(const T *__restrict__ x, const float *__restrict__
         if (rule == RULE_MEAN_TIMES) {
             if (threadIdx.x == 0) {
                 double sum = -0.0;
+#pragma unroll 8
                 for (int j = prefix; j < len; ++j) sum = __dadd_rn(sum, (double)sc[j]);
                 red[0] = __double2float_rn(__dmul_rn(param, __ddiv_rn(sum, (double)n)));
             }
@@ -1085,6 +1089,7 @@ __device__ void select_decide(const T *__restrict__ x, const float *__restrict__
     } else if (rule == RULE_MASS_SHARE) {
         if (threadIdx.x == 0) {
             double whole = -0.0;
+#pragma unroll 8
             for (int r = 0; r < n; ++r) whole = __dadd_rn(whole, (double)weight(sc[order[r]]));
             const double target = __dmul_rn(param, whole);
             double acc = 0.0;
