@@ -756,7 +756,12 @@ pub(crate) fn select_gather(
             let out = unsafe { dev.alloc::<$t>(out_rows * c)? };
             let mut builder = stream.launch_builder(&k.gather[$i]);
             builder.arg(&xs).arg(&plan).arg(&cu).arg(&new_cu).arg(&out);
-            builder.arg(&b_i).arg(&total_i).arg(&c_i).arg(&row_blocks_i).arg(&slices_i);
+            builder
+                .arg(&b_i)
+                .arg(&total_i)
+                .arg(&c_i)
+                .arg(&row_blocks_i)
+                .arg(&slices_i);
             // SAFETY: arguments match ragged_select_gather_* in kernels/ragged_attention.cu.
             unsafe { builder.launch(cfg) }.w()?;
             CudaStorage::wrap_cuda_slice(out, dev.clone())
