@@ -563,7 +563,7 @@ impl DynamicVit {
             .enumerate()
             .find(|&(_, len)| len <= num_prefix)
         {
-            return Err(PruneError::InvalidConfig(format!(
+            return Err(PruneError::InvalidInput(format!(
                 "dynamicvit: image {index} has {len} tokens, no patch after its {num_prefix} \
                  prefix tokens"
             )));
