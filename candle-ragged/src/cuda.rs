@@ -500,7 +500,7 @@ pub(crate) fn unpack(
     Ok((storage, shape))
 }
 
-/// [`crate::select_top_k`] on CUDA: blocks of 256 threads, one or more per sequence.
+/// [`crate::select_top_k`] on CUDA: blocks of 512 threads, one or more per sequence.
 pub(crate) fn select_top_k(
     op: &crate::select::SelectTopK,
     (x, lx): (&CudaStorage, &Layout),
@@ -539,11 +539,13 @@ pub(crate) fn select_top_k(
         Some(crate::DroppedFusion::WeightedSum) => 2,
     };
     // Blocks per sequence: enough to spread the row copies over the GPU at small batches (each
-    // block of a sequence ranks it again, O(len²/256) per thread), one at large ones.
+    // block of a sequence scores and ranks it again, O(len²/512) per thread), one at large ones.
+    // 512 threads: at batch 1 a block's scoring and ranking are the step's latency, and they
+    // split over threads (the kernel takes any multiple of 32 up to 1024).
     let per_seq = (264 / b.max(1)).clamp(1, op.len.div_ceil(8)) as u32;
     let cfg = LaunchConfig {
         grid_dim: (b as u32, per_seq, 1),
-        block_dim: (256, 1, 1),
+        block_dim: (512, 1, 1),
         shared_mem_bytes: 0,
     };
     let stream = dev.cuda_stream();
