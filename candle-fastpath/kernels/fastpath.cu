@@ -233,17 +233,3 @@ extern "C" __global__ void fastpath_linear_log_prob_bf16(const __nv_bfloat16* x,
                                                          unsigned long long ldx, int D, int K, int cls) {
     linear_log_prob_rows(x, w, b, out, rows, ldx, D, K, cls);
 }
-
-// Holds the stream for `ns` nanoseconds (one thread). The matmul autotuner launches it before
-// each candidate's timed launches so they queue up behind it and then run back to back: the
-// events then time the GPU's work, not the host's launch rate (at batch 1 a cuBLASLt call costs
-// the host longer than its kernel takes).
-extern "C" __global__ void fastpath_spin(unsigned long long ns) {
-    if (threadIdx.x != 0) return;
-    unsigned long long start, now;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
-    do {
-        __nanosleep(1000);
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-    } while (now - start < ns);
-}

@@ -2,20 +2,8 @@
 //!
 //! Per device we keep one cuBLASLt handle, one 32 MiB workspace and the GELU kernels, loaded
 //! once. Per problem (dtype, rows, out, in, bias or not, pointer alignment) we keep a plan: the
-//! matmul descriptor, the three matrix layouts and the algorithm, so a call only sets the bias
-//! pointer and launches. Nothing on that path waits on the GPU.
-//!
-//! Choosing the algorithm (autotuning): cuBLASLt's heuristic ranks its kernels by a model, and
-//! for the skinny problems of a ViT at small batch (197 rows) its first pick is often not the
-//! fastest. The first time a problem's row-count class (rows rounded up to a power of two) is
-//! seen outside a stream capture, every candidate the heuristic offers (up to
-//! [`TUNE_CANDIDATES`]) is timed on the call's own operands with CUDA events, and the fastest is
-//! kept for the class; later row counts of the class reuse it once `cublasLtMatmulAlgoCheck`
-//! accepts it for their shape (ragged batches bring a new row count nearly every call, and must
-//! not be timed each time). That first call synchronises the device once; every later call of the
-//! class costs what it did. `CANDLE_FASTPATH_AUTOTUNE=0` keeps the heuristic's first pick
-//! (read once per process; for A/B runs); `CANDLE_FASTPATH_AUTOTUNE_LOG=1` prints each class's
-//! timings.
+//! matmul descriptor, the three matrix layouts and the algorithm the heuristic chose, so a call
+//! only sets the bias pointer and launches. Nothing here waits on the GPU.
 //!
 //! Layout: cuBLASLt is column-major. Row-major `y[M, N] = x[M, K] · W[N, K]ᵀ` is, read
 //! column-major, `yᵀ (N×M) = op(W') · x'` where `W'` is `W` seen as a K×N column-major matrix
@@ -67,13 +55,6 @@ const WORKSPACE_BYTES: usize = 32 << 20;
 /// Ragged batches bring a new row count nearly every call; past this many plans the cache is
 /// rebuilt from scratch rather than grown without bound.
 const MAX_PLANS: usize = 4096;
-/// How many of the heuristic's candidates the autotuner times.
-pub(crate) const TUNE_CANDIDATES: usize = 16;
-/// Timed launches per candidate (after one untimed launch).
-const TUNE_REPS: usize = 8;
-/// How long the spin kernel holds the stream before a candidate's timed launches: long enough
-/// for the host to queue them all behind it.
-const TUNE_SPIN_NS: u64 = 200_000;
 
 /// The CustomOp behind [`crate::FusedLinear::forward_with`] on CUDA: `(x [M, K], W [N, K])`,
 /// with the bias and residual carried here (read in place, like candle-flash-attn's alibi
@@ -99,25 +80,12 @@ struct PlanKey {
     align: u32,
 }
 
-impl PlanKey {
-    /// The autotuner's class of this problem: the same problem with the rows rounded up to a
-    /// power of two.
-    fn tune_class(self) -> PlanKey {
-        PlanKey {
-            m: self.m.next_power_of_two(),
-            ..self
-        }
-    }
-}
-
 struct Plan {
     desc: sys::cublasLtMatmulDesc_t,
     a: sys::cublasLtMatrixLayout_t,
     b: sys::cublasLtMatrixLayout_t,
     cd: sys::cublasLtMatrixLayout_t,
     algo: sys::cublasLtMatmulAlgo_t,
-    /// The heuristic's candidates, best-ranked first (the first is `algo` until tuned).
-    candidates: Vec<sys::cublasLtMatmulAlgo_t>,
 }
 
 impl Drop for Plan {
@@ -140,10 +108,7 @@ struct DeviceState {
     layer_norm: Vec<CudaFunction>,
     patchify: Vec<CudaFunction>,
     head: Vec<CudaFunction>,
-    spin: CudaFunction,
     plans: HashMap<PlanKey, Plan>,
-    /// The autotuner's pick per problem class ([`PlanKey::tune_class`]).
-    tuned: HashMap<PlanKey, sys::cublasLtMatmulAlgo_t>,
 }
 
 // The raw cuBLASLt handles are only used under the STATE mutex.
@@ -200,9 +165,7 @@ fn new_state(dev: &CudaDevice) -> candle_core::Result<DeviceState> {
         layer_norm: load(&LN_NAMES)?,
         patchify: load(&PATCH_NAMES)?,
         head: load(&HEAD_NAMES)?,
-        spin: load(&["fastpath_spin"])?.remove(0),
         plans: HashMap::new(),
-        tuned: HashMap::new(),
     })
 }
 
@@ -252,7 +215,6 @@ fn make_plan(handle: sys::cublasLtHandle_t, key: PlanKey) -> candle_core::Result
         b,
         cd,
         algo: sys::cublasLtMatmulAlgo_t { data: [0; 8] },
-        candidates: Vec::new(),
     };
     unsafe {
         set_desc(desc, A::CUBLASLT_MATMUL_DESC_TRANSA, &1i32)?; // CUBLAS_OP_T
@@ -293,71 +255,12 @@ fn make_plan(handle: sys::cublasLtHandle_t, key: PlanKey) -> candle_core::Result
                 )
                 .map_err(cublas_err)?;
             }
-            let mut results: [sys::cublasLtMatmulHeuristicResult_t; TUNE_CANDIDATES] =
-                std::mem::zeroed();
-            let mut count = 0i32;
-            sys::cublasLtMatmulAlgoGetHeuristic(
-                handle,
-                desc,
-                a,
-                b,
-                cd,
-                cd,
-                pref,
-                TUNE_CANDIDATES as i32,
-                results.as_mut_ptr(),
-                &mut count,
-            )
-            .result()
-            .map_err(cublas_err)?;
-            let found: Vec<_> = results[..count.max(0) as usize]
-                .iter()
-                .filter(|r| {
-                    r.state == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS
-                        && r.workspaceSize <= WORKSPACE_BYTES
-                })
-                .map(|r| r.algo)
-                .collect();
-            if found.is_empty() {
-                return Err(cublas_err(sys::cublasStatus_t::CUBLAS_STATUS_NOT_SUPPORTED));
-            }
-            Ok(found)
+            lt::get_matmul_algo_heuristic(handle, desc, a, b, cd, cd, pref).map_err(cublas_err)
         })();
         let _ = lt::destroy_matmul_pref(pref);
-        plan.candidates = found?;
-        plan.algo = plan.candidates[0];
+        plan.algo = found?.algo;
     }
     Ok(plan)
-}
-
-/// Whether `CANDLE_FASTPATH_AUTOTUNE` leaves the autotuner on (anything but `0`, `off`, `false`).
-fn autotune_enabled() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| {
-        !matches!(
-            std::env::var("CANDLE_FASTPATH_AUTOTUNE").as_deref(),
-            Ok("0") | Ok("off") | Ok("false")
-        )
-    })
-}
-
-/// Whether `algo` (tuned for another row count of the class) runs this plan's exact shape.
-fn algo_fits(handle: sys::cublasLtHandle_t, plan: &Plan, algo: &sys::cublasLtMatmulAlgo_t) -> bool {
-    // SAFETY: the descriptor and layouts are live (owned by `plan`); `result` is written by the call.
-    unsafe {
-        let mut result: sys::cublasLtMatmulHeuristicResult_t = std::mem::zeroed();
-        sys::cublasLtMatmulAlgoCheck(
-            handle,
-            plan.desc,
-            plan.a,
-            plan.b,
-            plan.cd,
-            plan.cd,
-            algo,
-            &mut result,
-        ) == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS
-            && result.workspaceSize <= WORKSPACE_BYTES
-    }
 }
 
 /// Largest power of two (≤ 256) dividing the address.
@@ -375,84 +278,6 @@ fn not_contiguous(what: &str, layout: &Layout) -> candle_core::Error {
         layout.shape().dims(),
         layout.stride()
     ))
-}
-
-/// Whether `stream` is being captured into a CUDA graph.
-fn capturing(
-    stream: &candle_core::cuda_backend::cudarc::driver::CudaStream,
-) -> candle_core::Result<bool> {
-    use candle_core::cuda_backend::cudarc::driver::sys::CUstreamCaptureStatus as S;
-    let status = stream.capture_status().map_err(candle_core::Error::wrap)?;
-    Ok(status != S::CU_STREAM_CAPTURE_STATUS_NONE)
-}
-
-/// Times every candidate of `plan` with `run` (one cuBLASLt call on the real operands) and
-/// returns the fastest. Each candidate: one untimed call, then the spin kernel holds the stream
-/// while the host queues [`TUNE_REPS`] calls between two events, so they run back to back. A
-/// candidate whose launch fails is skipped. Synchronises once, at the end.
-fn fastest(
-    stream: &std::sync::Arc<candle_core::cuda_backend::cudarc::driver::CudaStream>,
-    spin: &CudaFunction,
-    plan: &Plan,
-    what: &str,
-    run: impl Fn(&sys::cublasLtMatmulAlgo_t) -> candle_core::Result<()>,
-) -> candle_core::Result<sys::cublasLtMatmulAlgo_t> {
-    use candle_core::cuda_backend::cudarc::driver::sys::CUevent_flags;
-    let ctx = stream.context();
-    let mut timed = Vec::with_capacity(plan.candidates.len());
-    for algo in &plan.candidates {
-        if run(algo).is_err() {
-            continue;
-        }
-        let start = ctx
-            .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-            .map_err(candle_core::Error::wrap)?;
-        let end = ctx
-            .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-            .map_err(candle_core::Error::wrap)?;
-        let mut builder = stream.launch_builder(spin);
-        builder.arg(&TUNE_SPIN_NS);
-        // SAFETY: the kernel reads its one argument and touches no memory.
-        let one = LaunchConfig {
-            grid_dim: (1, 1, 1),
-            block_dim: (1, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        unsafe { builder.launch(one) }.map_err(candle_core::Error::wrap)?;
-        start.record(stream).map_err(candle_core::Error::wrap)?;
-        let mut ok = true;
-        for _ in 0..TUNE_REPS {
-            ok &= run(algo).is_ok();
-        }
-        end.record(stream).map_err(candle_core::Error::wrap)?;
-        if ok {
-            timed.push((*algo, start, end));
-        }
-    }
-    let mut best: Option<(f32, sys::cublasLtMatmulAlgo_t)> = None;
-    let mut times = Vec::with_capacity(timed.len());
-    for (algo, start, end) in &timed {
-        let ms = start.elapsed_ms(end).map_err(candle_core::Error::wrap)?;
-        times.push(ms * 1e3 / TUNE_REPS as f32);
-        if best.is_none_or(|(b, _)| ms < b) {
-            best = Some((ms, *algo));
-        }
-    }
-    if tune_log_enabled() {
-        // One line per tuned class: what the heuristic's first pick costs against the winner.
-        let fmt: Vec<String> = times.iter().map(|t| format!("{t:.2}")).collect();
-        eprintln!(
-            "candle-fastpath autotune: {what} us per call by heuristic rank: [{}]",
-            fmt.join(", ")
-        );
-    }
-    Ok(best.map_or(plan.candidates[0], |(_, algo)| algo))
-}
-
-/// `CANDLE_FASTPATH_AUTOTUNE_LOG=1`: the autotuner prints each class's timings to stderr.
-fn tune_log_enabled() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("CANDLE_FASTPATH_AUTOTUNE_LOG").as_deref() == Ok("1"))
 }
 
 impl LinearOp {
@@ -568,12 +393,18 @@ impl LinearOp {
 
         let mut states = STATE.lock().unwrap_or_else(|e| e.into_inner());
         let state = device_state(&mut states, dev)?;
+        if !state.plans.contains_key(&key) {
+            if state.plans.len() >= MAX_PLANS {
+                state.plans.clear();
+            }
+            let plan = make_plan(state.handle, key)?;
+            state.plans.insert(key, plan);
+        }
+        let plan = &state.plans[&key];
         let alpha = 1f32;
         let beta = if res_ptr.is_some() { 1f32 } else { 0f32 };
         let (ws_ptr, _gws) = state.workspace.device_ptr(&stream);
-        let cu_stream = stream.cu_stream() as sys::cudaStream_t;
-        // One cuBLASLt call of `plan` with `algo` on this call's operands.
-        let matmul = |handle, plan: &Plan, algo: &sys::cublasLtMatmulAlgo_t| unsafe {
+        unsafe {
             if let Some((b, _)) = &bias_ptr {
                 set_desc(
                     plan.desc,
@@ -582,7 +413,7 @@ impl LinearOp {
                 )?;
             }
             lt::matmul(
-                handle,
+                state.handle,
                 plan.desc,
                 &alpha as *const f32 as *const c_void,
                 &beta as *const f32 as *const c_void,
@@ -594,44 +425,13 @@ impl LinearOp {
                 plan.cd,
                 d_ptr as *mut c_void,
                 plan.cd,
-                algo,
+                &plan.algo,
                 ws_ptr as *mut c_void,
                 WORKSPACE_BYTES,
-                cu_stream,
+                stream.cu_stream() as sys::cudaStream_t,
             )
-            .map_err(cublas_err)
-        };
-        if !state.plans.contains_key(&key) {
-            if state.plans.len() >= MAX_PLANS {
-                state.plans.clear();
-            }
-            let mut plan = make_plan(state.handle, key)?;
-            if autotune_enabled() {
-                let class = key.tune_class();
-                match state.tuned.get(&class) {
-                    Some(algo) if algo_fits(state.handle, &plan, algo) => plan.algo = *algo,
-                    Some(_) => {}
-                    // Timing needs a synchronisation, which a stream capture forbids: a problem
-                    // first seen inside one keeps the heuristic's pick.
-                    None if plan.candidates.len() > 1 && !capturing(&stream)? => {
-                        let what = format!(
-                            "{:?} rows {m} (class {}) out {n} in {k} bias {} ldx {ldx}",
-                            T::DTYPE,
-                            class.m,
-                            key.bias
-                        );
-                        plan.algo = fastest(&stream, &state.spin, &plan, &what, |algo| {
-                            matmul(state.handle, &plan, algo)
-                        })?;
-                        state.tuned.insert(class, plan.algo);
-                    }
-                    None => {}
-                }
-            }
-            state.plans.insert(key, plan);
+            .map_err(cublas_err)?;
         }
-        let plan = &state.plans[&key];
-        matmul(state.handle, plan, &plan.algo)?;
         if self.gelu {
             let len = (m * n) as u64;
             let func = &state.gelu[dtype_index(T::DTYPE)?];
