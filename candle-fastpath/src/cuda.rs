@@ -1,9 +1,5 @@
 //! cuBLASLt for [`crate::FusedLinear`] on CUDA.
 //!
-//! Small f16/bf16 problems (a ViT at batch 1: ~200 rows) skip cuBLASLt: our tile kernel
-//! `fastpath_small_linear_*` runs them with the bias, GELU and residual in its epilogue, one
-//! launch (see [`small_linear_limits`]). Everything else goes to cuBLASLt.
-//!
 //! Per device we keep one cuBLASLt handle, one 32 MiB workspace and the GELU kernels, loaded
 //! once. Per problem (dtype, rows, out, in, bias or not, pointer alignment) we keep a plan: the
 //! matmul descriptor, the three matrix layouts and the algorithm the heuristic chose, so a call
@@ -47,13 +43,6 @@ const PATCH_NAMES: [&str; 3] = [
     "fastpath_patchify_f16",
     "fastpath_patchify_bf16",
 ];
-/// f16 and bf16 (f32 stays on cuBLASLt).
-const SMALL_LINEAR_NAMES: [&str; 2] = ["fastpath_small_linear_f16", "fastpath_small_linear_bf16"];
-/// SG_BM / SG_BN in kernels/fastpath.cu: rows and output features of one small-linear block.
-const SMALL_BM: usize = 32;
-const SMALL_BN: usize = 64;
-/// Its dynamic shared memory: SG_STAGES (4) slices of (SG_BM + SG_BN) rows of SG_BK + 8 halves.
-const SMALL_SMEM_BYTES: usize = 4 * (SMALL_BM + SMALL_BN) * (64 + 8) * 2;
 const HEAD_NAMES: [&str; 3] = [
     "fastpath_linear_log_prob_f32",
     "fastpath_linear_log_prob_f16",
@@ -119,7 +108,6 @@ struct DeviceState {
     layer_norm: Vec<CudaFunction>,
     patchify: Vec<CudaFunction>,
     head: Vec<CudaFunction>,
-    small_linear: Vec<CudaFunction>,
     plans: HashMap<PlanKey, Plan>,
 }
 
@@ -177,18 +165,6 @@ fn new_state(dev: &CudaDevice) -> candle_core::Result<DeviceState> {
         layer_norm: load(&LN_NAMES)?,
         patchify: load(&PATCH_NAMES)?,
         head: load(&HEAD_NAMES)?,
-        small_linear: {
-            let fs = load(&SMALL_LINEAR_NAMES)?;
-            // Past 48 KB of dynamic shared memory a kernel must opt in.
-            for f in &fs {
-                f.set_attribute(
-                    candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    SMALL_SMEM_BYTES as i32,
-                )
-                .map_err(candle_core::Error::wrap)?;
-            }
-            fs
-        },
         plans: HashMap::new(),
     })
 }
@@ -285,33 +261,6 @@ fn make_plan(handle: sys::cublasLtHandle_t, key: PlanKey) -> candle_core::Result
         plan.algo = found?.algo;
     }
     Ok(plan)
-}
-
-/// When the small-row kernel (`fastpath_small_linear_*`) runs instead of cuBLASLt: f16/bf16 problems
-/// of at most `max_rows` rows and `max_k` input features. Defaults from the H100 A/B in
-/// docs/BENCHMARKS.md (lever 15); `CANDLE_FASTPATH_SMALL_LINEAR_ROWS` and
-/// `CANDLE_FASTPATH_SMALL_LINEAR_MAX_K` override them (0 turns the kernel off), read once per
-/// process.
-#[derive(Clone, Copy)]
-struct SmallLinearLimits {
-    max_rows: usize,
-    max_k: usize,
-}
-
-fn small_linear_limits() -> SmallLinearLimits {
-    static LIMITS: std::sync::OnceLock<SmallLinearLimits> = std::sync::OnceLock::new();
-    *LIMITS.get_or_init(|| {
-        let read = |name: &str, default: usize| {
-            std::env::var(name)
-                .ok()
-                .and_then(|v| v.parse().ok())
-                .unwrap_or(default)
-        };
-        SmallLinearLimits {
-            max_rows: read("CANDLE_FASTPATH_SMALL_LINEAR_ROWS", 512),
-            max_k: read("CANDLE_FASTPATH_SMALL_LINEAR_MAX_K", 1024),
-        }
-    })
 }
 
 /// Largest power of two (≤ 256) dividing the address.
@@ -432,55 +381,6 @@ impl LinearOp {
             .map(alignment)
             .min()
             .unwrap();
-        let mut states = STATE.lock().unwrap_or_else(|e| e.into_inner());
-        let state = device_state(&mut states, dev)?;
-
-        // Small problems: our tile kernel, the GELU and residual in its epilogue (one launch).
-        let limits = small_linear_limits();
-        let small = T::DTYPE != DType::F32
-            && m > 0
-            && m <= limits.max_rows
-            && k <= limits.max_k
-            && k % 8 == 0
-            && n % 2 == 0
-            && ldx % 8 == 0
-            && alignment(x_ptr) >= 16
-            && alignment(w_ptr) >= 16
-            && align >= 4;
-        if small {
-            let kind: i32 = match (res_ptr.is_some(), self.gelu) {
-                (false, false) => 0,
-                (false, true) => 1,
-                (true, false) => 2,
-                (true, true) => 3,
-            };
-            let func = &state.small_linear[dtype_index(T::DTYPE)? - 1];
-            let cfg = LaunchConfig {
-                grid_dim: (n.div_ceil(SMALL_BN) as u32, m.div_ceil(SMALL_BM) as u32, 1),
-                block_dim: (128, 1, 1),
-                shared_mem_bytes: SMALL_SMEM_BYTES as u32,
-            };
-            let bias_arg = bias_ptr.as_ref().map_or(0u64, |(p, _)| *p);
-            let res_arg = res_ptr.as_ref().map_or(0u64, |(p, _)| *p);
-            let (m32, n32, k32, ldx32) = (m as u32, n as u32, k as u32, ldx as u32);
-            let mut builder = stream.launch_builder(func);
-            builder.arg(&x_ptr);
-            builder.arg(&w_ptr);
-            builder.arg(&bias_arg);
-            builder.arg(&res_arg);
-            builder.arg(&d_ptr);
-            builder.arg(&m32);
-            builder.arg(&n32);
-            builder.arg(&k32);
-            builder.arg(&ldx32);
-            builder.arg(&kind);
-            // SAFETY: the kernel reads m rows of k elements at stride ldx from x, n·k from w, n
-            // from the bias and m·n from the residual, and writes m·n of out; all were checked
-            // (shapes by the caller, strides and alignment above).
-            unsafe { builder.launch(cfg) }.map_err(candle_core::Error::wrap)?;
-            return Ok(());
-        }
-
         let key = PlanKey {
             dtype: dtype_index(T::DTYPE)?,
             m: m as u64,
@@ -491,6 +391,8 @@ impl LinearOp {
             align,
         };
 
+        let mut states = STATE.lock().unwrap_or_else(|e| e.into_inner());
+        let state = device_state(&mut states, dev)?;
         if !state.plans.contains_key(&key) {
             if state.plans.len() >= MAX_PLANS {
                 state.plans.clear();

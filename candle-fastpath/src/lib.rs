@@ -2,8 +2,7 @@
 //!
 //! - [`FusedLinear`]: `x·Wᵀ + b`, optionally followed by the exact (erf) GELU or added to a
 //!   residual, as one cuBLASLt call with the bias (and residual) in its epilogue (plus one
-//!   in-place GELU kernel), or, for small half-precision problems (≤ 512 rows, a ViT at batch
-//!   1), one launch of our own tensor-core kernel with all of it in the epilogue. candle's own `Linear` runs a matmul and then a separate broadcast add
+//!   in-place GELU kernel). candle's own `Linear` runs a matmul and then a separate broadcast add
 //!   (and a GELU, and a residual add), each a full pass over the activations; in a ViT those
 //!   passes cost more than the matmuls. On the CPU the same layer runs as plain candle ops with
 //!   identical semantics.

@@ -126,9 +126,7 @@ impl FusedLinear {
 
     /// `x` `[.., in]` → `[.., out]` with `epilogue` applied (see [`Epilogue`]). On CUDA: one
     /// cuBLASLt call (bias and residual in its epilogue) plus, for the GELU epilogues, one
-    /// in-place GELU kernel; for f16/bf16 with at most 512 rows (in dim a multiple of 8, out dim
-    /// even) one launch of a small-row tensor-core kernel that applies the whole epilogue to the
-    /// f32 sum. The output is the only allocation.
+    /// in-place GELU kernel; the output is the only allocation.
     pub fn forward_with(&self, x: &Tensor, epilogue: Epilogue) -> Result<Tensor> {
         let dims = x.dims();
         if dims.is_empty() || *dims.last().unwrap() != self.in_dim() {
