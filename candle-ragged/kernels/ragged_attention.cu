@@ -321,6 +321,16 @@ __device__ __forceinline__ void attn_mma_kernel(const T *__restrict__ q, const T
 // own query tiles, warp_id, warp_id + warps·splits, ... with warp_id = blockIdx.x · warps + warp,
 // over all keys with no further barrier. With splits > 1 (small batches) each split re-reads K / V
 // from L2 and every warp takes about one tile.
+//
+// Key parts (blockDim.y = P > 1; the host picks it when the whole batch is only a few hundred
+// warps, e.g. one image): at batch 1 a block's time is one warp's dependent chain over every key
+// (ncu: 12 blocks on 132 SMs, ~3,200 instructions per warp at 5.6 cycles each). Then warp
+// (x, y) takes query tile blockIdx.x · blockDim.x / 32 + x, one per warp, and only the 16-key
+// tiles [y · kt / P, (y + 1) · kt / P); parts y > 0 leave their online-softmax state
+// (running maxima, partial sums, unnormalised O, lane by lane in the MMA layout) in shared
+// memory after K / V, and part 0 merges them (rescaled to the common maximum) before it
+// normalises and writes the rows. Each chain is about 1/P as long; the sums are the same
+// quantities added in a different order.
 #define RESIDENT_MAX_LEN 256
 #define RESIDENT_MAX_WARPS 8
 
@@ -339,6 +349,7 @@ __device__ __forceinline__ void attn_resident_kernel(const T *__restrict__ q, co
     const int len = static_cast<int>(cu_seqlens[b + 1]) - start;
     const int q_tiles = (len + 15) / 16;
     const int warps = blockDim.x / 32;
+    const int parts = blockDim.y;
     const int first_tile = blockIdx.x * warps;
     if (first_tile >= q_tiles) return;  // uniform over the block
 
@@ -348,7 +359,9 @@ __device__ __forceinline__ void attn_resident_kernel(const T *__restrict__ q, co
     T *vs = ks + rows * C::ROW;
     const T *kh = k + start * k_tok + h * k_head;
     const T *vh = v + start * v_tok + h * v_head;
-    for (int i = threadIdx.x; i < rows * C::CHUNKS; i += blockDim.x) {
+    const int tid = threadIdx.y * blockDim.x + threadIdx.x;
+    const int threads = blockDim.x * blockDim.y;
+    for (int i = tid; i < rows * C::CHUNKS; i += threads) {
         const int row = i / C::CHUNKS;
         const int chunk = i % C::CHUNKS;
         const bool ok = row < len;
@@ -363,7 +376,6 @@ __device__ __forceinline__ void attn_resident_kernel(const T *__restrict__ q, co
     const T *qh = q + start * q_tok + h * q_head;
     const long long o_tok = static_cast<long long>(heads) * D;
     T *oh = o + static_cast<long long>(start) * o_tok + h * D;
-    const int stride = gridDim.x * warps;
 
     int tile = first_tile + warp;
     RowState<D> st;
@@ -371,12 +383,79 @@ __device__ __forceinline__ void attn_resident_kernel(const T *__restrict__ q, co
     cp_async_wait<0>();
     __syncthreads();
 
-    for (; tile < q_tiles; tile += stride) {
-        if (tile != first_tile + warp) begin_rows<T, D>(st, qh, q_tok, tile * 16, len, lane);
-        for (int key0 = 0; key0 < len; key0 += KEYS)
-            attend_chunk<T, D, KEYS>(st, ks + key0 * C::ROW, vs + key0 * C::ROW, min(KEYS, len - key0), scale_log2, lane);
-        end_rows<T, D>(st, oh, o_tok, tile * 16, len, lane);
+    if (parts == 1) {
+        const int stride = gridDim.x * warps;
+        for (; tile < q_tiles; tile += stride) {
+            if (tile != first_tile + warp) begin_rows<T, D>(st, qh, q_tok, tile * 16, len, lane);
+            for (int key0 = 0; key0 < len; key0 += KEYS)
+                attend_chunk<T, D, KEYS>(st, ks + key0 * C::ROW, vs + key0 * C::ROW, min(KEYS, len - key0), scale_log2, lane);
+            end_rows<T, D>(st, oh, o_tok, tile * 16, len, lane);
+        }
+        return;
     }
+
+    // Key parts: one tile per warp (the host guarantees gridDim.x · warps >= q_tiles). Part y
+    // takes the 16-key tiles [y · kt / P, (y + 1) · kt / P) in steps of up to KEYS keys; a step
+    // that ends inside the sequence ends on a multiple of 16, so attend_chunk's masking of the
+    // keys past `valid` keeps the next part's keys out.
+    const int part = threadIdx.y;
+    const bool active = tile < q_tiles;
+    const int key_tiles = (len + 15) / 16;
+    if (active) {
+        const int key_end = min(len, (part + 1) * key_tiles / parts * 16);
+        for (int key0 = part * key_tiles / parts * 16; key0 < key_end; key0 += KEYS)
+            attend_chunk<T, D, KEYS>(st, ks + key0 * C::ROW, vs + key0 * C::ROW, min(KEYS, key_end - key0), scale_log2, lane);
+    }
+    // Partial states after K / V: [warp][part - 1][STATE][32 lanes] floats (lane-minor: no bank
+    // conflicts), STATE = D / 2 accumulators + m0, m1, l0, l1.
+    constexpr int STATE = D / 2 + 4;
+    float *partial = reinterpret_cast<float *>(vs + rows * C::ROW);
+    if (active && part > 0) {
+        float *mine = partial + ((warp * (parts - 1) + part - 1) * STATE) * 32 + lane;
+#pragma unroll
+        for (int i = 0; i < D / 8; ++i)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) mine[(i * 4 + e) * 32] = st.acc_o[i][e];
+        mine[(D / 2 + 0) * 32] = st.m0;
+        mine[(D / 2 + 1) * 32] = st.m1;
+        mine[(D / 2 + 2) * 32] = st.l0;
+        mine[(D / 2 + 3) * 32] = st.l1;
+    }
+    __syncthreads();
+    if (!active || part > 0) return;
+    // A part that saw no chunk holds m = -inf and zero sums: its weight exp2(-inf - m) is 0, and
+    // at least one part saw a chunk, so the common maxima are finite.
+    float m0 = st.m0, m1 = st.m1;
+    for (int p = 1; p < parts; ++p) {
+        const float *theirs = partial + ((warp * (parts - 1) + p - 1) * STATE) * 32 + lane;
+        m0 = fmaxf(m0, theirs[(D / 2 + 0) * 32]);
+        m1 = fmaxf(m1, theirs[(D / 2 + 1) * 32]);
+    }
+    float w0 = exp2f(st.m0 - m0), w1 = exp2f(st.m1 - m1);
+    st.l0 *= w0;
+    st.l1 *= w1;
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i) {
+        st.acc_o[i][0] *= w0;
+        st.acc_o[i][1] *= w0;
+        st.acc_o[i][2] *= w1;
+        st.acc_o[i][3] *= w1;
+    }
+    for (int p = 1; p < parts; ++p) {
+        const float *theirs = partial + ((warp * (parts - 1) + p - 1) * STATE) * 32 + lane;
+        w0 = exp2f(theirs[(D / 2 + 0) * 32] - m0);
+        w1 = exp2f(theirs[(D / 2 + 1) * 32] - m1);
+        st.l0 += theirs[(D / 2 + 2) * 32] * w0;
+        st.l1 += theirs[(D / 2 + 3) * 32] * w1;
+#pragma unroll
+        for (int i = 0; i < D / 8; ++i) {
+            st.acc_o[i][0] += theirs[(i * 4 + 0) * 32] * w0;
+            st.acc_o[i][1] += theirs[(i * 4 + 1) * 32] * w0;
+            st.acc_o[i][2] += theirs[(i * 4 + 2) * 32] * w1;
+            st.acc_o[i][3] += theirs[(i * 4 + 3) * 32] * w1;
+        }
+    }
+    end_rows<T, D>(st, oh, o_tok, tile * 16, len, lane);
 }
 
 // f32: one thread per query, keys in tiles of 32 through shared memory, exact f32 arithmetic.

@@ -39,6 +39,29 @@ fn resident_smem_bytes(max_len: usize, head_dim: usize) -> usize {
     2 * max_len.next_multiple_of(16) * (head_dim + 8) * 2
 }
 
+/// The resident kernel's key parts (its blockDim.y) and query-tile warps per block for a batch of
+/// `pairs` (sequence, head) pairs of up to `q_tiles` 16-row tiles (and as many 16-key tiles): 4
+/// warps share each tile's keys when the whole batch is at most about one wave of warps (132 SMs
+/// × 16 resident warps), as at batch 1, where one warp's chain over all keys is the kernel's
+/// time; otherwise 1 (`None`). Two parts were measured too (H100): slower than none at batch 8
+/// with 6 heads (each extra block stages a whole K / V again), so they are not used.
+fn resident_key_parts(pairs: usize, q_tiles: usize, sm_count: usize) -> Option<(usize, usize)> {
+    const PARTS: usize = 4;
+    (q_tiles >= PARTS && pairs * q_tiles * PARTS <= 16 * sm_count)
+        .then_some((PARTS, RESIDENT_MAX_WARPS / PARTS))
+}
+
+/// Shared memory the key parts' merge adds after K and V: per tile warp, the online-softmax
+/// state (head_dim / 2 accumulators and four row scalars per lane) of every part but the first.
+fn resident_merge_bytes(warps: usize, parts: usize, head_dim: usize) -> usize {
+    warps * (parts - 1) * (head_dim / 2 + 4) * 32 * 4
+}
+
+/// The most a key-part launch needs (2 tile warps × 3 parts).
+fn resident_merge_max_bytes(head_dim: usize) -> usize {
+    resident_merge_bytes(RESIDENT_MAX_WARPS / 4, 4, head_dim)
+}
+
 const ATTN_NAMES: [[&str; 3]; 3] = [
     [
         "ragged_attn_f32_d32",
@@ -104,6 +127,8 @@ struct Kernels {
     sm_count: usize,
     /// `CANDLE_RAGGED_ATTENTION=tiled` turns the resident kernel off (for A/B measurements).
     resident_enabled: bool,
+    /// `CANDLE_RAGGED_KEY_PARTS=1` turns the resident kernel's key parts off (for A/B).
+    key_parts_enabled: bool,
     select: Vec<CudaFunction>,
     decide: Vec<CudaFunction>,
     gather: Vec<CudaFunction>,
@@ -132,7 +157,7 @@ fn kernels(dev: &CudaDevice) -> Result<Arc<Kernels>> {
     for (fs, dim) in resident.iter().flat_map(|row| row.iter().zip([32, 64])) {
         fs.set_attribute(
             sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            resident_smem_bytes(RESIDENT_MAX_LEN, dim) as i32,
+            (resident_smem_bytes(RESIDENT_MAX_LEN, dim) + resident_merge_max_bytes(dim)) as i32,
         )
         .w()?;
     }
@@ -143,6 +168,7 @@ fn kernels(dev: &CudaDevice) -> Result<Arc<Kernels>> {
         .w()?
         .max(1) as usize;
     let resident_enabled = std::env::var("CANDLE_RAGGED_ATTENTION").as_deref() != Ok("tiled");
+    let key_parts_enabled = std::env::var("CANDLE_RAGGED_KEY_PARTS").as_deref() != Ok("1");
     let decide: Vec<CudaFunction> = DECIDE_NAMES
         .iter()
         .map(|n| load(n))
@@ -162,6 +188,7 @@ fn kernels(dev: &CudaDevice) -> Result<Arc<Kernels>> {
         resident,
         sm_count,
         resident_enabled,
+        key_parts_enabled,
         select: SELECT_NAMES
             .iter()
             .map(|n| load(n))
@@ -294,19 +321,39 @@ pub(crate) fn attention(
         // One block per (sequence, head) whose warps take two 16-row query tiles each (a block
         // holds its shared memory until its slowest warp ends, so the tiles must spread evenly);
         // when the batch would leave SMs idle (about 16 warps fit per SM), two blocks per
-        // (sequence, head) and a tile per warp.
+        // (sequence, head) and a tile per warp; when the whole batch is at most about one wave
+        // of warps (batch 1), key parts: 4 warps per tile, each over a quarter of the keys,
+        // merged in shared memory (see the kernel).
+        // `CANDLE_RAGGED_KEY_PARTS=1` keeps one warp per tile (A/B).
         let pairs = batch.batch_size() * heads;
         let q_tiles = batch.max_len().div_ceil(16);
-        let warps = q_tiles.div_ceil(2).clamp(1, RESIDENT_MAX_WARPS);
-        let splits = if pairs * warps < 8 * k.sm_count {
-            q_tiles.div_ceil(warps).clamp(1, 2)
+        let key_parts =
+            resident_key_parts(pairs, q_tiles, k.sm_count).filter(|_| k.key_parts_enabled);
+        let cfg = if let Some((parts, warps)) = key_parts {
+            // One tile per warp: every tile of the longest sequence has its warps.
+            LaunchConfig {
+                grid_dim: (
+                    q_tiles.div_ceil(warps) as u32,
+                    heads as u32,
+                    batch.batch_size() as u32,
+                ),
+                block_dim: ((warps * 32) as u32, parts as u32, 1),
+                shared_mem_bytes: (resident_smem_bytes(batch.max_len(), dim)
+                    + resident_merge_bytes(warps, parts, dim))
+                    as u32,
+            }
         } else {
-            1
-        };
-        let cfg = LaunchConfig {
-            grid_dim: (splits as u32, heads as u32, batch.batch_size() as u32),
-            block_dim: ((warps * 32) as u32, 1, 1),
-            shared_mem_bytes: resident_smem_bytes(batch.max_len(), dim) as u32,
+            let warps = q_tiles.div_ceil(2).clamp(1, RESIDENT_MAX_WARPS);
+            let splits = if pairs * warps < 8 * k.sm_count {
+                q_tiles.div_ceil(warps).clamp(1, 2)
+            } else {
+                1
+            };
+            LaunchConfig {
+                grid_dim: (splits as u32, heads as u32, batch.batch_size() as u32),
+                block_dim: ((warps * 32) as u32, 1, 1),
+                shared_mem_bytes: resident_smem_bytes(batch.max_len(), dim) as u32,
+            }
         };
         (&k.resident[dtype_index - 1][dim_index], cfg)
     } else {

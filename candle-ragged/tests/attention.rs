@@ -131,6 +131,23 @@ fn resident_and_tiled_kernels_meet_at_256() {
     }
 }
 
+/// Small batches (at most about one wave of warps) split each query tile's keys over 4 warps
+/// and merge their softmax states: DeiT's batch-1 shapes (3, 6, 12 heads), lengths whose 16-key
+/// tiles do not divide by 4 (129, 140), 4 images at 12 heads (too many warps: no parts), and
+/// sequences shorter than the batch's longest, whose first parts see no key at all.
+#[test]
+fn key_parts_at_small_batches() {
+    for dtype in [DType::F16, DType::BF16] {
+        for heads in [3, 6, 12] {
+            check(&[197], heads, 64, dtype, true, 0.125, 80 + heads as u64);
+        }
+        check(&[129], 3, 64, dtype, false, 0.125, 90);
+        check(&[197, 180, 150, 100], 12, 64, dtype, true, 0.125, 91);
+        check(&[197, 1, 17, 64, 65], 6, 64, dtype, true, 0.125, 92);
+        check(&[140, 9], 4, 32, dtype, false, 0.125, 93);
+    }
+}
+
 #[test]
 fn every_head_dim() {
     for &dim in SUPPORTED_HEAD_DIMS {
