@@ -92,6 +92,30 @@ fn pseudo(n: usize, seed: u64, scale: f64) -> Vec<f64> {
         .collect()
 }
 
+/// Images of `lens[i]` token rows of width `c`: row t of image i is
+/// `pseudo(c, seed + image_stride · i + t, scale)`, in f32.
+fn pseudo_images(
+    c: usize,
+    lens: &[usize],
+    seed: u64,
+    image_stride: u64,
+    scale: f64,
+) -> Vec<Vec<Vec<f32>>> {
+    lens.iter()
+        .enumerate()
+        .map(|(i, &n)| {
+            (0..n)
+                .map(|t| {
+                    pseudo(c, seed + image_stride * i as u64 + t as u64, scale)
+                        .iter()
+                        .map(|&v| v as f32)
+                        .collect()
+                })
+                .collect()
+        })
+        .collect()
+}
+
 fn random_weights(c: usize, seed: u64) -> W {
     let dims = [(c, c), (c / 2, c), (c / 4, c / 2), (2, c / 4)];
     W {
@@ -503,20 +527,7 @@ fn packed_scores_match_the_reference_and_the_image_path_bit_for_bit() {
         c,
     );
     // Three images of different lengths (class token first), padding full of garbage.
-    let imgs: Vec<Vec<Vec<f32>>> = [9usize, 4, 13]
-        .iter()
-        .enumerate()
-        .map(|(i, &n)| {
-            (0..n)
-                .map(|t| {
-                    pseudo(c, 500 + 50 * i as u64 + t as u64, 2.0)
-                        .iter()
-                        .map(|&v| v as f32)
-                        .collect()
-                })
-                .collect()
-        })
-        .collect();
+    let imgs = pseudo_images(c, &[9, 4, 13], 500, 50, 2.0);
     let (t, lens) = pad_batch(&imgs, 13, 1e3);
     let input = PruneInput::new(&t, 1).with_lengths(&lens);
     let image_scores = p.scores(&input).unwrap().to_vec2::<f32>().unwrap();
@@ -590,20 +601,7 @@ fn packed_and_module_formulations_agree_at_deit_small_width() {
     let c = 384;
     let p = DynamicVit::random_init(DynamicVitConfig::adaptive(0, 196), c, &Device::Cpu).unwrap();
     let lens = [197usize, 140];
-    let imgs: Vec<Vec<Vec<f32>>> = lens
-        .iter()
-        .enumerate()
-        .map(|(i, &n)| {
-            (0..n)
-                .map(|t| {
-                    pseudo(c, 9000 + 1000 * i as u64 + t as u64, 1.0)
-                        .iter()
-                        .map(|&v| v as f32)
-                        .collect()
-                })
-                .collect()
-        })
-        .collect();
+    let imgs = pseudo_images(c, &lens, 9000, 1000, 1.0);
     let (t, lens) = pad_batch(&imgs, 197, 0.0);
     let module = p
         .log_probs(&PruneInput::new(&t, 1).with_lengths(&lens))
