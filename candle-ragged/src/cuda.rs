@@ -46,10 +46,12 @@ fn resident_smem_bytes(max_len: usize, head_dim: usize) -> usize {
 /// time; otherwise 1 (`None`). Two parts were measured too (H100): slower than none at batch 8
 /// with 6 heads (each extra block stages a whole K / V again), so they are not used.
 fn resident_key_parts(pairs: usize, q_tiles: usize, sm_count: usize) -> Option<(usize, usize)> {
-    const PARTS: usize = 4;
-    (q_tiles >= PARTS && pairs * q_tiles * PARTS <= 16 * sm_count)
-        .then_some((PARTS, RESIDENT_MAX_WARPS / PARTS))
+    (q_tiles >= KEY_PARTS && pairs * q_tiles * KEY_PARTS <= 16 * sm_count)
+        .then_some((KEY_PARTS, RESIDENT_MAX_WARPS / KEY_PARTS))
 }
+
+/// Warps sharing one query tile's keys when [`resident_key_parts`] splits them.
+const KEY_PARTS: usize = 4;
 
 /// Shared memory the key parts' merge adds after K and V: per tile warp, the online-softmax
 /// state (head_dim / 2 accumulators and four row scalars per lane) of every part but the first.
@@ -57,9 +59,9 @@ fn resident_merge_bytes(warps: usize, parts: usize, head_dim: usize) -> usize {
     warps * (parts - 1) * (head_dim / 2 + 4) * 32 * 4
 }
 
-/// The most a key-part launch needs (2 tile warps × 3 parts).
+/// What a key-part launch needs (the only split [`resident_key_parts`] makes).
 fn resident_merge_max_bytes(head_dim: usize) -> usize {
-    resident_merge_bytes(RESIDENT_MAX_WARPS / 4, 4, head_dim)
+    resident_merge_bytes(RESIDENT_MAX_WARPS / KEY_PARTS, KEY_PARTS, head_dim)
 }
 
 const ATTN_NAMES: [[&str; 3]; 3] = [
