@@ -30,14 +30,27 @@ namespace {
 
 using namespace cute;
 
-template <typename Element>
+// Two tilings. Large: 128 × 128 output tiles, two consumer warpgroups of 64 rows each
+// (cooperative). Small, for problems whose large tiles would not fill the GPU (a few hundred
+// rows, batch 1–8): 64 × 64 tiles, one consumer warpgroup, so ~4× the blocks.
+struct LargeTiles {
+    using TileShape = Shape<_128, _128, _64>;
+    using MainloopSchedule = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
+    using EpilogueSchedule = cutlass::epilogue::TmaWarpSpecializedCooperative;
+};
+struct SmallTiles {
+    using TileShape = Shape<_64, _64, _64>;
+    using MainloopSchedule = cutlass::gemm::KernelTmaWarpSpecialized;
+    using EpilogueSchedule = cutlass::epilogue::TmaWarpSpecialized;
+};
+
+template <typename Element, typename Tiles>
 struct LinearGelu {
     using LayoutA = cutlass::layout::RowMajor;
     using LayoutB = cutlass::layout::ColumnMajor;
     using LayoutD = cutlass::layout::RowMajor;
     static constexpr int kAlign = 128 / cutlass::sizeof_bits<Element>::value;  // 16-byte accesses
-    // 128 × 128 output tiles, 64-deep K steps: two consumer warpgroups of 64 rows each.
-    using TileShape = Shape<_128, _128, _64>;
+    using TileShape = typename Tiles::TileShape;  // 64-deep K steps either way
     using ClusterShape = Shape<_1, _1, _1>;
     // D = gelu(acc + bias[n]); no C operand (void), so beta is unused.
     using Fusion = cutlass::epilogue::fusion::LinCombPerColBiasEltAct<
@@ -45,14 +58,13 @@ struct LinearGelu {
     using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
         cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
         cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, LayoutD, kAlign,
-        Element, LayoutD, kAlign, cutlass::epilogue::TmaWarpSpecializedCooperative,
-        Fusion>::CollectiveOp;
+        Element, LayoutD, kAlign, typename Tiles::EpilogueSchedule, Fusion>::CollectiveOp;
     using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
         cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA, kAlign, Element,
         LayoutB, kAlign, float, TileShape, ClusterShape,
         cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
             sizeof(typename Epilogue::SharedStorage))>,
-        cutlass::gemm::KernelTmaWarpSpecializedCooperative>::CollectiveOp;
+        typename Tiles::MainloopSchedule>::CollectiveOp;
     using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, Mainloop,
                                                         Epilogue>;
     using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
@@ -67,10 +79,10 @@ enum : int {
     kRunFailed = 4,
 };
 
-template <typename Element>
-int linear_gelu(const void* x, long long ldx, const void* w, const void* bias, void* y, int m,
-                int n, int k, int sm_count, cudaStream_t stream) {
-    using G = LinearGelu<Element>;
+template <typename Element, typename Tiles>
+int linear_gelu_tiled(const void* x, long long ldx, const void* w, const void* bias, void* y,
+                      int m, int n, int k, int sm_count, cudaStream_t stream) {
+    using G = LinearGelu<Element, Tiles>;
     using Gemm = typename G::Gemm;
     using StrideA = typename Gemm::GemmKernel::StrideA;
     using StrideB = typename Gemm::GemmKernel::StrideB;
@@ -108,6 +120,16 @@ int linear_gelu(const void* x, long long ldx, const void* w, const void* bias, v
     if (gemm.initialize(args, nullptr, stream) != cutlass::Status::kSuccess) return kInitializeFailed;
     if (gemm.run(stream) != cutlass::Status::kSuccess) return kRunFailed;
     return kOk;
+}
+
+template <typename Element>
+int linear_gelu(const void* x, long long ldx, const void* w, const void* bias, void* y, int m,
+                int n, int k, int sm_count, cudaStream_t stream) {
+    const long long large_tiles = (long long)((m + 127) / 128) * ((n + 127) / 128);
+    if (large_tiles < sm_count) {
+        return linear_gelu_tiled<Element, SmallTiles>(x, ldx, w, bias, y, m, n, k, sm_count, stream);
+    }
+    return linear_gelu_tiled<Element, LargeTiles>(x, ldx, w, bias, y, m, n, k, sm_count, stream);
 }
 
 }  // namespace
