@@ -23,6 +23,7 @@ use candle_core::cuda_backend::cudarc::driver::{
 };
 use candle_core::cuda_backend::{CudaDevice, DeviceId};
 use candle_core::{CpuStorage, CudaStorage, DType, Layout, Shape, Storage, Tensor};
+use candle_ragged::launch::Launch;
 
 use crate::error::FastpathError;
 
@@ -111,6 +112,8 @@ struct DeviceState {
     /// Streaming multiprocessors, for the CUTLASS kernel's persistent tile scheduler.
     #[cfg_attr(not(fastpath_cutlass), allow(dead_code))]
     sm_count: usize,
+    /// GELU and LayerNorm launch with programmatic dependent launch (see `candle_ragged::launch`).
+    pdl: bool,
     plans: HashMap<PlanKey, Plan>,
 }
 
@@ -176,6 +179,8 @@ fn new_state(dev: &CudaDevice) -> candle_core::Result<DeviceState> {
             )
             .map_err(candle_core::Error::wrap)?
             .max(1) as usize,
+        pdl: candle_ragged::launch::pdl_supported(&dev.cuda_stream())
+            .map_err(candle_core::Error::wrap)?,
         plans: HashMap::new(),
     })
 }
@@ -471,11 +476,11 @@ impl LinearOp {
                 block_dim: (256, 1, 1),
                 shared_mem_bytes: 0,
             };
-            let mut builder = stream.launch_builder(func);
-            builder.arg(out);
-            builder.arg(&len);
-            // SAFETY: the kernel reads and writes exactly `len` elements of `out`.
-            unsafe { builder.launch(cfg) }.map_err(candle_core::Error::wrap)?;
+            let mut launch = Launch::new(stream.as_ref(), func);
+            launch.buffer(out).value(&len);
+            // SAFETY: the kernel reads and writes exactly `len` elements of `out`, after its
+            // PDL_ENTER.
+            unsafe { launch.launch(cfg, state.pdl) }.map_err(candle_core::Error::wrap)?;
         }
         Ok(())
     }
@@ -576,9 +581,10 @@ impl LayerNormOp {
         let bs = b.as_cuda_slice::<T>()?.slice(lb.start_offset()..);
         // SAFETY: every element is written by the kernel (one warp per row, every chunk).
         let out = unsafe { dev.alloc::<T>(n)? };
-        let func = {
+        let (func, pdl) = {
             let mut states = STATE.lock().unwrap_or_else(|e| e.into_inner());
-            device_state(&mut states, dev)?.layer_norm[dtype_index(T::DTYPE)?].clone()
+            let state = device_state(&mut states, dev)?;
+            (state.layer_norm[dtype_index(T::DTYPE)?].clone(), state.pdl)
         };
         let rows_per_block = 8u32;
         let cfg = LaunchConfig {
@@ -587,17 +593,15 @@ impl LayerNormOp {
             shared_mem_bytes: 0,
         };
         let stream = dev.cuda_stream();
-        let mut builder = stream.launch_builder(&func);
         let c32 = c as u32;
-        builder.arg(&xs);
-        builder.arg(&ws);
-        builder.arg(&bs);
-        builder.arg(&out);
-        builder.arg(&rows);
-        builder.arg(&c32);
-        builder.arg(&self.eps);
-        // SAFETY: sizes and alignment checked above; the kernel stays within `rows · C`.
-        unsafe { builder.launch(cfg) }.map_err(candle_core::Error::wrap)?;
+        {
+            let mut launch = Launch::new(&stream, &func);
+            launch.buffer(&xs).buffer(&ws).buffer(&bs).buffer(&out);
+            launch.value(&rows).value(&c32).value(&self.eps);
+            // SAFETY: sizes and alignment checked above; the kernel stays within `rows · C` and
+            // starts with PDL_ENTER.
+            unsafe { launch.launch(cfg, pdl) }.map_err(candle_core::Error::wrap)?;
+        }
         Ok((
             CudaStorage::wrap_cuda_slice(out, dev.clone()),
             lx.shape().clone(),

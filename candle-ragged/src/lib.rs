@@ -39,6 +39,8 @@ mod cpu;
 mod cuda;
 mod error;
 pub mod keep;
+#[cfg(feature = "cuda")]
+pub mod launch;
 mod pack;
 mod reduce;
 mod scores;
