@@ -1,5 +1,7 @@
-// fc1 of a ViT MLP as one kernel: y = gelu_erf(x · Wᵀ + b), half precision in and out, f32
-// accumulation and f32 epilogue, the exact (erf) GELU timm's nn.GELU() computes.
+// nn.Linear on CUTLASS's Hopper GEMM, half precision in and out, f32 accumulation and epilogue:
+//   y = gelu_erf(x · Wᵀ + b)   (fc1 of a ViT MLP: the exact GELU timm's nn.GELU() computes)
+//   y = x · Wᵀ + b             (qkv)
+//   y = x · Wᵀ + b + r         (proj and fc2: the residual r read as the GEMM's C operand)
 //
 // Why: cuBLASLt's own GELU epilogue is the tanh approximation, so the exact GELU runs as a
 // separate pass over the [M, 4C] hidden activations (candle-fastpath's fastpath_gelu_erf
@@ -9,7 +11,10 @@
 // The GEMM is CUTLASS 3's Hopper kernel (TMA loads, wgmma, warp-specialised cooperative
 // schedule, persistent tile scheduler) built from its collective builders; only the epilogue
 // (per-column bias, then the activation) is chosen here. Compiled for sm_90a by build.rs into a
-// static library when the CUTLASS headers are available (scripts/install-cuda-toolkit.sh).
+// static library when the CUTLASS headers are available (scripts/install-cuda-toolkit.sh), with
+// CUTLASS_ENABLE_GDC_FOR_SM90: the kernels wait for the previous grid before reading what it wrote
+// and let the next one launch after their main loop, so with `pdl` (programmatic dependent launch,
+// see candle_ragged::launch) consecutive kernels overlap their tails and ramp-ups.
 //
 // Layout (row-major throughout, as candle stores them):
 //   x [M, K] with row stride ldx (a column slice of a wider tensor is fine), W [N, K]
@@ -44,20 +49,40 @@ struct SmallTiles {
     using EpilogueSchedule = cutlass::epilogue::TmaWarpSpecialized;
 };
 
-template <typename Element, typename Tiles>
-struct LinearGelu {
+enum class Epi { Bias, BiasGelu, BiasResidual };
+
+template <typename Element, Epi kEpi>
+struct FusionFor;
+template <typename Element>
+struct FusionFor<Element, Epi::Bias> {
+    using ElementC = void;
+    using Op = cutlass::epilogue::fusion::LinCombPerColBias<Element, float, Element, Element, float>;
+};
+template <typename Element>
+struct FusionFor<Element, Epi::BiasGelu> {
+    using ElementC = void;
+    using Op = cutlass::epilogue::fusion::LinCombPerColBiasEltAct<
+        cutlass::epilogue::thread::GELU, Element, float, Element, Element, float>;
+};
+template <typename Element>
+struct FusionFor<Element, Epi::BiasResidual> {
+    using ElementC = Element;  // the residual, added with beta = 1
+    using Op = cutlass::epilogue::fusion::LinCombPerColBias<Element, float, Element, Element, float>;
+};
+
+template <typename Element, typename Tiles, Epi kEpi>
+struct Linear {
     using LayoutA = cutlass::layout::RowMajor;
     using LayoutB = cutlass::layout::ColumnMajor;
     using LayoutD = cutlass::layout::RowMajor;
     static constexpr int kAlign = 128 / cutlass::sizeof_bits<Element>::value;  // 16-byte accesses
     using TileShape = typename Tiles::TileShape;  // 64-deep K steps either way
     using ClusterShape = Shape<_1, _1, _1>;
-    // D = gelu(acc + bias[n]); no C operand (void), so beta is unused.
-    using Fusion = cutlass::epilogue::fusion::LinCombPerColBiasEltAct<
-        cutlass::epilogue::thread::GELU, Element, float, Element, Element, float>;
+    using Fusion = typename FusionFor<Element, kEpi>::Op;
+    using ElementC = typename FusionFor<Element, kEpi>::ElementC;
     using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
         cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
-        cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, LayoutD, kAlign,
+        cutlass::epilogue::collective::EpilogueTileAuto, float, float, ElementC, LayoutD, kAlign,
         Element, LayoutD, kAlign, typename Tiles::EpilogueSchedule, Fusion>::CollectiveOp;
     using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
         cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA, kAlign, Element,
@@ -77,13 +102,13 @@ enum : int {
     kNeedsWorkspace = 2,
     kInitializeFailed = 3,
     kRunFailed = 4,
+    kBadEpilogue = 5,
 };
 
-template <typename Element, typename Tiles>
-int linear_gelu_tiled(const void* x, long long ldx, const void* w, const void* bias, void* y,
-                      int m, int n, int k, int sm_count, cudaStream_t stream) {
-    using G = LinearGelu<Element, Tiles>;
-    using Gemm = typename G::Gemm;
+template <typename Element, typename Tiles, Epi kEpi>
+int linear_tiled(const void* x, long long ldx, const void* w, const void* bias, const void* residual,
+                 void* y, int m, int n, int k, int sm_count, bool pdl, cudaStream_t stream) {
+    using Gemm = typename Linear<Element, Tiles, kEpi>::Gemm;
     using StrideA = typename Gemm::GemmKernel::StrideA;
     using StrideB = typename Gemm::GemmKernel::StrideB;
     using StrideC = typename Gemm::GemmKernel::StrideC;
@@ -102,12 +127,17 @@ int linear_gelu_tiled(const void* x, long long ldx, const void* w, const void* b
     args.mainloop.dA = stride_a;
     args.mainloop.ptr_B = static_cast<const Element*>(w);
     args.mainloop.dB = stride_b;
-    args.epilogue.ptr_C = nullptr;
+    if constexpr (kEpi == Epi::BiasResidual) {
+        args.epilogue.ptr_C = static_cast<const Element*>(residual);
+        args.epilogue.thread.beta = 1.0f;
+    } else {
+        args.epilogue.ptr_C = nullptr;
+        args.epilogue.thread.beta = 0.0f;
+    }
     args.epilogue.dC = stride_c;
     args.epilogue.ptr_D = static_cast<Element*>(y);
     args.epilogue.dD = stride_d;
     args.epilogue.thread.alpha = 1.0f;
-    args.epilogue.thread.beta = 0.0f;
     args.epilogue.thread.bias_ptr = static_cast<const Element*>(bias);
     int device = 0;
     cudaGetDevice(&device);
@@ -118,30 +148,53 @@ int linear_gelu_tiled(const void* x, long long ldx, const void* w, const void* b
     if (gemm.can_implement(args) != cutlass::Status::kSuccess) return kCannotImplement;
     if (Gemm::get_workspace_size(args) != 0) return kNeedsWorkspace;
     if (gemm.initialize(args, nullptr, stream) != cutlass::Status::kSuccess) return kInitializeFailed;
-    if (gemm.run(stream) != cutlass::Status::kSuccess) return kRunFailed;
+    if (gemm.run(stream, nullptr, pdl) != cutlass::Status::kSuccess) return kRunFailed;
     return kOk;
 }
 
-template <typename Element>
-int linear_gelu(const void* x, long long ldx, const void* w, const void* bias, void* y, int m,
-                int n, int k, int sm_count, cudaStream_t stream) {
+template <typename Element, Epi kEpi>
+int linear(const void* x, long long ldx, const void* w, const void* bias, const void* residual,
+           void* y, int m, int n, int k, int sm_count, bool pdl, cudaStream_t stream) {
     const long long large_tiles = (long long)((m + 127) / 128) * ((n + 127) / 128);
     if (large_tiles < sm_count) {
-        return linear_gelu_tiled<Element, SmallTiles>(x, ldx, w, bias, y, m, n, k, sm_count, stream);
+        return linear_tiled<Element, SmallTiles, kEpi>(x, ldx, w, bias, residual, y, m, n, k,
+                                                       sm_count, pdl, stream);
     }
-    return linear_gelu_tiled<Element, LargeTiles>(x, ldx, w, bias, y, m, n, k, sm_count, stream);
+    return linear_tiled<Element, LargeTiles, kEpi>(x, ldx, w, bias, residual, y, m, n, k, sm_count,
+                                                   pdl, stream);
+}
+
+template <typename Element>
+int linear_any(int epilogue, const void* x, long long ldx, const void* w, const void* bias,
+               const void* residual, void* y, int m, int n, int k, int sm_count, bool pdl,
+               cudaStream_t stream) {
+    switch (epilogue) {
+        case 0:
+            return linear<Element, Epi::Bias>(x, ldx, w, bias, residual, y, m, n, k, sm_count, pdl, stream);
+        case 1:
+            return linear<Element, Epi::BiasGelu>(x, ldx, w, bias, residual, y, m, n, k, sm_count, pdl,
+                                                  stream);
+        case 2:
+            return linear<Element, Epi::BiasResidual>(x, ldx, w, bias, residual, y, m, n, k, sm_count,
+                                                      pdl, stream);
+        default:
+            return kBadEpilogue;
+    }
 }
 
 }  // namespace
 
-extern "C" int fastpath_cutlass_linear_gelu_f16(const void* x, long long ldx, const void* w,
-                                                const void* bias, void* y, int m, int n, int k,
-                                                int sm_count, cudaStream_t stream) {
-    return linear_gelu<cutlass::half_t>(x, ldx, w, bias, y, m, n, k, sm_count, stream);
+// `epilogue`: 0 = bias, 1 = bias + exact GELU, 2 = bias + residual (`residual` [M, N], contiguous).
+extern "C" int fastpath_cutlass_linear_f16(int epilogue, const void* x, long long ldx, const void* w,
+                                           const void* bias, const void* residual, void* y, int m,
+                                           int n, int k, int sm_count, int pdl, cudaStream_t stream) {
+    return linear_any<cutlass::half_t>(epilogue, x, ldx, w, bias, residual, y, m, n, k, sm_count,
+                                       pdl != 0, stream);
 }
 
-extern "C" int fastpath_cutlass_linear_gelu_bf16(const void* x, long long ldx, const void* w,
-                                                 const void* bias, void* y, int m, int n, int k,
-                                                 int sm_count, cudaStream_t stream) {
-    return linear_gelu<cutlass::bfloat16_t>(x, ldx, w, bias, y, m, n, k, sm_count, stream);
+extern "C" int fastpath_cutlass_linear_bf16(int epilogue, const void* x, long long ldx, const void* w,
+                                            const void* bias, const void* residual, void* y, int m,
+                                            int n, int k, int sm_count, int pdl, cudaStream_t stream) {
+    return linear_any<cutlass::bfloat16_t>(epilogue, x, ldx, w, bias, residual, y, m, n, k,
+                                           sm_count, pdl != 0, stream);
 }

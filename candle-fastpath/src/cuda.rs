@@ -410,15 +410,26 @@ impl LinearOp {
         let mut states = STATE.lock().unwrap_or_else(|e| e.into_inner());
         let state = device_state(&mut states, dev)?;
         #[cfg(fastpath_cutlass)]
-        if let (true, Some((b, _)), None) = (self.gelu, &bias_ptr, &res_ptr) {
-            if crate::cutlass::takes(T::DTYPE, (m, n, k, ldx), align) {
+        if let Some((b, _)) = &bias_ptr {
+            use crate::cutlass::{linear, takes, Epilogue};
+            let epilogue = match (self.gelu, &res_ptr) {
+                (true, None) => Some(Epilogue::BiasGelu),
+                (false, None) => Some(Epilogue::Bias),
+                (false, Some(_)) => Some(Epilogue::BiasResidual),
+                (true, Some(_)) => None,
+            };
+            if let Some(epilogue) = epilogue.filter(|&e| takes(T::DTYPE, e, (m, n, k, ldx), align))
+            {
+                let r = res_ptr.as_ref().map_or(0, |(p, _)| *p);
                 // SAFETY: pointers from live views of the checked shapes; `takes` accepted it.
                 unsafe {
-                    crate::cutlass::linear_gelu(
+                    linear(
                         T::DTYPE,
-                        (x_ptr, w_ptr, *b, d_ptr),
+                        epilogue,
+                        (x_ptr, w_ptr, *b, r, d_ptr),
                         (m, n, k, ldx),
                         state.sm_count,
+                        state.pdl,
                         stream.cu_stream() as *mut c_void,
                     )?;
                 }
