@@ -422,7 +422,7 @@ impl LinearOp {
             {
                 let r = res_ptr.as_ref().map_or(0, |(p, _)| *p);
                 // SAFETY: pointers from live views of the checked shapes; `takes` accepted it.
-                unsafe {
+                let ran = unsafe {
                     linear(
                         T::DTYPE,
                         epilogue,
@@ -431,9 +431,11 @@ impl LinearOp {
                         state.sm_count,
                         state.pdl,
                         stream.cu_stream() as *mut c_void,
-                    )?;
+                    )?
+                };
+                if ran {
+                    return Ok(());
                 }
-                return Ok(());
             }
         }
         if !state.plans.contains_key(&key) {

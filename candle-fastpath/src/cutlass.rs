@@ -99,7 +99,9 @@ pub(crate) fn takes(
 
 /// Runs `y[M, N] = epilogue(x[M, K] · W[N, K]ᵀ + b[N] (+ r[M, N]))` on `stream`. Pointers are
 /// device addresses of buffers of the sizes the shapes give (`x` rows `ldx` elements apart;
-/// `residual` 0 unless the epilogue has one).
+/// `residual` 0 unless the epilogue has one). `Ok(false)`: CUTLASS refused the problem before
+/// launching anything (`can_implement`, or it would need a workspace), so the caller runs it
+/// another way.
 ///
 /// # Safety
 /// The pointers must be valid device buffers of `dtype` on the stream's device, large enough
@@ -113,7 +115,7 @@ pub(crate) unsafe fn linear(
     sm_count: usize,
     pdl: bool,
     stream: *mut c_void,
-) -> Result<(), FastpathError> {
+) -> Result<bool, FastpathError> {
     let f = match dtype {
         DType::F16 => fastpath_cutlass_linear_f16,
         DType::BF16 => fastpath_cutlass_linear_bf16,
@@ -140,9 +142,8 @@ pub(crate) unsafe fn linear(
         stream,
     );
     let what = match status {
-        0 => return Ok(()),
-        1 => "the kernel cannot take this problem (can_implement)",
-        2 => "the kernel asks for a workspace",
+        0 => return Ok(true),
+        1 | 2 => return Ok(false),
         3 => "initialize failed",
         4 => "launch failed",
         5 => "unknown epilogue",
