@@ -324,3 +324,30 @@ fn cpu_and_device_agree_bitwise_on_f32_shapes() {
         .unwrap();
     assert!(diff <= 1e-5, "cpu vs device f32 max abs diff {diff}");
 }
+
+#[test]
+fn empty_sequences_add_no_rows() {
+    // A batch built with `from_lengths_allowing_empty` (an image that kept nothing): its empty
+    // sequence produces no rows and leaves its neighbours' results as they are without it.
+    let dev = device();
+    for dtype in [DType::F32, DType::F16, DType::BF16] {
+        let (q, k, v) = qkv(&dev, 8, 2, 64, dtype);
+        let with_empty = RaggedBatch::from_lengths_allowing_empty(&[3, 0, 5, 0], &dev).unwrap();
+        let without = RaggedBatch::from_lengths(&[3, 5], &dev).unwrap();
+        let a = ragged_attention(&q, &k, &v, &with_empty, 0.125).unwrap();
+        let b = ragged_attention(&q, &k, &v, &without, 0.125).unwrap();
+        assert_eq!(a.dims(), &[8, 2, 64]);
+        let diff = (a.to_dtype(DType::F32).unwrap() - b.to_dtype(DType::F32).unwrap())
+            .unwrap()
+            .abs()
+            .unwrap()
+            .max_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
+        assert_eq!(
+            diff, 0.0,
+            "{dtype:?}: empty sequences changed the result by {diff}"
+        );
+    }
+}
