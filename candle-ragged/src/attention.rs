@@ -366,6 +366,27 @@ fn attend_one_head<T: Float32>(
 mod tests {
     use super::*;
 
+    /// Rows of a fused `[len, 3 · dim + 8]` projection (q, k, v side by side, then padding, so
+    /// every row is strided) filled with xorshift values in [-2, 2): the buffer and each of q, k,
+    /// v as (offset of row 0, row stride).
+    #[allow(clippy::type_complexity)]
+    fn strided_qkv(
+        len: usize,
+        dim: usize,
+        seed: u64,
+    ) -> (Vec<f32>, ((usize, usize), (usize, usize), (usize, usize))) {
+        let mut state = seed;
+        let mut next = move || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (state >> 40) as f32 / (1u64 << 24) as f32 * 4.0 - 2.0
+        };
+        let stride = 3 * dim + 8;
+        let x = (0..len * stride + 3 * dim).map(|_| next()).collect();
+        (x, ((0, stride), (dim, stride), (2 * dim, stride)))
+    }
+
     /// One query row at a time, one key at a time: the summation order the vectorised loops keep.
     #[allow(clippy::too_many_arguments)]
     fn one_row_at_a_time(
@@ -409,13 +430,6 @@ mod tests {
     fn vectorised_loops_keep_the_summation_order() {
         // K transposed and the loops turned inside out (over keys, over head dims) for
         // vectorisation; strided rows: the same bits as one row and one key at a time.
-        let mut state = 0x9e3779b97f4a7c15u64;
-        let mut next = move || {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            (state >> 40) as f32 / (1u64 << 24) as f32 * 4.0 - 2.0
-        };
         for &(len, dim) in &[
             (1usize, 32usize),
             (2, 64),
@@ -424,9 +438,7 @@ mod tests {
             (197, 64),
             (66, 128),
         ] {
-            let stride = 3 * dim + 8;
-            let x: Vec<f32> = (0..len * stride + 3 * dim).map(|_| next()).collect();
-            let (q, k, v) = ((0, stride), (dim, stride), (2 * dim, stride));
+            let (x, (q, k, v)) = strided_qkv(len, dim, 0x9e3779b97f4a7c15);
             let got = attend_one_head(&x, q, &x, k, &x, v, len, dim, 0.125);
             let want = one_row_at_a_time(&x, q, k, v, len, dim, 0.125);
             let same = got
@@ -444,17 +456,8 @@ mod tests {
     fn wide_build_rounds_like_the_baseline() {
         // The AVX build of the per-head loop (when the CPU has AVX) must give the baseline's bits:
         // lanes are independent and no sum is reassociated. Strided rows, odd lengths.
-        let mut state = 0x2545f4914f6cdd1du64;
-        let mut next = move || {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            (state >> 40) as f32 / (1u64 << 24) as f32 * 4.0 - 2.0
-        };
         for &(len, dim) in &[(1usize, 32usize), (63, 64), (197, 64), (65, 128)] {
-            let stride = 3 * dim + 8;
-            let buf: Vec<f32> = (0..len * stride + 3 * dim).map(|_| next()).collect();
-            let (q, k, v) = ((0, stride), (dim, stride), (2 * dim, stride));
+            let (buf, (q, k, v)) = strided_qkv(len, dim, 0x2545f4914f6cdd1d);
             let base = attend_one_head(&buf, q, &buf, k, &buf, v, len, dim, 0.125);
             let wide = attend_one_head_dispatch(&buf, q, &buf, k, &buf, v, len, dim, 0.125);
             let same = base

@@ -314,14 +314,7 @@ fn cpu_and_device_agree_bitwise_on_f32_shapes() {
         .to_device(&Device::Cpu)
         .unwrap();
     let b = ragged_attention(&q, &k, &v, &batch_cpu, 0.2).unwrap();
-    let diff = (a - b)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .max_all()
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap();
+    let diff = max_abs_diff(&a, &b);
     assert!(diff <= 1e-5, "cpu vs device f32 max abs diff {diff}");
 }
 
@@ -337,14 +330,7 @@ fn empty_sequences_add_no_rows() {
         let a = ragged_attention(&q, &k, &v, &with_empty, 0.125).unwrap();
         let b = ragged_attention(&q, &k, &v, &without, 0.125).unwrap();
         assert_eq!(a.dims(), &[8, 2, 64]);
-        let diff = (a.to_dtype(DType::F32).unwrap() - b.to_dtype(DType::F32).unwrap())
-            .unwrap()
-            .abs()
-            .unwrap()
-            .max_all()
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap();
+        let diff = max_abs_diff(&a, &b);
         assert_eq!(
             diff, 0.0,
             "{dtype:?}: empty sequences changed the result by {diff}"

@@ -168,6 +168,17 @@ pub fn max_rel_err(got: &[f32], want: &[f64]) -> f64 {
         / scale
 }
 
+/// max |a - b| over two tensors of the same shape (any float dtype, compared in f32 on the host),
+/// NaN if any difference is NaN.
+pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
+    assert_eq!(a.dims(), b.dims());
+    host(a)
+        .iter()
+        .zip(&host(b))
+        .map(|(x, y)| (x - y).abs())
+        .fold(0f32, |m, d| if d.is_nan() || d > m { d } else { m })
+}
+
 pub fn tolerance(dtype: DType) -> f64 {
     match dtype {
         DType::F32 => 1e-5,
