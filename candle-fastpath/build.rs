@@ -90,13 +90,7 @@ fn build_cutlass(nvcc: &PathBuf) {
             "-arch=sm_90a",
             "--expt-relaxed-constexpr",
         ])
-        .args([
-            "-DNDEBUG",
-            "-DCUTLASS_ENABLE_GDC_FOR_SM90",
-            "-Xcompiler",
-            "-fPIC",
-            "-w",
-        ])
+        .args(["-DNDEBUG", "-Xcompiler", "-fPIC", "-w"])
         .arg(format!("-I{}", cutlass.join("include").display()))
         .arg(format!(
             "-I{}",

@@ -10,25 +10,6 @@
 #include <cuda_bf16.h>
 #include <stdint.h>
 
-// Programmatic dependent launch (sm_90+; see candle_ragged::launch). Every kernel here may be
-// launched while the previous kernel on the stream is still finishing: PDL_WAIT() holds it until
-// that kernel has completed and its writes are visible, so it comes before any global memory
-// access. PDL_TRIGGER() lets the next kernel (if launched the same way) be scheduled once every
-// block of this one has started; its own PDL_WAIT() still orders its memory accesses after ours.
-// Both are no-ops for a kernel launched without the attribute.
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-#define PDL_WAIT() asm volatile("griddepcontrol.wait;" ::: "memory")
-#define PDL_TRIGGER() asm volatile("griddepcontrol.launch_dependents;" ::: "memory")
-#else
-#define PDL_WAIT()
-#define PDL_TRIGGER()
-#endif
-#define PDL_ENTER()    \
-    do {               \
-        PDL_WAIT();    \
-        PDL_TRIGGER(); \
-    } while (0)
-
 __device__ __forceinline__ float gelu_erf(float x) {
     return 0.5f * x * (1.0f + erff(x * 0.70710678118654752f));
 }
@@ -68,15 +49,12 @@ __device__ void gelu_inplace(T* __restrict__ x, unsigned long long n) {
 }
 
 extern "C" __global__ void fastpath_gelu_erf_f32(float* x, unsigned long long n) {
-    PDL_ENTER();
     gelu_inplace(x, n);
 }
 extern "C" __global__ void fastpath_gelu_erf_f16(__half* x, unsigned long long n) {
-    PDL_ENTER();
     gelu_inplace(x, n);
 }
 extern "C" __global__ void fastpath_gelu_erf_bf16(__nv_bfloat16* x, unsigned long long n) {
-    PDL_ENTER();
     gelu_inplace(x, n);
 }
 
@@ -153,18 +131,15 @@ __device__ void layer_norm_rows(const T* __restrict__ x, const T* __restrict__ w
 
 extern "C" __global__ void fastpath_layer_norm_f32(const float* x, const float* w, const float* b,
                                                    float* y, unsigned rows, unsigned C, float eps) {
-    PDL_ENTER();
     layer_norm_rows(x, w, b, y, rows, C, eps);
 }
 extern "C" __global__ void fastpath_layer_norm_f16(const __half* x, const __half* w, const __half* b,
                                                    __half* y, unsigned rows, unsigned C, float eps) {
-    PDL_ENTER();
     layer_norm_rows(x, w, b, y, rows, C, eps);
 }
 extern "C" __global__ void fastpath_layer_norm_bf16(const __nv_bfloat16* x, const __nv_bfloat16* w,
                                                     const __nv_bfloat16* b, __nv_bfloat16* y,
                                                     unsigned rows, unsigned C, float eps) {
-    PDL_ENTER();
     layer_norm_rows(x, w, b, y, rows, C, eps);
 }
 

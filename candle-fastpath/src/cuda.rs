@@ -23,7 +23,6 @@ use candle_core::cuda_backend::cudarc::driver::{
 };
 use candle_core::cuda_backend::{CudaDevice, DeviceId};
 use candle_core::{CpuStorage, CudaStorage, DType, Layout, Shape, Storage, Tensor};
-use candle_ragged::launch::Launch;
 
 use crate::error::FastpathError;
 
@@ -112,8 +111,6 @@ struct DeviceState {
     /// Streaming multiprocessors, for the CUTLASS kernel's persistent tile scheduler.
     #[cfg_attr(not(fastpath_cutlass), allow(dead_code))]
     sm_count: usize,
-    /// GELU and LayerNorm launch with programmatic dependent launch (see `candle_ragged::launch`).
-    pdl: bool,
     plans: HashMap<PlanKey, Plan>,
 }
 
@@ -179,8 +176,6 @@ fn new_state(dev: &CudaDevice) -> candle_core::Result<DeviceState> {
             )
             .map_err(candle_core::Error::wrap)?
             .max(1) as usize,
-        pdl: candle_ragged::launch::pdl_supported(&dev.cuda_stream())
-            .map_err(candle_core::Error::wrap)?,
         plans: HashMap::new(),
     })
 }
@@ -409,27 +404,18 @@ impl LinearOp {
 
         let mut states = STATE.lock().unwrap_or_else(|e| e.into_inner());
         let state = device_state(&mut states, dev)?;
+        // fc1 with its exact GELU in the GEMM's epilogue, instead of cuBLASLt + the GELU pass.
         #[cfg(fastpath_cutlass)]
-        if let Some((b, _)) = &bias_ptr {
-            use crate::cutlass::{linear, takes, Epilogue};
-            let epilogue = match (self.gelu, &res_ptr) {
-                (true, None) => Some(Epilogue::BiasGelu),
-                (false, None) => Some(Epilogue::Bias),
-                (false, Some(_)) => Some(Epilogue::BiasResidual),
-                (true, Some(_)) => None,
-            };
-            if let Some(epilogue) = epilogue.filter(|&e| takes(T::DTYPE, e, (m, n, k, ldx), align))
-            {
-                let r = res_ptr.as_ref().map_or(0, |(p, _)| *p);
+        if let (true, Some((b, _)), None) = (self.gelu, &bias_ptr, &res_ptr) {
+            use crate::cutlass::{linear_gelu, takes};
+            if takes(T::DTYPE, (m, n, k, ldx), align) {
                 // SAFETY: pointers from live views of the checked shapes; `takes` accepted it.
                 let ran = unsafe {
-                    linear(
+                    linear_gelu(
                         T::DTYPE,
-                        epilogue,
-                        (x_ptr, w_ptr, *b, r, d_ptr),
+                        (x_ptr, w_ptr, *b, d_ptr),
                         (m, n, k, ldx),
                         state.sm_count,
-                        state.pdl,
                         stream.cu_stream() as *mut c_void,
                     )?
                 };
@@ -489,11 +475,11 @@ impl LinearOp {
                 block_dim: (256, 1, 1),
                 shared_mem_bytes: 0,
             };
-            let mut launch = Launch::new(stream.as_ref(), func);
-            launch.buffer(out).value(&len);
-            // SAFETY: the kernel reads and writes exactly `len` elements of `out`, after its
-            // PDL_ENTER.
-            unsafe { launch.launch(cfg, state.pdl) }.map_err(candle_core::Error::wrap)?;
+            let mut builder = stream.launch_builder(func);
+            builder.arg(out);
+            builder.arg(&len);
+            // SAFETY: the kernel reads and writes exactly `len` elements of `out`.
+            unsafe { builder.launch(cfg) }.map_err(candle_core::Error::wrap)?;
         }
         Ok(())
     }
@@ -594,10 +580,9 @@ impl LayerNormOp {
         let bs = b.as_cuda_slice::<T>()?.slice(lb.start_offset()..);
         // SAFETY: every element is written by the kernel (one warp per row, every chunk).
         let out = unsafe { dev.alloc::<T>(n)? };
-        let (func, pdl) = {
+        let func = {
             let mut states = STATE.lock().unwrap_or_else(|e| e.into_inner());
-            let state = device_state(&mut states, dev)?;
-            (state.layer_norm[dtype_index(T::DTYPE)?].clone(), state.pdl)
+            device_state(&mut states, dev)?.layer_norm[dtype_index(T::DTYPE)?].clone()
         };
         let rows_per_block = 8u32;
         let cfg = LaunchConfig {
@@ -606,15 +591,17 @@ impl LayerNormOp {
             shared_mem_bytes: 0,
         };
         let stream = dev.cuda_stream();
+        let mut builder = stream.launch_builder(&func);
         let c32 = c as u32;
-        {
-            let mut launch = Launch::new(&stream, &func);
-            launch.buffer(&xs).buffer(&ws).buffer(&bs).buffer(&out);
-            launch.value(&rows).value(&c32).value(&self.eps);
-            // SAFETY: sizes and alignment checked above; the kernel stays within `rows · C` and
-            // starts with PDL_ENTER.
-            unsafe { launch.launch(cfg, pdl) }.map_err(candle_core::Error::wrap)?;
-        }
+        builder.arg(&xs);
+        builder.arg(&ws);
+        builder.arg(&bs);
+        builder.arg(&out);
+        builder.arg(&rows);
+        builder.arg(&c32);
+        builder.arg(&self.eps);
+        // SAFETY: sizes and alignment checked above; the kernel stays within `rows · C`.
+        unsafe { builder.launch(cfg) }.map_err(candle_core::Error::wrap)?;
         Ok((
             CudaStorage::wrap_cuda_slice(out, dev.clone()),
             lx.shape().clone(),

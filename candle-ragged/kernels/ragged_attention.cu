@@ -21,24 +21,6 @@
 #include <cuda_fp16.h>
 #include <stdint.h>
 
-// Programmatic dependent launch (sm_90+; see src/launch.rs): a kernel launched with the attribute
-// may start while the previous kernel on the stream is finishing. PDL_WAIT() holds it until that
-// kernel has completed and its writes are visible, so it comes before any global memory access;
-// PDL_TRIGGER() lets the next kernel be scheduled once every block of this one has started.
-// Both are no-ops for a kernel launched without the attribute.
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-#define PDL_WAIT() asm volatile("griddepcontrol.wait;" ::: "memory")
-#define PDL_TRIGGER() asm volatile("griddepcontrol.launch_dependents;" ::: "memory")
-#else
-#define PDL_WAIT()
-#define PDL_TRIGGER()
-#endif
-#define PDL_ENTER()    \
-    do {               \
-        PDL_WAIT();    \
-        PDL_TRIGGER(); \
-    } while (0)
-
 #define QUERIES_PER_BLOCK 64
 #define WARPS 4
 
@@ -604,12 +586,10 @@ __device__ __forceinline__ void unpack_rows(const VEC *__restrict__ packed, VEC 
 
 #define MMA_ENTRY(NAME, T, D)                                                                     \
     extern "C" __global__ void __launch_bounds__(WARPS * 32) NAME(ATTN_ARGS(T)) {                \
-        PDL_ENTER();                                                                              \
         attn_mma_kernel<T, D>(ATTN_PASS);                                                         \
     }
 #define RESIDENT_ENTRY(NAME, T, D)                                                                \
     extern "C" __global__ void __launch_bounds__(RESIDENT_MAX_WARPS * 32, 2) NAME(ATTN_ARGS(T)) {    \
-        PDL_ENTER();                                                                              \
         attn_resident_kernel<T, D>(ATTN_PASS);                                                    \
     }
 MMA_ENTRY(ragged_attn_f16_d32, __half, 32)
@@ -625,7 +605,6 @@ RESIDENT_ENTRY(ragged_attn_resident_bf16_d64, __nv_bfloat16, 64)
 
 #define F32_ENTRY(NAME, D)                                                                        \
     extern "C" __global__ void __launch_bounds__(QUERIES_PER_BLOCK) NAME(ATTN_ARGS(float)) {     \
-        PDL_ENTER();                                                                              \
         attn_f32_kernel<D>(ATTN_PASS);                                                            \
     }
 F32_ENTRY(ragged_attn_f32_d32, 32)

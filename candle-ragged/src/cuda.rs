@@ -4,7 +4,6 @@
 
 use crate::batch::RaggedBatch;
 use crate::error::RaggedError;
-use crate::launch::Launch;
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{
     sys, CudaFunction, CudaSlice, LaunchConfig, PushKernelArg,
@@ -132,8 +131,6 @@ struct Kernels {
     resident_enabled: bool,
     /// `CANDLE_RAGGED_KEY_PARTS=1` turns the resident kernel's key parts off (for A/B).
     key_parts_enabled: bool,
-    /// Attention kernels are launched with programmatic dependent launch (see [`crate::launch`]).
-    pdl: bool,
     select: Vec<CudaFunction>,
     decide: Vec<CudaFunction>,
     gather: Vec<CudaFunction>,
@@ -174,7 +171,6 @@ fn kernels(dev: &CudaDevice) -> Result<Arc<Kernels>> {
         .max(1) as usize;
     let resident_enabled = std::env::var("CANDLE_RAGGED_ATTENTION").as_deref() != Ok("tiled");
     let key_parts_enabled = std::env::var("CANDLE_RAGGED_KEY_PARTS").as_deref() != Ok("1");
-    let pdl = crate::launch::pdl_supported(&dev.cuda_stream()).w()?;
     let decide: Vec<CudaFunction> = DECIDE_NAMES
         .iter()
         .map(|n| load(n))
@@ -195,7 +191,6 @@ fn kernels(dev: &CudaDevice) -> Result<Arc<Kernels>> {
         sm_count,
         resident_enabled,
         key_parts_enabled,
-        pdl,
         select: SELECT_NAMES
             .iter()
             .map(|n| load(n))
@@ -384,22 +379,13 @@ pub(crate) fn attention(
             // SAFETY: every element is written by the kernel: each query row of each sequence.
             let out = unsafe { dev.alloc::<$ty>(elems)? };
             let stream = dev.cuda_stream();
-            {
-                let mut b = Launch::new(&stream, func);
-                b.buffer(&q).buffer(&kk).buffer(&v).buffer(&out).buffer(&cu);
-                b.value(&q_tok).value(&q_head).value(&k_tok).value(&k_head);
-                b.value(&v_tok)
-                    .value(&v_head)
-                    .value(&heads_i)
-                    .value(&scale_log2);
-                // SAFETY: argument list matches ATTN_ARGS in kernels/ragged_attention.cu; sizes
-                // checked above; every entry starts with PDL_ENTER.
-                unsafe { b.launch(cfg, k.pdl) }.w()?;
-            }
-            CudaStorage {
-                slice: CudaStorageSlice::$variant(out),
-                device: dev.clone(),
-            }
+            let mut b = stream.launch_builder(func);
+            b.arg(&q).arg(&kk).arg(&v).arg(&out).arg(&cu);
+            b.arg(&q_tok).arg(&q_head).arg(&k_tok).arg(&k_head).arg(&v_tok).arg(&v_head);
+            b.arg(&heads_i).arg(&scale_log2);
+            // SAFETY: argument list matches ATTN_ARGS in kernels/ragged_attention.cu; sizes checked above.
+            unsafe { b.launch(cfg) }.w()?;
+            CudaStorage { slice: CudaStorageSlice::$variant(out), device: dev.clone() }
         }};
     }
     let storage = match dtype_index {

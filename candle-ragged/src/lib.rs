@@ -39,8 +39,6 @@ mod cpu;
 mod cuda;
 mod error;
 pub mod keep;
-#[cfg(feature = "cuda")]
-pub mod launch;
 mod pack;
 mod reduce;
 mod scores;
