@@ -1,5 +1,8 @@
 //! Compiles `kernels/fastpath.cu` (exact GELU, LayerNorm) to PTX with nvcc when the `cuda` feature
 //! is on. No fast-math: both must match the CPU path to rounding.
+//! With compute capability 9.0 and the CUTLASS headers (`CUTLASS_HOME`, set by
+//! scripts/install-cuda-toolkit.sh), `kernels/cutlass_linear.cu` (fc1 with the exact GELU in its
+//! epilogue) is also compiled for sm_90a into a static library and `cfg(fastpath_cutlass)` is set.
 //! The CPU build needs no CUDA at all: without the feature this script does nothing.
 use std::path::PathBuf;
 use std::process::Command;
@@ -10,6 +13,9 @@ fn main() {
     println!("cargo:rerun-if-env-changed=CUDA_COMPUTE_CAP");
     println!("cargo:rerun-if-env-changed=CUDA_HOME");
     println!("cargo:rerun-if-env-changed=NVCC");
+    println!("cargo:rerun-if-changed=kernels/cutlass_linear.cu");
+    println!("cargo:rerun-if-env-changed=CUTLASS_HOME");
+    println!("cargo::rustc-check-cfg=cfg(fastpath_cutlass)");
     if std::env::var_os("CARGO_FEATURE_CUDA").is_none() {
         return;
     }
@@ -46,4 +52,86 @@ fn main() {
     if !status.success() {
         panic!("nvcc failed to compile kernels/fastpath.cu ({status})");
     }
+    if cap >= 90 {
+        build_cutlass(&nvcc);
+    }
+}
+
+/// The CUTLASS source tree (`include/` and `tools/util/include/`): `CUTLASS_HOME`, else where
+/// scripts/install-cuda-toolkit.sh puts it next to the toolkit.
+fn cutlass_home() -> Option<PathBuf> {
+    let candidates = std::env::var_os("CUTLASS_HOME")
+        .map(PathBuf::from)
+        .into_iter()
+        .chain(
+            std::env::var_os("CUDA_HOME")
+                .map(|h| PathBuf::from(h).join("../../cutlass_library/source")),
+        );
+    candidates
+        .into_iter()
+        .find(|p| p.join("include/cutlass/cutlass.h").exists())
+}
+
+fn build_cutlass(nvcc: &PathBuf) {
+    let Some(cutlass) = cutlass_home() else {
+        println!(
+            "cargo:warning=candle-fastpath: CUTLASS headers not found (CUTLASS_HOME); fc1 keeps \
+             cuBLASLt and the separate GELU kernel"
+        );
+        return;
+    };
+    let out_dir = PathBuf::from(std::env::var("OUT_DIR").unwrap());
+    let obj = out_dir.join("cutlass_linear.o");
+    let status = Command::new(nvcc)
+        .args([
+            "-c",
+            "-O3",
+            "-std=c++17",
+            "-arch=sm_90a",
+            "--expt-relaxed-constexpr",
+        ])
+        .args(["-DNDEBUG", "-Xcompiler", "-fPIC", "-w"])
+        .arg(format!("-I{}", cutlass.join("include").display()))
+        .arg(format!(
+            "-I{}",
+            cutlass.join("tools/util/include").display()
+        ))
+        .arg("-o")
+        .arg(&obj)
+        .arg("kernels/cutlass_linear.cu")
+        .status()
+        .expect("cannot run nvcc");
+    if !status.success() {
+        panic!("nvcc failed to compile kernels/cutlass_linear.cu ({status})");
+    }
+    let lib = out_dir.join("libfastpath_cutlass.a");
+    let _ = std::fs::remove_file(&lib);
+    let status = Command::new("ar")
+        .arg("crs")
+        .arg(&lib)
+        .arg(&obj)
+        .status()
+        .expect("cannot run ar");
+    if !status.success() {
+        panic!("ar failed to archive cutlass_linear.o ({status})");
+    }
+    // The CUTLASS host code launches through the CUDA runtime; link it statically so the
+    // binaries need no libcudart at run time (it loads the driver's libcuda itself).
+    let cuda_home = std::env::var("CUDA_HOME")
+        .or_else(|_| std::env::var("CUDA_PATH"))
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| PathBuf::from("/usr/local/cuda"));
+    for dir in ["lib64", "lib"] {
+        println!(
+            "cargo:rustc-link-search=native={}",
+            cuda_home.join(dir).display()
+        );
+    }
+    println!("cargo:rustc-link-search=native={}", out_dir.display());
+    println!("cargo:rustc-link-lib=static=fastpath_cutlass");
+    println!("cargo:rustc-link-lib=static=cudart_static");
+    for l in ["stdc++", "dl", "rt", "pthread"] {
+        println!("cargo:rustc-link-lib=dylib={l}");
+    }
+    println!("cargo:rustc-cfg=fastpath_cutlass");
 }

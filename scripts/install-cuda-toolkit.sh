@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Installs a CUDA 13.0 build toolkit (nvcc, headers, cudart, cuBLAS, cuRAND, NVRTC) from NVIDIA's
 # PyPI wheels into a prefix, for machines that have no CUDA toolkit, and prints what to export.
+# Also the CUTLASS headers (NVIDIA's nvidia-cutlass wheel carries the C++ tree), for
+# candle-fastpath's Hopper GEMM with the exact GELU in its epilogue.
 #
 #   eval "$(scripts/install-cuda-toolkit.sh [PREFIX])"   # default PREFIX: ~/.cache/candle-ragged/cuda-13.0
 #   cargo build --release --features cuda
@@ -34,6 +36,12 @@ if [[ ! -x $home/bin/nvcc || ! -e $home/include/cublas_v2.h ]]; then
   "$python" -m pip install --quiet --disable-pip-version-check --no-deps --target "$prefix" "${wheels[@]}" >&2
 fi
 [[ -x $home/bin/nvcc ]] || { echo "install-cuda-toolkit: nvcc missing under $home after install" >&2; exit 1; }
+cutlass=$prefix/cutlass_library/source
+if [[ ! -e $cutlass/include/cutlass/cutlass.h ]]; then
+  echo "install-cuda-toolkit: installing the CUTLASS headers into $prefix" >&2
+  "$python" -m pip install --quiet --disable-pip-version-check --no-deps --target "$prefix" "nvidia-cutlass==4.2.0.0" >&2
+fi
+[[ -e $cutlass/include/cutlass/cutlass.h ]] || { echo "install-cuda-toolkit: CUTLASS headers missing under $cutlass" >&2; exit 1; }
 
 cd "$home"
 [[ -e lib64 ]] || ln -s lib lib64
@@ -54,4 +62,4 @@ if [[ ! -e lib/stubs/libcuda.so ]]; then
   gcc -shared -fPIC -Wl,-soname,libcuda.so.1 lib/stubs/stub.c -o lib/stubs/libcuda.so
 fi
 echo "install-cuda-toolkit: $("$home/bin/nvcc" --version | tail -2 | head -1)" >&2
-echo "export CUDA_HOME=$home CUDA_PATH=$home PATH=$home/bin:\$PATH CUDA_COMPUTE_CAP=$compute_cap LIBRARY_PATH=$home/lib/stubs:$home/lib\${LIBRARY_PATH:+:\$LIBRARY_PATH}"
+echo "export CUTLASS_HOME=$cutlass CUDA_HOME=$home CUDA_PATH=$home PATH=$home/bin:\$PATH CUDA_COMPUTE_CAP=$compute_cap LIBRARY_PATH=$home/lib/stubs:$home/lib\${LIBRARY_PATH:+:\$LIBRARY_PATH}"

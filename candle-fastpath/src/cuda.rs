@@ -108,6 +108,9 @@ struct DeviceState {
     layer_norm: Vec<CudaFunction>,
     patchify: Vec<CudaFunction>,
     head: Vec<CudaFunction>,
+    /// Streaming multiprocessors, for the CUTLASS kernel's persistent tile scheduler.
+    #[cfg_attr(not(fastpath_cutlass), allow(dead_code))]
+    sm_count: usize,
     plans: HashMap<PlanKey, Plan>,
 }
 
@@ -165,6 +168,14 @@ fn new_state(dev: &CudaDevice) -> candle_core::Result<DeviceState> {
         layer_norm: load(&LN_NAMES)?,
         patchify: load(&PATCH_NAMES)?,
         head: load(&HEAD_NAMES)?,
+        sm_count: dev
+            .cuda_stream()
+            .context()
+            .attribute(
+                candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+            )
+            .map_err(candle_core::Error::wrap)?
+            .max(1) as usize,
         plans: HashMap::new(),
     })
 }
@@ -393,6 +404,26 @@ impl LinearOp {
 
         let mut states = STATE.lock().unwrap_or_else(|e| e.into_inner());
         let state = device_state(&mut states, dev)?;
+        // fc1 with its exact GELU in the GEMM's epilogue, instead of cuBLASLt + the GELU pass.
+        #[cfg(fastpath_cutlass)]
+        if let (true, Some((b, _)), None) = (self.gelu, &bias_ptr, &res_ptr) {
+            use crate::cutlass::{linear_gelu, takes};
+            if takes(T::DTYPE, (m, n, k, ldx), align) {
+                // SAFETY: pointers from live views of the checked shapes; `takes` accepted it.
+                let ran = unsafe {
+                    linear_gelu(
+                        T::DTYPE,
+                        (x_ptr, w_ptr, *b, d_ptr),
+                        (m, n, k, ldx),
+                        state.sm_count,
+                        stream.cu_stream() as *mut c_void,
+                    )?
+                };
+                if ran {
+                    return Ok(());
+                }
+            }
+        }
         if !state.plans.contains_key(&key) {
             if state.plans.len() >= MAX_PLANS {
                 state.plans.clear();

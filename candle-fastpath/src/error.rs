@@ -47,6 +47,8 @@ pub enum FastpathError {
     NotCuda { op: &'static str, device: String },
     #[error("{op}: cuBLASLt failed: {status}")]
     Cublas { op: &'static str, status: String },
+    #[error("fused_linear: the CUTLASS GEMM failed: {status}")]
+    Cutlass { status: String },
     #[error("CUDA graph: {0}")]
     Graph(String),
     #[error("CUDA memory pool, {what}: {code}")]

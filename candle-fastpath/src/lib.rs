@@ -37,6 +37,8 @@
 
 #[cfg(feature = "cuda")]
 mod cuda;
+#[cfg(all(feature = "cuda", fastpath_cutlass))]
+mod cutlass;
 mod error;
 #[cfg(feature = "cuda")]
 mod graph;

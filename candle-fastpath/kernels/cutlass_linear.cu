@@ -1,0 +1,130 @@
+// fc1 of a ViT MLP on CUTLASS's Hopper GEMM, half precision in and out, f32 accumulation and
+// epilogue:
+//   y = gelu_erf(x · Wᵀ + b)   (the exact GELU timm's nn.GELU() computes)
+//
+// Why: cuBLASLt's own GELU epilogue is the tanh approximation, so with cuBLASLt the exact GELU
+// runs as a separate pass over the [M, 4C] hidden activations (candle-fastpath's fastpath_gelu_erf
+// kernel): at DeiT-S batch 256 that pass reads and writes 2 × 50,432 × 1,536 × 2 bytes per block,
+// about 120 µs. Here the GELU is applied to the accumulators before the one store.
+//
+// The GEMM is CUTLASS 3's Hopper kernel (TMA loads, wgmma, warp-specialised cooperative schedule,
+// persistent tile scheduler) built from its collective builders; only the tiling and the epilogue
+// (per-column bias, then the activation) are chosen here. Compiled for sm_90a by build.rs into a
+// static library when the CUTLASS headers are available (scripts/install-cuda-toolkit.sh).
+//
+// Tiling, measured on the H100 (docs/BENCHMARKS.md, lever 18): 128 × 256 output tiles, two
+// consumer warpgroups of 64 rows each. The erf GELU costs ~20 instructions per element and the
+// cooperative epilogue does not overlap the next tile's main loop, so the wider tile (fewer,
+// longer main loops per epilogue byte) beat 128 × 128 cooperative, 128 × 128 and 64 × 128
+// ping-pong. Even so the fused kernel beats cuBLASLt + the GELU pass only on large problems; the
+// caller (src/cutlass.rs) sends only those here.
+//
+// Layout (row-major throughout, as candle stores them):
+//   x [M, K] with row stride ldx (a column slice of a wider tensor is fine), W [N, K]
+//   (nn.Linear's weight: K-major, i.e. CUTLASS's column-major B of shape K × N), b [N],
+//   y [M, N] contiguous.
+#include <cuda_runtime.h>
+
+#include <cute/tensor.hpp>
+#include <cutlass/cutlass.h>
+#include <cutlass/epilogue/collective/collective_builder.hpp>
+#include <cutlass/epilogue/thread/activation.h>
+#include <cutlass/gemm/collective/collective_builder.hpp>
+#include <cutlass/gemm/device/gemm_universal_adapter.h>
+#include <cutlass/gemm/kernel/gemm_universal.hpp>
+#include <cutlass/util/packed_stride.hpp>
+
+namespace {
+
+using namespace cute;
+
+template <typename Element>
+struct LinearGelu {
+    using LayoutA = cutlass::layout::RowMajor;
+    using LayoutB = cutlass::layout::ColumnMajor;
+    using LayoutD = cutlass::layout::RowMajor;
+    static constexpr int kAlign = 128 / cutlass::sizeof_bits<Element>::value;  // 16-byte accesses
+    using TileShape = Shape<_128, _256, _64>;
+    using ClusterShape = Shape<_1, _1, _1>;
+    using Fusion = cutlass::epilogue::fusion::LinCombPerColBiasEltAct<
+        cutlass::epilogue::thread::GELU, Element, float, Element, Element, float>;
+    using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+        cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
+        cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, LayoutD, kAlign,
+        Element, LayoutD, kAlign, cutlass::epilogue::TmaWarpSpecializedCooperative,
+        Fusion>::CollectiveOp;
+    using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+        cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA, kAlign, Element,
+        LayoutB, kAlign, float, TileShape, ClusterShape,
+        cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
+            sizeof(typename Epilogue::SharedStorage))>,
+        cutlass::gemm::KernelTmaWarpSpecializedCooperative>::CollectiveOp;
+    using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, Mainloop,
+                                                        Epilogue>;
+    using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+};
+
+// Status codes returned to Rust (candle-fastpath/src/cutlass.rs names them).
+enum : int {
+    kOk = 0,
+    kCannotImplement = 1,
+    kNeedsWorkspace = 2,
+    kInitializeFailed = 3,
+    kRunFailed = 4,
+};
+
+template <typename Element>
+int linear_gelu(const void* x, long long ldx, const void* w, const void* bias, void* y, int m,
+                int n, int k, int sm_count, cudaStream_t stream) {
+    using Gemm = typename LinearGelu<Element>::Gemm;
+    using StrideA = typename Gemm::GemmKernel::StrideA;
+    using StrideB = typename Gemm::GemmKernel::StrideB;
+    using StrideC = typename Gemm::GemmKernel::StrideC;
+    using StrideD = typename Gemm::GemmKernel::StrideD;
+
+    StrideA stride_a = cutlass::make_cute_packed_stride(StrideA{}, cute::make_shape(m, k, 1));
+    cute::get<0>(stride_a) = ldx;  // rows of x may be a column slice of a wider tensor
+    StrideB stride_b = cutlass::make_cute_packed_stride(StrideB{}, cute::make_shape(n, k, 1));
+    StrideC stride_c = cutlass::make_cute_packed_stride(StrideC{}, cute::make_shape(m, n, 1));
+    StrideD stride_d = cutlass::make_cute_packed_stride(StrideD{}, cute::make_shape(m, n, 1));
+
+    typename Gemm::Arguments args{};
+    args.mode = cutlass::gemm::GemmUniversalMode::kGemm;
+    args.problem_shape = {m, n, k, 1};
+    args.mainloop.ptr_A = static_cast<const Element*>(x);
+    args.mainloop.dA = stride_a;
+    args.mainloop.ptr_B = static_cast<const Element*>(w);
+    args.mainloop.dB = stride_b;
+    args.epilogue.ptr_C = nullptr;  // no C operand: beta = 0
+    args.epilogue.dC = stride_c;
+    args.epilogue.ptr_D = static_cast<Element*>(y);
+    args.epilogue.dD = stride_d;
+    args.epilogue.thread.alpha = 1.0f;
+    args.epilogue.thread.beta = 0.0f;
+    args.epilogue.thread.bias_ptr = static_cast<const Element*>(bias);
+    int device = 0;
+    cudaGetDevice(&device);
+    args.hw_info.device_id = device;
+    args.hw_info.sm_count = sm_count;
+
+    Gemm gemm;
+    if (gemm.can_implement(args) != cutlass::Status::kSuccess) return kCannotImplement;
+    if (Gemm::get_workspace_size(args) != 0) return kNeedsWorkspace;
+    if (gemm.initialize(args, nullptr, stream) != cutlass::Status::kSuccess) return kInitializeFailed;
+    if (gemm.run(stream) != cutlass::Status::kSuccess) return kRunFailed;
+    return kOk;
+}
+
+}  // namespace
+
+extern "C" int fastpath_cutlass_linear_gelu_f16(const void* x, long long ldx, const void* w,
+                                                const void* bias, void* y, int m, int n, int k,
+                                                int sm_count, cudaStream_t stream) {
+    return linear_gelu<cutlass::half_t>(x, ldx, w, bias, y, m, n, k, sm_count, stream);
+}
+
+extern "C" int fastpath_cutlass_linear_gelu_bf16(const void* x, long long ldx, const void* w,
+                                                 const void* bias, void* y, int m, int n, int k,
+                                                 int sm_count, cudaStream_t stream) {
+    return linear_gelu<cutlass::bfloat16_t>(x, ldx, w, bias, y, m, n, k, sm_count, stream);
+}
