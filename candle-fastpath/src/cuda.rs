@@ -111,6 +111,10 @@ struct DeviceState {
     /// Streaming multiprocessors, for the CUTLASS kernel's persistent tile scheduler.
     #[cfg_attr(not(fastpath_cutlass), allow(dead_code))]
     sm_count: usize,
+    /// Compute capability 9.0 exactly: the CUTLASS kernel is sm_90a code (wgmma, TMA), which
+    /// runs on Hopper only, not on later GPUs (there fc1 keeps cuBLASLt + the GELU kernel).
+    #[cfg_attr(not(fastpath_cutlass), allow(dead_code))]
+    hopper: bool,
     plans: HashMap<PlanKey, Plan>,
 }
 
@@ -160,6 +164,9 @@ fn new_state(dev: &CudaDevice) -> candle_core::Result<DeviceState> {
             })
             .collect()
     };
+    use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute::*;
+    let context = dev.cuda_stream().context().clone();
+    let attribute = |a| context.attribute(a).map_err(candle_core::Error::wrap);
     Ok(DeviceState {
         id: dev.id(),
         handle,
@@ -168,14 +175,11 @@ fn new_state(dev: &CudaDevice) -> candle_core::Result<DeviceState> {
         layer_norm: load(&LN_NAMES)?,
         patchify: load(&PATCH_NAMES)?,
         head: load(&HEAD_NAMES)?,
-        sm_count: dev
-            .cuda_stream()
-            .context()
-            .attribute(
-                candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
-            )
-            .map_err(candle_core::Error::wrap)?
-            .max(1) as usize,
+        sm_count: attribute(CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?.max(1) as usize,
+        hopper: (
+            attribute(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
+            attribute(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?,
+        ) == (9, 0),
         plans: HashMap::new(),
     })
 }
@@ -408,7 +412,7 @@ impl LinearOp {
         #[cfg(fastpath_cutlass)]
         if let (true, Some((b, _)), None) = (self.gelu, &bias_ptr, &res_ptr) {
             use crate::cutlass::{linear_gelu, takes};
-            if takes(T::DTYPE, (m, n, k, ldx), align) {
+            if state.hopper && takes(T::DTYPE, (m, n, k, ldx), align) {
                 // SAFETY: pointers from live views of the checked shapes; `takes` accepted it.
                 let ran = unsafe {
                     linear_gelu(

@@ -5,7 +5,9 @@
 //! Why: cuBLASLt's GELU epilogue is the tanh approximation, so with cuBLASLt the exact GELU is a
 //! second pass over fc1's `[M, 4C]` output.
 //!
-//! Which problems come here: f16 / bf16 with a bias, 16-byte aligned, and an output of at least
+//! Which problems come here: on a compute capability 9.0 GPU (the kernel is sm_90a code, which
+//! later architectures do not run; the caller checks), f16 / bf16 with a bias, 16-byte aligned,
+//! and an output of at least
 //! [`MIN_OUTPUT`] elements. Below that cuBLASLt's GEMM plus the GELU pass was as fast or faster
 //! on the H100 (docs/BENCHMARKS.md, lever 18: DeiT-T at batch 64, 12,608 × 768 outputs, was 2–5 %
 //! slower through CUTLASS; DeiT-S at batch 64, 12,608 × 1,536, 2 % faster). `CANDLE_FASTPATH_CUTLASS`
