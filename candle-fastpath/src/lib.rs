@@ -13,7 +13,8 @@
 //! - [`patchify`]: a ViT's patch rows (im2col of the stride-p patch conv) gathered and cast in
 //!   one kernel.
 //! - [`retain_freed_memory`] and [`PeakMemory`]: the CUDA memory pool candle allocates from,
-//!   kept cached across synchronisations, and its high-water mark.
+//!   kept cached across synchronisations, and its high-water mark; [`track_buffer_events`]:
+//!   cudarc's per-buffer events, which a single-stream program can skip.
 //! - [`CapturedForward`] (CUDA; elsewhere `capture` returns an error): captures a whole forward (any closure of candle ops) into a CUDA
 //!   graph once and replays it, so a call costs one graph launch instead of hundreds of kernel
 //!   launches through candle's generic op path.
@@ -57,4 +58,4 @@ pub use head::{linear_log_prob, HEAD_MAX_CLASSES};
 pub use linear::{linear, linear_no_bias, Epilogue, FusedLinear};
 pub use norm::{layer_norm, LayerNorm};
 pub use patch::patchify;
-pub use pool::{retain_freed_memory, PeakMemory};
+pub use pool::{retain_freed_memory, track_buffer_events, PeakMemory};

@@ -1,7 +1,8 @@
 //! The CUDA memory pool candle allocates from (its CUDA allocations are stream-ordered,
 //! `cuMemAllocAsync`, from the device's default pool): keep freed memory cached across
 //! synchronisations ([`retain_freed_memory`]) and measure the most memory in use
-//! ([`PeakMemory`]). Both are no-ops on the CPU and in builds without `cuda`.
+//! ([`PeakMemory`]); and skip cudarc's per-buffer events ([`track_buffer_events`]). All are
+//! no-ops on the CPU and in builds without `cuda`.
 
 use candle_core::Device;
 
@@ -29,6 +30,36 @@ pub fn retain_freed_memory(device: &Device, retain: bool) -> Result<()> {
         )?;
     }
     let _ = (device, retain);
+    Ok(())
+}
+
+/// Whether buffers allocated on `device` from now on carry cudarc's stream-ordering events.
+///
+/// With tracking on (candle's default) every allocation creates two CUDA events and every free
+/// destroys them, so that a buffer used from several streams is ordered between them. candle
+/// issues all work of a device on its one stream, where those events order nothing (cudarc
+/// only records and waits on them once a second stream exists), but creating and destroying them
+/// is host time on every op that allocates an output. Turning tracking off removes that cost;
+/// buffers allocated before keep their events. Process-wide for the device.
+/// [`CapturedForward::capture`](crate::CapturedForward::capture) turns it off as well.
+///
+/// # Safety
+/// With tracking off, nothing orders a buffer between streams: the caller must not use this
+/// device's buffers from any stream but candle's own (for instance from their own cudarc
+/// streams) without synchronising by hand.
+pub unsafe fn track_buffer_events(device: &Device, track: bool) -> Result<()> {
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(dev) = device {
+        // SAFETY: the caller's contract above.
+        unsafe {
+            if track {
+                dev.cuda_stream().context().enable_event_tracking();
+            } else {
+                dev.disable_event_tracking();
+            }
+        }
+    }
+    let _ = (device, track);
     Ok(())
 }
 

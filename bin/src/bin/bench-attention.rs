@@ -48,6 +48,12 @@ struct Args {
     hbm_tbps: f64,
     #[arg(long, default_value_t = 0x5eed)]
     seed: u64,
+    /// Give every device buffer cudarc's two stream-ordering events (candle's default, and this
+    /// benchmark's, so its history stays comparable). `false` measures the dispatch a
+    /// single-stream program gets after `candle_fastpath::track_buffer_events(dev, false)`: no
+    /// event created and destroyed per output allocation.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    event_tracking: bool,
     /// Text recorded as the command in the JSON (defaults to this process's arguments).
     #[arg(long)]
     command: Option<String>,
@@ -75,6 +81,8 @@ struct Row {
 struct Report {
     gpu: String,
     command: String,
+    /// `--event-tracking`.
+    event_tracking: bool,
     hbm_tbps: f64,
     host_calls: usize,
     gpu_reps: usize,
@@ -259,6 +267,8 @@ fn run(args: Args) -> Result<()> {
             .context("--device cuda: no usable CUDA device (or a build without --features cuda)")?,
         other => bail!("unknown device {other:?} (cpu, cuda)"),
     };
+    // SAFETY: this process uses the device from candle's one stream only.
+    unsafe { candle_fastpath::track_buffer_events(&dev, args.event_tracking)? };
     let command = args
         .command
         .clone()
@@ -285,7 +295,10 @@ fn run(args: Args) -> Result<()> {
         host_vs_affine: 1.0,
         max_abs_diff_vs_padded: 0.0,
     };
-    println!("candle_affine: host {affine_host:.2} us, gpu {affine_gpu:.2} us");
+    println!(
+        "candle_affine: host {affine_host:.2} us, gpu {affine_gpu:.2} us (event tracking {})",
+        if args.event_tracking { "on" } else { "off" }
+    );
     println!(
         "{:>6} {:>5} {:>5} {:>5} {:>6} {:>7} | {:>9} {:>8} {:>7} | {:>9} {:>8} | {:>7} {:>9} {:>9}",
         "dtype",
@@ -395,6 +408,7 @@ fn run(args: Args) -> Result<()> {
     let report = Report {
         gpu,
         command,
+        event_tracking: args.event_tracking,
         hbm_tbps: args.hbm_tbps,
         host_calls: args.host_calls,
         gpu_reps: args.gpu_reps,

@@ -81,6 +81,13 @@ struct Args {
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     retain_freed_memory: bool,
 
+    /// Give every device buffer cudarc's two stream-ordering events (candle's default). Off by
+    /// default here: candle runs a device's work on one stream, where they order nothing, and
+    /// the first CUDA-graph capture turns them off for the rest of the process anyway, so rows
+    /// before and after it would otherwise run differently.
+    #[arg(long, default_value_t = false, action = clap::ArgAction::Set)]
+    event_tracking: bool,
+
     /// Output JSON file.
     #[arg(long, default_value = "docs/benchmarks/h100-e2e.json")]
     out: PathBuf,
@@ -113,6 +120,8 @@ struct Row {
 struct Report {
     gpu: String,
     command: String,
+    /// `--event-tracking`: whether device buffers carried cudarc's per-buffer events.
+    event_tracking: bool,
     rows: Vec<Row>,
 }
 
@@ -246,10 +255,13 @@ fn main() -> ExitCode {
         let args = Args::parse();
         let device = args.device.open()?;
         candle_fastpath::retain_freed_memory(&device, args.retain_freed_memory)?;
+        // SAFETY: this process uses the device from candle's one stream only.
+        unsafe { candle_fastpath::track_buffer_events(&device, args.event_tracking)? };
         let variants = variants(&args.pruners, &args.paths)?;
         let mut report = Report {
             gpu: device_name(args.device),
             command: std::env::args().collect::<Vec<_>>().join(" "),
+            event_tracking: args.event_tracking,
             rows: Vec::new(),
         };
         if let Some(dir) = args.out.parent().filter(|d| !d.as_os_str().is_empty()) {
