@@ -35,12 +35,14 @@ pub fn retain_freed_memory(device: &Device, retain: bool) -> Result<()> {
 
 /// Whether buffers allocated on `device` from now on carry cudarc's stream-ordering events.
 ///
-/// With tracking on (candle's default) every allocation creates two CUDA events and every free
-/// destroys them, so that a buffer used from several streams is ordered between them. candle
-/// issues all work of a device on its one stream, where those events order nothing (cudarc
-/// only records and waits on them once a second stream exists), but creating and destroying them
-/// is host time on every op that allocates an output. Turning tracking off removes that cost;
-/// buffers allocated before keep their events. Process-wide for the device.
+/// With tracking on (candle's default) every allocation creates two CUDA events (a free destroys
+/// them), and because candle makes its stream with `CudaContext::new_stream`, which puts the
+/// context in cudarc's multi-stream mode, every buffer a kernel reads or writes also costs a
+/// `cuStreamWaitEvent` before the launch and a `cuEventRecord` after it: a dozen driver calls of
+/// host time for an op with four operands. candle issues all work of a device on that one
+/// stream, where the events order nothing. Turning tracking off skips the waits and records for
+/// every buffer at once and the event creation for buffers allocated afterwards. Process-wide
+/// for the device.
 /// [`CapturedForward::capture`](crate::CapturedForward::capture) turns it off as well.
 ///
 /// # Safety
