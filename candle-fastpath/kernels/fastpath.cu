@@ -1,5 +1,8 @@
-// Exact (erf) GELU applied in place, the activation timm's ViT/DeiT MLP uses:
-//   gelu(x) = 0.5 · x · (1 + erf(x / √2)), computed in f32 for every storage type.
+// Exact GELU applied in place, the activation timm's ViT/DeiT MLP uses, computed in f32 for
+// every storage type, in one of two forms (the host picks the kernel):
+//   fastpath_gelu_erf_*: gelu(x) = 0.5 · x · (1 + erf(x / √2));
+//   fastpath_gelu_phi_*: gelu(x) = x · Φ(x) through the normal tail (gelu_phi.cuh: more accurate
+//   for negative x, and fewer instructions).
 // It runs right after the fc1 cuBLASLt call (bias already added in its epilogue) on the
 // buffer that call wrote; cuBLASLt's own GELU epilogue is the tanh approximation, which would
 // not match timm's nn.GELU().
@@ -10,9 +13,16 @@
 #include <cuda_bf16.h>
 #include <stdint.h>
 
-__device__ __forceinline__ float gelu_erf(float x) {
-    return 0.5f * x * (1.0f + erff(x * 0.70710678118654752f));
-}
+#include "gelu_phi.cuh"
+
+struct GeluErf {
+    __device__ __forceinline__ float operator()(float x) const {
+        return 0.5f * x * (1.0f + erff(x * 0.70710678118654752f));
+    }
+};
+struct GeluPhi {
+    __device__ __forceinline__ float operator()(float x) const { return gelu_phi(x); }
+};
 
 __device__ __forceinline__ float to_f32(float x) { return x; }
 __device__ __forceinline__ float to_f32(__half x) { return __half2float(x); }
@@ -25,8 +35,9 @@ template <> __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(flo
     return __float2bfloat16_rn(x);
 }
 
-template <typename T>
+template <typename Gelu, typename T>
 __device__ void gelu_inplace(T* __restrict__ x, unsigned long long n) {
+    const Gelu gelu;
     constexpr unsigned VEC = 16 / sizeof(T);
     const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
     const unsigned long long tid = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
@@ -38,24 +49,33 @@ __device__ void gelu_inplace(T* __restrict__ x, unsigned long long n) {
             uint4 raw = xv[i];
             T* e = reinterpret_cast<T*>(&raw);
 #pragma unroll
-            for (unsigned j = 0; j < VEC; ++j) e[j] = from_f32<T>(gelu_erf(to_f32(e[j])));
+            for (unsigned j = 0; j < VEC; ++j) e[j] = from_f32<T>(gelu(to_f32(e[j])));
             xv[i] = raw;
         }
         vec_end *= VEC;
     }
     for (unsigned long long i = vec_end + tid; i < n; i += stride) {
-        x[i] = from_f32<T>(gelu_erf(to_f32(x[i])));
+        x[i] = from_f32<T>(gelu(to_f32(x[i])));
     }
 }
 
 extern "C" __global__ void fastpath_gelu_erf_f32(float* x, unsigned long long n) {
-    gelu_inplace(x, n);
+    gelu_inplace<GeluErf>(x, n);
 }
 extern "C" __global__ void fastpath_gelu_erf_f16(__half* x, unsigned long long n) {
-    gelu_inplace(x, n);
+    gelu_inplace<GeluErf>(x, n);
 }
 extern "C" __global__ void fastpath_gelu_erf_bf16(__nv_bfloat16* x, unsigned long long n) {
-    gelu_inplace(x, n);
+    gelu_inplace<GeluErf>(x, n);
+}
+extern "C" __global__ void fastpath_gelu_phi_f32(float* x, unsigned long long n) {
+    gelu_inplace<GeluPhi>(x, n);
+}
+extern "C" __global__ void fastpath_gelu_phi_f16(__half* x, unsigned long long n) {
+    gelu_inplace<GeluPhi>(x, n);
+}
+extern "C" __global__ void fastpath_gelu_phi_bf16(__nv_bfloat16* x, unsigned long long n) {
+    gelu_inplace<GeluPhi>(x, n);
 }
 
 // LayerNorm over the last dim C of `rows` contiguous rows, as torch.nn.LayerNorm computes it:

@@ -28,10 +28,14 @@ use crate::error::FastpathError;
 
 const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/fastpath.ptx"));
 const MODULE: &str = "candle_fastpath";
-const GELU_NAMES: [&str; 3] = [
+/// Indexed by `dtype_index`, then 3 more for the `phi` form (see `gelu_form`).
+const GELU_NAMES: [&str; 6] = [
     "fastpath_gelu_erf_f32",
     "fastpath_gelu_erf_f16",
     "fastpath_gelu_erf_bf16",
+    "fastpath_gelu_phi_f32",
+    "fastpath_gelu_phi_f16",
+    "fastpath_gelu_phi_bf16",
 ];
 const LN_NAMES: [&str; 3] = [
     "fastpath_layer_norm_f32",
@@ -417,6 +421,7 @@ impl LinearOp {
                 let ran = unsafe {
                     linear_gelu(
                         T::DTYPE,
+                        crate::gelu_form::gelu_form(),
                         (x_ptr, w_ptr, *b, d_ptr),
                         (m, n, k, ldx),
                         state.sm_count,
@@ -469,7 +474,11 @@ impl LinearOp {
         }
         if self.gelu {
             let len = (m * n) as u64;
-            let func = &state.gelu[dtype_index(T::DTYPE)?];
+            let form = match crate::gelu_form::gelu_form() {
+                crate::gelu_form::GeluForm::Erf => 0,
+                crate::gelu_form::GeluForm::Phi => 3,
+            };
+            let func = &state.gelu[dtype_index(T::DTYPE)? + form];
             // 8 elements (16 bytes of f16) per thread per step; a grid of at most 8 waves on
             // 132 SMs covers everything with a grid-stride loop.
             let vecs = (len as usize).div_ceil(8);

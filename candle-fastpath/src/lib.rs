@@ -42,6 +42,8 @@ mod cuda;
 mod cutlass;
 mod error;
 #[cfg(feature = "cuda")]
+mod gelu_form;
+#[cfg(feature = "cuda")]
 mod graph;
 #[cfg(not(feature = "cuda"))]
 #[path = "graph_unavailable.rs"]
