@@ -82,8 +82,13 @@ extern "C" __global__ void fastpath_gelu_phi_bf16(__nv_bfloat16* x, unsigned lon
 //   y = (x - mean) / sqrt(var + eps) · w + b,  var the biased (1/C) variance,
 // statistics in f32 from values held in registers (mean first, then the centred sum of squares:
 // no cancellation from E[x²] - E[x]²). One warp per row, 16-byte vectors; the host guarantees
-// C % (16 / sizeof(T)) == 0, C / (16 / sizeof(T)) <= 32 · LN_MAX_CHUNKS and 16-byte alignment.
-#define LN_MAX_CHUNKS 8
+// C % (16 / sizeof(T)) == 0, C / (16 / sizeof(T)) <= 32 · CHUNKS and 16-byte alignment.
+//
+// CHUNKS (16-byte vectors per lane) is a template parameter with one kernel per size class
+// (1, 2, 4, 8; the host takes the smallest that holds C): the row lives in registers, so the
+// class sets the register count and with it how many rows an SM keeps in flight. With one
+// 8-chunk kernel for every C, DeiT-S's C = 384 (2 chunks per lane in f16) needed 95 registers per
+// thread, ~21 resident warps per SM, too few loads in flight to stream HBM.
 
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
@@ -91,7 +96,7 @@ __device__ __forceinline__ float warp_sum(float v) {
     return v;
 }
 
-template <typename T>
+template <int LN_MAX_CHUNKS, typename T>
 __device__ void layer_norm_rows(const T* __restrict__ x, const T* __restrict__ w,
                                 const T* __restrict__ b, T* __restrict__ y,
                                 unsigned rows, unsigned C, float eps) {
@@ -149,18 +154,53 @@ __device__ void layer_norm_rows(const T* __restrict__ x, const T* __restrict__ w
     }
 }
 
-extern "C" __global__ void fastpath_layer_norm_f32(const float* x, const float* w, const float* b,
+extern "C" __global__ void fastpath_layer_norm_f32_c1(const float* x, const float* w, const float* b,
                                                    float* y, unsigned rows, unsigned C, float eps) {
-    layer_norm_rows(x, w, b, y, rows, C, eps);
+    layer_norm_rows<1>(x, w, b, y, rows, C, eps);
 }
-extern "C" __global__ void fastpath_layer_norm_f16(const __half* x, const __half* w, const __half* b,
+extern "C" __global__ void fastpath_layer_norm_f16_c1(const __half* x, const __half* w, const __half* b,
                                                    __half* y, unsigned rows, unsigned C, float eps) {
-    layer_norm_rows(x, w, b, y, rows, C, eps);
+    layer_norm_rows<1>(x, w, b, y, rows, C, eps);
 }
-extern "C" __global__ void fastpath_layer_norm_bf16(const __nv_bfloat16* x, const __nv_bfloat16* w,
-                                                    const __nv_bfloat16* b, __nv_bfloat16* y,
-                                                    unsigned rows, unsigned C, float eps) {
-    layer_norm_rows(x, w, b, y, rows, C, eps);
+extern "C" __global__ void fastpath_layer_norm_bf16_c1(const __nv_bfloat16* x, const __nv_bfloat16* w, const __nv_bfloat16* b,
+                                                   __nv_bfloat16* y, unsigned rows, unsigned C, float eps) {
+    layer_norm_rows<1>(x, w, b, y, rows, C, eps);
+}
+extern "C" __global__ void fastpath_layer_norm_f32_c2(const float* x, const float* w, const float* b,
+                                                   float* y, unsigned rows, unsigned C, float eps) {
+    layer_norm_rows<2>(x, w, b, y, rows, C, eps);
+}
+extern "C" __global__ void fastpath_layer_norm_f16_c2(const __half* x, const __half* w, const __half* b,
+                                                   __half* y, unsigned rows, unsigned C, float eps) {
+    layer_norm_rows<2>(x, w, b, y, rows, C, eps);
+}
+extern "C" __global__ void fastpath_layer_norm_bf16_c2(const __nv_bfloat16* x, const __nv_bfloat16* w, const __nv_bfloat16* b,
+                                                   __nv_bfloat16* y, unsigned rows, unsigned C, float eps) {
+    layer_norm_rows<2>(x, w, b, y, rows, C, eps);
+}
+extern "C" __global__ void fastpath_layer_norm_f32_c4(const float* x, const float* w, const float* b,
+                                                   float* y, unsigned rows, unsigned C, float eps) {
+    layer_norm_rows<4>(x, w, b, y, rows, C, eps);
+}
+extern "C" __global__ void fastpath_layer_norm_f16_c4(const __half* x, const __half* w, const __half* b,
+                                                   __half* y, unsigned rows, unsigned C, float eps) {
+    layer_norm_rows<4>(x, w, b, y, rows, C, eps);
+}
+extern "C" __global__ void fastpath_layer_norm_bf16_c4(const __nv_bfloat16* x, const __nv_bfloat16* w, const __nv_bfloat16* b,
+                                                   __nv_bfloat16* y, unsigned rows, unsigned C, float eps) {
+    layer_norm_rows<4>(x, w, b, y, rows, C, eps);
+}
+extern "C" __global__ void fastpath_layer_norm_f32_c8(const float* x, const float* w, const float* b,
+                                                   float* y, unsigned rows, unsigned C, float eps) {
+    layer_norm_rows<8>(x, w, b, y, rows, C, eps);
+}
+extern "C" __global__ void fastpath_layer_norm_f16_c8(const __half* x, const __half* w, const __half* b,
+                                                   __half* y, unsigned rows, unsigned C, float eps) {
+    layer_norm_rows<8>(x, w, b, y, rows, C, eps);
+}
+extern "C" __global__ void fastpath_layer_norm_bf16_c8(const __nv_bfloat16* x, const __nv_bfloat16* w, const __nv_bfloat16* b,
+                                                   __nv_bfloat16* y, unsigned rows, unsigned C, float eps) {
+    layer_norm_rows<8>(x, w, b, y, rows, C, eps);
 }
 
 // Non-overlapping patches as matmul rows (im2col for a stride-p, p×p conv), cast on the way:

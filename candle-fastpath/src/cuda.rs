@@ -37,11 +37,42 @@ const GELU_NAMES: [&str; 6] = [
     "fastpath_gelu_phi_f16",
     "fastpath_gelu_phi_bf16",
 ];
-const LN_NAMES: [&str; 3] = [
-    "fastpath_layer_norm_f32",
-    "fastpath_layer_norm_f16",
-    "fastpath_layer_norm_bf16",
+/// Per size class (16-byte chunks per lane: 1, 2, 4, 8), then per `dtype_index`.
+const LN_NAMES: [&str; 12] = [
+    "fastpath_layer_norm_f32_c1",
+    "fastpath_layer_norm_f16_c1",
+    "fastpath_layer_norm_bf16_c1",
+    "fastpath_layer_norm_f32_c2",
+    "fastpath_layer_norm_f16_c2",
+    "fastpath_layer_norm_bf16_c2",
+    "fastpath_layer_norm_f32_c4",
+    "fastpath_layer_norm_f16_c4",
+    "fastpath_layer_norm_bf16_c4",
+    "fastpath_layer_norm_f32_c8",
+    "fastpath_layer_norm_f16_c8",
+    "fastpath_layer_norm_bf16_c8",
 ];
+
+/// Index into [`LN_NAMES`]: the smallest size class whose `32 · chunks` lanes' worth of 16-byte
+/// vectors hold a row of `vectors`; `CANDLE_FASTPATH_LN_CHUNKS=8` takes the largest for every C
+/// (the single kernel of before, for A/B runs).
+fn layer_norm_index(dtype: DType, vectors: usize) -> candle_core::Result<usize> {
+    static FORCE_WIDE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let wide = *FORCE_WIDE.get_or_init(|| {
+        std::env::var("CANDLE_FASTPATH_LN_CHUNKS")
+            .as_deref()
+            .map(str::trim)
+            == Ok("8")
+    });
+    let class = match vectors.div_ceil(32) {
+        _ if wide => 3,
+        0 | 1 => 0,
+        2 => 1,
+        3 | 4 => 2,
+        _ => 3,
+    };
+    Ok(3 * class + dtype_index(dtype)?)
+}
 const PATCH_NAMES: [&str; 3] = [
     "fastpath_patchify_f32",
     "fastpath_patchify_f16",
@@ -595,7 +626,8 @@ impl LayerNormOp {
         let out = unsafe { dev.alloc::<T>(n)? };
         let func = {
             let mut states = STATE.lock().unwrap_or_else(|e| e.into_inner());
-            device_state(&mut states, dev)?.layer_norm[dtype_index(T::DTYPE)?].clone()
+            device_state(&mut states, dev)?.layer_norm[layer_norm_index(T::DTYPE, c / (16 / size))?]
+                .clone()
         };
         let rows_per_block = 8u32;
         let cfg = LaunchConfig {
