@@ -78,6 +78,11 @@ const PATCH_NAMES: [&str; 3] = [
     "fastpath_patchify_f16",
     "fastpath_patchify_bf16",
 ];
+const EMBED_NAMES: [&str; 3] = [
+    "fastpath_embed_tokens_f32",
+    "fastpath_embed_tokens_f16",
+    "fastpath_embed_tokens_bf16",
+];
 const HEAD_NAMES: [&str; 3] = [
     "fastpath_linear_log_prob_f32",
     "fastpath_linear_log_prob_f16",
@@ -143,6 +148,7 @@ struct DeviceState {
     layer_norm: Vec<CudaFunction>,
     patchify: Vec<CudaFunction>,
     head: Vec<CudaFunction>,
+    embed: Vec<CudaFunction>,
     /// Streaming multiprocessors, for the CUTLASS kernel's persistent tile scheduler.
     #[cfg_attr(not(fastpath_cutlass), allow(dead_code))]
     sm_count: usize,
@@ -210,6 +216,7 @@ fn new_state(dev: &CudaDevice) -> candle_core::Result<DeviceState> {
         layer_norm: load(&LN_NAMES)?,
         patchify: load(&PATCH_NAMES)?,
         head: load(&HEAD_NAMES)?,
+        embed: load(&EMBED_NAMES)?,
         sm_count: attribute(CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?.max(1) as usize,
         hopper: (
             attribute(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
@@ -693,6 +700,132 @@ impl candle_core::CustomOp3 for LayerNormOp {
     }
 }
 
+/// [`crate::embed_tokens`] on CUDA: patches `[B, Np, C]`, prefix `[P, C]` (any tensor when
+/// `P = 0`: not read), pos `[P + Np, C]` (contiguous, one dtype; shapes checked by the caller and
+/// again here) → `[B, P + Np, C]`.
+pub(crate) struct EmbedTokensOp {
+    pub prefix: usize,
+}
+
+impl EmbedTokensOp {
+    fn run<T>(
+        &self,
+        (x, lx): (&CudaStorage, &Layout),
+        (pre, lpre): (&CudaStorage, &Layout),
+        (pos, lpos): (&CudaStorage, &Layout),
+    ) -> candle_core::Result<(CudaStorage, Shape)>
+    where
+        T: candle_core::cuda_backend::CudaDType
+            + candle_core::cuda_backend::cudarc::driver::DeviceRepr
+            + candle_core::WithDType,
+    {
+        let dev = &x.device;
+        let (b, np, c) = lx.shape().dims3()?;
+        let p = self.prefix;
+        let n = p + np;
+        if !(lx.is_contiguous() && lpre.is_contiguous() && lpos.is_contiguous())
+            || (p > 0 && lpre.shape().dims() != [p, c])
+            || lpos.shape().dims() != [n, c]
+            || b * n > u32::MAX as usize
+            || c > u32::MAX as usize
+        {
+            candle_core::bail!(
+                "embed_tokens: unsupported layout for the CUDA kernel (patches {:?}, prefix {:?}, \
+                 pos {:?})",
+                lx.shape(),
+                lpre.shape(),
+                lpos.shape()
+            );
+        }
+        let size = std::mem::size_of::<T>();
+        let xs = x.as_cuda_slice::<T>()?.slice(lx.start_offset()..);
+        let ps = pre.as_cuda_slice::<T>()?.slice(lpre.start_offset()..);
+        let es = pos.as_cuda_slice::<T>()?.slice(lpos.start_offset()..);
+        let rows = b * n;
+        // SAFETY: every element is written by the kernel (one warp per row, every column).
+        let out = unsafe { dev.alloc::<T>(rows * c)? };
+        // 16-byte vectors: C a whole number of them and every start 16-byte aligned (an empty
+        // prefix has no start to speak of).
+        let vec = c % (16 / size) == 0
+            && [(lx, true), (lpre, p > 0), (lpos, true)]
+                .iter()
+                .all(|(l, used)| !used || (l.start_offset() * size) % 16 == 0);
+        let func = {
+            let mut states = STATE.lock().unwrap_or_else(|e| e.into_inner());
+            device_state(&mut states, dev)?.embed[dtype_index(T::DTYPE)?].clone()
+        };
+        let rows_per_block = 8usize;
+        let cfg = LaunchConfig {
+            grid_dim: (
+                rows.div_ceil(rows_per_block).clamp(1, 132 * 64) as u32,
+                1,
+                1,
+            ),
+            block_dim: (32 * rows_per_block as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let stream = dev.cuda_stream();
+        let (rows_u, n_u, p_u, c_u, vec_i) =
+            (rows as u32, n as u32, p as u32, c as u32, i32::from(vec));
+        let mut builder = stream.launch_builder(&func);
+        builder.arg(&xs);
+        builder.arg(&ps);
+        builder.arg(&es);
+        builder.arg(&out);
+        builder.arg(&rows_u);
+        builder.arg(&n_u);
+        builder.arg(&p_u);
+        builder.arg(&c_u);
+        builder.arg(&vec_i);
+        // SAFETY: shapes checked above; the kernel reads rows of `patches` (b < B, i − P < Np),
+        // of `prefix` (i < P) and of `pos` (i < N), and writes the `B · N · C` of `out`.
+        unsafe { builder.launch(cfg) }.map_err(candle_core::Error::wrap)?;
+        Ok((
+            CudaStorage::wrap_cuda_slice(out, dev.clone()),
+            Shape::from((b, n, c)),
+        ))
+    }
+}
+
+impl candle_core::CustomOp3 for EmbedTokensOp {
+    fn name(&self) -> &'static str {
+        "fastpath-embed-tokens"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        candle_core::bail!("embed_tokens: the CUDA op was dispatched on a CPU tensor")
+    }
+
+    fn cuda_fwd(
+        &self,
+        x: &CudaStorage,
+        lx: &Layout,
+        pre: &CudaStorage,
+        lpre: &Layout,
+        pos: &CudaStorage,
+        lpos: &Layout,
+    ) -> candle_core::Result<(CudaStorage, Shape)> {
+        match x.dtype() {
+            DType::F32 => self.run::<f32>((x, lx), (pre, lpre), (pos, lpos)),
+            DType::F16 => self.run::<half::f16>((x, lx), (pre, lpre), (pos, lpos)),
+            DType::BF16 => self.run::<half::bf16>((x, lx), (pre, lpre), (pos, lpos)),
+            dtype => Err(FastpathError::UnsupportedDType {
+                op: "embed_tokens",
+                dtype,
+            }
+            .into()),
+        }
+    }
+}
+
 /// [`crate::patchify`] on CUDA: f32 pixels `[B, C, H, W]` (contiguous) → patch rows in `dtype`.
 pub(crate) struct PatchifyOp {
     pub patch: usize,
@@ -723,7 +856,8 @@ impl candle_core::CustomOp1 for PatchifyOp {
             let mut states = STATE.lock().unwrap_or_else(|e| e.into_inner());
             device_state(&mut states, dev)?.patchify[dtype_index(self.dtype)?].clone()
         };
-        let blocks = (n as usize).div_ceil(256).clamp(1, 132 * 32) as u32;
+        // One thread per run of `p` contiguous pixels (see the kernel).
+        let blocks = (rows * c * p).div_ceil(256).clamp(1, 132 * 32) as u32;
         let cfg = LaunchConfig {
             grid_dim: (blocks, 1, 1),
             block_dim: (256, 1, 1),
@@ -733,7 +867,7 @@ impl candle_core::CustomOp1 for PatchifyOp {
         let (ci, hi, wi, pi) = (c as i32, h as i32, w as i32, p as i32);
         macro_rules! run {
             ($t:ty) => {{
-                // SAFETY: the grid-stride loop writes all `n` elements.
+                // SAFETY: the grid-stride loop writes all `n / p` runs of `p` elements.
                 let out = unsafe { dev.alloc::<$t>(n as usize)? };
                 let mut builder = stream.launch_builder(&func);
                 builder.arg(&px);

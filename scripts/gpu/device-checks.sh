@@ -22,7 +22,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
 for stage in $stages; do
   case $stage in
   tests)
-    for t in "$bin"/test-attention "$bin"/test-pack "$bin"/test-select "$bin"/test-select_rule "$bin"/test-sequence_mean "$bin"/test-linear "$bin"/test-head "$bin"/test-norm "$bin"/test-patch "$bin"/test-graph; do
+    for t in "$bin"/test-attention "$bin"/test-pack "$bin"/test-select "$bin"/test-select_rule "$bin"/test-sequence_mean "$bin"/test-linear "$bin"/test-head "$bin"/test-norm "$bin"/test-patch "$bin"/test-embed "$bin"/test-graph; do
       if "$t" --test-threads=1 >> "$out/tests.log" 2>&1; then note "PASS $(basename "$t")"; else note "FAIL $(basename "$t")"; status=1; fi
     done
     # The CUTLASS fc1 takes only large problems by default: run the Linear tests again with every
@@ -37,7 +37,7 @@ for stage in $stages; do
     ;;
   sanitizer)
     # memcheck over every GPU test; racecheck (much slower) over the kernels' shapes that matter.
-    for t in "$bin"/test-attention "$bin"/test-pack "$bin"/test-select "$bin"/test-select_rule "$bin"/test-sequence_mean "$bin"/test-linear "$bin"/test-head "$bin"/test-norm "$bin"/test-patch; do
+    for t in "$bin"/test-attention "$bin"/test-pack "$bin"/test-select "$bin"/test-select_rule "$bin"/test-sequence_mean "$bin"/test-linear "$bin"/test-head "$bin"/test-norm "$bin"/test-patch "$bin"/test-embed; do
       [[ -x $t ]] || continue
       if compute-sanitizer --tool memcheck --error-exitcode 9 "$t" --test-threads=1 >> "$out/sanitizer.log" 2>&1; then
         note "memcheck clean $(basename "$t")"; else note "memcheck FAIL $(basename "$t")"; status=1; fi
