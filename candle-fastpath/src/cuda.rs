@@ -512,9 +512,11 @@ impl LinearOp {
         }
         if self.gelu {
             let len = (m * n) as u64;
-            let form = match crate::gelu_form::gelu_form() {
-                crate::gelu_form::GeluForm::Erf => 0,
-                crate::gelu_form::GeluForm::Phi => 3,
+            // f32 outputs keep erff: its ~1-ulp error beats the Φ form's ~2e-6 for x > 0, and
+            // only 16-bit outputs hide that (gelu_form's doc).
+            let form = match (crate::gelu_form::gelu_form(), T::DTYPE) {
+                (crate::gelu_form::GeluForm::Phi, DType::F16 | DType::BF16) => 3,
+                _ => 0,
             };
             let func = &state.gelu[dtype_index(T::DTYPE)? + form];
             // 8 elements (16 bytes of f16) per thread per step; a grid of at most 8 waves on
