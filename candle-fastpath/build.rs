@@ -13,6 +13,7 @@ fn main() {
     println!("cargo:rerun-if-changed=kernels/gelu_phi.cuh");
     println!("cargo:rerun-if-env-changed=CUDA_COMPUTE_CAP");
     println!("cargo:rerun-if-env-changed=CUDA_HOME");
+    println!("cargo:rerun-if-env-changed=CUDA_PATH");
     println!("cargo:rerun-if-env-changed=NVCC");
     println!("cargo:rerun-if-changed=kernels/cutlass_linear.cu");
     println!("cargo:rerun-if-env-changed=CUTLASS_HOME");
@@ -30,11 +31,9 @@ fn main() {
     }
     let nvcc = std::env::var("NVCC")
         .map(PathBuf::from)
-        .unwrap_or_else(|_| {
-            match std::env::var("CUDA_HOME").or_else(|_| std::env::var("CUDA_PATH")) {
-                Ok(home) => PathBuf::from(home).join("bin").join("nvcc"),
-                Err(_) => PathBuf::from("nvcc"),
-            }
+        .unwrap_or_else(|_| match cuda_home() {
+            Some(home) => home.join("bin").join("nvcc"),
+            None => PathBuf::from("nvcc"),
         });
     let out = PathBuf::from(std::env::var("OUT_DIR").unwrap()).join("fastpath.ptx");
     let status = Command::new(&nvcc)
@@ -58,18 +57,20 @@ fn main() {
     }
 }
 
+/// The CUDA toolkit: `CUDA_HOME`, else `CUDA_PATH`.
+fn cuda_home() -> Option<PathBuf> {
+    std::env::var_os("CUDA_HOME")
+        .or_else(|| std::env::var_os("CUDA_PATH"))
+        .map(PathBuf::from)
+}
+
 /// The CUTLASS source tree (`include/` and `tools/util/include/`): `CUTLASS_HOME`, else where
 /// scripts/install-cuda-toolkit.sh puts it next to the toolkit.
 fn cutlass_home() -> Option<PathBuf> {
-    let candidates = std::env::var_os("CUTLASS_HOME")
+    std::env::var_os("CUTLASS_HOME")
         .map(PathBuf::from)
         .into_iter()
-        .chain(
-            std::env::var_os("CUDA_HOME")
-                .map(|h| PathBuf::from(h).join("../../cutlass_library/source")),
-        );
-    candidates
-        .into_iter()
+        .chain(cuda_home().map(|h| h.join("../../cutlass_library/source")))
         .find(|p| p.join("include/cutlass/cutlass.h").exists())
 }
 
@@ -118,10 +119,7 @@ fn build_cutlass(nvcc: &PathBuf) {
     }
     // The CUTLASS host code launches through the CUDA runtime; link it statically so the
     // binaries need no libcudart at run time (it loads the driver's libcuda itself).
-    let cuda_home = std::env::var("CUDA_HOME")
-        .or_else(|_| std::env::var("CUDA_PATH"))
-        .map(PathBuf::from)
-        .unwrap_or_else(|_| PathBuf::from("/usr/local/cuda"));
+    let cuda_home = cuda_home().unwrap_or_else(|| PathBuf::from("/usr/local/cuda"));
     for dir in ["lib64", "lib"] {
         println!(
             "cargo:rustc-link-search=native={}",

@@ -143,8 +143,10 @@ fn matches_reference_every_epilogue_dtype_and_shape() {
             Kind::Residual,
             1,
             0,
-        ); // Enough 128 x 128 output tiles to fill an H100 (132 SMs) in the plain and the residual
-           // epilogue too, so the large-tile GEMMs (CUTLASS's, when switched on) are checked there.
+        );
+        // Enough 128 x 128 output tiles to fill an H100 (132 SMs) in the plain and the residual
+        // epilogue too, so the large-tile GEMMs (cuBLASLt's, and CUTLASS's when switched on) are
+        // checked there.
         check(
             &dev,
             &mut rng,

@@ -249,10 +249,21 @@ impl RaggedAttention<'_> {
                 let per_head: Vec<Vec<f32>> = (0..heads)
                     .into_par_iter()
                     .map(|h| {
-                        let kh = (ka.0 + start * ka.1 + h * ka.2, ka.1);
-                        let vh = (va.0 + start * va.1 + h * va.2, va.1);
-                        let qh = (qa.0 + start * qa.1 + h * qa.2, qa.1);
-                        attend_one_head_dispatch(q, qh, k, kh, v, vh, len, dim, scale)
+                        // This sequence's rows of head `h` in each operand.
+                        let rows =
+                            |data, (first, row_stride, head_stride): (usize, usize, usize)| {
+                                HeadRows {
+                                    data,
+                                    first: first + start * row_stride + h * head_stride,
+                                    stride: row_stride,
+                                }
+                            };
+                        attend_one_head_dispatch(
+                            rows(q, qa),
+                            rows(k, ka),
+                            rows(v, va),
+                            (len, dim, scale),
+                        )
                     })
                     .collect();
                 for (h, res) in per_head.iter().enumerate() {
@@ -269,75 +280,69 @@ impl RaggedAttention<'_> {
     }
 }
 
+/// `len` rows of `dim` values in `data`: row `i` starts at `first + i · stride`.
+#[derive(Clone, Copy)]
+struct HeadRows<'a, T> {
+    data: &'a [T],
+    first: usize,
+    stride: usize,
+}
+
+impl<T: Float32> HeadRows<'_, T> {
+    fn at(&self, row: usize, d: usize) -> f32 {
+        self.data[self.first + row * self.stride + d].to_f32()
+    }
+}
+
 /// [`attend_one_head`] compiled for AVX when the CPU has it (8 lanes instead of SSE2's 4; no FMA,
 /// so every product and sum rounds exactly as in the baseline build).
-#[allow(clippy::too_many_arguments)]
 fn attend_one_head_dispatch<T: Float32>(
-    q: &[T],
-    qh: (usize, usize),
-    k: &[T],
-    kh: (usize, usize),
-    v: &[T],
-    vh: (usize, usize),
-    len: usize,
-    dim: usize,
-    scale: f32,
+    q: HeadRows<'_, T>,
+    k: HeadRows<'_, T>,
+    v: HeadRows<'_, T>,
+    shape: (usize, usize, f32),
 ) -> Vec<f32> {
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx") {
         #[target_feature(enable = "avx")]
-        #[allow(clippy::too_many_arguments)]
         unsafe fn avx<T: Float32>(
-            q: &[T],
-            qh: (usize, usize),
-            k: &[T],
-            kh: (usize, usize),
-            v: &[T],
-            vh: (usize, usize),
-            len: usize,
-            dim: usize,
-            scale: f32,
+            q: HeadRows<'_, T>,
+            k: HeadRows<'_, T>,
+            v: HeadRows<'_, T>,
+            shape: (usize, usize, f32),
         ) -> Vec<f32> {
-            attend_one_head(q, qh, k, kh, v, vh, len, dim, scale)
+            attend_one_head(q, k, v, shape)
         }
         // SAFETY: the CPU reports AVX.
-        return unsafe { avx(q, qh, k, kh, v, vh, len, dim, scale) };
+        return unsafe { avx(q, k, v, shape) };
     }
-    attend_one_head(q, qh, k, kh, v, vh, len, dim, scale)
+    attend_one_head(q, k, v, shape)
 }
 
-/// One (sequence, head): `len` query rows against `len` key / value rows, each given as
-/// (offset of row 0, row stride) into its slice; returns the `[len, dim]` output in f32.
-#[allow(clippy::too_many_arguments)]
+/// One (sequence, head): `len` query rows against `len` key / value rows of `dim` values, scores
+/// scaled by `scale`; returns the `[len, dim]` output in f32.
 #[inline(always)]
 fn attend_one_head<T: Float32>(
-    q: &[T],
-    (q0, qs): (usize, usize),
-    k: &[T],
-    (k0, ks): (usize, usize),
-    v: &[T],
-    (v0, vs): (usize, usize),
-    len: usize,
-    dim: usize,
-    scale: f32,
+    q: HeadRows<'_, T>,
+    k: HeadRows<'_, T>,
+    v: HeadRows<'_, T>,
+    (len, dim, scale): (usize, usize, f32),
 ) -> Vec<f32> {
     // K transposed ([dim, len]) so a query's scores are `dim` axpy passes over the keys.
     let mut kt = vec![0f32; dim * len];
     let mut vb = vec![0f32; len * dim];
     for j in 0..len {
-        let (kr, vr) = (k0 + j * ks, v0 + j * vs);
         for d in 0..dim {
-            kt[d * len + j] = k[kr + d].to_f32();
-            vb[j * dim + d] = v[vr + d].to_f32();
+            kt[d * len + j] = k.at(j, d);
+            vb[j * dim + d] = v.at(j, d);
         }
     }
     let mut res = vec![0f32; len * dim];
     let mut scores = vec![0f32; len];
     for (i, acc) in res.chunks_exact_mut(dim).enumerate() {
         scores.iter_mut().for_each(|s| *s = 0.0);
-        let qr = q0 + i * qs;
         for (d, krow) in kt.chunks_exact(len).enumerate() {
-            let qd = q[qr + d].to_f32();
+            let qd = q.at(i, d);
             for (s, &kv) in scores.iter_mut().zip(krow) {
                 *s += qd * kv;
             }
@@ -385,6 +390,18 @@ mod tests {
         let stride = 3 * dim + 8;
         let x = (0..len * stride + 3 * dim).map(|_| next()).collect();
         (x, ((0, stride), (dim, stride), (2 * dim, stride)))
+    }
+
+    fn rows(data: &[f32], (first, stride): (usize, usize)) -> HeadRows<'_, f32> {
+        HeadRows {
+            data,
+            first,
+            stride,
+        }
+    }
+
+    fn same_bits(a: &[f32], b: &[f32]) -> bool {
+        a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
     }
 
     /// One query row at a time, one key at a time: the summation order the vectorised loops keep.
@@ -439,14 +456,10 @@ mod tests {
             (66, 128),
         ] {
             let (x, (q, k, v)) = strided_qkv(len, dim, 0x9e3779b97f4a7c15);
-            let got = attend_one_head(&x, q, &x, k, &x, v, len, dim, 0.125);
+            let got = attend_one_head(rows(&x, q), rows(&x, k), rows(&x, v), (len, dim, 0.125));
             let want = one_row_at_a_time(&x, q, k, v, len, dim, 0.125);
-            let same = got
-                .iter()
-                .zip(&want)
-                .all(|(a, b)| a.to_bits() == b.to_bits());
             assert!(
-                same,
+                same_bits(&got, &want),
                 "len {len} dim {dim}: the vectorised loops changed the bits"
             );
         }
@@ -458,14 +471,11 @@ mod tests {
         // lanes are independent and no sum is reassociated. Strided rows, odd lengths.
         for &(len, dim) in &[(1usize, 32usize), (63, 64), (197, 64), (65, 128)] {
             let (buf, (q, k, v)) = strided_qkv(len, dim, 0x2545f4914f6cdd1d);
-            let base = attend_one_head(&buf, q, &buf, k, &buf, v, len, dim, 0.125);
-            let wide = attend_one_head_dispatch(&buf, q, &buf, k, &buf, v, len, dim, 0.125);
-            let same = base
-                .iter()
-                .zip(&wide)
-                .all(|(a, b)| a.to_bits() == b.to_bits());
+            let (q, k, v) = (rows(&buf, q), rows(&buf, k), rows(&buf, v));
+            let base = attend_one_head(q, k, v, (len, dim, 0.125));
+            let wide = attend_one_head_dispatch(q, k, v, (len, dim, 0.125));
             assert!(
-                same,
+                same_bits(&base, &wide),
                 "len {len} dim {dim}: the dispatched build changed the bits"
             );
         }

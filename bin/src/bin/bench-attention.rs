@@ -51,7 +51,7 @@ struct Args {
     /// Give every device buffer cudarc's two stream-ordering events (candle's default, and this
     /// benchmark's, so its history stays comparable). `false` measures the dispatch a
     /// single-stream program gets after `candle_fastpath::track_buffer_events(dev, false)`: no
-    /// event created and destroyed per output allocation.
+    /// event wait and record per operand, no events created per output allocation.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     event_tracking: bool,
     /// Text recorded as the command in the JSON (defaults to this process's arguments).
