@@ -34,11 +34,34 @@
 #include <cutlass/gemm/kernel/gemm_universal.hpp>
 #include <cutlass/util/packed_stride.hpp>
 
+#include "gelu_phi.cuh"
+
 namespace {
 
 using namespace cute;
 
-template <typename Element>
+// CUTLASS's GELU functor shape (scalar and Array<T, N>), evaluating gelu_phi.cuh's x · Φ(x) in
+// f32 instead of CUTLASS's 0.5 · x · (1 + erff(x / √2)).
+template <typename T>
+struct GeluPhi {
+    static const bool kIsHeavy = true;
+    CUTLASS_DEVICE T operator()(T const& value) const {
+        return T(gelu_phi(static_cast<float>(value)));
+    }
+};
+template <typename T, int N>
+struct GeluPhi<cutlass::Array<T, N>> {
+    static const bool kIsHeavy = true;
+    CUTLASS_DEVICE cutlass::Array<T, N> operator()(cutlass::Array<T, N> const& value) const {
+        cutlass::Array<T, N> y;
+        GeluPhi<T> op;
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < N; ++i) y[i] = op(value[i]);
+        return y;
+    }
+};
+
+template <typename Element, template <class> class Gelu>
 struct LinearGelu {
     using LayoutA = cutlass::layout::RowMajor;
     using LayoutB = cutlass::layout::ColumnMajor;
@@ -46,8 +69,8 @@ struct LinearGelu {
     static constexpr int kAlign = 128 / cutlass::sizeof_bits<Element>::value;  // 16-byte accesses
     using TileShape = Shape<_128, _256, _64>;
     using ClusterShape = Shape<_1, _1, _1>;
-    using Fusion = cutlass::epilogue::fusion::LinCombPerColBiasEltAct<
-        cutlass::epilogue::thread::GELU, Element, float, Element, Element, float>;
+    using Fusion = cutlass::epilogue::fusion::LinCombPerColBiasEltAct<Gelu, Element, float,
+                                                                      Element, Element, float>;
     using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
         cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
         cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, LayoutD, kAlign,
@@ -73,10 +96,10 @@ enum : int {
     kRunFailed = 4,
 };
 
-template <typename Element>
+template <typename Element, template <class> class Gelu>
 int linear_gelu(const void* x, long long ldx, const void* w, const void* bias, void* y, int m,
                 int n, int k, int sm_count, cudaStream_t stream) {
-    using Gemm = typename LinearGelu<Element>::Gemm;
+    using Gemm = typename LinearGelu<Element, Gelu>::Gemm;
     using StrideA = typename Gemm::GemmKernel::StrideA;
     using StrideB = typename Gemm::GemmKernel::StrideB;
     using StrideC = typename Gemm::GemmKernel::StrideC;
@@ -115,16 +138,28 @@ int linear_gelu(const void* x, long long ldx, const void* w, const void* bias, v
     return kOk;
 }
 
-}  // namespace
-
-extern "C" int fastpath_cutlass_linear_gelu_f16(const void* x, long long ldx, const void* w,
-                                                const void* bias, void* y, int m, int n, int k,
-                                                int sm_count, cudaStream_t stream) {
-    return linear_gelu<cutlass::half_t>(x, ldx, w, bias, y, m, n, k, sm_count, stream);
+// `phi` != 0: the GELU in gelu_phi.cuh's form, else CUTLASS's erf form.
+template <typename Element>
+int linear_gelu_any(int phi, const void* x, long long ldx, const void* w, const void* bias,
+                    void* y, int m, int n, int k, int sm_count, cudaStream_t stream) {
+    if (phi) {
+        return linear_gelu<Element, GeluPhi>(x, ldx, w, bias, y, m, n, k, sm_count, stream);
+    }
+    return linear_gelu<Element, cutlass::epilogue::thread::GELU>(x, ldx, w, bias, y, m, n, k,
+                                                                 sm_count, stream);
 }
 
-extern "C" int fastpath_cutlass_linear_gelu_bf16(const void* x, long long ldx, const void* w,
-                                                 const void* bias, void* y, int m, int n, int k,
-                                                 int sm_count, cudaStream_t stream) {
-    return linear_gelu<cutlass::bfloat16_t>(x, ldx, w, bias, y, m, n, k, sm_count, stream);
+}  // namespace
+
+extern "C" int fastpath_cutlass_linear_gelu_f16(int phi, const void* x, long long ldx,
+                                                const void* w, const void* bias, void* y, int m,
+                                                int n, int k, int sm_count, cudaStream_t stream) {
+    return linear_gelu_any<cutlass::half_t>(phi, x, ldx, w, bias, y, m, n, k, sm_count, stream);
+}
+
+extern "C" int fastpath_cutlass_linear_gelu_bf16(int phi, const void* x, long long ldx,
+                                                 const void* w, const void* bias, void* y, int m,
+                                                 int n, int k, int sm_count, cudaStream_t stream) {
+    return linear_gelu_any<cutlass::bfloat16_t>(phi, x, ldx, w, bias, y, m, n, k, sm_count,
+                                                stream);
 }

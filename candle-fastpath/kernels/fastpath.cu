@@ -1,5 +1,8 @@
-// Exact (erf) GELU applied in place, the activation timm's ViT/DeiT MLP uses:
-//   gelu(x) = 0.5 · x · (1 + erf(x / √2)), computed in f32 for every storage type.
+// Exact GELU applied in place, the activation timm's ViT/DeiT MLP uses, computed in f32 for
+// every storage type, in one of two forms (the host picks the kernel):
+//   fastpath_gelu_erf_*: gelu(x) = 0.5 · x · (1 + erf(x / √2));
+//   fastpath_gelu_phi_*: gelu(x) = x · Φ(x) through the normal tail (gelu_phi.cuh: more accurate
+//   for negative x, and fewer instructions).
 // It runs right after the fc1 cuBLASLt call (bias already added in its epilogue) on the
 // buffer that call wrote; cuBLASLt's own GELU epilogue is the tanh approximation, which would
 // not match timm's nn.GELU().
@@ -10,9 +13,16 @@
 #include <cuda_bf16.h>
 #include <stdint.h>
 
-__device__ __forceinline__ float gelu_erf(float x) {
-    return 0.5f * x * (1.0f + erff(x * 0.70710678118654752f));
-}
+#include "gelu_phi.cuh"
+
+struct GeluErf {
+    __device__ __forceinline__ float operator()(float x) const {
+        return 0.5f * x * (1.0f + erff(x * 0.70710678118654752f));
+    }
+};
+struct GeluPhi {
+    __device__ __forceinline__ float operator()(float x) const { return gelu_phi(x); }
+};
 
 __device__ __forceinline__ float to_f32(float x) { return x; }
 __device__ __forceinline__ float to_f32(__half x) { return __half2float(x); }
@@ -25,8 +35,9 @@ template <> __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(flo
     return __float2bfloat16_rn(x);
 }
 
-template <typename T>
+template <typename Gelu, typename T>
 __device__ void gelu_inplace(T* __restrict__ x, unsigned long long n) {
+    const Gelu gelu;
     constexpr unsigned VEC = 16 / sizeof(T);
     const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
     const unsigned long long tid = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
@@ -38,32 +49,46 @@ __device__ void gelu_inplace(T* __restrict__ x, unsigned long long n) {
             uint4 raw = xv[i];
             T* e = reinterpret_cast<T*>(&raw);
 #pragma unroll
-            for (unsigned j = 0; j < VEC; ++j) e[j] = from_f32<T>(gelu_erf(to_f32(e[j])));
+            for (unsigned j = 0; j < VEC; ++j) e[j] = from_f32<T>(gelu(to_f32(e[j])));
             xv[i] = raw;
         }
         vec_end *= VEC;
     }
     for (unsigned long long i = vec_end + tid; i < n; i += stride) {
-        x[i] = from_f32<T>(gelu_erf(to_f32(x[i])));
+        x[i] = from_f32<T>(gelu(to_f32(x[i])));
     }
 }
 
 extern "C" __global__ void fastpath_gelu_erf_f32(float* x, unsigned long long n) {
-    gelu_inplace(x, n);
+    gelu_inplace<GeluErf>(x, n);
 }
 extern "C" __global__ void fastpath_gelu_erf_f16(__half* x, unsigned long long n) {
-    gelu_inplace(x, n);
+    gelu_inplace<GeluErf>(x, n);
 }
 extern "C" __global__ void fastpath_gelu_erf_bf16(__nv_bfloat16* x, unsigned long long n) {
-    gelu_inplace(x, n);
+    gelu_inplace<GeluErf>(x, n);
+}
+extern "C" __global__ void fastpath_gelu_phi_f32(float* x, unsigned long long n) {
+    gelu_inplace<GeluPhi>(x, n);
+}
+extern "C" __global__ void fastpath_gelu_phi_f16(__half* x, unsigned long long n) {
+    gelu_inplace<GeluPhi>(x, n);
+}
+extern "C" __global__ void fastpath_gelu_phi_bf16(__nv_bfloat16* x, unsigned long long n) {
+    gelu_inplace<GeluPhi>(x, n);
 }
 
 // LayerNorm over the last dim C of `rows` contiguous rows, as torch.nn.LayerNorm computes it:
 //   y = (x - mean) / sqrt(var + eps) · w + b,  var the biased (1/C) variance,
 // statistics in f32 from values held in registers (mean first, then the centred sum of squares:
 // no cancellation from E[x²] - E[x]²). One warp per row, 16-byte vectors; the host guarantees
-// C % (16 / sizeof(T)) == 0, C / (16 / sizeof(T)) <= 32 · LN_MAX_CHUNKS and 16-byte alignment.
-#define LN_MAX_CHUNKS 8
+// C % (16 / sizeof(T)) == 0, C / (16 / sizeof(T)) <= 32 · CHUNKS and 16-byte alignment.
+//
+// CHUNKS (16-byte vectors per lane) is a template parameter with one kernel per size class
+// (1, 2, 4, 8; the host takes the smallest that holds C): the row lives in registers, so the
+// class sets the register count and with it how many rows an SM keeps in flight. With one
+// 8-chunk kernel for every C, DeiT-S's C = 384 (2 chunks per lane in f16) needed 95 registers per
+// thread, ~21 resident warps per SM, too few loads in flight to stream HBM.
 
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
@@ -71,7 +96,7 @@ __device__ __forceinline__ float warp_sum(float v) {
     return v;
 }
 
-template <typename T>
+template <int LN_MAX_CHUNKS, typename T>
 __device__ void layer_norm_rows(const T* __restrict__ x, const T* __restrict__ w,
                                 const T* __restrict__ b, T* __restrict__ y,
                                 unsigned rows, unsigned C, float eps) {
@@ -129,37 +154,91 @@ __device__ void layer_norm_rows(const T* __restrict__ x, const T* __restrict__ w
     }
 }
 
-extern "C" __global__ void fastpath_layer_norm_f32(const float* x, const float* w, const float* b,
+extern "C" __global__ void fastpath_layer_norm_f32_c1(const float* x, const float* w, const float* b,
                                                    float* y, unsigned rows, unsigned C, float eps) {
-    layer_norm_rows(x, w, b, y, rows, C, eps);
+    layer_norm_rows<1>(x, w, b, y, rows, C, eps);
 }
-extern "C" __global__ void fastpath_layer_norm_f16(const __half* x, const __half* w, const __half* b,
+extern "C" __global__ void fastpath_layer_norm_f16_c1(const __half* x, const __half* w, const __half* b,
                                                    __half* y, unsigned rows, unsigned C, float eps) {
-    layer_norm_rows(x, w, b, y, rows, C, eps);
+    layer_norm_rows<1>(x, w, b, y, rows, C, eps);
 }
-extern "C" __global__ void fastpath_layer_norm_bf16(const __nv_bfloat16* x, const __nv_bfloat16* w,
-                                                    const __nv_bfloat16* b, __nv_bfloat16* y,
-                                                    unsigned rows, unsigned C, float eps) {
-    layer_norm_rows(x, w, b, y, rows, C, eps);
+extern "C" __global__ void fastpath_layer_norm_bf16_c1(const __nv_bfloat16* x, const __nv_bfloat16* w, const __nv_bfloat16* b,
+                                                   __nv_bfloat16* y, unsigned rows, unsigned C, float eps) {
+    layer_norm_rows<1>(x, w, b, y, rows, C, eps);
+}
+extern "C" __global__ void fastpath_layer_norm_f32_c2(const float* x, const float* w, const float* b,
+                                                   float* y, unsigned rows, unsigned C, float eps) {
+    layer_norm_rows<2>(x, w, b, y, rows, C, eps);
+}
+extern "C" __global__ void fastpath_layer_norm_f16_c2(const __half* x, const __half* w, const __half* b,
+                                                   __half* y, unsigned rows, unsigned C, float eps) {
+    layer_norm_rows<2>(x, w, b, y, rows, C, eps);
+}
+extern "C" __global__ void fastpath_layer_norm_bf16_c2(const __nv_bfloat16* x, const __nv_bfloat16* w, const __nv_bfloat16* b,
+                                                   __nv_bfloat16* y, unsigned rows, unsigned C, float eps) {
+    layer_norm_rows<2>(x, w, b, y, rows, C, eps);
+}
+extern "C" __global__ void fastpath_layer_norm_f32_c4(const float* x, const float* w, const float* b,
+                                                   float* y, unsigned rows, unsigned C, float eps) {
+    layer_norm_rows<4>(x, w, b, y, rows, C, eps);
+}
+extern "C" __global__ void fastpath_layer_norm_f16_c4(const __half* x, const __half* w, const __half* b,
+                                                   __half* y, unsigned rows, unsigned C, float eps) {
+    layer_norm_rows<4>(x, w, b, y, rows, C, eps);
+}
+extern "C" __global__ void fastpath_layer_norm_bf16_c4(const __nv_bfloat16* x, const __nv_bfloat16* w, const __nv_bfloat16* b,
+                                                   __nv_bfloat16* y, unsigned rows, unsigned C, float eps) {
+    layer_norm_rows<4>(x, w, b, y, rows, C, eps);
+}
+extern "C" __global__ void fastpath_layer_norm_f32_c8(const float* x, const float* w, const float* b,
+                                                   float* y, unsigned rows, unsigned C, float eps) {
+    layer_norm_rows<8>(x, w, b, y, rows, C, eps);
+}
+extern "C" __global__ void fastpath_layer_norm_f16_c8(const __half* x, const __half* w, const __half* b,
+                                                   __half* y, unsigned rows, unsigned C, float eps) {
+    layer_norm_rows<8>(x, w, b, y, rows, C, eps);
+}
+extern "C" __global__ void fastpath_layer_norm_bf16_c8(const __nv_bfloat16* x, const __nv_bfloat16* w, const __nv_bfloat16* b,
+                                                   __nv_bfloat16* y, unsigned rows, unsigned C, float eps) {
+    layer_norm_rows<8>(x, w, b, y, rows, C, eps);
 }
 
 // Non-overlapping patches as matmul rows (im2col for a stride-p, p×p conv), cast on the way:
 //   out[(b·gh + gy)·gw + gx, (c·p + py)·p + px] = pixels[b, c, gy·p + py, gx·p + px]
-// for f32 pixels [B, Cin, H, W] (contiguous). One thread per output element: writes coalesced,
-// reads in runs of p contiguous floats.
+// for f32 pixels [B, Cin, H, W] (contiguous). One thread per run of p contiguous pixels (one
+// patch row of one channel), which is also p contiguous outputs: run r = (patch·Cin + c)·p + py
+// lands at out[r·p ..]. The index arithmetic (64-bit divisions) is paid once per run, not once
+// per element as before (that made the kernel ALU-bound, ~4.6× its bytes' time at batch 256),
+// and with p % 8 == 0 and 16-byte alignment a run moves as float4 loads and 16-byte stores.
 template <typename T>
 __device__ void patchify(const float* __restrict__ px, T* __restrict__ out, unsigned long long n,
                          int cin, int h, int w, int p) {
-    const int gh = h / p, gw = w / p, k = cin * p * p;
-    for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
-         i += (unsigned long long)gridDim.x * blockDim.x) {
-        const unsigned long long row = i / k;
-        const int col = (int)(i % k);
-        const int x0 = col % p, y0 = (col / p) % p, c = col / (p * p);
-        const int gx = (int)(row % gw), gy = (int)((row / gw) % gh);
-        const unsigned long long b = row / ((unsigned long long)gw * gh);
-        const float v = px[((b * cin + c) * h + (gy * p + y0)) * (unsigned long long)w + gx * p + x0];
-        out[i] = from_f32<T>(v);
+    const unsigned long long gh = h / p, gw = w / p;
+    const unsigned long long runs = n / p;
+    const bool vec = p % 8 == 0 && w % 4 == 0 && (reinterpret_cast<uintptr_t>(px) & 15) == 0 &&
+                     (reinterpret_cast<uintptr_t>(out) & 15) == 0;
+    for (unsigned long long r = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; r < runs;
+         r += (unsigned long long)gridDim.x * blockDim.x) {
+        const unsigned long long py = r % p;
+        const unsigned long long q = r / p;  // patch · Cin + c
+        const unsigned long long c = q % cin, patch = q / cin;
+        const unsigned long long gx = patch % gw, gy = (patch / gw) % gh, b = patch / (gw * gh);
+        const float* src = px + ((b * cin + c) * h + gy * p + py) * (unsigned long long)w + gx * p;
+        T* dst = out + r * p;
+        if (vec) {
+            for (int j = 0; j < p; j += 8) {
+                const float4 lo = *reinterpret_cast<const float4*>(src + j);
+                const float4 hi = *reinterpret_cast<const float4*>(src + j + 4);
+                alignas(16) T e[8] = {from_f32<T>(lo.x), from_f32<T>(lo.y), from_f32<T>(lo.z), from_f32<T>(lo.w),
+                          from_f32<T>(hi.x), from_f32<T>(hi.y), from_f32<T>(hi.z), from_f32<T>(hi.w)};
+                const uint4* from = reinterpret_cast<const uint4*>(e);
+                uint4* to = reinterpret_cast<uint4*>(dst + j);
+#pragma unroll
+                for (unsigned v = 0; v < 8 * sizeof(T) / 16; ++v) to[v] = from[v];
+            }
+        } else {
+            for (int j = 0; j < p; ++j) dst[j] = from_f32<T>(src[j]);
+        }
     }
 }
 
@@ -174,6 +253,59 @@ extern "C" __global__ void fastpath_patchify_f16(const float* px, __half* out, u
 extern "C" __global__ void fastpath_patchify_bf16(const float* px, __nv_bfloat16* out, unsigned long long n,
                                                   int cin, int h, int w, int p) {
     patchify(px, out, n, cin, h, w, p);
+}
+
+// The tokens entering a ViT's first block, in one pass:
+//   out[b, i, :] = (i < P ? prefix[i, :] : patches[b, i − P, :]) + pos[i, :]
+// for patches [B, N − P, C], prefix [P, C] (the class / distillation tokens), pos [N, C], all
+// contiguous; out [B, N, C]. The sum is rounded once from f32, as candle's own add does, so the
+// result is bit-for-bit that of cat + broadcast_add (two copies and a strided broadcast kernel
+// before, ~0.5 ms at DeiT-S batch 256). One warp per output row, 16-byte vectors when C and
+// every pointer allow (`vec`), else one element per lane.
+template <typename T>
+__device__ void embed_tokens(const T* __restrict__ patches, const T* __restrict__ prefix,
+                             const T* __restrict__ pos, T* __restrict__ out, unsigned rows,
+                             unsigned n, unsigned p, unsigned C, int vec) {
+    constexpr unsigned VEC = 16 / sizeof(T);
+    const unsigned lane = threadIdx.x % 32;
+    for (unsigned row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; row < rows;
+         row += gridDim.x * (blockDim.x / 32)) {
+        const unsigned i = row % n, b = row / n;
+        const T* src = i < p ? prefix + (size_t)i * C : patches + ((size_t)b * (n - p) + (i - p)) * C;
+        const T* pe = pos + (size_t)i * C;
+        T* dst = out + (size_t)row * C;
+        if (vec) {
+            for (unsigned v = lane; v < C / VEC; v += 32) {
+                uint4 a = reinterpret_cast<const uint4*>(src)[v];
+                const uint4 e = reinterpret_cast<const uint4*>(pe)[v];
+                T* ae = reinterpret_cast<T*>(&a);
+                const T* ee = reinterpret_cast<const T*>(&e);
+#pragma unroll
+                for (unsigned j = 0; j < VEC; ++j) ae[j] = from_f32<T>(to_f32(ae[j]) + to_f32(ee[j]));
+                reinterpret_cast<uint4*>(dst)[v] = a;
+            }
+        } else {
+            for (unsigned c = lane; c < C; c += 32) dst[c] = from_f32<T>(to_f32(src[c]) + to_f32(pe[c]));
+        }
+    }
+}
+
+extern "C" __global__ void fastpath_embed_tokens_f32(const float* patches, const float* prefix,
+                                                     const float* pos, float* out, unsigned rows,
+                                                     unsigned n, unsigned p, unsigned C, int vec) {
+    embed_tokens(patches, prefix, pos, out, rows, n, p, C, vec);
+}
+extern "C" __global__ void fastpath_embed_tokens_f16(const __half* patches, const __half* prefix,
+                                                     const __half* pos, __half* out, unsigned rows,
+                                                     unsigned n, unsigned p, unsigned C, int vec) {
+    embed_tokens(patches, prefix, pos, out, rows, n, p, C, vec);
+}
+extern "C" __global__ void fastpath_embed_tokens_bf16(const __nv_bfloat16* patches,
+                                                      const __nv_bfloat16* prefix,
+                                                      const __nv_bfloat16* pos, __nv_bfloat16* out,
+                                                      unsigned rows, unsigned n, unsigned p,
+                                                      unsigned C, int vec) {
+    embed_tokens(patches, prefix, pos, out, rows, n, p, C, vec);
 }
 
 // The log-probability of one class under a small linear classifier, per row:

@@ -28,20 +28,60 @@ use crate::error::FastpathError;
 
 const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/fastpath.ptx"));
 const MODULE: &str = "candle_fastpath";
-const GELU_NAMES: [&str; 3] = [
+/// Indexed by `dtype_index`, then 3 more for the `phi` form (see `gelu_form`).
+const GELU_NAMES: [&str; 6] = [
     "fastpath_gelu_erf_f32",
     "fastpath_gelu_erf_f16",
     "fastpath_gelu_erf_bf16",
+    "fastpath_gelu_phi_f32",
+    "fastpath_gelu_phi_f16",
+    "fastpath_gelu_phi_bf16",
 ];
-const LN_NAMES: [&str; 3] = [
-    "fastpath_layer_norm_f32",
-    "fastpath_layer_norm_f16",
-    "fastpath_layer_norm_bf16",
+/// Per size class (16-byte chunks per lane: 1, 2, 4, 8), then per `dtype_index`.
+const LN_NAMES: [&str; 12] = [
+    "fastpath_layer_norm_f32_c1",
+    "fastpath_layer_norm_f16_c1",
+    "fastpath_layer_norm_bf16_c1",
+    "fastpath_layer_norm_f32_c2",
+    "fastpath_layer_norm_f16_c2",
+    "fastpath_layer_norm_bf16_c2",
+    "fastpath_layer_norm_f32_c4",
+    "fastpath_layer_norm_f16_c4",
+    "fastpath_layer_norm_bf16_c4",
+    "fastpath_layer_norm_f32_c8",
+    "fastpath_layer_norm_f16_c8",
+    "fastpath_layer_norm_bf16_c8",
 ];
+
+/// Index into [`LN_NAMES`]: the smallest size class whose `32 · chunks` lanes' worth of 16-byte
+/// vectors hold a row of `vectors`; `CANDLE_FASTPATH_LN_CHUNKS=8` takes the largest for every C
+/// (the single kernel of before, for A/B runs).
+fn layer_norm_index(dtype: DType, vectors: usize) -> candle_core::Result<usize> {
+    static FORCE_WIDE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let wide = *FORCE_WIDE.get_or_init(|| {
+        std::env::var("CANDLE_FASTPATH_LN_CHUNKS")
+            .as_deref()
+            .map(str::trim)
+            == Ok("8")
+    });
+    let class = match vectors.div_ceil(32) {
+        _ if wide => 3,
+        0 | 1 => 0,
+        2 => 1,
+        3 | 4 => 2,
+        _ => 3,
+    };
+    Ok(3 * class + dtype_index(dtype)?)
+}
 const PATCH_NAMES: [&str; 3] = [
     "fastpath_patchify_f32",
     "fastpath_patchify_f16",
     "fastpath_patchify_bf16",
+];
+const EMBED_NAMES: [&str; 3] = [
+    "fastpath_embed_tokens_f32",
+    "fastpath_embed_tokens_f16",
+    "fastpath_embed_tokens_bf16",
 ];
 const HEAD_NAMES: [&str; 3] = [
     "fastpath_linear_log_prob_f32",
@@ -108,6 +148,7 @@ struct DeviceState {
     layer_norm: Vec<CudaFunction>,
     patchify: Vec<CudaFunction>,
     head: Vec<CudaFunction>,
+    embed: Vec<CudaFunction>,
     /// Streaming multiprocessors, for the CUTLASS kernel's persistent tile scheduler.
     #[cfg_attr(not(fastpath_cutlass), allow(dead_code))]
     sm_count: usize,
@@ -175,6 +216,7 @@ fn new_state(dev: &CudaDevice) -> candle_core::Result<DeviceState> {
         layer_norm: load(&LN_NAMES)?,
         patchify: load(&PATCH_NAMES)?,
         head: load(&HEAD_NAMES)?,
+        embed: load(&EMBED_NAMES)?,
         sm_count: attribute(CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?.max(1) as usize,
         hopper: (
             attribute(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
@@ -417,6 +459,7 @@ impl LinearOp {
                 let ran = unsafe {
                     linear_gelu(
                         T::DTYPE,
+                        crate::gelu_form::gelu_form(),
                         (x_ptr, w_ptr, *b, d_ptr),
                         (m, n, k, ldx),
                         state.sm_count,
@@ -469,7 +512,13 @@ impl LinearOp {
         }
         if self.gelu {
             let len = (m * n) as u64;
-            let func = &state.gelu[dtype_index(T::DTYPE)?];
+            // f32 outputs keep erff: its ~1-ulp error beats the Φ form's ~2e-6 for x > 0, and
+            // only 16-bit outputs hide that (gelu_form's doc).
+            let form = match (crate::gelu_form::gelu_form(), T::DTYPE) {
+                (crate::gelu_form::GeluForm::Phi, DType::F16 | DType::BF16) => 3,
+                _ => 0,
+            };
+            let func = &state.gelu[dtype_index(T::DTYPE)? + form];
             // 8 elements (16 bytes of f16) per thread per step; a grid of at most 8 waves on
             // 132 SMs covers everything with a grid-stride loop.
             let vecs = (len as usize).div_ceil(8);
@@ -586,7 +635,8 @@ impl LayerNormOp {
         let out = unsafe { dev.alloc::<T>(n)? };
         let func = {
             let mut states = STATE.lock().unwrap_or_else(|e| e.into_inner());
-            device_state(&mut states, dev)?.layer_norm[dtype_index(T::DTYPE)?].clone()
+            device_state(&mut states, dev)?.layer_norm[layer_norm_index(T::DTYPE, c / (16 / size))?]
+                .clone()
         };
         let rows_per_block = 8u32;
         let cfg = LaunchConfig {
@@ -652,6 +702,132 @@ impl candle_core::CustomOp3 for LayerNormOp {
     }
 }
 
+/// [`crate::embed_tokens`] on CUDA: patches `[B, Np, C]`, prefix `[P, C]` (any tensor when
+/// `P = 0`: not read), pos `[P + Np, C]` (contiguous, one dtype; shapes checked by the caller and
+/// again here) → `[B, P + Np, C]`.
+pub(crate) struct EmbedTokensOp {
+    pub prefix: usize,
+}
+
+impl EmbedTokensOp {
+    fn run<T>(
+        &self,
+        (x, lx): (&CudaStorage, &Layout),
+        (pre, lpre): (&CudaStorage, &Layout),
+        (pos, lpos): (&CudaStorage, &Layout),
+    ) -> candle_core::Result<(CudaStorage, Shape)>
+    where
+        T: candle_core::cuda_backend::CudaDType
+            + candle_core::cuda_backend::cudarc::driver::DeviceRepr
+            + candle_core::WithDType,
+    {
+        let dev = &x.device;
+        let (b, np, c) = lx.shape().dims3()?;
+        let p = self.prefix;
+        let n = p + np;
+        if !(lx.is_contiguous() && lpre.is_contiguous() && lpos.is_contiguous())
+            || (p > 0 && lpre.shape().dims() != [p, c])
+            || lpos.shape().dims() != [n, c]
+            || b * n > u32::MAX as usize
+            || c > u32::MAX as usize
+        {
+            candle_core::bail!(
+                "embed_tokens: unsupported layout for the CUDA kernel (patches {:?}, prefix {:?}, \
+                 pos {:?})",
+                lx.shape(),
+                lpre.shape(),
+                lpos.shape()
+            );
+        }
+        let size = std::mem::size_of::<T>();
+        let xs = x.as_cuda_slice::<T>()?.slice(lx.start_offset()..);
+        let ps = pre.as_cuda_slice::<T>()?.slice(lpre.start_offset()..);
+        let es = pos.as_cuda_slice::<T>()?.slice(lpos.start_offset()..);
+        let rows = b * n;
+        // SAFETY: every element is written by the kernel (one warp per row, every column).
+        let out = unsafe { dev.alloc::<T>(rows * c)? };
+        // 16-byte vectors: C a whole number of them and every start 16-byte aligned (an empty
+        // prefix has no start to speak of).
+        let vec = c % (16 / size) == 0
+            && [(lx, true), (lpre, p > 0), (lpos, true)]
+                .iter()
+                .all(|(l, used)| !used || (l.start_offset() * size) % 16 == 0);
+        let func = {
+            let mut states = STATE.lock().unwrap_or_else(|e| e.into_inner());
+            device_state(&mut states, dev)?.embed[dtype_index(T::DTYPE)?].clone()
+        };
+        let rows_per_block = 8usize;
+        let cfg = LaunchConfig {
+            grid_dim: (
+                rows.div_ceil(rows_per_block).clamp(1, 132 * 64) as u32,
+                1,
+                1,
+            ),
+            block_dim: (32 * rows_per_block as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let stream = dev.cuda_stream();
+        let (rows_u, n_u, p_u, c_u, vec_i) =
+            (rows as u32, n as u32, p as u32, c as u32, i32::from(vec));
+        let mut builder = stream.launch_builder(&func);
+        builder.arg(&xs);
+        builder.arg(&ps);
+        builder.arg(&es);
+        builder.arg(&out);
+        builder.arg(&rows_u);
+        builder.arg(&n_u);
+        builder.arg(&p_u);
+        builder.arg(&c_u);
+        builder.arg(&vec_i);
+        // SAFETY: shapes checked above; the kernel reads rows of `patches` (b < B, i − P < Np),
+        // of `prefix` (i < P) and of `pos` (i < N), and writes the `B · N · C` of `out`.
+        unsafe { builder.launch(cfg) }.map_err(candle_core::Error::wrap)?;
+        Ok((
+            CudaStorage::wrap_cuda_slice(out, dev.clone()),
+            Shape::from((b, n, c)),
+        ))
+    }
+}
+
+impl candle_core::CustomOp3 for EmbedTokensOp {
+    fn name(&self) -> &'static str {
+        "fastpath-embed-tokens"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        candle_core::bail!("embed_tokens: the CUDA op was dispatched on a CPU tensor")
+    }
+
+    fn cuda_fwd(
+        &self,
+        x: &CudaStorage,
+        lx: &Layout,
+        pre: &CudaStorage,
+        lpre: &Layout,
+        pos: &CudaStorage,
+        lpos: &Layout,
+    ) -> candle_core::Result<(CudaStorage, Shape)> {
+        match x.dtype() {
+            DType::F32 => self.run::<f32>((x, lx), (pre, lpre), (pos, lpos)),
+            DType::F16 => self.run::<half::f16>((x, lx), (pre, lpre), (pos, lpos)),
+            DType::BF16 => self.run::<half::bf16>((x, lx), (pre, lpre), (pos, lpos)),
+            dtype => Err(FastpathError::UnsupportedDType {
+                op: "embed_tokens",
+                dtype,
+            }
+            .into()),
+        }
+    }
+}
+
 /// [`crate::patchify`] on CUDA: f32 pixels `[B, C, H, W]` (contiguous) → patch rows in `dtype`.
 pub(crate) struct PatchifyOp {
     pub patch: usize,
@@ -682,7 +858,8 @@ impl candle_core::CustomOp1 for PatchifyOp {
             let mut states = STATE.lock().unwrap_or_else(|e| e.into_inner());
             device_state(&mut states, dev)?.patchify[dtype_index(self.dtype)?].clone()
         };
-        let blocks = (n as usize).div_ceil(256).clamp(1, 132 * 32) as u32;
+        // One thread per run of `p` contiguous pixels (see the kernel).
+        let blocks = (rows * c * p).div_ceil(256).clamp(1, 132 * 32) as u32;
         let cfg = LaunchConfig {
             grid_dim: (blocks, 1, 1),
             block_dim: (256, 1, 1),
@@ -692,7 +869,7 @@ impl candle_core::CustomOp1 for PatchifyOp {
         let (ci, hi, wi, pi) = (c as i32, h as i32, w as i32, p as i32);
         macro_rules! run {
             ($t:ty) => {{
-                // SAFETY: the grid-stride loop writes all `n` elements.
+                // SAFETY: the grid-stride loop writes all `n / p` runs of `p` elements.
                 let out = unsafe { dev.alloc::<$t>(n as usize)? };
                 let mut builder = stream.launch_builder(&func);
                 builder.arg(&px);

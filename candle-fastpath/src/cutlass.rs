@@ -20,9 +20,11 @@ use std::sync::OnceLock;
 use candle_core::DType;
 
 use crate::error::FastpathError;
+use crate::gelu_form::GeluForm;
 
 extern "C" {
     fn fastpath_cutlass_linear_gelu_f16(
+        phi: i32,
         x: *const c_void,
         ldx: i64,
         w: *const c_void,
@@ -35,6 +37,7 @@ extern "C" {
         stream: *mut c_void,
     ) -> i32;
     fn fastpath_cutlass_linear_gelu_bf16(
+        phi: i32,
         x: *const c_void,
         ldx: i64,
         w: *const c_void,
@@ -95,7 +98,7 @@ pub(crate) fn takes(
         && [m, n, k].iter().all(|&d| d > 0 && d <= i32::MAX as usize)
 }
 
-/// Runs `y[M, N] = gelu_erf(x[M, K] · W[N, K]ᵀ + b[N])` on `stream`. Pointers are device
+/// Runs `y[M, N] = gelu(x[M, K] · W[N, K]ᵀ + b[N])` on `stream`, the GELU in the given form. Pointers are device
 /// addresses of buffers of the sizes the shapes give (`x` rows `ldx` elements apart). `Ok(false)`:
 /// CUTLASS refused the problem before launching anything (`can_implement`, or it would need a
 /// workspace), so the caller runs it another way.
@@ -105,6 +108,7 @@ pub(crate) fn takes(
 /// for the shapes, and [`takes`] must have accepted the problem.
 pub(crate) unsafe fn linear_gelu(
     dtype: DType,
+    form: GeluForm,
     (x, w, bias, y): (u64, u64, u64, u64),
     (m, n, k, ldx): (usize, usize, usize, usize),
     sm_count: usize,
@@ -121,6 +125,7 @@ pub(crate) unsafe fn linear_gelu(
         }
     };
     let status = f(
+        i32::from(form == GeluForm::Phi),
         x as *const c_void,
         ldx as i64,
         w as *const c_void,

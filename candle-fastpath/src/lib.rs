@@ -11,7 +11,8 @@
 //! - [`linear_log_prob`]: one class's log-probability under a small linear classifier (a learned
 //!   pruner's keep score) as one kernel.
 //! - [`patchify`]: a ViT's patch rows (im2col of the stride-p patch conv) gathered and cast in
-//!   one kernel.
+//!   one kernel; [`embed_tokens`]: class / distillation tokens, patch tokens and the position
+//!   embedding into the first block's input in one kernel.
 //! - [`retain_freed_memory`] and [`PeakMemory`]: the CUDA memory pool candle allocates from,
 //!   kept cached across synchronisations, and its high-water mark; [`track_buffer_events`]:
 //!   cudarc's per-buffer events, which a single-stream program can skip.
@@ -40,7 +41,10 @@
 mod cuda;
 #[cfg(all(feature = "cuda", fastpath_cutlass))]
 mod cutlass;
+mod embed;
 mod error;
+#[cfg(feature = "cuda")]
+mod gelu_form;
 #[cfg(feature = "cuda")]
 mod graph;
 #[cfg(not(feature = "cuda"))]
@@ -52,6 +56,7 @@ mod norm;
 mod patch;
 mod pool;
 
+pub use embed::embed_tokens;
 pub use error::{FastpathError, Result};
 pub use graph::CapturedForward;
 pub use head::{linear_log_prob, HEAD_MAX_CLASSES};

@@ -1,5 +1,6 @@
 //! patchify against an independent host loop over the conv's index map: f32/f16/bf16 output,
-//! 1-4 channels, square and non-square images, patch sizes 1, 4, 16; output memory poisoned.
+//! 1-4 channels, square and non-square images, patch sizes 1, 4, 8, 16 (8 and 16 take the CUDA
+//! kernel's vector path); output memory poisoned.
 
 mod common;
 
@@ -16,6 +17,8 @@ fn matches_the_conv_index_map() {
             (1, 1, 4, 4, 1),
             (3, 4, 8, 12, 4),
             (2, 3, 224, 224, 16),
+            (1, 3, 16, 24, 8),
+            (2, 1, 24, 40, 8),
         ] {
             let n = b * c * h * w;
             let px: Vec<f32> = (0..n)

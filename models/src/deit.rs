@@ -295,13 +295,18 @@ impl DeiT {
     pub fn embed(&self, pixels: &Tensor) -> Result<Tensor> {
         // The patch embedding casts while it gathers (f32 pixels, the preprocessing's output).
         let patches = self.patch_embed.forward(pixels)?;
-        let (b, _, c) = patches.dims3()?;
-        let mut parts = vec![self.cls_token.expand((b, 1, c))?];
-        if let Some(dist) = &self.dist_token {
-            parts.push(dist.expand((b, 1, c))?);
-        }
-        parts.push(patches);
-        Tensor::cat(&parts, 1)?.broadcast_add(&self.pos_embed)
+        let c = patches.dim(2)?;
+        let cls = self.cls_token.reshape((1, c))?;
+        let prefix = match &self.dist_token {
+            None => cls,
+            Some(dist) => Tensor::cat(&[&cls, &dist.reshape((1, c))?], 0)?,
+        };
+        // One kernel on CUDA: prefix and patch rows plus pos_embed, written once.
+        Ok(candle_fastpath::embed_tokens(
+            &patches,
+            Some(&prefix),
+            &self.pos_embed,
+        )?)
     }
 
     /// Tokens after all blocks and the final norm: `[B, N, C]`.

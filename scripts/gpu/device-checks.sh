@@ -22,18 +22,22 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
 for stage in $stages; do
   case $stage in
   tests)
-    for t in "$bin"/test-attention "$bin"/test-pack "$bin"/test-select "$bin"/test-select_rule "$bin"/test-sequence_mean "$bin"/test-linear "$bin"/test-head "$bin"/test-norm "$bin"/test-patch "$bin"/test-graph; do
+    for t in "$bin"/test-attention "$bin"/test-pack "$bin"/test-select "$bin"/test-select_rule "$bin"/test-sequence_mean "$bin"/test-linear "$bin"/test-head "$bin"/test-norm "$bin"/test-patch "$bin"/test-embed "$bin"/test-graph; do
       if "$t" --test-threads=1 >> "$out/tests.log" 2>&1; then note "PASS $(basename "$t")"; else note "FAIL $(basename "$t")"; status=1; fi
     done
     # The CUTLASS fc1 takes only large problems by default: run the Linear tests again with every
     # eligible fc1 sent through it (a build without CUTLASS runs the same cuBLASLt path twice).
     if CANDLE_FASTPATH_CUTLASS=1 "$bin"/test-linear --test-threads=1 >> "$out/tests.log" 2>&1; then
       note "PASS test-linear (CANDLE_FASTPATH_CUTLASS=1)"; else note "FAIL test-linear (CANDLE_FASTPATH_CUTLASS=1)"; status=1; fi
+    # And with the GELU in its x·Φ(x) form (CANDLE_FASTPATH_GELU=phi), in both GELU paths.
+    if CANDLE_FASTPATH_GELU=phi CANDLE_FASTPATH_CUTLASS=1 "$bin"/test-linear --test-threads=1 >> "$out/tests.log" 2>&1 \
+        && CANDLE_FASTPATH_GELU=phi CANDLE_FASTPATH_CUTLASS=0 "$bin"/test-linear --test-threads=1 >> "$out/tests.log" 2>&1; then
+      note "PASS test-linear (CANDLE_FASTPATH_GELU=phi)"; else note "FAIL test-linear (CANDLE_FASTPATH_GELU=phi)"; status=1; fi
     grep -E "test result|FAILED|panicked" "$out/tests.log" | tail -20
     ;;
   sanitizer)
     # memcheck over every GPU test; racecheck (much slower) over the kernels' shapes that matter.
-    for t in "$bin"/test-attention "$bin"/test-pack "$bin"/test-select "$bin"/test-select_rule "$bin"/test-sequence_mean "$bin"/test-linear "$bin"/test-head "$bin"/test-norm "$bin"/test-patch; do
+    for t in "$bin"/test-attention "$bin"/test-pack "$bin"/test-select "$bin"/test-select_rule "$bin"/test-sequence_mean "$bin"/test-linear "$bin"/test-head "$bin"/test-norm "$bin"/test-patch "$bin"/test-embed; do
       [[ -x $t ]] || continue
       if compute-sanitizer --tool memcheck --error-exitcode 9 "$t" --test-threads=1 >> "$out/sanitizer.log" 2>&1; then
         note "memcheck clean $(basename "$t")"; else note "memcheck FAIL $(basename "$t")"; status=1; fi
