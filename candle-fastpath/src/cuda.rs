@@ -58,12 +58,8 @@ const LN_NAMES: [&str; 12] = [
 /// (the single kernel of before, for A/B runs).
 fn layer_norm_index(dtype: DType, vectors: usize) -> candle_core::Result<usize> {
     static FORCE_WIDE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    let wide = *FORCE_WIDE.get_or_init(|| {
-        std::env::var("CANDLE_FASTPATH_LN_CHUNKS")
-            .as_deref()
-            .map(str::trim)
-            == Ok("8")
-    });
+    let wide =
+        crate::switches::read_once(&FORCE_WIDE, "CANDLE_FASTPATH_LN_CHUNKS", |v| v == Some("8"));
     let class = match vectors.div_ceil(32) {
         _ if wide => 3,
         0 | 1 => 0,

@@ -64,15 +64,10 @@ enum Policy {
 
 fn policy() -> Policy {
     static POLICY: OnceLock<Policy> = OnceLock::new();
-    *POLICY.get_or_init(|| {
-        match std::env::var("CANDLE_FASTPATH_CUTLASS")
-            .as_deref()
-            .map(str::trim)
-        {
-            Ok("0") => Policy::Never,
-            Ok("1") => Policy::Always,
-            _ => Policy::Large,
-        }
+    crate::switches::read_once(&POLICY, "CANDLE_FASTPATH_CUTLASS", |v| match v {
+        Some("0") => Policy::Never,
+        Some("1") => Policy::Always,
+        _ => Policy::Large,
     })
 }
 

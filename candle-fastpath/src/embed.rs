@@ -107,5 +107,5 @@ pub fn embed_tokens(patches: &Tensor, prefix: Option<&Tensor>, pos: &Tensor) -> 
 #[cfg(feature = "cuda")]
 fn candle_ops_forced() -> bool {
     static OPS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *OPS.get_or_init(|| std::env::var("CANDLE_FASTPATH_EMBED").as_deref() == Ok("ops"))
+    crate::switches::read_once(&OPS, "CANDLE_FASTPATH_EMBED", |v| v == Some("ops"))
 }

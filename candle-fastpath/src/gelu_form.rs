@@ -1,13 +1,15 @@
 //! Which of the two exact-GELU formulas the CUDA kernels evaluate, from `CANDLE_FASTPATH_GELU`
 //! (read once per process):
-//! - `erf` (the default): `0.5·x·(1 + erf(x/√2))` with CUDA's `erff`, as before;
-//! - `phi`: `x·Φ(x)` through the normal tail (`kernels/gelu_phi.cuh`), fewer instructions and
-//!   more accurate for negative x (`tests/gelu_phi.rs` checks every f16 and bf16 input).
+//! - `phi` (the default, lever 19): `x·Φ(x)` through the normal tail (`kernels/gelu_phi.cuh`),
+//!   fewer instructions and more accurate for negative x (`tests/gelu_phi.rs` checks every f16
+//!   and bf16 input);
+//! - `erf`: `0.5·x·(1 + erf(x/√2))` with CUDA's `erff`, the form before (for A/B runs).
 //!
 //! It applies to f16 / bf16 outputs: the GELU kernel after cuBLASLt's fc1 and the CUTLASS fc1's
 //! epilogue. f32 outputs keep `erff` (relative error ~1e-7 for x > 0, where the Φ form's ~2e-6
 //! would show in f32 but not in a 16-bit result). The CPU path always uses candle's `gelu_erf`.
 
+use crate::switches::read_once;
 use std::sync::OnceLock;
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -18,13 +20,8 @@ pub(crate) enum GeluForm {
 
 pub(crate) fn gelu_form() -> GeluForm {
     static FORM: OnceLock<GeluForm> = OnceLock::new();
-    *FORM.get_or_init(|| {
-        match std::env::var("CANDLE_FASTPATH_GELU")
-            .as_deref()
-            .map(str::trim)
-        {
-            Ok("phi") => GeluForm::Phi,
-            _ => GeluForm::Erf,
-        }
+    read_once(&FORM, "CANDLE_FASTPATH_GELU", |v| match v {
+        Some("erf") => GeluForm::Erf,
+        _ => GeluForm::Phi,
     })
 }

@@ -55,6 +55,9 @@ mod linear;
 mod norm;
 mod patch;
 mod pool;
+// Read only by CUDA code; compiled everywhere so its unit test runs in CI.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+mod switches;
 
 pub use embed::embed_tokens;
 pub use error::{FastpathError, Result};
