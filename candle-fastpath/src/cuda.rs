@@ -854,8 +854,9 @@ impl candle_core::CustomOp1 for PatchifyOp {
             let mut states = STATE.lock().unwrap_or_else(|e| e.into_inner());
             device_state(&mut states, dev)?.patchify[dtype_index(self.dtype)?].clone()
         };
-        // One thread per run of `p` contiguous pixels (see the kernel).
-        let blocks = (rows * c * p).div_ceil(256).clamp(1, 132 * 32) as u32;
+        // One thread per 4 pixels (or per pixel when the rows are not 16-byte vectors; see the
+        // kernel), grid-stride beyond 16 blocks of 256 per SM.
+        let blocks = (n as usize).div_ceil(4 * 256).clamp(1, 132 * 16) as u32;
         let cfg = LaunchConfig {
             grid_dim: (blocks, 1, 1),
             block_dim: (256, 1, 1),
@@ -865,7 +866,7 @@ impl candle_core::CustomOp1 for PatchifyOp {
         let (ci, hi, wi, pi) = (c as i32, h as i32, w as i32, p as i32);
         macro_rules! run {
             ($t:ty) => {{
-                // SAFETY: the grid-stride loop writes all `n / p` runs of `p` elements.
+                // SAFETY: the grid-stride loop writes every one of the `n` outputs (one per pixel).
                 let out = unsafe { dev.alloc::<$t>(n as usize)? };
                 let mut builder = stream.launch_builder(&func);
                 builder.arg(&px);

@@ -1,6 +1,7 @@
 //! patchify against an independent host loop over the conv's index map: f32/f16/bf16 output,
-//! 1-4 channels, square and non-square images, patch sizes 1, 4, 8, 16 (8 and 16 take the CUDA
-//! kernel's vector path); output memory poisoned.
+//! 1-4 channels, square and non-square images, patch sizes 1, 2, 4, 6, 8, 16 (4, 8 and 16 with
+//! widths divisible by 4 take the CUDA kernel's 4-pixel path, 1, 2 and 6 its per-pixel one);
+//! output memory poisoned.
 
 mod common;
 
@@ -19,6 +20,8 @@ fn matches_the_conv_index_map() {
             (2, 3, 224, 224, 16),
             (1, 3, 16, 24, 8),
             (2, 1, 24, 40, 8),
+            (2, 3, 6, 10, 2),
+            (1, 2, 12, 12, 6),
         ] {
             let n = b * c * h * w;
             let px: Vec<f32> = (0..n)
