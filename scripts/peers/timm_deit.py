@@ -3,10 +3,11 @@
 
 Modes (JSON "path"): torch-eager; torch-cudagraph (eager forward captured once in a CUDA graph and
 replayed); torch-compile-ro (torch.compile mode="reduce-overhead"); torch-compile-max
-(mode="max-autotune", only with --max-autotune, it compiles for minutes). Random weights, f16,
+(mode="max-autotune", with --compile max or --max-autotune; it compiles for minutes). Random weights, f16,
 inference mode, input already on the GPU; per batch: warm-up, then the median of --reps timed
 forwards, each synchronised (the same rule as our `bench`). Compilation stops once --budget-s is
-spent, so the script fits in one device call; rows that were skipped are listed in "skipped".
+spent, so the script fits in one device call; rows that were skipped are listed in "skipped". The
+JSON is rewritten after every row, so a run stopped by a time limit keeps what it measured.
 
 usage: python3 scripts/peers/timm_deit.py --out peers.json [--batch 1,8,64,256] [--budget-s 300]
 Rows use the format of docs/benchmarks/h100-e2e.json (pruner "none", mode "none").
@@ -35,6 +36,12 @@ def timed(fn, reps, warmup=5):
     return statistics.median(times)
 
 
+def save(args, rows, skipped):
+    json.dump({"gpu": torch.cuda.get_device_name(0),
+               "command": "python3 scripts/peers/timm_deit.py " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()),
+               "torch": torch.__version__, "timm": timm.__version__, "rows": rows, "skipped": skipped}, open(args.out, "w"), indent=1)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -43,6 +50,7 @@ def main():
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--budget-s", type=float, default=300.0, help="stop compiling once this much time is spent")
     ap.add_argument("--max-autotune", action="store_true")
+    ap.add_argument("--compile", default="ro", help="compile modes to run: ro, max, or ro,max (--max-autotune adds max)")
     args = ap.parse_args()
     start = time.time()
     torch.manual_seed(0)
@@ -54,6 +62,7 @@ def main():
         r = {"model": model, "pruner": "none", "mode": "none", "path": path, "batch": b, "dtype": "f16",
              "img_s": b / sec, "latency_ms": sec * 1e3, "mean_kept_tokens": 197.0}
         rows.append(r)
+        save(args, rows, skipped)  # after every row, so a run cut short by a time limit keeps its rows
         print(f"{model:10} {path:17} b={b:<4} {r['img_s']:10.1f} img/s {r['latency_ms']:9.3f} ms", flush=True)
 
     for model in args.models.split(","):
@@ -75,7 +84,8 @@ def main():
                     m(static_x)
                 row(model, "torch-cudagraph", b, timed(g.replay, args.reps))
                 del g
-        modes = [("torch-compile-ro", "reduce-overhead")] + ([("torch-compile-max", "max-autotune")] if args.max_autotune else [])
+        wanted = set(args.compile.split(",")) | ({"max"} if args.max_autotune else set())
+        modes = [(p, m) for key, p, m in (("ro", "torch-compile-ro", "reduce-overhead"), ("max", "torch-compile-max", "max-autotune")) if key in wanted]
         for path, mode in modes:
             torch._dynamo.reset()
             cm = torch.compile(m, mode=mode, dynamic=False)
@@ -86,9 +96,7 @@ def main():
                 x = torch.randn(b, 3, 224, 224, device="cuda", dtype=torch.half)
                 with torch.inference_mode():
                     row(model, path, b, timed(lambda: cm(x), args.reps, warmup=5))
-    gpu = torch.cuda.get_device_name(0)
-    json.dump({"gpu": gpu, "command": "python3 scripts/peers/timm_deit.py " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()),
-               "torch": torch.__version__, "timm": timm.__version__, "rows": rows, "skipped": skipped}, open(args.out, "w"), indent=1)
+    save(args, rows, skipped)
     print(f"wrote {len(rows)} rows to {args.out}; skipped {len(skipped)}")
 
 
