@@ -211,7 +211,7 @@ extern "C" __global__ void fastpath_layer_norm_bf16_c8(const __nv_bfloat16* x, c
 // land as p·sizeof(T)-byte runs (4 threads per run of 16), whole sectors both ways. The previous
 // mapping (one thread per run, in output order) had a warp's loads 32 image rows apart, 16 bytes
 // of each 32-byte sector per instruction: 204 µs at DeiT's batch 256 against a 77 µs floor.
-// Index arithmetic is 32-bit when the vector count fits (one divide chain per V pixels).
+// Index arithmetic is 32-bit when the element count fits (one divide chain per V pixels).
 template <typename T, typename I, int V>
 __device__ void patchify_walk(const float* __restrict__ px, T* __restrict__ out, I items, I cin, I h,
                               I w, I p) {
@@ -244,7 +244,9 @@ __device__ void patchify(const float* __restrict__ px, T* __restrict__ out, unsi
     const bool vec = p % 4 == 0 && w % 4 == 0 && (reinterpret_cast<uintptr_t>(px) & 15) == 0 &&
                      (reinterpret_cast<uintptr_t>(out) & (4 * sizeof(T) - 1)) == 0;
     const unsigned long long items = vec ? n / 4 : n;
-    if (items <= 0xffffffffull) {
+    // 32-bit indices while every element offset (up to n) and every grid-stride step stay under
+    // 2^32: n < 2^31 (the stride, at most a few million threads, cannot wrap past it).
+    if (n < (1ull << 31)) {
         if (vec) patchify_walk<T, unsigned, 4>(px, out, (unsigned)items, cin, h, w, p);
         else patchify_walk<T, unsigned, 1>(px, out, (unsigned)items, cin, h, w, p);
     } else {
