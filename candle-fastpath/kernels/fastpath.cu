@@ -59,24 +59,17 @@ __device__ void gelu_inplace(T* __restrict__ x, unsigned long long n) {
     }
 }
 
-extern "C" __global__ void fastpath_gelu_erf_f32(float* x, unsigned long long n) {
-    gelu_inplace<GeluErf>(x, n);
-}
-extern "C" __global__ void fastpath_gelu_erf_f16(__half* x, unsigned long long n) {
-    gelu_inplace<GeluErf>(x, n);
-}
-extern "C" __global__ void fastpath_gelu_erf_bf16(__nv_bfloat16* x, unsigned long long n) {
-    gelu_inplace<GeluErf>(x, n);
-}
-extern "C" __global__ void fastpath_gelu_phi_f32(float* x, unsigned long long n) {
-    gelu_inplace<GeluPhi>(x, n);
-}
-extern "C" __global__ void fastpath_gelu_phi_f16(__half* x, unsigned long long n) {
-    gelu_inplace<GeluPhi>(x, n);
-}
-extern "C" __global__ void fastpath_gelu_phi_bf16(__nv_bfloat16* x, unsigned long long n) {
-    gelu_inplace<GeluPhi>(x, n);
-}
+// One entry per form and storage type, named as the Rust side's GELU_NAMES table expects.
+#define GELU_ENTRY(FORM, Functor, SUFFIX, T)                                                    \
+    extern "C" __global__ void fastpath_gelu_##FORM##_##SUFFIX(T* x, unsigned long long n) {    \
+        gelu_inplace<Functor>(x, n);                                                            \
+    }
+GELU_ENTRY(erf, GeluErf, f32, float)
+GELU_ENTRY(erf, GeluErf, f16, __half)
+GELU_ENTRY(erf, GeluErf, bf16, __nv_bfloat16)
+GELU_ENTRY(phi, GeluPhi, f32, float)
+GELU_ENTRY(phi, GeluPhi, f16, __half)
+GELU_ENTRY(phi, GeluPhi, bf16, __nv_bfloat16)
 
 // LayerNorm over the last dim C of `rows` contiguous rows, as torch.nn.LayerNorm computes it:
 //   y = (x - mean) / sqrt(var + eps) · w + b,  var the biased (1/C) variance,
@@ -154,54 +147,20 @@ __device__ void layer_norm_rows(const T* __restrict__ x, const T* __restrict__ w
     }
 }
 
-extern "C" __global__ void fastpath_layer_norm_f32_c1(const float* x, const float* w, const float* b,
-                                                   float* y, unsigned rows, unsigned C, float eps) {
-    layer_norm_rows<1>(x, w, b, y, rows, C, eps);
-}
-extern "C" __global__ void fastpath_layer_norm_f16_c1(const __half* x, const __half* w, const __half* b,
-                                                   __half* y, unsigned rows, unsigned C, float eps) {
-    layer_norm_rows<1>(x, w, b, y, rows, C, eps);
-}
-extern "C" __global__ void fastpath_layer_norm_bf16_c1(const __nv_bfloat16* x, const __nv_bfloat16* w, const __nv_bfloat16* b,
-                                                   __nv_bfloat16* y, unsigned rows, unsigned C, float eps) {
-    layer_norm_rows<1>(x, w, b, y, rows, C, eps);
-}
-extern "C" __global__ void fastpath_layer_norm_f32_c2(const float* x, const float* w, const float* b,
-                                                   float* y, unsigned rows, unsigned C, float eps) {
-    layer_norm_rows<2>(x, w, b, y, rows, C, eps);
-}
-extern "C" __global__ void fastpath_layer_norm_f16_c2(const __half* x, const __half* w, const __half* b,
-                                                   __half* y, unsigned rows, unsigned C, float eps) {
-    layer_norm_rows<2>(x, w, b, y, rows, C, eps);
-}
-extern "C" __global__ void fastpath_layer_norm_bf16_c2(const __nv_bfloat16* x, const __nv_bfloat16* w, const __nv_bfloat16* b,
-                                                   __nv_bfloat16* y, unsigned rows, unsigned C, float eps) {
-    layer_norm_rows<2>(x, w, b, y, rows, C, eps);
-}
-extern "C" __global__ void fastpath_layer_norm_f32_c4(const float* x, const float* w, const float* b,
-                                                   float* y, unsigned rows, unsigned C, float eps) {
-    layer_norm_rows<4>(x, w, b, y, rows, C, eps);
-}
-extern "C" __global__ void fastpath_layer_norm_f16_c4(const __half* x, const __half* w, const __half* b,
-                                                   __half* y, unsigned rows, unsigned C, float eps) {
-    layer_norm_rows<4>(x, w, b, y, rows, C, eps);
-}
-extern "C" __global__ void fastpath_layer_norm_bf16_c4(const __nv_bfloat16* x, const __nv_bfloat16* w, const __nv_bfloat16* b,
-                                                   __nv_bfloat16* y, unsigned rows, unsigned C, float eps) {
-    layer_norm_rows<4>(x, w, b, y, rows, C, eps);
-}
-extern "C" __global__ void fastpath_layer_norm_f32_c8(const float* x, const float* w, const float* b,
-                                                   float* y, unsigned rows, unsigned C, float eps) {
-    layer_norm_rows<8>(x, w, b, y, rows, C, eps);
-}
-extern "C" __global__ void fastpath_layer_norm_f16_c8(const __half* x, const __half* w, const __half* b,
-                                                   __half* y, unsigned rows, unsigned C, float eps) {
-    layer_norm_rows<8>(x, w, b, y, rows, C, eps);
-}
-extern "C" __global__ void fastpath_layer_norm_bf16_c8(const __nv_bfloat16* x, const __nv_bfloat16* w, const __nv_bfloat16* b,
-                                                   __nv_bfloat16* y, unsigned rows, unsigned C, float eps) {
-    layer_norm_rows<8>(x, w, b, y, rows, C, eps);
-}
+// One entry per size class and storage type, named as the Rust side's LN_NAMES table expects.
+#define LAYER_NORM_ENTRY(CHUNKS, SUFFIX, T)                                                     \
+    extern "C" __global__ void fastpath_layer_norm_##SUFFIX##_c##CHUNKS(                          \
+        const T* x, const T* w, const T* b, T* y, unsigned rows, unsigned C, float eps) {         \
+        layer_norm_rows<CHUNKS>(x, w, b, y, rows, C, eps);                                        \
+    }
+#define LAYER_NORM_ENTRIES(CHUNKS)                                                              \
+    LAYER_NORM_ENTRY(CHUNKS, f32, float)                                                        \
+    LAYER_NORM_ENTRY(CHUNKS, f16, __half)                                                       \
+    LAYER_NORM_ENTRY(CHUNKS, bf16, __nv_bfloat16)
+LAYER_NORM_ENTRIES(1)
+LAYER_NORM_ENTRIES(2)
+LAYER_NORM_ENTRIES(4)
+LAYER_NORM_ENTRIES(8)
 
 // Non-overlapping patches as matmul rows (im2col for a stride-p, p×p conv), cast on the way:
 //   out[(b·gh + gy)·gw + gx, (c·p + py)·p + px] = pixels[b, c, gy·p + py, gx·p + px]
