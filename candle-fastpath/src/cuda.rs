@@ -587,6 +587,51 @@ pub(crate) fn layer_norm_supported(x: &Tensor, w: &Tensor, b: &Tensor) -> bool {
             .all(|t| t.is_contiguous() && (t.layout().start_offset() * size) % 16 == 0)
 }
 
+/// `CustomOp3` for an op that only exists on CUDA: `cpu_fwd` refuses (the public function runs
+/// candle ops there instead), `cuda_fwd` dispatches on the first operand's dtype to the op's
+/// `run::<T>((storage, layout) × 3)` for f32 / f16 / bf16.
+macro_rules! cuda_only_op3 {
+    ($op:ty, $name:literal, $what:literal) => {
+        impl candle_core::CustomOp3 for $op {
+            fn name(&self) -> &'static str {
+                $name
+            }
+
+            fn cpu_fwd(
+                &self,
+                _: &CpuStorage,
+                _: &Layout,
+                _: &CpuStorage,
+                _: &Layout,
+                _: &CpuStorage,
+                _: &Layout,
+            ) -> candle_core::Result<(CpuStorage, Shape)> {
+                candle_core::bail!(concat!(
+                    $what,
+                    ": the CUDA op was dispatched on a CPU tensor"
+                ))
+            }
+
+            fn cuda_fwd(
+                &self,
+                a: &CudaStorage,
+                la: &Layout,
+                b: &CudaStorage,
+                lb: &Layout,
+                c: &CudaStorage,
+                lc: &Layout,
+            ) -> candle_core::Result<(CudaStorage, Shape)> {
+                match a.dtype() {
+                    DType::F32 => self.run::<f32>((a, la), (b, lb), (c, lc)),
+                    DType::F16 => self.run::<half::f16>((a, la), (b, lb), (c, lc)),
+                    DType::BF16 => self.run::<half::bf16>((a, la), (b, lb), (c, lc)),
+                    dtype => Err(FastpathError::UnsupportedDType { op: $what, dtype }.into()),
+                }
+            }
+        }
+    };
+}
+
 /// `(x [.., C], weight [C], bias [C])` → LayerNorm of `x`; eligibility checked by
 /// [`layer_norm_supported`] (and again here, cheaply, so a direct use cannot misread memory).
 pub(crate) struct LayerNormOp {
@@ -659,44 +704,7 @@ impl LayerNormOp {
     }
 }
 
-impl candle_core::CustomOp3 for LayerNormOp {
-    fn name(&self) -> &'static str {
-        "fastpath-layer-norm"
-    }
-
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        candle_core::bail!("layer_norm: the CUDA op was dispatched on a CPU tensor")
-    }
-
-    fn cuda_fwd(
-        &self,
-        x: &CudaStorage,
-        lx: &Layout,
-        w: &CudaStorage,
-        lw: &Layout,
-        b: &CudaStorage,
-        lb: &Layout,
-    ) -> candle_core::Result<(CudaStorage, Shape)> {
-        match x.dtype() {
-            DType::F32 => self.run::<f32>((x, lx), (w, lw), (b, lb)),
-            DType::F16 => self.run::<half::f16>((x, lx), (w, lw), (b, lb)),
-            DType::BF16 => self.run::<half::bf16>((x, lx), (w, lw), (b, lb)),
-            dtype => Err(FastpathError::UnsupportedDType {
-                op: "layer_norm",
-                dtype,
-            }
-            .into()),
-        }
-    }
-}
+cuda_only_op3!(LayerNormOp, "fastpath-layer-norm", "layer_norm");
 
 /// [`crate::embed_tokens`] on CUDA: patches `[B, Np, C]`, prefix `[P, C]` (any tensor when
 /// `P = 0`: not read), pos `[P + Np, C]` (contiguous, one dtype; shapes checked by the caller and
@@ -785,44 +793,7 @@ impl EmbedTokensOp {
     }
 }
 
-impl candle_core::CustomOp3 for EmbedTokensOp {
-    fn name(&self) -> &'static str {
-        "fastpath-embed-tokens"
-    }
-
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        candle_core::bail!("embed_tokens: the CUDA op was dispatched on a CPU tensor")
-    }
-
-    fn cuda_fwd(
-        &self,
-        x: &CudaStorage,
-        lx: &Layout,
-        pre: &CudaStorage,
-        lpre: &Layout,
-        pos: &CudaStorage,
-        lpos: &Layout,
-    ) -> candle_core::Result<(CudaStorage, Shape)> {
-        match x.dtype() {
-            DType::F32 => self.run::<f32>((x, lx), (pre, lpre), (pos, lpos)),
-            DType::F16 => self.run::<half::f16>((x, lx), (pre, lpre), (pos, lpos)),
-            DType::BF16 => self.run::<half::bf16>((x, lx), (pre, lpre), (pos, lpos)),
-            dtype => Err(FastpathError::UnsupportedDType {
-                op: "embed_tokens",
-                dtype,
-            }
-            .into()),
-        }
-    }
-}
+cuda_only_op3!(EmbedTokensOp, "fastpath-embed-tokens", "embed_tokens");
 
 /// [`crate::patchify`] on CUDA: f32 pixels `[B, C, H, W]` (contiguous) → patch rows in `dtype`.
 pub(crate) struct PatchifyOp {
