@@ -8,17 +8,8 @@ mod common;
 
 use candle_core::{DType, Device, Tensor};
 use candle_fastpath::{embed_tokens, FastpathError};
-use common::{device, poison, quantize, randn};
+use common::{device, host, poison, quantize, randn};
 use rand::{rngs::StdRng, SeedableRng};
-
-fn to_vec(t: &Tensor) -> Vec<f32> {
-    t.to_dtype(DType::F32)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1()
-        .unwrap()
-}
 
 #[test]
 fn rows_are_prefix_or_patch_plus_pos_rounded_once() {
@@ -47,7 +38,7 @@ fn rows_are_prefix_or_patch_plus_pos_rounded_once() {
                 .unwrap();
                 assert_eq!(out.dims(), &[b, n, c]);
                 assert_eq!(out.dtype(), dtype);
-                let got = to_vec(&out);
+                let got = host(&out);
                 let mut want = Vec::with_capacity(b * n * c);
                 for bi in 0..b {
                     for i in 0..n {
@@ -77,7 +68,7 @@ fn rows_are_prefix_or_patch_plus_pos_rounded_once() {
                         let pre = t(&prefix, &[1, p, c]).expand((b, p, c)).unwrap();
                         Tensor::cat(&[&pre, &pt], 1).unwrap()
                     };
-                    to_vec(&tokens.broadcast_add(&t(&pos, &[1, n, c])).unwrap())
+                    host(&tokens.broadcast_add(&t(&pos, &[1, n, c])).unwrap())
                 };
                 assert!(got
                     .iter()

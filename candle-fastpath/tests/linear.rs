@@ -7,7 +7,7 @@ mod common;
 
 use candle_core::{DType, Device, Tensor};
 use candle_fastpath::{Epilogue, FastpathError, FusedLinear};
-use common::{device, poison, quantize, randn};
+use common::{device, host, poison, quantize, randn};
 use rand::{rngs::StdRng, SeedableRng};
 
 fn gelu(x: f64) -> f64 {
@@ -62,15 +62,7 @@ fn check(
         Kind::Residual => Epilogue::Residual(&res),
         Kind::ResidualGelu => Epilogue::ResidualGelu(&res),
     };
-    let got = layer
-        .forward_with(&x, epilogue)
-        .unwrap()
-        .to_dtype(DType::F32)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1::<f32>()
-        .unwrap();
+    let got = host(&layer.forward_with(&x, epilogue).unwrap());
     assert_eq!(got.len(), m * n);
     // The CPU path rounds the product, the biased sum and the residual sum to `dtype` in turn,
     // the CUDA path once: allow a few roundings of the largest term.

@@ -6,7 +6,7 @@ mod common;
 
 use candle_core::{DType, Device, Module, Tensor};
 use candle_fastpath::LayerNorm;
-use common::{device, poison, quantize};
+use common::{device, host, poison, quantize};
 use rand::{rngs::StdRng, Rng, SeedableRng};
 
 fn check(dev: &Device, rng: &mut StdRng, dtype: DType, rows: usize, c: usize, lead: usize) {
@@ -45,15 +45,7 @@ fn check(dev: &Device, rng: &mut StdRng, dtype: DType, rows: usize, c: usize, le
         .reshape((rows, c))
         .unwrap();
     poison(dev, rows * c, dtype);
-    let got: Vec<f32> = ln
-        .forward(&x)
-        .unwrap()
-        .to_dtype(DType::F32)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1()
-        .unwrap();
+    let got = host(&ln.forward(&x).unwrap());
     let tol = match dtype {
         DType::F32 => 2e-5,
         DType::F16 => 4e-3,

@@ -7,7 +7,7 @@ mod common;
 
 use candle_core::{DType, Tensor};
 use candle_fastpath::patchify;
-use common::{device, poison, quantize};
+use common::{device, host, poison, quantize};
 
 #[test]
 fn matches_the_conv_index_map() {
@@ -33,13 +33,7 @@ fn matches_the_conv_index_map() {
             let (gh, gw) = (h / p, w / p);
             assert_eq!(out.dims(), &[b * gh * gw, c * p * p]);
             assert_eq!(out.dtype(), dtype);
-            let got: Vec<f32> = out
-                .to_dtype(DType::F32)
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .to_vec1()
-                .unwrap();
+            let got = host(&out);
             // The pixels as the op's output dtype holds them.
             let rounded = quantize(&px, dtype);
             for bi in 0..b {

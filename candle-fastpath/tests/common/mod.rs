@@ -1,5 +1,5 @@
-//! Shared pieces of the candle-fastpath tests: the device under test, poisoning, random inputs and
-//! dtype rounding.
+//! Shared pieces of the candle-fastpath tests: the device under test, poisoning, random inputs,
+//! dtype rounding and reading results back.
 #![allow(dead_code)]
 
 use candle_core::{DType, Device, Tensor};
@@ -47,6 +47,16 @@ pub fn quantize(v: &[f32], dtype: DType) -> Vec<f32> {
         .to_dtype(dtype)
         .unwrap()
         .to_dtype(DType::F32)
+        .unwrap()
+        .to_vec1()
+        .unwrap()
+}
+
+/// A tensor's values as a flat f32 vector on the host.
+pub fn host(t: &Tensor) -> Vec<f32> {
+    t.to_dtype(DType::F32)
+        .unwrap()
+        .flatten_all()
         .unwrap()
         .to_vec1()
         .unwrap()
