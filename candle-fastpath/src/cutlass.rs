@@ -13,6 +13,12 @@
 //! slower through CUTLASS; DeiT-S at batch 64, 12,608 × 1,536, 2 % faster). `CANDLE_FASTPATH_CUTLASS`
 //! overrides the size rule: `0` never, `1` every eligible problem (how the tests reach the kernel
 //! with small shapes).
+//!
+//! A/B candidates for lever 23 (read once per process; defaults = lever 18's kernel):
+//! `CANDLE_FASTPATH_CUTLASS_CLUSTER` = `1x1` (default), `2x1` (the weight tile multicast to two
+//! M tiles), `1x2` (the activation tile to two N tiles) or `2x2`, for the Φ GELU (the erf form
+//! stays 1 × 1); `CANDLE_FASTPATH_CUTLASS_RASTER` = `m` or `n` (default: CUTLASS's heuristic,
+//! along N for every fc1 here); `CANDLE_FASTPATH_CUTLASS_SWIZZLE` = `2`, `4` or `8` (default 1).
 
 use std::ffi::c_void;
 use std::sync::OnceLock;
@@ -25,6 +31,9 @@ use crate::gelu_form::GeluForm;
 extern "C" {
     fn fastpath_cutlass_linear_gelu_f16(
         phi: i32,
+        cluster: i32,
+        raster: i32,
+        swizzle: i32,
         x: *const c_void,
         ldx: i64,
         w: *const c_void,
@@ -38,6 +47,9 @@ extern "C" {
     ) -> i32;
     fn fastpath_cutlass_linear_gelu_bf16(
         phi: i32,
+        cluster: i32,
+        raster: i32,
+        swizzle: i32,
         x: *const c_void,
         ldx: i64,
         w: *const c_void,
@@ -69,6 +81,36 @@ fn policy() -> Policy {
         Some("1") => Policy::Always,
         _ => Policy::Large,
     })
+}
+
+/// The kernel's cluster shape and tile order (see the module doc), as the C entry points take
+/// them: (cluster 0..=3 for 1x1 / 2x1 / 1x2 / 2x2, raster 0 heuristic / 1 along M / 2 along N,
+/// swizzle 1 / 2 / 4 / 8).
+fn schedule() -> (i32, i32, i32) {
+    static CLUSTER: OnceLock<i32> = OnceLock::new();
+    static RASTER: OnceLock<i32> = OnceLock::new();
+    static SWIZZLE: OnceLock<i32> = OnceLock::new();
+    let cluster =
+        crate::switches::read_once(&CLUSTER, "CANDLE_FASTPATH_CUTLASS_CLUSTER", |v| match v {
+            Some("2x1") => 1,
+            Some("1x2") => 2,
+            Some("2x2") => 3,
+            _ => 0,
+        });
+    let raster =
+        crate::switches::read_once(&RASTER, "CANDLE_FASTPATH_CUTLASS_RASTER", |v| match v {
+            Some("m") => 1,
+            Some("n") => 2,
+            _ => 0,
+        });
+    let swizzle =
+        crate::switches::read_once(&SWIZZLE, "CANDLE_FASTPATH_CUTLASS_SWIZZLE", |v| match v {
+            Some("2") => 2,
+            Some("4") => 4,
+            Some("8") => 8,
+            _ => 1,
+        });
+    (cluster, raster, swizzle)
 }
 
 /// Whether this bias + GELU problem goes through CUTLASS: f16 / bf16, large enough (see the
@@ -119,8 +161,12 @@ pub(crate) unsafe fn linear_gelu(
             })
         }
     };
+    let (cluster, raster, swizzle) = schedule();
     let status = f(
         i32::from(form == GeluForm::Phi),
+        cluster,
+        raster,
+        swizzle,
         x as *const c_void,
         ldx as i64,
         w as *const c_void,
