@@ -34,6 +34,8 @@
 //   y [M, N] contiguous.
 #include <cuda_runtime.h>
 
+#include <type_traits>
+
 #include <cute/tensor.hpp>
 #include <cutlass/cutlass.h>
 #include <cutlass/epilogue/collective/collective_builder.hpp>
@@ -96,6 +98,37 @@ struct LinearGelu {
     using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 };
 
+// The other Linears of a block (lever 25, an A/B candidate): y = x · Wᵀ + b (qkv) or
+// y = x · Wᵀ + b + r (proj and fc2, the residual read as CUTLASS's C operand with beta = 1), on
+// the same tiles and cluster shapes as fc1. cuBLASLt's nvjet kernels run these; lever 18 found
+// CUTLASS's 1 × 1 kernels ~12 % slower on plain GEMMs, so only clusters give it a chance.
+template <typename Element, int ClusterM, int ClusterN, bool HasC>
+struct LinearBias {
+    using LayoutA = cutlass::layout::RowMajor;
+    using LayoutB = cutlass::layout::ColumnMajor;
+    using LayoutD = cutlass::layout::RowMajor;
+    static constexpr int kAlign = 128 / cutlass::sizeof_bits<Element>::value;
+    using ElementC = std::conditional_t<HasC, Element, void>;
+    using TileShape = Shape<_128, _256, _64>;
+    using ClusterShape = Shape<Int<ClusterM>, Int<ClusterN>, _1>;
+    using Fusion = cutlass::epilogue::fusion::LinCombPerColBiasEltAct<
+        cutlass::epilogue::thread::Identity, Element, float, Element, Element, float>;
+    using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+        cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
+        cutlass::epilogue::collective::EpilogueTileAuto, float, float, ElementC, LayoutD, kAlign,
+        Element, LayoutD, kAlign, cutlass::epilogue::TmaWarpSpecializedCooperative,
+        Fusion>::CollectiveOp;
+    using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+        cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA, kAlign, Element,
+        LayoutB, kAlign, float, TileShape, ClusterShape,
+        cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
+            sizeof(typename Epilogue::SharedStorage))>,
+        cutlass::gemm::KernelTmaWarpSpecializedCooperative>::CollectiveOp;
+    using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, Mainloop,
+                                                        Epilogue>;
+    using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+};
+
 // Status codes returned to Rust (candle-fastpath/src/cutlass.rs names them).
 enum : int {
     kOk = 0,
@@ -113,10 +146,10 @@ struct Schedule {
     int swizzle;
 };
 
-template <typename Element, template <class> class Gelu, int ClusterM = 1, int ClusterN = 1>
-int linear_gelu(const void* x, long long ldx, const void* w, const void* bias, void* y, int m,
-                int n, int k, int sm_count, Schedule schedule, cudaStream_t stream) {
-    using Gemm = typename LinearGelu<Element, Gelu, ClusterM, ClusterN>::Gemm;
+// Runs one of the GEMMs above: y = act(x · Wᵀ + b (+ c when c is not null)).
+template <typename Gemm, typename Element>
+int run_gemm(const void* x, long long ldx, const void* w, const void* bias, const void* c, void* y,
+             int m, int n, int k, int sm_count, Schedule schedule, cudaStream_t stream) {
     using StrideA = typename Gemm::GemmKernel::StrideA;
     using StrideB = typename Gemm::GemmKernel::StrideB;
     using StrideC = typename Gemm::GemmKernel::StrideC;
@@ -135,12 +168,12 @@ int linear_gelu(const void* x, long long ldx, const void* w, const void* bias, v
     args.mainloop.dA = stride_a;
     args.mainloop.ptr_B = static_cast<const Element*>(w);
     args.mainloop.dB = stride_b;
-    args.epilogue.ptr_C = nullptr;  // no C operand: beta = 0
+    args.epilogue.ptr_C = static_cast<const Element*>(c);  // null: no C operand (beta = 0)
     args.epilogue.dC = stride_c;
     args.epilogue.ptr_D = static_cast<Element*>(y);
     args.epilogue.dD = stride_d;
     args.epilogue.thread.alpha = 1.0f;
-    args.epilogue.thread.beta = 0.0f;
+    args.epilogue.thread.beta = c ? 1.0f : 0.0f;
     args.epilogue.thread.bias_ptr = static_cast<const Element*>(bias);
     int device = 0;
     cudaGetDevice(&device);
@@ -158,6 +191,46 @@ int linear_gelu(const void* x, long long ldx, const void* w, const void* bias, v
     if (gemm.initialize(args, nullptr, stream) != cutlass::Status::kSuccess) return kInitializeFailed;
     if (gemm.run(stream) != cutlass::Status::kSuccess) return kRunFailed;
     return kOk;
+}
+
+template <typename Element, template <class> class Gelu, int ClusterM = 1, int ClusterN = 1>
+int linear_gelu(const void* x, long long ldx, const void* w, const void* bias, void* y, int m,
+                int n, int k, int sm_count, Schedule schedule, cudaStream_t stream) {
+    using Gemm = typename LinearGelu<Element, Gelu, ClusterM, ClusterN>::Gemm;
+    return run_gemm<Gemm, Element>(x, ldx, w, bias, nullptr, y, m, n, k, sm_count, schedule,
+                                   stream);
+}
+
+template <typename Element, int ClusterM, int ClusterN>
+int linear_bias(const void* x, long long ldx, const void* w, const void* bias, const void* c,
+                void* y, int m, int n, int k, int sm_count, Schedule schedule,
+                cudaStream_t stream) {
+    if (c) {
+        using Gemm = typename LinearBias<Element, ClusterM, ClusterN, true>::Gemm;
+        return run_gemm<Gemm, Element>(x, ldx, w, bias, c, y, m, n, k, sm_count, schedule, stream);
+    }
+    using Gemm = typename LinearBias<Element, ClusterM, ClusterN, false>::Gemm;
+    return run_gemm<Gemm, Element>(x, ldx, w, bias, nullptr, y, m, n, k, sm_count, schedule,
+                                   stream);
+}
+
+// `cluster` as for linear_gelu_any; 1 × 2 is not offered here (3 = 2 × 2).
+template <typename Element>
+int linear_bias_any(int cluster, int raster, int swizzle, const void* x, long long ldx,
+                    const void* w, const void* bias, const void* c, void* y, int m, int n, int k,
+                    int sm_count, cudaStream_t stream) {
+    const Schedule schedule{raster, swizzle};
+    switch (cluster) {
+        case 1:
+            return linear_bias<Element, 2, 1>(x, ldx, w, bias, c, y, m, n, k, sm_count, schedule,
+                                              stream);
+        case 3:
+            return linear_bias<Element, 2, 2>(x, ldx, w, bias, c, y, m, n, k, sm_count, schedule,
+                                              stream);
+        default:
+            return linear_bias<Element, 1, 1>(x, ldx, w, bias, c, y, m, n, k, sm_count, schedule,
+                                              stream);
+    }
 }
 
 // `phi` != 0: the GELU in gelu_phi.cuh's form, else CUTLASS's erf form. `cluster`: 0 = 1 × 1,
@@ -203,4 +276,20 @@ extern "C" int fastpath_cutlass_linear_gelu_bf16(int phi, int cluster, int raste
                                                  int sm_count, cudaStream_t stream) {
     return linear_gelu_any<cutlass::bfloat16_t>(phi, cluster, raster, swizzle, x, ldx, w, bias,
                                                 y, m, n, k, sm_count, stream);
+}
+
+extern "C" int fastpath_cutlass_linear_bias_f16(int cluster, int raster, int swizzle, const void* x,
+                                                long long ldx, const void* w, const void* bias,
+                                                const void* c, void* y, int m, int n, int k,
+                                                int sm_count, cudaStream_t stream) {
+    return linear_bias_any<cutlass::half_t>(cluster, raster, swizzle, x, ldx, w, bias, c, y, m, n,
+                                            k, sm_count, stream);
+}
+
+extern "C" int fastpath_cutlass_linear_bias_bf16(int cluster, int raster, int swizzle,
+                                                 const void* x, long long ldx, const void* w,
+                                                 const void* bias, const void* c, void* y, int m,
+                                                 int n, int k, int sm_count, cudaStream_t stream) {
+    return linear_bias_any<cutlass::bfloat16_t>(cluster, raster, swizzle, x, ldx, w, bias, c, y,
+                                                m, n, k, sm_count, stream);
 }

@@ -19,6 +19,11 @@
 //! M tiles), `1x2` (the activation tile to two N tiles) or `2x2`, for the Φ GELU (the erf form
 //! stays 1 × 1); `CANDLE_FASTPATH_CUTLASS_RASTER` = `m` or `n` (default: CUTLASS's heuristic,
 //! along N for every fc1 here); `CANDLE_FASTPATH_CUTLASS_SWIZZLE` = `2`, `4` or `8` (default 1).
+//!
+//! Lever 25's A/B candidate, the other Linears on the same kernels (bias, or bias + residual
+//! through CUTLASS's C operand; same size rule, cluster 1x1 / 2x1 / 2x2 from the switch above,
+//! 1x2 runs 1x1): `CANDLE_FASTPATH_CUTLASS_PLAIN` = `bias` (Linears with a bias only: qkv),
+//! `residual` (bias + residual: proj, fc2) or `both`; default none (cuBLASLt).
 
 use std::ffi::c_void;
 use std::sync::OnceLock;
@@ -54,6 +59,38 @@ extern "C" {
         ldx: i64,
         w: *const c_void,
         bias: *const c_void,
+        y: *mut c_void,
+        m: i32,
+        n: i32,
+        k: i32,
+        sm_count: i32,
+        stream: *mut c_void,
+    ) -> i32;
+    fn fastpath_cutlass_linear_bias_f16(
+        cluster: i32,
+        raster: i32,
+        swizzle: i32,
+        x: *const c_void,
+        ldx: i64,
+        w: *const c_void,
+        bias: *const c_void,
+        c: *const c_void,
+        y: *mut c_void,
+        m: i32,
+        n: i32,
+        k: i32,
+        sm_count: i32,
+        stream: *mut c_void,
+    ) -> i32;
+    fn fastpath_cutlass_linear_bias_bf16(
+        cluster: i32,
+        raster: i32,
+        swizzle: i32,
+        x: *const c_void,
+        ldx: i64,
+        w: *const c_void,
+        bias: *const c_void,
+        c: *const c_void,
         y: *mut c_void,
         m: i32,
         n: i32,
@@ -111,6 +148,24 @@ fn schedule() -> (i32, i32, i32) {
             _ => 1,
         });
     (cluster, raster, swizzle)
+}
+
+/// Whether a Linear without GELU goes through CUTLASS (lever 25's switch; the size and layout
+/// rule of [`takes`] applies on top).
+pub(crate) fn plain_wanted(residual: bool) -> bool {
+    static PLAIN: OnceLock<(bool, bool)> = OnceLock::new();
+    let (bias, res) =
+        crate::switches::read_once(&PLAIN, "CANDLE_FASTPATH_CUTLASS_PLAIN", |v| match v {
+            Some("bias") => (true, false),
+            Some("residual") => (false, true),
+            Some("both") => (true, true),
+            _ => (false, false),
+        });
+    if residual {
+        res
+    } else {
+        bias
+    }
 }
 
 /// Whether this bias + GELU problem goes through CUTLASS: f16 / bf16, large enough (see the
@@ -178,6 +233,14 @@ pub(crate) unsafe fn linear_gelu(
         sm_count as i32,
         stream,
     );
+    outcome(status, (m, n, k, ldx))
+}
+
+/// `Ok(true)`: it ran; `Ok(false)`: refused before any launch; else the failure, named.
+fn outcome(
+    status: i32,
+    (m, n, k, ldx): (usize, usize, usize, usize),
+) -> Result<bool, FastpathError> {
     let what = match status {
         0 => return Ok(true),
         1 | 2 => return Ok(false),
@@ -188,4 +251,46 @@ pub(crate) unsafe fn linear_gelu(
     Err(FastpathError::Cutlass {
         status: format!("{what} (status {status}, problem {m} x {n} x {k}, ldx {ldx})"),
     })
+}
+
+/// Runs `y[M, N] = x[M, K] · W[N, K]ᵀ + b[N] (+ r[M, N])` on `stream` (lever 25's candidate);
+/// `residual` is `r`'s device address, contiguous `[M, N]`. Same contract as [`linear_gelu`].
+///
+/// # Safety
+/// As for [`linear_gelu`], and `residual`, when given, a valid `[M, N]` buffer of `dtype`.
+pub(crate) unsafe fn linear_bias(
+    dtype: DType,
+    (x, w, bias, residual, y): (u64, u64, u64, Option<u64>, u64),
+    (m, n, k, ldx): (usize, usize, usize, usize),
+    sm_count: usize,
+    stream: *mut c_void,
+) -> Result<bool, FastpathError> {
+    let f = match dtype {
+        DType::F16 => fastpath_cutlass_linear_bias_f16,
+        DType::BF16 => fastpath_cutlass_linear_bias_bf16,
+        dtype => {
+            return Err(FastpathError::UnsupportedDType {
+                op: "fused_linear (CUTLASS)",
+                dtype,
+            })
+        }
+    };
+    let (cluster, raster, swizzle) = schedule();
+    let status = f(
+        cluster,
+        raster,
+        swizzle,
+        x as *const c_void,
+        ldx as i64,
+        w as *const c_void,
+        bias as *const c_void,
+        residual.map_or(std::ptr::null(), |r| r as *const c_void),
+        y as *mut c_void,
+        m as i32,
+        n as i32,
+        k as i32,
+        sm_count as i32,
+        stream,
+    );
+    outcome(status, (m, n, k, ldx))
 }

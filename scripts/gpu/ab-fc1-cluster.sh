@@ -5,6 +5,9 @@
 # test-linear,test-graph,test-paths_agreement}.xz). From the repo root.
 # Arms (CANDLE_FASTPATH_CUTLASS_CLUSTER / _RASTER / _SWIZZLE; the Φ GELU, the default, in all):
 #   c11 (lever 18's kernel) / c21 / c12 / c22 / c21rm (2x1, raster along M) / c21s2 (2x1, swizzle 2)
+#   and lever 25 (CANDLE_FASTPATH_CUTLASS_PLAIN: the other Linears on CUTLASS too, same size rule):
+#   c21pb (2x1, qkv too) / c21pa (2x1, qkv, proj and fc2 too) / c22pa (2x2, all)
+# At ~600 s for everything, run it as two calls: STAGES="checks ncu", then STAGES=e2e.
 # STAGES (default "checks ncu e2e"):
 #   checks  test-linear with every eligible fc1 forced through CUTLASS, per cluster shape; memcheck
 #           over the 2x1 run; test-graph (2x1, forced); paths at DeiT-S (2x1, forced)
@@ -30,14 +33,23 @@ arm() {
     c22) echo "CANDLE_FASTPATH_CUTLASS_CLUSTER=2x2" ;;
     c21rm) echo "CANDLE_FASTPATH_CUTLASS_CLUSTER=2x1 CANDLE_FASTPATH_CUTLASS_RASTER=m" ;;
     c21s2) echo "CANDLE_FASTPATH_CUTLASS_CLUSTER=2x1 CANDLE_FASTPATH_CUTLASS_SWIZZLE=2" ;;
+    c21pb) echo "CANDLE_FASTPATH_CUTLASS_CLUSTER=2x1 CANDLE_FASTPATH_CUTLASS_PLAIN=bias" ;;
+    c21pa) echo "CANDLE_FASTPATH_CUTLASS_CLUSTER=2x1 CANDLE_FASTPATH_CUTLASS_PLAIN=both" ;;
+    c22pa) echo "CANDLE_FASTPATH_CUTLASS_CLUSTER=2x2 CANDLE_FASTPATH_CUTLASS_PLAIN=both" ;;
   esac
 }
-ARMS=${ARMS:-c11 c21 c12 c22 c21rm c21s2}
+ARMS=${ARMS:-c11 c21 c12 c22 c21rm c21s2 c21pb c21pa c22pa}
 if has checks; then
   for c in 2x1 1x2 2x2; do
     echo "== test-linear (CUTLASS forced, cluster $c)" >> "$C"
     CANDLE_FASTPATH_CUTLASS=1 CANDLE_FASTPATH_CUTLASS_CLUSTER=$c $B/test-linear --test-threads=1 matches_reference column_slices 2>&1 | grep -E "test result|panicked|got" | head -5 >> "$C"
   done
+  for c in 1x1 2x1 2x2; do
+    echo "== test-linear (CUTLASS forced for every Linear, cluster $c)" >> "$C"
+    CANDLE_FASTPATH_CUTLASS=1 CANDLE_FASTPATH_CUTLASS_PLAIN=both CANDLE_FASTPATH_CUTLASS_CLUSTER=$c $B/test-linear --test-threads=1 matches_reference column_slices 2>&1 | grep -E "test result|panicked|got" | head -5 >> "$C"
+  done
+  echo "== memcheck test-linear (CUTLASS forced for every Linear, 2x1)" >> "$C"
+  CANDLE_FASTPATH_CUTLASS=1 CANDLE_FASTPATH_CUTLASS_PLAIN=both CANDLE_FASTPATH_CUTLASS_CLUSTER=2x1 compute-sanitizer --tool memcheck --error-exitcode 9 $B/test-linear --test-threads=1 matches_reference 2>&1 | grep -E "ERROR SUMMARY|test result" >> "$C"
   echo "== memcheck test-linear (CUTLASS forced, 2x1)" >> "$C"
   CANDLE_FASTPATH_CUTLASS=1 CANDLE_FASTPATH_CUTLASS_CLUSTER=2x1 compute-sanitizer --tool memcheck --error-exitcode 9 $B/test-linear --test-threads=1 column_slices 2>&1 | grep -E "ERROR SUMMARY|test result" >> "$C"
   echo "== test-graph (CUTLASS forced, 2x1)" >> "$C"
@@ -47,18 +59,24 @@ if has checks; then
   grep -E "test result" /tmp/paths.log | tail -1 >> "$C"
 fi
 if has ncu; then
+  # Every GEMM of a dense forward per arm: CUTLASS (device_kernel) and cuBLASLt (nvjet) kernels,
+  # mean time per (kernel, grid) class; one forward, no warm-up.
   for a in $ARMS; do
     for m in deit-base deit-small; do
-      echo "== ncu fc1 $a $m batch 256 f16" >> "$C"
-      env $(arm $a) ncu -k regex:device_kernel --metrics gpu__time_duration.sum,lts__t_bytes.sum,dram__bytes.sum --csv --print-units base $B/bench --device cuda --models $m --dtype f16 --batch 256 --pruners none --paths ragged --reps 1 --warmup 0 --cuda-graph false --out /tmp/x.json 2>/dev/null \
+      echo "== ncu GEMMs $a $m batch 256 f16" >> "$C"
+      env $(arm $a) ncu -k regex:"device_kernel|nvjet" --metrics gpu__time_duration.sum --csv --print-units base $B/bench --device cuda --models $m --dtype f16 --batch 256 --pruners none --paths ragged --reps 1 --warmup 0 --cuda-graph false --out /tmp/x.json 2>/dev/null \
         | python3 -c '
 import csv, sys, collections
+rows = [r for r in csv.reader(sys.stdin) if len(r) > 10]
+hdr, data = rows[0], rows[1:]
+ki, gi, vi = hdr.index("Kernel Name"), hdr.index("Grid Size"), hdr.index("Metric Value")
 agg = collections.defaultdict(list)
-for r in csv.reader(sys.stdin):
-    if len(r) > 10 and "device_kernel" in r[4]:
-        agg[r[-3]].append(float(r[-1].replace(",", "")))
-for k, v in sorted(agg.items()):
-    print(f"  {k}: {len(v)} launches, mean {sum(v) / len(v):,.0f}")' >> "$C"
+for r in data:
+    name = "cutlass" if "device_kernel" in r[ki] else r[ki][:40]
+    agg[(name, r[gi])].append(float(r[vi].replace(",", "")) / 1000)
+for (name, grid), v in sorted(agg.items(), key=lambda kv: -sum(kv[1])):
+    print(f"  {len(v):3d} x {sum(v) / len(v):8.1f} us  grid {grid:16s} {name}")
+print(f"  total {sum(sum(v) for v in agg.values()):.1f} us")' >> "$C"
     done
   done
 fi
