@@ -6,12 +6,13 @@
 # Arms (CANDLE_FASTPATH_CUTLASS_CLUSTER / _RASTER / _SWIZZLE; the Φ GELU, the default, in all):
 #   c11 (lever 18's kernel) / c21 / c12 / c22 / c21rm (2x1, raster along M) / c21s2 (2x1, swizzle 2)
 #   and lever 25 (CANDLE_FASTPATH_CUTLASS_PLAIN: the other Linears on CUTLASS too, same size rule):
-#   c21pb (2x1, qkv too) / c21pa (2x1, qkv, proj and fc2 too) / c22pa (2x2, all)
+#   c21pb (2x1, qkv and the patch embedding too) / c21pa (2x1, also proj and fc2) / c22pa (2x2, all)
 # At ~600 s for everything, run it as two calls: STAGES="checks ncu", then STAGES=e2e.
 # STAGES (default "checks ncu e2e"):
-#   checks  test-linear with every eligible fc1 forced through CUTLASS, per cluster shape; memcheck
-#           over the 2x1 run; test-graph (2x1, forced); paths at DeiT-S (2x1, forced)
-#   ncu     fc1's kernel alone per arm: DeiT-B and DeiT-S dense, batch 256, f16
+#   checks  test-linear with every eligible fc1 forced through CUTLASS, per cluster shape, and with
+#           every Linear forced (lever 25); memcheck over both at 2x1; test-graph (2x1, forced);
+#           paths at DeiT-S (2x1, every Linear forced)
+#   ncu     every GEMM (CUTLASS and cuBLASLt) per arm: DeiT-B and DeiT-S dense, batch 256, f16
 #   e2e     bench dense / Threshold-L2 fixed / EViT fixed, T/S/B, batch 64/256, f16, arms
 #           interleaved, twice; per-row c11/arm latency ratios
 set -u
@@ -54,8 +55,8 @@ if has checks; then
   CANDLE_FASTPATH_CUTLASS=1 CANDLE_FASTPATH_CUTLASS_CLUSTER=2x1 compute-sanitizer --tool memcheck --error-exitcode 9 $B/test-linear --test-threads=1 column_slices 2>&1 | grep -E "ERROR SUMMARY|test result" >> "$C"
   echo "== test-graph (CUTLASS forced, 2x1)" >> "$C"
   CANDLE_FASTPATH_CUTLASS=1 CANDLE_FASTPATH_CUTLASS_CLUSTER=2x1 $B/test-graph --test-threads=1 2>&1 | grep -E "test result|panicked" >> "$C"
-  echo "== paths deit-small (CUTLASS forced, 2x1)" >> "$C"
-  CANDLE_FASTPATH_CUTLASS=1 CANDLE_FASTPATH_CUTLASS_CLUSTER=2x1 PATHS_DEVICE=cuda PATHS_MODELS=deit-small PATHS_BATCH=32 $B/test-paths_agreement --ignored --test-threads=1 > /tmp/paths.log 2>&1; echo "paths rc=$?" >> "$C"
+  echo "== paths deit-small (CUTLASS forced for every Linear, 2x1)" >> "$C"
+  CANDLE_FASTPATH_CUTLASS=1 CANDLE_FASTPATH_CUTLASS_PLAIN=both CANDLE_FASTPATH_CUTLASS_CLUSTER=2x1 PATHS_DEVICE=cuda PATHS_MODELS=deit-small PATHS_BATCH=32 $B/test-paths_agreement --ignored --test-threads=1 > /tmp/paths.log 2>&1; echo "paths rc=$?" >> "$C"
   grep -E "test result" /tmp/paths.log | tail -1 >> "$C"
 fi
 if has ncu; then
