@@ -334,13 +334,12 @@ __device__ __forceinline__ void attn_mma_kernel(const T *__restrict__ q, const T
 #define RESIDENT_MAX_LEN 256
 #define RESIDENT_MAX_WARPS 8
 
-template <typename T, int D>
+template <typename T, int D, int KEYS = 64>  // KEYS: keys per online-softmax step
 __device__ __forceinline__ void attn_resident_kernel(const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v,
                                                      T *__restrict__ o, const uint32_t *__restrict__ cu_seqlens,
                                                      long long q_tok, long long q_head, long long k_tok, long long k_head,
                                                      long long v_tok, long long v_head, int heads, float scale_log2) {
     using C = TileCfg<D>;
-    constexpr int KEYS = 64;  // keys per online-softmax step
     extern __shared__ __align__(128) unsigned char resident_smem[];
 
     const int b = blockIdx.z;
@@ -602,6 +601,23 @@ RESIDENT_ENTRY(ragged_attn_resident_f16_d32, __half, 32)
 RESIDENT_ENTRY(ragged_attn_resident_f16_d64, __half, 64)
 RESIDENT_ENTRY(ragged_attn_resident_bf16_d32, __nv_bfloat16, 32)
 RESIDENT_ENTRY(ragged_attn_resident_bf16_d64, __nv_bfloat16, 64)
+// A/B candidates (CANDLE_RAGGED_RESIDENT, not yet measured): the kernel is latency-bound at about
+// 14 resident warps per SM (128 registers x 7-warp blocks: two blocks). `k32`: online-softmax
+// steps of 32 keys instead of 64 (half the S and P registers, twice the rescales of O; ptxas still
+// fills 121 registers); `k32b3`: the same capped for three blocks per SM (80 registers, 40 bytes
+// spilled). 64-key steps capped for three blocks spill 684 bytes: not offered.
+#define RESIDENT_VARIANT(NAME, T, D, KEYS, BLOCKS)                                                \
+    extern "C" __global__ void __launch_bounds__(RESIDENT_MAX_WARPS * 32, BLOCKS) NAME(ATTN_ARGS(T)) { \
+        attn_resident_kernel<T, D, KEYS>(ATTN_PASS);                                              \
+    }
+RESIDENT_VARIANT(ragged_attn_resident_k32_f16_d32, __half, 32, 32, 2)
+RESIDENT_VARIANT(ragged_attn_resident_k32_f16_d64, __half, 64, 32, 2)
+RESIDENT_VARIANT(ragged_attn_resident_k32_bf16_d32, __nv_bfloat16, 32, 32, 2)
+RESIDENT_VARIANT(ragged_attn_resident_k32_bf16_d64, __nv_bfloat16, 64, 32, 2)
+RESIDENT_VARIANT(ragged_attn_resident_k32b3_f16_d32, __half, 32, 32, 3)
+RESIDENT_VARIANT(ragged_attn_resident_k32b3_f16_d64, __half, 64, 32, 3)
+RESIDENT_VARIANT(ragged_attn_resident_k32b3_bf16_d32, __nv_bfloat16, 32, 32, 3)
+RESIDENT_VARIANT(ragged_attn_resident_k32b3_bf16_d64, __nv_bfloat16, 64, 32, 3)
 
 #define F32_ENTRY(NAME, D)                                                                        \
     extern "C" __global__ void __launch_bounds__(QUERIES_PER_BLOCK) NAME(ATTN_ARGS(float)) {     \

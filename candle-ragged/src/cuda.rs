@@ -151,9 +151,23 @@ fn kernels(dev: &CudaDevice) -> Result<Arc<Kernels>> {
             .get_or_load_custom_func(name, MODULE, PTX)?
             .into_cuda_function())
     };
+    // `CANDLE_RAGGED_RESIDENT=k32|k32b3`: A/B candidates of the resident kernel (32-key softmax
+    // steps; the same capped at 85 registers for three blocks per SM), same launch shape.
+    let variant = match std::env::var("CANDLE_RAGGED_RESIDENT")
+        .as_deref()
+        .map(str::trim)
+    {
+        Ok("k32") => "resident_k32_",
+        Ok("k32b3") => "resident_k32b3_",
+        _ => "resident_",
+    };
     let resident: Vec<Vec<CudaFunction>> = RESIDENT_NAMES
         .iter()
-        .map(|row| row.iter().map(|n| load(n)).collect())
+        .map(|row| {
+            row.iter()
+                .map(|n| load(&n.replacen("resident_", variant, 1)))
+                .collect()
+        })
         .collect::<Result<_>>()?;
     // Past 48 KB of dynamic shared memory a kernel must opt in.
     for (fs, dim) in resident.iter().flat_map(|row| row.iter().zip([32, 64])) {

@@ -1,0 +1,96 @@
+#!/usr/bin/env bash
+# Lever 24 on the GPU machine: the resident attention kernel's A/B candidates
+# (CANDLE_RAGGED_RESIDENT; kernels/ragged_attention.cu) against the kernel of before, one bundle
+# (scripts/gpu/bundle.sh from branch lever23-fc1-cluster; needs .gpu/{bench,bench-attention,
+# test-attention}.xz). From the repo root.
+# Arms: base (64-key steps, 128 registers, 2 blocks per SM) / k32 (32-key steps) / k32b3 (32-key
+# steps capped for 3 blocks per SM: 80 registers, 40 bytes spilled).
+# STAGES (default "checks attn ncu e2e"):
+#   checks  test-attention per arm (outputs NaN-poisoned), memcheck and racecheck over k32b3's
+#           odd-length and key-parts tests
+#   attn    bench-attention, heads 3/6/12, batch 8/64/256, keep 1.0/0.7/0.5, f16 and bf16, arms
+#           interleaved, twice; per-row base/arm GPU-time ratios
+#   ncu     occupancy and time of the kernel per arm at 12 heads, batch 256, keep 0.7, f16
+#   e2e     bench dense / Threshold-L2 fixed / EViT fixed, T/S/B, batch 64/256, f16, per arm, twice
+set -u
+stages=${STAGES:-checks attn ncu e2e}
+has() { [[ " $stages " == *" $1 "* ]]; }
+out=${OUT:-/tmp/gpu-out}; mkdir -p "$out"
+B=/tmp/gpu-bin; mkdir -p $B
+for f in .gpu/*.xz; do xz -dc "$f" > $B/$(basename "$f" .xz); done; chmod +x $B/*
+export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
+export PATH=/usr/local/cuda/bin:$PATH
+export CANDLE_RAGGED_REQUIRE_CUDA=1
+C="$out/attention-resident.txt"
+nvidia-smi --query-gpu=name --format=csv,noheader >> "$C"
+ARMS=${ARMS:-base k32 k32b3}
+var() { [ "$1" = base ] && echo "CANDLE_RAGGED_RESIDENT=base" || echo "CANDLE_RAGGED_RESIDENT=$1"; }
+if has checks; then
+  for a in $ARMS; do
+    echo "== test-attention ($a)" >> "$C"
+    env $(var $a) $B/test-attention --test-threads=1 2>&1 | grep -E "test result|panicked|got" | head -5 >> "$C"
+  done
+  echo "== memcheck test-attention (k32b3)" >> "$C"
+  CANDLE_RAGGED_RESIDENT=k32b3 compute-sanitizer --tool memcheck --error-exitcode 9 $B/test-attention --test-threads=1 odd_lengths key_parts resident_and_tiled 2>&1 | grep -E "ERROR SUMMARY|test result" >> "$C"
+  echo "== racecheck test-attention (k32b3)" >> "$C"
+  CANDLE_RAGGED_RESIDENT=k32b3 compute-sanitizer --tool racecheck --error-exitcode 9 $B/test-attention --test-threads=1 key_parts resident_and_tiled 2>&1 | grep -E "RACECHECK SUMMARY|ERROR SUMMARY|test result" >> "$C"
+fi
+if has attn; then
+  for r in 1 2; do
+    for a in $ARMS; do
+      env $(var $a) $B/bench-attention --heads 3,6,12 --batch 8,64,256 --keep 1.0,0.7,0.5 --dtype f16,bf16 --out "$out/attn-$a-$r.json" > /dev/null 2>&1
+      echo "bench-attention $a round $r rc=$?" >> "$C"
+    done
+  done
+  python3 - "$out" $ARMS >> "$C" <<'PY'
+import glob, json, os, sys
+out, arms = sys.argv[1], sys.argv[2:]
+def load(a):
+    rows = {}
+    for p in glob.glob(os.path.join(out, f"attn-{a}-*.json")):
+        for r in json.load(open(p))["rows"]:
+            if r["method"] == "ragged":
+                rows.setdefault((r["dtype"], r["heads"], r["batch"], r["keep"]), []).append((r["gpu_us"], r["floor_us"]))
+    return {k: (sum(x[0] for x in v) / len(v), v[0][1]) for k, v in rows.items()}
+data = {a: load(a) for a in arms}
+base = data[arms[0]]
+print("dtype heads batch keep | floor us |", " ".join(f"{a} us" for a in arms), "|", " ".join(f"{arms[0]}/{a}" for a in arms[1:]))
+for k in sorted(base):
+    print(*k, "|", f"{base[k][1]:.1f}", "|", " ".join(f"{data[a][k][0]:.1f}" for a in arms), "|",
+          " ".join(f"{base[k][0] / data[a][k][0]:.3f}" for a in arms[1:]))
+PY
+fi
+if has ncu; then
+  for a in $ARMS; do
+    echo "== ncu $a (12 heads, batch 256, keep 0.7, f16)" >> "$C"
+    env $(var $a) ncu --kernel-name regex:ragged_attn_resident --launch-skip 20 --launch-count 1 \
+      --metrics gpu__time_duration.sum,sm__warps_active.avg.pct_of_peak_sustained_active,launch__registers_per_thread,launch__occupancy_limit_registers,smsp__average_warp_latency_issue_stalled_long_scoreboard,sm__inst_executed.sum \
+      $B/bench-attention --heads 12 --batch 256 --keep 0.7 --dtype f16 --host-calls 10 --gpu-reps 3 --out /tmp/x.json 2>/dev/null \
+      | grep -E "gpu__time|warps_active|registers|occupancy_limit|long_scoreboard|inst_executed" >> "$C"
+  done
+fi
+if has e2e; then
+  for r in 1 2; do
+    for a in $ARMS; do
+      env $(var $a) $B/bench --device cuda --models deit-tiny,deit-small,deit-base --dtype f16 --batch 64,256 --pruners none,threshold-l2-fixed,evit-fixed --paths ragged --reps 10 --out "$out/e2e-$a-$r.json" > /dev/null 2>&1
+      echo "e2e $a round $r rc=$?" >> "$C"
+    done
+  done
+  python3 - "$out" $ARMS >> "$C" <<'PY'
+import json, sys, os, glob
+out, arms = sys.argv[1], sys.argv[2:]
+def load(a):
+    rows = {}
+    for p in glob.glob(os.path.join(out, f"e2e-{a}-*.json")):
+        for r in json.load(open(p))["rows"]:
+            rows.setdefault((r["model"], r["pruner"], r["batch"], r["decisions"], r["cuda_graph"]), []).append(r["latency_ms"])
+    return {k: sum(v) / len(v) for k, v in rows.items()}
+data = {a: load(a) for a in arms}
+base = data[arms[0]]
+print("model pruner batch decisions graph | latency ms", arms[0], "|", " ".join(f"{arms[0]}/{a}" for a in arms[1:]))
+for k in sorted(base):
+    print(*k, "|", f"{base[k]:.3f}", "|", " ".join(f"{base[k] / data[a][k]:.3f}" for a in arms[1:]))
+PY
+fi
+(cd "$out" && ls attn-*.json e2e-*.json >/dev/null 2>&1 && tar czf attention-resident-json.tgz attn-*.json e2e-*.json 2>/dev/null && rm -f attn-*.json e2e-*.json)
+cat "$C"
