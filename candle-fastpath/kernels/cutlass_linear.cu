@@ -1,7 +1,6 @@
 // fc1 of a ViT MLP on CUTLASS's Hopper GEMM, half precision in and out, f32 accumulation and
 // epilogue:
-//   y = gelu(x · Wᵀ + b)   (the exact GELU timm's nn.GELU() computes: x · Φ(x) by default,
-//                           gelu_phi.cuh; CUTLASS's erf form with CANDLE_FASTPATH_GELU=erf)
+//   y = gelu_erf(x · Wᵀ + b)   (the exact GELU timm's nn.GELU() computes)
 //
 // Why: cuBLASLt's own GELU epilogue is the tanh approximation, so with cuBLASLt the exact GELU
 // runs as a separate pass over the [M, 4C] hidden activations (candle-fastpath's fastpath_gelu_erf
@@ -20,21 +19,11 @@
 // ping-pong. Even so the fused kernel beats cuBLASLt + the GELU pass only on large problems; the
 // caller (src/cutlass.rs) sends only those here.
 //
-// Clusters (lever 23, an A/B candidate): every 128 × 256 tile reads K × (128 + 256) × 2 bytes
-// through L2, 2.8 GB for DeiT-B's fc1 at batch 256, about 5.1 TB/s at the 544 µs ncu measured:
-// near what L2 delivers, while cuBLASLt's fc2 (1 × 2 clusters, A multicast) runs at ~770 TFLOPS.
-// A 2 × 1 cluster (two M tiles of one N column) loads the weight tile once for both by TMA
-// multicast (1.9 GB), 1 × 2 shares the activation tile, 2 × 2 both. The Φ GELU only: the erf
-// form stays 1 × 1 (it is the A/B fallback). The persistent scheduler's raster order and swizzle
-// are run-time arguments (no extra kernels).
-//
 // Layout (row-major throughout, as candle stores them):
 //   x [M, K] with row stride ldx (a column slice of a wider tensor is fine), W [N, K]
 //   (nn.Linear's weight: K-major, i.e. CUTLASS's column-major B of shape K × N), b [N],
 //   y [M, N] contiguous.
 #include <cuda_runtime.h>
-
-#include <type_traits>
 
 #include <cute/tensor.hpp>
 #include <cutlass/cutlass.h>
@@ -72,50 +61,19 @@ struct GeluPhi<cutlass::Array<T, N>> {
     }
 };
 
-template <typename Element, template <class> class Gelu, int ClusterM = 1, int ClusterN = 1>
+template <typename Element, template <class> class Gelu>
 struct LinearGelu {
     using LayoutA = cutlass::layout::RowMajor;
     using LayoutB = cutlass::layout::ColumnMajor;
     using LayoutD = cutlass::layout::RowMajor;
     static constexpr int kAlign = 128 / cutlass::sizeof_bits<Element>::value;  // 16-byte accesses
     using TileShape = Shape<_128, _256, _64>;
-    using ClusterShape = Shape<Int<ClusterM>, Int<ClusterN>, _1>;
+    using ClusterShape = Shape<_1, _1, _1>;
     using Fusion = cutlass::epilogue::fusion::LinCombPerColBiasEltAct<Gelu, Element, float,
                                                                       Element, Element, float>;
     using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
         cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
         cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, LayoutD, kAlign,
-        Element, LayoutD, kAlign, cutlass::epilogue::TmaWarpSpecializedCooperative,
-        Fusion>::CollectiveOp;
-    using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-        cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA, kAlign, Element,
-        LayoutB, kAlign, float, TileShape, ClusterShape,
-        cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
-            sizeof(typename Epilogue::SharedStorage))>,
-        cutlass::gemm::KernelTmaWarpSpecializedCooperative>::CollectiveOp;
-    using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, Mainloop,
-                                                        Epilogue>;
-    using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
-};
-
-// The other Linears of a block (lever 25, an A/B candidate): y = x · Wᵀ + b (qkv) or
-// y = x · Wᵀ + b + r (proj and fc2, the residual read as CUTLASS's C operand with beta = 1), on
-// the same tiles and cluster shapes as fc1. cuBLASLt's nvjet kernels run these; lever 18 found
-// CUTLASS's 1 × 1 kernels ~12 % slower on plain GEMMs, so only clusters give it a chance.
-template <typename Element, int ClusterM, int ClusterN, bool HasC>
-struct LinearBias {
-    using LayoutA = cutlass::layout::RowMajor;
-    using LayoutB = cutlass::layout::ColumnMajor;
-    using LayoutD = cutlass::layout::RowMajor;
-    static constexpr int kAlign = 128 / cutlass::sizeof_bits<Element>::value;
-    using ElementC = std::conditional_t<HasC, Element, void>;
-    using TileShape = Shape<_128, _256, _64>;
-    using ClusterShape = Shape<Int<ClusterM>, Int<ClusterN>, _1>;
-    using Fusion = cutlass::epilogue::fusion::LinCombPerColBiasEltAct<
-        cutlass::epilogue::thread::Identity, Element, float, Element, Element, float>;
-    using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
-        cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
-        cutlass::epilogue::collective::EpilogueTileAuto, float, float, ElementC, LayoutD, kAlign,
         Element, LayoutD, kAlign, cutlass::epilogue::TmaWarpSpecializedCooperative,
         Fusion>::CollectiveOp;
     using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
@@ -138,18 +96,10 @@ enum : int {
     kRunFailed = 4,
 };
 
-// How the persistent scheduler walks the tiles: raster 0 = CUTLASS's heuristic (along N when
-// there are more M tiles than N tiles, as for every fc1 here), 1 = along M, 2 = along N;
-// swizzle = the scheduler's max_swizzle_size (1, 2, 4 or 8).
-struct Schedule {
-    int raster;
-    int swizzle;
-};
-
-// Runs one of the GEMMs above: y = act(x · Wᵀ + b (+ c when c is not null)).
-template <typename Gemm, typename Element>
-int run_gemm(const void* x, long long ldx, const void* w, const void* bias, const void* c, void* y,
-             int m, int n, int k, int sm_count, Schedule schedule, cudaStream_t stream) {
+template <typename Element, template <class> class Gelu>
+int linear_gelu(const void* x, long long ldx, const void* w, const void* bias, void* y, int m,
+                int n, int k, int sm_count, cudaStream_t stream) {
+    using Gemm = typename LinearGelu<Element, Gelu>::Gemm;
     using StrideA = typename Gemm::GemmKernel::StrideA;
     using StrideB = typename Gemm::GemmKernel::StrideB;
     using StrideC = typename Gemm::GemmKernel::StrideC;
@@ -168,22 +118,17 @@ int run_gemm(const void* x, long long ldx, const void* w, const void* bias, cons
     args.mainloop.dA = stride_a;
     args.mainloop.ptr_B = static_cast<const Element*>(w);
     args.mainloop.dB = stride_b;
-    args.epilogue.ptr_C = static_cast<const Element*>(c);  // null: no C operand (beta = 0)
+    args.epilogue.ptr_C = nullptr;  // no C operand: beta = 0
     args.epilogue.dC = stride_c;
     args.epilogue.ptr_D = static_cast<Element*>(y);
     args.epilogue.dD = stride_d;
     args.epilogue.thread.alpha = 1.0f;
-    args.epilogue.thread.beta = c ? 1.0f : 0.0f;
+    args.epilogue.thread.beta = 0.0f;
     args.epilogue.thread.bias_ptr = static_cast<const Element*>(bias);
     int device = 0;
     cudaGetDevice(&device);
     args.hw_info.device_id = device;
     args.hw_info.sm_count = sm_count;
-    using Raster = cutlass::gemm::kernel::detail::RasterOrderOptions;
-    args.scheduler.raster_order = schedule.raster == 1   ? Raster::AlongM
-                                  : schedule.raster == 2 ? Raster::AlongN
-                                                         : Raster::Heuristic;
-    args.scheduler.max_swizzle_size = schedule.swizzle;
 
     Gemm gemm;
     if (gemm.can_implement(args) != cutlass::Status::kSuccess) return kCannotImplement;
@@ -193,103 +138,28 @@ int run_gemm(const void* x, long long ldx, const void* w, const void* bias, cons
     return kOk;
 }
 
-template <typename Element, template <class> class Gelu, int ClusterM = 1, int ClusterN = 1>
-int linear_gelu(const void* x, long long ldx, const void* w, const void* bias, void* y, int m,
-                int n, int k, int sm_count, Schedule schedule, cudaStream_t stream) {
-    using Gemm = typename LinearGelu<Element, Gelu, ClusterM, ClusterN>::Gemm;
-    return run_gemm<Gemm, Element>(x, ldx, w, bias, nullptr, y, m, n, k, sm_count, schedule,
-                                   stream);
-}
-
-template <typename Element, int ClusterM, int ClusterN>
-int linear_bias(const void* x, long long ldx, const void* w, const void* bias, const void* c,
-                void* y, int m, int n, int k, int sm_count, Schedule schedule,
-                cudaStream_t stream) {
-    if (c) {
-        using Gemm = typename LinearBias<Element, ClusterM, ClusterN, true>::Gemm;
-        return run_gemm<Gemm, Element>(x, ldx, w, bias, c, y, m, n, k, sm_count, schedule, stream);
-    }
-    using Gemm = typename LinearBias<Element, ClusterM, ClusterN, false>::Gemm;
-    return run_gemm<Gemm, Element>(x, ldx, w, bias, nullptr, y, m, n, k, sm_count, schedule,
-                                   stream);
-}
-
-// `cluster` as for linear_gelu_any; 1 × 2 is not offered here (3 = 2 × 2).
+// `phi` != 0: the GELU in gelu_phi.cuh's form, else CUTLASS's erf form.
 template <typename Element>
-int linear_bias_any(int cluster, int raster, int swizzle, const void* x, long long ldx,
-                    const void* w, const void* bias, const void* c, void* y, int m, int n, int k,
-                    int sm_count, cudaStream_t stream) {
-    const Schedule schedule{raster, swizzle};
-    switch (cluster) {
-        case 1:
-            return linear_bias<Element, 2, 1>(x, ldx, w, bias, c, y, m, n, k, sm_count, schedule,
-                                              stream);
-        case 3:
-            return linear_bias<Element, 2, 2>(x, ldx, w, bias, c, y, m, n, k, sm_count, schedule,
-                                              stream);
-        default:
-            return linear_bias<Element, 1, 1>(x, ldx, w, bias, c, y, m, n, k, sm_count, schedule,
-                                              stream);
+int linear_gelu_any(int phi, const void* x, long long ldx, const void* w, const void* bias,
+                    void* y, int m, int n, int k, int sm_count, cudaStream_t stream) {
+    if (phi) {
+        return linear_gelu<Element, GeluPhi>(x, ldx, w, bias, y, m, n, k, sm_count, stream);
     }
-}
-
-// `phi` != 0: the GELU in gelu_phi.cuh's form, else CUTLASS's erf form. `cluster`: 0 = 1 × 1,
-// 1 = 2 × 1 (M × N), 2 = 1 × 2, 3 = 2 × 2; the erf form always runs 1 × 1.
-template <typename Element>
-int linear_gelu_any(int phi, int cluster, int raster, int swizzle, const void* x, long long ldx,
-                    const void* w, const void* bias, void* y, int m, int n, int k, int sm_count,
-                    cudaStream_t stream) {
-    const Schedule schedule{raster, swizzle};
-    if (!phi) {
-        return linear_gelu<Element, cutlass::epilogue::thread::GELU>(x, ldx, w, bias, y, m, n, k,
-                                                                     sm_count, schedule, stream);
-    }
-    switch (cluster) {
-        case 1:
-            return linear_gelu<Element, GeluPhi, 2, 1>(x, ldx, w, bias, y, m, n, k, sm_count,
-                                                       schedule, stream);
-        case 2:
-            return linear_gelu<Element, GeluPhi, 1, 2>(x, ldx, w, bias, y, m, n, k, sm_count,
-                                                       schedule, stream);
-        case 3:
-            return linear_gelu<Element, GeluPhi, 2, 2>(x, ldx, w, bias, y, m, n, k, sm_count,
-                                                       schedule, stream);
-        default:
-            return linear_gelu<Element, GeluPhi>(x, ldx, w, bias, y, m, n, k, sm_count, schedule,
-                                                 stream);
-    }
+    return linear_gelu<Element, cutlass::epilogue::thread::GELU>(x, ldx, w, bias, y, m, n, k,
+                                                                 sm_count, stream);
 }
 
 }  // namespace
 
-extern "C" int fastpath_cutlass_linear_gelu_f16(int phi, int cluster, int raster, int swizzle,
-                                                const void* x, long long ldx, const void* w,
-                                                const void* bias, void* y, int m, int n, int k,
-                                                int sm_count, cudaStream_t stream) {
-    return linear_gelu_any<cutlass::half_t>(phi, cluster, raster, swizzle, x, ldx, w, bias, y, m,
-                                            n, k, sm_count, stream);
+extern "C" int fastpath_cutlass_linear_gelu_f16(int phi, const void* x, long long ldx,
+                                                const void* w, const void* bias, void* y, int m,
+                                                int n, int k, int sm_count, cudaStream_t stream) {
+    return linear_gelu_any<cutlass::half_t>(phi, x, ldx, w, bias, y, m, n, k, sm_count, stream);
 }
 
-extern "C" int fastpath_cutlass_linear_gelu_bf16(int phi, int cluster, int raster, int swizzle,
-                                                 const void* x, long long ldx, const void* w,
-                                                 const void* bias, void* y, int m, int n, int k,
-                                                 int sm_count, cudaStream_t stream) {
-    return linear_gelu_any<cutlass::bfloat16_t>(phi, cluster, raster, swizzle, x, ldx, w, bias,
-                                                y, m, n, k, sm_count, stream);
-}
-
-extern "C" int fastpath_cutlass_linear_bias_f16(int cluster, int raster, int swizzle, const void* x,
-                                                long long ldx, const void* w, const void* bias,
-                                                const void* c, void* y, int m, int n, int k,
-                                                int sm_count, cudaStream_t stream) {
-    return linear_bias_any<cutlass::half_t>(cluster, raster, swizzle, x, ldx, w, bias, c, y, m, n,
-                                            k, sm_count, stream);
-}
-
-extern "C" int fastpath_cutlass_linear_bias_bf16(int cluster, int raster, int swizzle,
-                                                 const void* x, long long ldx, const void* w,
-                                                 const void* bias, const void* c, void* y, int m,
+extern "C" int fastpath_cutlass_linear_gelu_bf16(int phi, const void* x, long long ldx,
+                                                 const void* w, const void* bias, void* y, int m,
                                                  int n, int k, int sm_count, cudaStream_t stream) {
-    return linear_bias_any<cutlass::bfloat16_t>(cluster, raster, swizzle, x, ldx, w, bias, c, y,
-                                                m, n, k, sm_count, stream);
+    return linear_gelu_any<cutlass::bfloat16_t>(phi, x, ldx, w, bias, y, m, n, k, sm_count,
+                                                stream);
 }

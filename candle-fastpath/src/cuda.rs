@@ -467,30 +467,6 @@ impl LinearOp {
                 }
             }
         }
-        // Lever 25's candidate: the other Linears with a bias (and a residual) on CUTLASS too.
-        #[cfg(fastpath_cutlass)]
-        if let (false, Some((b, _))) = (self.gelu, &bias_ptr) {
-            use crate::cutlass::{linear_bias, plain_wanted, takes};
-            if state.hopper
-                && plain_wanted(res_ptr.is_some())
-                && takes(T::DTYPE, (m, n, k, ldx), align)
-            {
-                // SAFETY: pointers from live views of the checked shapes (the residual checked
-                // contiguous [m, n] above); `takes` accepted it.
-                let ran = unsafe {
-                    linear_bias(
-                        T::DTYPE,
-                        (x_ptr, w_ptr, *b, res_ptr.as_ref().map(|(p, _)| *p), d_ptr),
-                        (m, n, k, ldx),
-                        state.sm_count,
-                        stream.cu_stream() as *mut c_void,
-                    )?
-                };
-                if ran {
-                    return Ok(());
-                }
-            }
-        }
         if !state.plans.contains_key(&key) {
             if state.plans.len() >= MAX_PLANS {
                 state.plans.clear();

@@ -13,17 +13,6 @@
 //! slower through CUTLASS; DeiT-S at batch 64, 12,608 × 1,536, 2 % faster). `CANDLE_FASTPATH_CUTLASS`
 //! overrides the size rule: `0` never, `1` every eligible problem (how the tests reach the kernel
 //! with small shapes).
-//!
-//! A/B candidates for lever 23 (read once per process; defaults = lever 18's kernel):
-//! `CANDLE_FASTPATH_CUTLASS_CLUSTER` = `1x1` (default), `2x1` (the weight tile multicast to two
-//! M tiles), `1x2` (the activation tile to two N tiles) or `2x2`, for the Φ GELU (the erf form
-//! stays 1 × 1); `CANDLE_FASTPATH_CUTLASS_RASTER` = `m` or `n` (default: CUTLASS's heuristic,
-//! along N for every fc1 here); `CANDLE_FASTPATH_CUTLASS_SWIZZLE` = `2`, `4` or `8` (default 1).
-//!
-//! Lever 25's A/B candidate, the other Linears on the same kernels (bias, or bias + residual
-//! through CUTLASS's C operand; same size rule, cluster 1x1 / 2x1 / 2x2 from the switch above,
-//! 1x2 runs 1x1): `CANDLE_FASTPATH_CUTLASS_PLAIN` = `bias` (Linears with a bias only: qkv),
-//! `residual` (bias + residual: proj, fc2) or `both`; default none (cuBLASLt).
 
 use std::ffi::c_void;
 use std::sync::OnceLock;
@@ -36,9 +25,6 @@ use crate::gelu_form::GeluForm;
 extern "C" {
     fn fastpath_cutlass_linear_gelu_f16(
         phi: i32,
-        cluster: i32,
-        raster: i32,
-        swizzle: i32,
         x: *const c_void,
         ldx: i64,
         w: *const c_void,
@@ -52,45 +38,10 @@ extern "C" {
     ) -> i32;
     fn fastpath_cutlass_linear_gelu_bf16(
         phi: i32,
-        cluster: i32,
-        raster: i32,
-        swizzle: i32,
         x: *const c_void,
         ldx: i64,
         w: *const c_void,
         bias: *const c_void,
-        y: *mut c_void,
-        m: i32,
-        n: i32,
-        k: i32,
-        sm_count: i32,
-        stream: *mut c_void,
-    ) -> i32;
-    fn fastpath_cutlass_linear_bias_f16(
-        cluster: i32,
-        raster: i32,
-        swizzle: i32,
-        x: *const c_void,
-        ldx: i64,
-        w: *const c_void,
-        bias: *const c_void,
-        c: *const c_void,
-        y: *mut c_void,
-        m: i32,
-        n: i32,
-        k: i32,
-        sm_count: i32,
-        stream: *mut c_void,
-    ) -> i32;
-    fn fastpath_cutlass_linear_bias_bf16(
-        cluster: i32,
-        raster: i32,
-        swizzle: i32,
-        x: *const c_void,
-        ldx: i64,
-        w: *const c_void,
-        bias: *const c_void,
-        c: *const c_void,
         y: *mut c_void,
         m: i32,
         n: i32,
@@ -118,54 +69,6 @@ fn policy() -> Policy {
         Some("1") => Policy::Always,
         _ => Policy::Large,
     })
-}
-
-/// The kernel's cluster shape and tile order (see the module doc), as the C entry points take
-/// them: (cluster 0..=3 for 1x1 / 2x1 / 1x2 / 2x2, raster 0 heuristic / 1 along M / 2 along N,
-/// swizzle 1 / 2 / 4 / 8).
-fn schedule() -> (i32, i32, i32) {
-    static CLUSTER: OnceLock<i32> = OnceLock::new();
-    static RASTER: OnceLock<i32> = OnceLock::new();
-    static SWIZZLE: OnceLock<i32> = OnceLock::new();
-    let cluster =
-        crate::switches::read_once(&CLUSTER, "CANDLE_FASTPATH_CUTLASS_CLUSTER", |v| match v {
-            Some("2x1") => 1,
-            Some("1x2") => 2,
-            Some("2x2") => 3,
-            _ => 0,
-        });
-    let raster =
-        crate::switches::read_once(&RASTER, "CANDLE_FASTPATH_CUTLASS_RASTER", |v| match v {
-            Some("m") => 1,
-            Some("n") => 2,
-            _ => 0,
-        });
-    let swizzle =
-        crate::switches::read_once(&SWIZZLE, "CANDLE_FASTPATH_CUTLASS_SWIZZLE", |v| match v {
-            Some("2") => 2,
-            Some("4") => 4,
-            Some("8") => 8,
-            _ => 1,
-        });
-    (cluster, raster, swizzle)
-}
-
-/// Whether a Linear without GELU goes through CUTLASS (lever 25's switch; the size and layout
-/// rule of [`takes`] applies on top).
-pub(crate) fn plain_wanted(residual: bool) -> bool {
-    static PLAIN: OnceLock<(bool, bool)> = OnceLock::new();
-    let (bias, res) =
-        crate::switches::read_once(&PLAIN, "CANDLE_FASTPATH_CUTLASS_PLAIN", |v| match v {
-            Some("bias") => (true, false),
-            Some("residual") => (false, true),
-            Some("both") => (true, true),
-            _ => (false, false),
-        });
-    if residual {
-        res
-    } else {
-        bias
-    }
 }
 
 /// Whether this bias + GELU problem goes through CUTLASS: f16 / bf16, large enough (see the
@@ -216,12 +119,8 @@ pub(crate) unsafe fn linear_gelu(
             })
         }
     };
-    let (cluster, raster, swizzle) = schedule();
     let status = f(
         i32::from(form == GeluForm::Phi),
-        cluster,
-        raster,
-        swizzle,
         x as *const c_void,
         ldx as i64,
         w as *const c_void,
@@ -233,14 +132,6 @@ pub(crate) unsafe fn linear_gelu(
         sm_count as i32,
         stream,
     );
-    outcome(status, (m, n, k, ldx))
-}
-
-/// `Ok(true)`: it ran; `Ok(false)`: refused before any launch; else the failure, named.
-fn outcome(
-    status: i32,
-    (m, n, k, ldx): (usize, usize, usize, usize),
-) -> Result<bool, FastpathError> {
     let what = match status {
         0 => return Ok(true),
         1 | 2 => return Ok(false),
@@ -251,46 +142,4 @@ fn outcome(
     Err(FastpathError::Cutlass {
         status: format!("{what} (status {status}, problem {m} x {n} x {k}, ldx {ldx})"),
     })
-}
-
-/// Runs `y[M, N] = x[M, K] · W[N, K]ᵀ + b[N] (+ r[M, N])` on `stream` (lever 25's candidate);
-/// `residual` is `r`'s device address, contiguous `[M, N]`. Same contract as [`linear_gelu`].
-///
-/// # Safety
-/// As for [`linear_gelu`], and `residual`, when given, a valid `[M, N]` buffer of `dtype`.
-pub(crate) unsafe fn linear_bias(
-    dtype: DType,
-    (x, w, bias, residual, y): (u64, u64, u64, Option<u64>, u64),
-    (m, n, k, ldx): (usize, usize, usize, usize),
-    sm_count: usize,
-    stream: *mut c_void,
-) -> Result<bool, FastpathError> {
-    let f = match dtype {
-        DType::F16 => fastpath_cutlass_linear_bias_f16,
-        DType::BF16 => fastpath_cutlass_linear_bias_bf16,
-        dtype => {
-            return Err(FastpathError::UnsupportedDType {
-                op: "fused_linear (CUTLASS)",
-                dtype,
-            })
-        }
-    };
-    let (cluster, raster, swizzle) = schedule();
-    let status = f(
-        cluster,
-        raster,
-        swizzle,
-        x as *const c_void,
-        ldx as i64,
-        w as *const c_void,
-        bias as *const c_void,
-        residual.map_or(std::ptr::null(), |r| r as *const c_void),
-        y as *mut c_void,
-        m as i32,
-        n as i32,
-        k as i32,
-        sm_count as i32,
-        stream,
-    );
-    outcome(status, (m, n, k, ldx))
 }
