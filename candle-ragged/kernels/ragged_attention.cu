@@ -334,7 +334,7 @@ __device__ __forceinline__ void attn_mma_kernel(const T *__restrict__ q, const T
 #define RESIDENT_MAX_LEN 256
 #define RESIDENT_MAX_WARPS 8
 
-template <typename T, int D, int KEYS = 64>  // KEYS: keys per online-softmax step
+template <typename T, int D, int KEYS>  // KEYS: keys per online-softmax step
 __device__ __forceinline__ void attn_resident_kernel(const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v,
                                                      T *__restrict__ o, const uint32_t *__restrict__ cu_seqlens,
                                                      long long q_tok, long long q_head, long long k_tok, long long k_head,
@@ -587,9 +587,16 @@ __device__ __forceinline__ void unpack_rows(const VEC *__restrict__ packed, VEC 
     extern "C" __global__ void __launch_bounds__(WARPS * 32) NAME(ATTN_ARGS(T)) {                \
         attn_mma_kernel<T, D>(ATTN_PASS);                                                         \
     }
-#define RESIDENT_ENTRY(NAME, T, D)                                                                \
-    extern "C" __global__ void __launch_bounds__(RESIDENT_MAX_WARPS * 32, 2) NAME(ATTN_ARGS(T)) {    \
-        attn_resident_kernel<T, D>(ATTN_PASS);                                                    \
+// The resident kernel (v4) is latency-bound: ncu shows long-scoreboard stalls and ~20 % active
+// warps at two 128-register blocks per SM. Lever 24 (docs/BENCHMARKS.md): 32-key online-softmax
+// steps halve the S and P registers, so the kernel fits an 85-register cap for three blocks per
+// SM (ptxas: 80 registers, 40 bytes spilled); on the H100 that is 27 % active warps and 6-17 %
+// less kernel time at batch 256. `k64` keeps v4's 64-key, two-block kernel as the A/B arm
+// (CANDLE_RAGGED_RESIDENT=k64). 64-key steps capped for three blocks spill 684 bytes, and 32-key
+// steps left at two blocks gained only ~3 %: neither is kept.
+#define RESIDENT_ENTRY(NAME, T, D, KEYS, BLOCKS)                                                  \
+    extern "C" __global__ void __launch_bounds__(RESIDENT_MAX_WARPS * 32, BLOCKS) NAME(ATTN_ARGS(T)) { \
+        attn_resident_kernel<T, D, KEYS>(ATTN_PASS);                                              \
     }
 MMA_ENTRY(ragged_attn_f16_d32, __half, 32)
 MMA_ENTRY(ragged_attn_f16_d64, __half, 64)
@@ -597,27 +604,14 @@ MMA_ENTRY(ragged_attn_f16_d128, __half, 128)
 MMA_ENTRY(ragged_attn_bf16_d32, __nv_bfloat16, 32)
 MMA_ENTRY(ragged_attn_bf16_d64, __nv_bfloat16, 64)
 MMA_ENTRY(ragged_attn_bf16_d128, __nv_bfloat16, 128)
-RESIDENT_ENTRY(ragged_attn_resident_f16_d32, __half, 32)
-RESIDENT_ENTRY(ragged_attn_resident_f16_d64, __half, 64)
-RESIDENT_ENTRY(ragged_attn_resident_bf16_d32, __nv_bfloat16, 32)
-RESIDENT_ENTRY(ragged_attn_resident_bf16_d64, __nv_bfloat16, 64)
-// A/B candidates (CANDLE_RAGGED_RESIDENT, not yet measured): the kernel is latency-bound at about
-// 14 resident warps per SM (128 registers x 7-warp blocks: two blocks). `k32`: online-softmax
-// steps of 32 keys instead of 64 (half the S and P registers, twice the rescales of O; ptxas still
-// fills 121 registers); `k32b3`: the same capped for three blocks per SM (80 registers, 40 bytes
-// spilled). 64-key steps capped for three blocks spill 684 bytes: not offered.
-#define RESIDENT_VARIANT(NAME, T, D, KEYS, BLOCKS)                                                \
-    extern "C" __global__ void __launch_bounds__(RESIDENT_MAX_WARPS * 32, BLOCKS) NAME(ATTN_ARGS(T)) { \
-        attn_resident_kernel<T, D, KEYS>(ATTN_PASS);                                              \
-    }
-RESIDENT_VARIANT(ragged_attn_resident_k32_f16_d32, __half, 32, 32, 2)
-RESIDENT_VARIANT(ragged_attn_resident_k32_f16_d64, __half, 64, 32, 2)
-RESIDENT_VARIANT(ragged_attn_resident_k32_bf16_d32, __nv_bfloat16, 32, 32, 2)
-RESIDENT_VARIANT(ragged_attn_resident_k32_bf16_d64, __nv_bfloat16, 64, 32, 2)
-RESIDENT_VARIANT(ragged_attn_resident_k32b3_f16_d32, __half, 32, 32, 3)
-RESIDENT_VARIANT(ragged_attn_resident_k32b3_f16_d64, __half, 64, 32, 3)
-RESIDENT_VARIANT(ragged_attn_resident_k32b3_bf16_d32, __nv_bfloat16, 32, 32, 3)
-RESIDENT_VARIANT(ragged_attn_resident_k32b3_bf16_d64, __nv_bfloat16, 64, 32, 3)
+RESIDENT_ENTRY(ragged_attn_resident_f16_d32, __half, 32, 32, 3)
+RESIDENT_ENTRY(ragged_attn_resident_f16_d64, __half, 64, 32, 3)
+RESIDENT_ENTRY(ragged_attn_resident_bf16_d32, __nv_bfloat16, 32, 32, 3)
+RESIDENT_ENTRY(ragged_attn_resident_bf16_d64, __nv_bfloat16, 64, 32, 3)
+RESIDENT_ENTRY(ragged_attn_resident_k64_f16_d32, __half, 32, 64, 2)
+RESIDENT_ENTRY(ragged_attn_resident_k64_f16_d64, __half, 64, 64, 2)
+RESIDENT_ENTRY(ragged_attn_resident_k64_bf16_d32, __nv_bfloat16, 32, 64, 2)
+RESIDENT_ENTRY(ragged_attn_resident_k64_bf16_d64, __nv_bfloat16, 64, 64, 2)
 
 #define F32_ENTRY(NAME, D)                                                                        \
     extern "C" __global__ void __launch_bounds__(QUERIES_PER_BLOCK) NAME(ATTN_ARGS(float)) {     \

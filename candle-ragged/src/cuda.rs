@@ -151,14 +151,13 @@ fn kernels(dev: &CudaDevice) -> Result<Arc<Kernels>> {
             .get_or_load_custom_func(name, MODULE, PTX)?
             .into_cuda_function())
     };
-    // `CANDLE_RAGGED_RESIDENT=k32|k32b3`: A/B candidates of the resident kernel (32-key softmax
-    // steps; the same capped at 85 registers for three blocks per SM), same launch shape.
+    // `CANDLE_RAGGED_RESIDENT=k64`: v4's resident kernel from before lever 24 (64-key softmax
+    // steps, two blocks per SM) as an A/B arm; same launch shape and shared memory.
     let variant = match std::env::var("CANDLE_RAGGED_RESIDENT")
         .as_deref()
         .map(str::trim)
     {
-        Ok("k32") => "resident_k32_",
-        Ok("k32b3") => "resident_k32b3_",
+        Ok("k64") => "resident_k64_",
         _ => "resident_",
     };
     let resident: Vec<Vec<CudaFunction>> = RESIDENT_NAMES

@@ -5,11 +5,15 @@
 # test-attention}.xz). From the repo root.
 # Arms: base (64-key steps, 128 registers, 2 blocks per SM) / k32 (32-key steps) / k32b3 (32-key
 # steps capped for 3 blocks per SM: 80 registers, 40 bytes spilled).
+# As run (stop 18) on binaries from 45e60ba, where those were the variant names. k32b3 won and is
+# now the default; k32 is gone and the old kernel is CANDLE_RAGGED_RESIDENT=k64, so on a newer
+# bundle run it with ARMS="k64 default" (var() maps any other name to the default kernel).
 # STAGES (default "checks attn ncu e2e"):
 #   checks  test-attention per arm (outputs NaN-poisoned), memcheck and racecheck over k32b3's
 #           odd-length and key-parts tests
 #   attn    bench-attention, heads 3/6/12, batch 8/64/256, keep 1.0/0.7/0.5, f16 and bf16, arms
-#           interleaved, twice; per-row base/arm GPU-time ratios
+#           interleaved, twice; per-row base/arm GPU-time ratios (ATTN_ARGS replaces the grid;
+#           the full grid takes ~250 s per run, mostly the padded method)
 #   ncu     occupancy and time of the kernel per arm at 12 heads, batch 256, keep 0.7, f16
 #   e2e     bench dense / Threshold-L2 fixed / EViT fixed, T/S/B, batch 64/256, f16, per arm, twice
 set -u
@@ -38,7 +42,7 @@ fi
 if has attn; then
   for r in 1 2; do
     for a in $ARMS; do
-      env $(var $a) $B/bench-attention --heads 3,6,12 --batch 8,64,256 --keep 1.0,0.7,0.5 --dtype f16,bf16 --out "$out/attn-$a-$r.json" > /dev/null 2>&1
+      env $(var $a) $B/bench-attention ${ATTN_ARGS:---heads 3,6,12 --batch 8,64,256 --keep 1.0,0.7,0.5 --dtype f16,bf16} --out "$out/attn-$a-$r.json" > /dev/null 2>&1
       echo "bench-attention $a round $r rc=$?" >> "$C"
     done
   done

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# The headline run on the GPU machine, from the repository root, with .gpu/ carried (bundle.sh):
+# quick checks of the bundle, then the end-to-end `bench` (f16), the PyTorch peers right after it
+# (same call, so the ratios in docs/BENCHMARKS.md are same-run), torch max-autotune for the cells
+# named in MAX_MODELS / MAX_BATCH, then bf16 and f32. Each step has its own time limit so a slow
+# one cannot eat the next; results and logs go to $OUT (or /tmp/gpu-out).
+#   STEPS (default "checks f16 peers max bf16 f32")
+#   checks  test-attention (default kernels and CANDLE_RAGGED_RESIDENT=k64), memcheck over its
+#           odd-length / key-part / resident-and-tiled tests, paths at DeiT-S and DeiT-B (batch 32)
+#   f16 / bf16 / f32   bench --dtype <it> --batch 1,8,64,256 --reps 10, T/S/B, every pruner
+#   peers   scripts/peers/timm_deit.py (eager, CUDA graph, compile reduce-overhead), f16
+#   max     the same with --compile max for MAX_MODELS (deit-base) at MAX_BATCH (256)
+# Merge afterwards: scripts/bench_tables.py reads the f16 / bf16 / f32 JSON together.
+set -u
+steps=${STEPS:-checks f16 peers max bf16 f32}
+has() { [[ " $steps " == *" $1 "* ]]; }
+out=${OUT:-/tmp/gpu-out}; mkdir -p "$out"
+B=/tmp/gpu-bin; mkdir -p $B
+for f in .gpu/*.xz; do xz -dc "$f" > $B/$(basename "$f" .xz); done; chmod +x $B/*
+export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
+export PATH=/usr/local/cuda/bin:$PATH
+export CANDLE_RAGGED_REQUIRE_CUDA=1
+L="$out/headline.log"
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader >> "$L"
+step() { local name=$1 limit=$2; shift 2; local t0=$SECONDS
+  timeout "$limit" "$@"; local rc=$?; echo "$name rc=$rc $((SECONDS - t0)) s" >> "$L"; }
+models=deit-tiny,deit-small,deit-base
+if has checks; then
+  {
+    echo "== test-attention (default)"; $B/test-attention --test-threads=1 2>&1 | grep -E "test result|panicked"
+    echo "== test-attention (CANDLE_RAGGED_RESIDENT=k64)"
+    CANDLE_RAGGED_RESIDENT=k64 $B/test-attention --test-threads=1 2>&1 | grep -E "test result|panicked"
+    echo "== memcheck test-attention (default)"
+    compute-sanitizer --tool memcheck --error-exitcode 9 $B/test-attention --test-threads=1 odd_lengths key_parts resident_and_tiled 2>&1 | grep -E "ERROR SUMMARY|test result"
+    echo "== paths deit-small, deit-base (cuda, batch 32)"
+    PATHS_DEVICE=cuda PATHS_MODELS=deit-small,deit-base PATHS_BATCH=32 $B/test-paths_agreement --ignored --test-threads=1 2>&1 | grep -E "test result|panicked"
+  } >> "$L" 2>&1
+fi
+bench() { step "bench $1" "$2" $B/bench --device cuda --models $models --dtype "$1" --batch 1,8,64,256 --reps 10 --out "$out/h100-e2e-$1.json" > "$out/e2e-$1.log" 2>&1; }
+has f16 && bench f16 170
+has peers && step peers 150 env PYTHONUNBUFFERED=1 python3 scripts/peers/timm_deit.py --out "$out/h100-peers.json" --models $models --batch 1,8,64,256 --reps 20 --budget-s 150 > "$out/peers.log" 2>&1
+has max && step max 200 env PYTHONUNBUFFERED=1 python3 scripts/peers/timm_deit.py --out "$out/peers-max-autotune.json" --models "${MAX_MODELS:-deit-base}" --batch "${MAX_BATCH:-256}" --compile max > "$out/peers-max-autotune.log" 2>&1
+has bf16 && bench bf16 90
+has f32 && bench f32 130
+cat "$L"
