@@ -16,7 +16,7 @@
 // consumer warpgroups of 64 rows each. The erf GELU costs ~20 instructions per element and the
 // cooperative epilogue does not overlap the next tile's main loop, so the wider tile (fewer,
 // longer main loops per epilogue byte) beat 128 × 128 cooperative, 128 × 128 and 64 × 128
-// ping-pong. Even so the fused kernel beats cuBLASLt + the GELU pass only on large problems; the
+// ping-pong (lever 18), and 64 × 256 ping-pong (lever 26, with the Φ GELU). Even so the fused kernel beats cuBLASLt + the GELU pass only on large problems; the
 // caller (src/cutlass.rs) sends only those here.
 //
 // Layout (row-major throughout, as candle stores them):
@@ -61,27 +61,42 @@ struct GeluPhi<cutlass::Array<T, N>> {
     }
 };
 
-template <typename Element, template <class> class Gelu>
+// Kernel shapes. Lever 18's 128 × 256 cooperative kernel stores its tile in 128 × 32 epilogue
+// subtiles (CUTLASS's automatic choice), eight barrier / TMA-store rounds per tile; lever 26's
+// 128 × 64 subtiles halve those rounds: on the H100 (ncu, DeiT-B fc1 at batch 256) 546 → 530 µs,
+// and 548 / 546 → 538 / 539 µs on a repeat, DeiT-S 194 → 190 µs; the Φ GELU (the default) runs
+// on it, `CANDLE_FASTPATH_CUTLASS_TILE=epi32` and the erf form on lever 18's. 64 × 256 ping-pong
+// tiles (one warpgroup's epilogue beside the other's main loop) measured 5-25 % slower: not kept.
+struct Cooperative128x256 {
+    using Tile = Shape<_128, _256, _64>;
+    using EpilogueTile = cutlass::epilogue::collective::EpilogueTileAuto;
+    using EpilogueSchedule = cutlass::epilogue::TmaWarpSpecializedCooperative;
+    using MainloopSchedule = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
+};
+struct Cooperative128x256Epi64 : Cooperative128x256 {
+    using EpilogueTile = Shape<_128, _64>;
+};
+
+template <typename Element, template <class> class Gelu, typename Shapes = Cooperative128x256>
 struct LinearGelu {
     using LayoutA = cutlass::layout::RowMajor;
     using LayoutB = cutlass::layout::ColumnMajor;
     using LayoutD = cutlass::layout::RowMajor;
     static constexpr int kAlign = 128 / cutlass::sizeof_bits<Element>::value;  // 16-byte accesses
-    using TileShape = Shape<_128, _256, _64>;
+    using TileShape = typename Shapes::Tile;
     using ClusterShape = Shape<_1, _1, _1>;
     using Fusion = cutlass::epilogue::fusion::LinCombPerColBiasEltAct<Gelu, Element, float,
                                                                       Element, Element, float>;
     using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
         cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
-        cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, LayoutD, kAlign,
-        Element, LayoutD, kAlign, cutlass::epilogue::TmaWarpSpecializedCooperative,
-        Fusion>::CollectiveOp;
+        typename Shapes::EpilogueTile, float, float, void, LayoutD, kAlign, Element, LayoutD,
+        kAlign, typename Shapes::EpilogueSchedule, Fusion>::CollectiveOp;
     using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
         cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA, kAlign, Element,
         LayoutB, kAlign, float, TileShape, ClusterShape,
         cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
             sizeof(typename Epilogue::SharedStorage))>,
-        cutlass::gemm::KernelTmaWarpSpecializedCooperative>::CollectiveOp;
+        typename Shapes::MainloopSchedule>::CollectiveOp;
     using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, Mainloop,
                                                         Epilogue>;
     using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
@@ -96,10 +111,10 @@ enum : int {
     kRunFailed = 4,
 };
 
-template <typename Element, template <class> class Gelu>
+template <typename Element, template <class> class Gelu, typename Shapes = Cooperative128x256>
 int linear_gelu(const void* x, long long ldx, const void* w, const void* bias, void* y, int m,
                 int n, int k, int sm_count, cudaStream_t stream) {
-    using Gemm = typename LinearGelu<Element, Gelu>::Gemm;
+    using Gemm = typename LinearGelu<Element, Gelu, Shapes>::Gemm;
     using StrideA = typename Gemm::GemmKernel::StrideA;
     using StrideB = typename Gemm::GemmKernel::StrideB;
     using StrideC = typename Gemm::GemmKernel::StrideC;
@@ -138,10 +153,16 @@ int linear_gelu(const void* x, long long ldx, const void* w, const void* bias, v
     return kOk;
 }
 
-// `phi` != 0: the GELU in gelu_phi.cuh's form, else CUTLASS's erf form.
+// `phi` != 0: the GELU in gelu_phi.cuh's form, else CUTLASS's erf form. `epi32` != 0 (Φ only):
+// lever 18's 128 × 32 epilogue subtiles instead of 128 × 64.
 template <typename Element>
-int linear_gelu_any(int phi, const void* x, long long ldx, const void* w, const void* bias,
-                    void* y, int m, int n, int k, int sm_count, cudaStream_t stream) {
+int linear_gelu_any(int phi, int epi32, const void* x, long long ldx, const void* w,
+                    const void* bias, void* y, int m, int n, int k, int sm_count,
+                    cudaStream_t stream) {
+    if (phi && !epi32) {
+        return linear_gelu<Element, GeluPhi, Cooperative128x256Epi64>(x, ldx, w, bias, y, m, n, k,
+                                                                     sm_count, stream);
+    }
     if (phi) {
         return linear_gelu<Element, GeluPhi>(x, ldx, w, bias, y, m, n, k, sm_count, stream);
     }
@@ -151,15 +172,17 @@ int linear_gelu_any(int phi, const void* x, long long ldx, const void* w, const 
 
 }  // namespace
 
-extern "C" int fastpath_cutlass_linear_gelu_f16(int phi, const void* x, long long ldx,
+extern "C" int fastpath_cutlass_linear_gelu_f16(int phi, int epi32, const void* x, long long ldx,
                                                 const void* w, const void* bias, void* y, int m,
                                                 int n, int k, int sm_count, cudaStream_t stream) {
-    return linear_gelu_any<cutlass::half_t>(phi, x, ldx, w, bias, y, m, n, k, sm_count, stream);
+    return linear_gelu_any<cutlass::half_t>(phi, epi32, x, ldx, w, bias, y, m, n, k, sm_count,
+                                            stream);
 }
 
-extern "C" int fastpath_cutlass_linear_gelu_bf16(int phi, const void* x, long long ldx,
-                                                 const void* w, const void* bias, void* y, int m,
-                                                 int n, int k, int sm_count, cudaStream_t stream) {
-    return linear_gelu_any<cutlass::bfloat16_t>(phi, x, ldx, w, bias, y, m, n, k, sm_count,
-                                                stream);
+extern "C" int fastpath_cutlass_linear_gelu_bf16(int phi, int epi32, const void* x,
+                                                 long long ldx, const void* w, const void* bias,
+                                                 void* y, int m, int n, int k, int sm_count,
+                                                 cudaStream_t stream) {
+    return linear_gelu_any<cutlass::bfloat16_t>(phi, epi32, x, ldx, w, bias, y, m, n, k,
+                                                sm_count, stream);
 }

@@ -25,6 +25,7 @@ use crate::gelu_form::GeluForm;
 extern "C" {
     fn fastpath_cutlass_linear_gelu_f16(
         phi: i32,
+        epi32: i32,
         x: *const c_void,
         ldx: i64,
         w: *const c_void,
@@ -38,6 +39,7 @@ extern "C" {
     ) -> i32;
     fn fastpath_cutlass_linear_gelu_bf16(
         phi: i32,
+        epi32: i32,
         x: *const c_void,
         ldx: i64,
         w: *const c_void,
@@ -60,6 +62,15 @@ enum Policy {
     Never,
     Always,
     Large,
+}
+
+/// `CANDLE_FASTPATH_CUTLASS_TILE=epi32`: the Φ GELU on lever 18's 128 × 32 epilogue subtiles
+/// instead of lever 26's 128 × 64 (kernels/cutlass_linear.cu; an A/B switch).
+fn epi32() -> bool {
+    static EPI32: OnceLock<bool> = OnceLock::new();
+    crate::switches::read_once(&EPI32, "CANDLE_FASTPATH_CUTLASS_TILE", |v| {
+        v == Some("epi32")
+    })
 }
 
 fn policy() -> Policy {
@@ -121,6 +132,7 @@ pub(crate) unsafe fn linear_gelu(
     };
     let status = f(
         i32::from(form == GeluForm::Phi),
+        i32::from(epi32()),
         x as *const c_void,
         ldx as i64,
         w as *const c_void,
