@@ -16,8 +16,9 @@
 // consumer warpgroups of 64 rows each. The erf GELU costs ~20 instructions per element and the
 // cooperative epilogue does not overlap the next tile's main loop, so the wider tile (fewer,
 // longer main loops per epilogue byte) beat 128 × 128 cooperative, 128 × 128 and 64 × 128
-// ping-pong (lever 18), and 64 × 256 ping-pong (lever 26, with the Φ GELU). Even so the fused kernel beats cuBLASLt + the GELU pass only on large problems; the
-// caller (src/cutlass.rs) sends only those here.
+// ping-pong (lever 18), and 64 × 256 ping-pong (lever 26, with the Φ GELU). Even so the fused
+// kernel beats cuBLASLt + the GELU pass only on large problems; the caller (src/cutlass.rs)
+// sends only those here.
 //
 // Layout (row-major throughout, as candle stores them):
 //   x [M, K] with row stride ldx (a column slice of a wider tensor is fine), W [N, K]
