@@ -18,13 +18,8 @@
 #   e2e     bench dense / Threshold-L2 fixed / EViT fixed, T/S/B, batch 64/256, f16, per arm, twice
 set -u
 stages=${STAGES:-checks attn ncu e2e}
-has() { [[ " $stages " == *" $1 "* ]]; }
-out=${OUT:-/tmp/gpu-out}; mkdir -p "$out"
-B=/tmp/gpu-bin; mkdir -p $B
-for f in .gpu/*.xz; do xz -dc "$f" > $B/$(basename "$f" .xz); done; chmod +x $B/*
-export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
-export PATH=/usr/local/cuda/bin:$PATH
-export CANDLE_RAGGED_REQUIRE_CUDA=1
+. scripts/gpu/lib.sh
+unpack
 C="$out/attention-resident.txt"
 nvidia-smi --query-gpu=name --format=csv,noheader >> "$C"
 ARMS=${ARMS:-base k32 k32b3}
@@ -46,23 +41,7 @@ if has attn; then
       echo "bench-attention $a round $r rc=$?" >> "$C"
     done
   done
-  python3 - "$out" $ARMS >> "$C" <<'PY'
-import glob, json, os, sys
-out, arms = sys.argv[1], sys.argv[2:]
-def load(a):
-    rows = {}
-    for p in glob.glob(os.path.join(out, f"attn-{a}-*.json")):
-        for r in json.load(open(p))["rows"]:
-            if r["method"] == "ragged":
-                rows.setdefault((r["dtype"], r["heads"], r["batch"], r["keep"]), []).append((r["gpu_us"], r["floor_us"]))
-    return {k: (sum(x[0] for x in v) / len(v), v[0][1]) for k, v in rows.items()}
-data = {a: load(a) for a in arms}
-base = data[arms[0]]
-print("dtype heads batch keep | floor us |", " ".join(f"{a} us" for a in arms), "|", " ".join(f"{arms[0]}/{a}" for a in arms[1:]))
-for k in sorted(base):
-    print(*k, "|", f"{base[k][1]:.1f}", "|", " ".join(f"{data[a][k][0]:.1f}" for a in arms), "|",
-          " ".join(f"{base[k][0] / data[a][k][0]:.3f}" for a in arms[1:]))
-PY
+  python3 scripts/gpu/ab_ratios.py --attn "$out/attn" $ARMS >> "$C"
 fi
 if has ncu; then
   for a in $ARMS; do
@@ -80,21 +59,7 @@ if has e2e; then
       echo "e2e $a round $r rc=$?" >> "$C"
     done
   done
-  python3 - "$out" $ARMS >> "$C" <<'PY'
-import json, sys, os, glob
-out, arms = sys.argv[1], sys.argv[2:]
-def load(a):
-    rows = {}
-    for p in glob.glob(os.path.join(out, f"e2e-{a}-*.json")):
-        for r in json.load(open(p))["rows"]:
-            rows.setdefault((r["model"], r["pruner"], r["batch"], r["decisions"], r["cuda_graph"]), []).append(r["latency_ms"])
-    return {k: sum(v) / len(v) for k, v in rows.items()}
-data = {a: load(a) for a in arms}
-base = data[arms[0]]
-print("model pruner batch decisions graph | latency ms", arms[0], "|", " ".join(f"{arms[0]}/{a}" for a in arms[1:]))
-for k in sorted(base):
-    print(*k, "|", f"{base[k]:.3f}", "|", " ".join(f"{base[k] / data[a][k]:.3f}" for a in arms[1:]))
-PY
+  python3 scripts/gpu/ab_ratios.py "$out/e2e" $ARMS >> "$C"
 fi
 (cd "$out" && ls attn-*.json e2e-*.json >/dev/null 2>&1 && tar czf attention-resident-json.tgz attn-*.json e2e-*.json 2>/dev/null && rm -f attn-*.json e2e-*.json)
 cat "$C"

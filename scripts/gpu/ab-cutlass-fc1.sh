@@ -12,13 +12,8 @@
 #           off and on interleaved, twice; then per-row off/on latency ratios
 set -u
 stages=${STAGES:-checks e2e}
-has() { [[ " $stages " == *" $1 "* ]]; }
-out=${OUT:-/tmp/gpu-out}; mkdir -p "$out"
-B=/tmp/gpu-bin; mkdir -p $B
-for f in .gpu/*.xz; do xz -dc "$f" > $B/$(basename "$f" .xz); done; chmod +x $B/*
-export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
-export PATH=/usr/local/cuda/bin:$PATH
-export CANDLE_RAGGED_REQUIRE_CUDA=1
+. scripts/gpu/lib.sh
+unpack
 C="$out/checks.txt"
 nvidia-smi --query-gpu=name --format=csv,noheader >> "$C"
 if has checks; then
@@ -43,21 +38,7 @@ if has e2e; then
       done
     done
   done
-  python3 - "$out" >> "$C" <<'PY'
-import json, sys, os, glob
-out = sys.argv[1]
-def load(a):
-    rows = {}
-    for p in sorted(glob.glob(os.path.join(out, f"e2e-{a}-*.json"))):
-        for r in json.load(open(p))["rows"]:
-            k = (r["model"], r["dtype"], r["pruner"], r["batch"], r["decisions"], r["cuda_graph"])
-            rows.setdefault(k, []).append(r["latency_ms"])
-    return {k: sum(v) / len(v) for k, v in rows.items()}
-off, on = load("off"), load("on")
-print("model dtype pruner batch decisions graph | mean latency ms off on | off/on")
-for k in off:
-    print(*k, "|", f"{off[k]:.3f} {on[k]:.3f}", "|", f"{off[k] / on[k]:.3f}")
-PY
+  python3 scripts/gpu/ab_ratios.py "$out/e2e" off on >> "$C"
   (cd "$out" && tar czf e2e-json.tgz e2e-*.json && rm -f e2e-*.json)
 fi
 cat "$C"

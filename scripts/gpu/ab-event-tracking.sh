@@ -6,11 +6,8 @@
 #   bench: eager rows only (--cuda-graph false: a capture would turn tracking off in the "on" arm
 #          too), batch 1/8, T/S/B, dense / Threshold-L2 fixed and adaptive / EViT fixed / ATS fixed
 set -u
-out=${OUT:-/tmp/gpu-out}; mkdir -p "$out"
-B=/tmp/gpu-bin; mkdir -p $B
-for f in .gpu/bench.xz .gpu/bench-attention.xz; do xz -dc "$f" > $B/$(basename "$f" .xz); done; chmod +x $B/*
-export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
-export CANDLE_RAGGED_REQUIRE_CUDA=1
+. scripts/gpu/lib.sh
+unpack bench bench-attention
 C="$out/summary.txt"
 nvidia-smi --query-gpu=name --format=csv,noheader >> "$C"
 for r in 1 2; do
@@ -26,7 +23,7 @@ for r in 1 2; do
   done
 done
 python3 - "$out" >> "$C" <<'PY'
-import glob, json, os, statistics, sys
+import glob, json, os, sys
 out = sys.argv[1]
 def mean(v): return sum(v) / len(v)
 def attn(t):
@@ -42,16 +39,7 @@ print(f"candle_affine host us: tracking on {aff_on:.2f}, off {aff_off:.2f}")
 print("dtype heads batch keep | ragged host us on off | on/off | off / affine(on)")
 for k in sorted(on):
     print(*k, "|", f"{on[k]:.2f} {off[k]:.2f}", "|", f"{on[k] / off[k]:.2f}", "|", f"{off[k] / aff_on:.2f}")
-def e2e(t):
-    rows = {}
-    for p in glob.glob(os.path.join(out, f"e2e-{t}-*.json")):
-        for r in json.load(open(p))["rows"]:
-            rows.setdefault((r["model"], r["pruner"], r["mode"], r["batch"], r["decisions"]), []).append(r["latency_ms"])
-    return {k: mean(v) for k, v in rows.items()}
-on, off = e2e("true"), e2e("false")
-print("model pruner mode batch decisions | eager latency ms on off | on/off")
-for k in sorted(on):
-    print(*k, "|", f"{on[k]:.3f} {off[k]:.3f}", "|", f"{on[k] / off[k]:.3f}")
 PY
+python3 scripts/gpu/ab_ratios.py "$out/e2e" true false >> "$C"
 (cd "$out" && tar czf json.tgz attn-*.json e2e-*.json && rm -f attn-*.json e2e-*.json)
 cat "$C"

@@ -13,13 +13,8 @@
 #   checks  test-linear with every eligible fc1 forced through CUTLASS, per arm
 set -u
 stages=${STAGES:-ncu e2e checks}
-has() { [[ " $stages " == *" $1 "* ]]; }
-out=${OUT:-/tmp/gpu-out}; mkdir -p "$out"
-B=/tmp/gpu-bin; mkdir -p $B
-for f in .gpu/*.xz; do xz -dc "$f" > $B/$(basename "$f" .xz); done; chmod +x $B/*
-export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
-export PATH=/usr/local/cuda/bin:$PATH
-export CANDLE_RAGGED_REQUIRE_CUDA=1
+. scripts/gpu/lib.sh
+unpack
 C="$out/fc1-tile.txt"
 nvidia-smi --query-gpu=name --format=csv,noheader >> "$C"
 ARMS=${ARMS:-base epi64 pingpong pingpong-epi64}
@@ -50,21 +45,7 @@ if has e2e; then
       echo "e2e $a round $r rc=$?" >> "$C"
     done
   done
-  python3 - "$out" $ARMS >> "$C" <<'PY'
-import json, sys, os, glob
-out, arms = sys.argv[1], sys.argv[2:]
-def load(a):
-    rows = {}
-    for p in glob.glob(os.path.join(out, f"e2e-{a}-*.json")):
-        for r in json.load(open(p))["rows"]:
-            rows.setdefault((r["model"], r["pruner"], r["batch"], r["decisions"], r["cuda_graph"]), []).append(r["latency_ms"])
-    return {k: sum(v) / len(v) for k, v in rows.items()}
-data = {a: load(a) for a in arms}
-base = data[arms[0]]
-print("model pruner batch decisions graph | latency ms", arms[0], "|", " ".join(f"{arms[0]}/{a}" for a in arms[1:]))
-for k in sorted(base):
-    print(*k, "|", f"{base[k]:.3f}", "|", " ".join(f"{base[k] / data[a][k]:.3f}" for a in arms[1:]))
-PY
+  python3 scripts/gpu/ab_ratios.py "$out/e2e" $ARMS >> "$C"
   (cd "$out" && tar czf fc1-tile-e2e-json.tgz e2e-*.json && rm -f e2e-*.json)
 fi
 if has checks; then

@@ -19,13 +19,8 @@
 #   ncu     per-kernel times of dense forwards (DeiT-S 256 and 64, DeiT-T 64), old vs all
 set -u
 stages=${STAGES:-checks e2e ncu}
-has() { [[ " $stages " == *" $1 "* ]]; }
-out=${OUT:-/tmp/gpu-out}; mkdir -p "$out"
-B=/tmp/gpu-bin; mkdir -p $B
-for f in .gpu/*.xz; do xz -dc "$f" > $B/$(basename "$f" .xz); done; chmod +x $B/*
-export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
-export PATH=/usr/local/cuda/bin:$PATH
-export CANDLE_RAGGED_REQUIRE_CUDA=1
+. scripts/gpu/lib.sh
+unpack
 C="$out/checks.txt"
 nvidia-smi --query-gpu=name --format=csv,noheader >> "$C"
 arm() {
@@ -70,21 +65,7 @@ if has e2e; then
       done
     done
   done
-  python3 - "$out" >> "$C" <<'PY'
-import json, sys, os, glob
-out = sys.argv[1]
-def load(a):
-    rows = {}
-    for p in sorted(glob.glob(os.path.join(out, f"e2e-{a}-*.json"))):
-        for r in json.load(open(p))["rows"]:
-            k = (r["model"], r["dtype"], r["pruner"], r["batch"], r["decisions"], r["cuda_graph"])
-            rows.setdefault(k, []).append(r["latency_ms"])
-    return {k: sum(v) / len(v) for k, v in rows.items()}
-old, ln, lnphi, every = load("old"), load("ln"), load("lnphi"), load("all")
-print("model dtype pruner batch decisions graph | mean latency ms old | old/ln old/lnphi old/all")
-for k in old:
-    print(*k, "|", f"{old[k]:.3f}", "|", " ".join(f"{old[k] / a[k]:.3f}" for a in (ln, lnphi, every)))
-PY
+  python3 scripts/gpu/ab_ratios.py "$out/e2e" old ln lnphi all >> "$C"
   (cd "$out" && tar czf e2e-json.tgz e2e-*.json && rm -f e2e-*.json)
 fi
 if has ncu; then
@@ -92,18 +73,7 @@ if has ncu; then
     for mb in deit-small:256 deit-small:64 deit-tiny:64; do
       m=${mb%:*}; b=${mb#*:}
       env $(arm $a) ncu --metrics gpu__time_duration.sum --csv --print-units base $B/bench --device cuda --models $m --dtype f16 --batch $b --pruners none --paths ragged --reps 1 --warmup 1 --cuda-graph false --out /tmp/x.json > /tmp/ncu.csv 2>/dev/null
-      python3 - /tmp/ncu.csv "$a $m batch $b" >> "$C" <<'PY'
-import csv, sys, collections
-rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 10]
-hdr, data = rows[0], rows[1:]
-ki, vi = hdr.index("Kernel Name"), hdr.index("Metric Value")
-agg = collections.OrderedDict()
-for r in data:
-    a = agg.setdefault(r[ki][:70], [0, 0.0]); a[0] += 1; a[1] += float(r[vi].replace(",", "")) / 1000
-print("== ncu dense f16,", sys.argv[2], "kernels", len(data), "sum us", round(sum(v[1] for v in agg.values()), 1))
-for k, (n, t) in sorted(agg.items(), key=lambda kv: -kv[1][1])[:8]:
-    print(f"{n:5d} {t:9.1f} us {t/n:8.2f} avg  {k}")
-PY
+      python3 scripts/gpu/ncu_kernels.py /tmp/ncu.csv "$a $m batch $b f16" --top 8 >> "$C"
     done
   done
 fi

@@ -12,16 +12,9 @@
 #   ncu     the patchify kernel alone, prev vs new, DeiT-S batch 256 and 64 (f16) and batch 256 f32
 set -u
 stages=${STAGES:-checks ab ncu}
-has() { [[ " $stages " == *" $1 "* ]]; }
-out=${OUT:-/tmp/gpu-out}; mkdir -p "$out"
-B=/tmp/gpu-bin; mkdir -p $B
-for f in .gpu/bench .gpu/test-patch .gpu/test-linear .gpu/test-paths_agreement; do
-  [ -f $f.xz ] && xz -dc $f.xz > $B/$(basename $f)
-done
-xz -dc .gpu-prev/bench-prev.xz > $B/bench-prev; chmod +x $B/*
-export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
-export PATH=/usr/local/cuda/bin:$PATH
-export CANDLE_RAGGED_REQUIRE_CUDA=1
+. scripts/gpu/lib.sh
+unpack bench test-patch test-linear test-paths_agreement
+xz -dc .gpu-prev/bench-prev.xz > $B/bench-prev; chmod +x $B/bench-prev
 C="$out/patchify.txt"
 nvidia-smi --query-gpu=name --format=csv,noheader >> "$C"
 if has checks; then
@@ -43,20 +36,7 @@ if has ab; then
       done
     done
   done
-  python3 - "$out" >> "$C" <<'PY'
-import glob, json, os, sys
-out = sys.argv[1]
-def load(a):
-    rows = {}
-    for p in glob.glob(os.path.join(out, f"patchify-{a}-*.json")):
-        for r in json.load(open(p))["rows"]:
-            rows.setdefault((r["model"], r["dtype"], r["batch"], r["cuda_graph"]), []).append(r["latency_ms"])
-    return {k: sum(v) / len(v) for k, v in rows.items()}
-prev, new = load("prev"), load("new")
-print("model dtype batch graph | latency ms prev new | prev/new")
-for k in sorted(prev):
-    print(*k, "|", f"{prev[k]:.3f} {new[k]:.3f}", "|", f"{prev[k] / new[k]:.3f}")
-PY
+  python3 scripts/gpu/ab_ratios.py "$out/patchify" prev new >> "$C"
 fi
 if has ncu; then
   for a in prev new; do

@@ -3,16 +3,10 @@
 #   STAGES="tests sanitizer parity bench" scripts/gpu/device-checks.sh
 # Logs and results go to $OUT (the device tool's output folder) or /tmp/gpu-out.
 set -uo pipefail
-out=${OUT:-/tmp/gpu-out}
-mkdir -p "$out"
 stages=${STAGES:-tests sanitizer parity bench}
-bin=/tmp/gpu-bin
-mkdir -p "$bin"
-for f in .gpu/*.xz; do xz -dc "$f" > "$bin/$(basename "$f" .xz)"; done
-chmod +x "$bin"/*
-export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
-export PATH=/usr/local/cuda/bin:$PATH
-export CANDLE_RAGGED_REQUIRE_CUDA=1
+. scripts/gpu/lib.sh
+unpack
+bin=$B
 status=0
 summary=()
 note() { summary+=("$1"); echo "== $1"; }

@@ -1,0 +1,39 @@
+#!/usr/bin/env python3
+"""Per-kernel GPU time from `ncu --metrics gpu__time_duration.sum --csv --print-units base`
+output: launches, time and share per kernel name (first 80 characters), largest first, per forward.
+
+  scripts/gpu/ncu_kernels.py NCU.csv LABEL [--forwards 2] [--top N]
+
+--forwards: how many forwards the profiled run made (bench --warmup 1 --reps 1: two); counts and
+times are divided by it.
+"""
+import argparse
+import collections
+import csv
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("csv")
+    ap.add_argument("label")
+    ap.add_argument("--forwards", type=int, default=2)
+    ap.add_argument("--top", type=int, help="print only the N largest kernels")
+    args = ap.parse_args()
+    rows = [r for r in csv.reader(open(args.csv)) if len(r) > 10]
+    hdr, data = rows[0], rows[1:]
+    ki, vi = hdr.index("Kernel Name"), hdr.index("Metric Value")
+    agg = collections.OrderedDict()
+    for r in data:
+        a = agg.setdefault(r[ki][:80], [0, 0.0])
+        a[0] += 1
+        a[1] += float(r[vi].replace(",", "")) / 1000
+    total = sum(v[1] for v in agg.values())
+    f = args.forwards
+    print(f"== ncu dense, {args.label}: per forward {len(data) // f} kernels, {total / f:.1f} us")
+    print("launches/fwd  us/fwd  us/launch  share  kernel")
+    for k, (n, t) in sorted(agg.items(), key=lambda kv: -kv[1][1])[: args.top]:
+        print(f"{n / f:8.1f} {t / f:9.1f} {t / n:9.2f} {100 * t / total:5.1f}%  {k}")
+
+
+if __name__ == "__main__":
+    main()
