@@ -78,20 +78,6 @@ struct Cooperative128x256Epi64 : Cooperative128x256 {
     using EpilogueTile = Shape<_128, _64>;
 };
 
-// Lever 27: small problems (fc1 at batch 1-8: a few hundred to ~1,600 rows), where 128 × 256
-// tiles would leave most SMs idle (DeiT-S at batch 1: 2 × 6 tiles on 132 SMs) and where cuBLASLt
-// plus the separate GELU pass costs two launches of a few µs each. One 64-row consumer
-// warpgroup per CTA, one tile per CTA (no persistent scheduler to amortise over so few tiles).
-struct Small64x64 {
-    using Tile = Shape<_64, _64, _64>;
-    using EpilogueTile = cutlass::epilogue::collective::EpilogueTileAuto;
-    using EpilogueSchedule = cutlass::epilogue::TmaWarpSpecialized;
-    using MainloopSchedule = cutlass::gemm::KernelTmaWarpSpecialized;
-};
-struct Small64x128 : Small64x64 {
-    using Tile = Shape<_64, _128, _64>;
-};
-
 template <typename Element, template <class> class Gelu, typename Shapes = Cooperative128x256>
 struct LinearGelu {
     using LayoutA = cutlass::layout::RowMajor;
@@ -168,48 +154,36 @@ int linear_gelu(const void* x, long long ldx, const void* w, const void* bias, v
     return kOk;
 }
 
-// `phi` != 0: the GELU in gelu_phi.cuh's form, else CUTLASS's erf form (on lever 18's kernel,
-// whatever `tile` says). `tile` (Φ only; src/cutlass.rs's `Kernel` names them): 0 the 128 × 256
-// kernel with 128 × 64 epilogue subtiles (lever 26), 1 the same with 128 × 32 (lever 18), 2 the
-// 64 × 64 small-problem kernel, 3 the 64 × 128 one (lever 27).
+// `phi` != 0: the GELU in gelu_phi.cuh's form, else CUTLASS's erf form. `epi32` != 0 (Φ only):
+// lever 18's 128 × 32 epilogue subtiles instead of 128 × 64.
 template <typename Element>
-int linear_gelu_any(int phi, int tile, const void* x, long long ldx, const void* w,
+int linear_gelu_any(int phi, int epi32, const void* x, long long ldx, const void* w,
                     const void* bias, void* y, int m, int n, int k, int sm_count,
                     cudaStream_t stream) {
-    if (!phi) {
-        return linear_gelu<Element, cutlass::epilogue::thread::GELU>(x, ldx, w, bias, y, m, n, k,
+    if (phi && !epi32) {
+        return linear_gelu<Element, GeluPhi, Cooperative128x256Epi64>(x, ldx, w, bias, y, m, n, k,
                                                                      sm_count, stream);
     }
-    switch (tile) {
-        case 0:
-            return linear_gelu<Element, GeluPhi, Cooperative128x256Epi64>(x, ldx, w, bias, y, m, n,
-                                                                         k, sm_count, stream);
-        case 1:
-            return linear_gelu<Element, GeluPhi>(x, ldx, w, bias, y, m, n, k, sm_count, stream);
-        case 2:
-            return linear_gelu<Element, GeluPhi, Small64x64>(x, ldx, w, bias, y, m, n, k, sm_count,
-                                                             stream);
-        case 3:
-            return linear_gelu<Element, GeluPhi, Small64x128>(x, ldx, w, bias, y, m, n, k,
-                                                              sm_count, stream);
-        default:
-            return kCannotImplement;
+    if (phi) {
+        return linear_gelu<Element, GeluPhi>(x, ldx, w, bias, y, m, n, k, sm_count, stream);
     }
+    return linear_gelu<Element, cutlass::epilogue::thread::GELU>(x, ldx, w, bias, y, m, n, k,
+                                                                 sm_count, stream);
 }
 
 }  // namespace
 
-extern "C" int fastpath_cutlass_linear_gelu_f16(int phi, int tile, const void* x, long long ldx,
+extern "C" int fastpath_cutlass_linear_gelu_f16(int phi, int epi32, const void* x, long long ldx,
                                                 const void* w, const void* bias, void* y, int m,
                                                 int n, int k, int sm_count, cudaStream_t stream) {
-    return linear_gelu_any<cutlass::half_t>(phi, tile, x, ldx, w, bias, y, m, n, k, sm_count,
+    return linear_gelu_any<cutlass::half_t>(phi, epi32, x, ldx, w, bias, y, m, n, k, sm_count,
                                             stream);
 }
 
-extern "C" int fastpath_cutlass_linear_gelu_bf16(int phi, int tile, const void* x,
+extern "C" int fastpath_cutlass_linear_gelu_bf16(int phi, int epi32, const void* x,
                                                  long long ldx, const void* w, const void* bias,
                                                  void* y, int m, int n, int k, int sm_count,
                                                  cudaStream_t stream) {
-    return linear_gelu_any<cutlass::bfloat16_t>(phi, tile, x, ldx, w, bias, y, m, n, k,
+    return linear_gelu_any<cutlass::bfloat16_t>(phi, epi32, x, ldx, w, bias, y, m, n, k,
                                                 sm_count, stream);
 }

@@ -449,16 +449,13 @@ impl LinearOp {
         // fc1 with its exact GELU in the GEMM's epilogue, instead of cuBLASLt + the GELU pass.
         #[cfg(fastpath_cutlass)]
         if let (true, Some((b, _)), None) = (self.gelu, &bias_ptr, &res_ptr) {
-            use crate::cutlass::{choose, linear_gelu};
-            let form = crate::gelu_form::gelu_form();
-            let kernel = choose(T::DTYPE, form, (m, n, k, ldx), align).filter(|_| state.hopper);
-            if let Some(kernel) = kernel {
-                // SAFETY: pointers from live views of the checked shapes; `choose` picked it.
+            use crate::cutlass::{linear_gelu, takes};
+            if state.hopper && takes(T::DTYPE, (m, n, k, ldx), align) {
+                // SAFETY: pointers from live views of the checked shapes; `takes` accepted it.
                 let ran = unsafe {
                     linear_gelu(
-                        kernel,
                         T::DTYPE,
-                        form,
+                        crate::gelu_form::gelu_form(),
                         (x_ptr, w_ptr, *b, d_ptr),
                         (m, n, k, ldx),
                         state.sm_count,

@@ -19,7 +19,6 @@
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
-#include <float.h>
 #include <stdint.h>
 
 #define QUERIES_PER_BLOCK 64
@@ -122,21 +121,17 @@ template <int D> struct RowState {
 
 // Loads the 16 query rows row_base.. of one (sequence, head) as A fragments (rows past the end
 // are zero) and resets the accumulators.
-// `flip` (a negative softmax scale): Q's sign bits are flipped, so that attend_chunk may scale by
-// |scale| and take row maxima of the raw scores.
 template <typename T, int D>
-__device__ __forceinline__ void begin_rows(RowState<D> &st, const T *qh, long long q_tok, int row_base, int len, int lane,
-                                           bool flip) {
+__device__ __forceinline__ void begin_rows(RowState<D> &st, const T *qh, long long q_tok, int row_base, int len, int lane) {
     const int g = lane / 4, t = lane % 4;
     const int row0 = row_base + g, row1 = row0 + 8;
-    const uint32_t sign = flip ? 0x80008000u : 0u;  // both halves' sign bits (f16 and bf16 alike)
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
         const int c = kk * 16 + t * 2;
-        st.qa[kk][0] = (row0 < len ? *reinterpret_cast<const uint32_t *>(qh + row0 * q_tok + c) : 0u) ^ sign;
-        st.qa[kk][1] = (row1 < len ? *reinterpret_cast<const uint32_t *>(qh + row1 * q_tok + c) : 0u) ^ sign;
-        st.qa[kk][2] = (row0 < len ? *reinterpret_cast<const uint32_t *>(qh + row0 * q_tok + c + 8) : 0u) ^ sign;
-        st.qa[kk][3] = (row1 < len ? *reinterpret_cast<const uint32_t *>(qh + row1 * q_tok + c + 8) : 0u) ^ sign;
+        st.qa[kk][0] = row0 < len ? *reinterpret_cast<const uint32_t *>(qh + row0 * q_tok + c) : 0u;
+        st.qa[kk][1] = row1 < len ? *reinterpret_cast<const uint32_t *>(qh + row1 * q_tok + c) : 0u;
+        st.qa[kk][2] = row0 < len ? *reinterpret_cast<const uint32_t *>(qh + row0 * q_tok + c + 8) : 0u;
+        st.qa[kk][3] = row1 < len ? *reinterpret_cast<const uint32_t *>(qh + row1 * q_tok + c + 8) : 0u;
     }
 #pragma unroll
     for (int i = 0; i < D / 8; ++i) st.acc_o[i][0] = st.acc_o[i][1] = st.acc_o[i][2] = st.acc_o[i][3] = 0.f;
@@ -158,11 +153,6 @@ __device__ __forceinline__ void attend_chunk(RowState<D> &st, const T *kt, const
     constexpr int NT_O = D / 8;        // n-tiles of O over the head dim
     constexpr int PSTEPS = KEYS / 16;  // k-steps of P V over the keys of a chunk
     const int t = lane % 4;
-    // begin_rows folded a negative scale's sign into Q. A zero scale becomes FLT_MIN, so that a
-    // masked key's -inf score stays -inf after scaling (not -inf · 0 = NaN): every finite score
-    // times FLT_MIN flushes to zero (fast-math FTZ), which is exactly the zero scale's uniform
-    // softmax.
-    scale_log2 = fmaxf(fabsf(scale_log2), FLT_MIN);
 
     // S = Q K^T for 16 rows x KEYS keys; K's B operands by ldmatrix, two k-steps per load.
     float s[NT_S][4];
@@ -180,20 +170,16 @@ __device__ __forceinline__ void attend_chunk(RowState<D> &st, const T *kt, const
         }
     }
 
-    // Row maxima of the raw scores; keys past the end are masked only in a partial chunk. The
-    // scale (log2 units) is applied inside the exponent below, one FFMA per score (lever 28;
-    // scale_log2 >= 0 here).
+    // Scale into log2 units; mask keys past the end only in a partial chunk.
     float tmax0 = -INFINITY, tmax1 = -INFINITY;
     const bool partial = valid < KEYS;
-    if (partial) {
-#pragma unroll
-        for (int nt = 0; nt < NT_S; ++nt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e)
-                if (nt * 8 + t * 2 + (e & 1) >= valid) s[nt][e] = -INFINITY;
-    }
 #pragma unroll
     for (int nt = 0; nt < NT_S; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int key = nt * 8 + t * 2 + (e & 1);
+            s[nt][e] = (!partial || key < valid) ? s[nt][e] * scale_log2 : -INFINITY;
+        }
         tmax0 = fmaxf(tmax0, fmaxf(s[nt][0], s[nt][1]));
         tmax1 = fmaxf(tmax1, fmaxf(s[nt][2], s[nt][3]));
     }
@@ -202,54 +188,38 @@ __device__ __forceinline__ void attend_chunk(RowState<D> &st, const T *kt, const
     tmax0 = fmaxf(tmax0, __shfl_xor_sync(0xffffffff, tmax0, 2));
     tmax1 = fmaxf(tmax1, __shfl_xor_sync(0xffffffff, tmax1, 1));
     tmax1 = fmaxf(tmax1, __shfl_xor_sync(0xffffffff, tmax1, 2));
-    // Every chunk holds at least one valid key, so the chunk's maxima are finite (log2 units).
-    // Lazy rescaling (lever 28): the running maxima move, and O and the sums are rescaled, only
-    // when some row of the warp gained more than RESCALE_SLACK over its maximum; otherwise the
-    // stale maxima stay and this chunk's p may reach 2^RESCALE_SLACK (256: exact in f16 / bf16
-    // as a scale, and far from their range). The decision is warp-uniform, so the 34 multiplies
-    // and 2 exp2 of a rescale are skipped by the whole warp, which after the first chunks is
-    // the common case. The first chunk always rescales (the maxima start at -inf).
-    constexpr float RESCALE_SLACK = 8.f;
-    const float chunk_m0 = tmax0 * scale_log2;
-    const float chunk_m1 = tmax1 * scale_log2;
-    if (__any_sync(0xffffffff, chunk_m0 > st.m0 + RESCALE_SLACK || chunk_m1 > st.m1 + RESCALE_SLACK)) {
-        const float new_m0 = fmaxf(st.m0, chunk_m0);
-        const float new_m1 = fmaxf(st.m1, chunk_m1);
-        const float alpha0 = exp2f(st.m0 - new_m0);
-        const float alpha1 = exp2f(st.m1 - new_m1);
-        st.m0 = new_m0;
-        st.m1 = new_m1;
-        st.l0 *= alpha0;
-        st.l1 *= alpha1;
-#pragma unroll
-        for (int i = 0; i < NT_O; ++i) {
-            st.acc_o[i][0] *= alpha0;
-            st.acc_o[i][1] *= alpha0;
-            st.acc_o[i][2] *= alpha1;
-            st.acc_o[i][3] *= alpha1;
-        }
-    }
-    const float new_m0 = st.m0, new_m1 = st.m1;
+    // Every chunk holds at least one valid key, so the new maxima are finite.
+    const float new_m0 = fmaxf(st.m0, tmax0);
+    const float new_m1 = fmaxf(st.m1, tmax1);
+    const float alpha0 = exp2f(st.m0 - new_m0);
+    const float alpha1 = exp2f(st.m1 - new_m1);
+    st.m0 = new_m0;
+    st.m1 = new_m1;
 
     uint32_t pa[PSTEPS][4];
     float sum0 = 0.f, sum1 = 0.f;
 #pragma unroll
     for (int nt = 0; nt < NT_S; ++nt) {
-        // Masked n-tiles contribute exact zeros without exp2; a masked key inside a live n-tile
-        // has s = -inf, and exp2(-inf · scale - m) = 0 (the scale is at least FLT_MIN, above).
-        const bool live = nt * 8 < valid;
-        const float p0 = live ? exp2f(fmaf(s[nt][0], scale_log2, -new_m0)) : 0.f;
-        const float p1 = live ? exp2f(fmaf(s[nt][1], scale_log2, -new_m0)) : 0.f;
-        const float p2 = live ? exp2f(fmaf(s[nt][2], scale_log2, -new_m1)) : 0.f;
-        const float p3 = live ? exp2f(fmaf(s[nt][3], scale_log2, -new_m1)) : 0.f;
+        const bool live = nt * 8 < valid;  // masked n-tiles contribute exact zeros without exp2
+        const float p0 = live ? exp2f(s[nt][0] - new_m0) : 0.f;
+        const float p1 = live ? exp2f(s[nt][1] - new_m0) : 0.f;
+        const float p2 = live ? exp2f(s[nt][2] - new_m1) : 0.f;
+        const float p3 = live ? exp2f(s[nt][3] - new_m1) : 0.f;
         sum0 += p0 + p1;
         sum1 += p2 + p3;
         // The accumulator layout of S is the A-operand layout of P: no shuffles needed.
         pa[nt / 2][(nt % 2) * 2 + 0] = Pack2<T>::from_floats(p0, p1);
         pa[nt / 2][(nt % 2) * 2 + 1] = Pack2<T>::from_floats(p2, p3);
     }
-    st.l0 += sum0;
-    st.l1 += sum1;
+    st.l0 = st.l0 * alpha0 + sum0;
+    st.l1 = st.l1 * alpha1 + sum1;
+#pragma unroll
+    for (int i = 0; i < NT_O; ++i) {
+        st.acc_o[i][0] *= alpha0;
+        st.acc_o[i][1] *= alpha0;
+        st.acc_o[i][2] *= alpha1;
+        st.acc_o[i][3] *= alpha1;
+    }
 
     // O += P V; V's B operands come transposed out of its row-major rows by ldmatrix.
 #pragma unroll
@@ -324,7 +294,7 @@ __device__ __forceinline__ void attn_mma_kernel(const T *__restrict__ q, const T
     const int row_base = q_block + warp * 16;
     const bool warp_active = row_base < len;
     RowState<D> st;
-    begin_rows<T, D>(st, qh, q_tok, row_base, len, lane, scale_log2 < 0.f);
+    begin_rows<T, D>(st, qh, q_tok, row_base, len, lane);
 
     for (int tile = 0; tile < n_tiles; ++tile) {
         const int buf = tile & 1;
@@ -408,14 +378,14 @@ __device__ __forceinline__ void attn_resident_kernel(const T *__restrict__ q, co
 
     int tile = first_tile + warp;
     RowState<D> st;
-    if (tile < q_tiles) begin_rows<T, D>(st, qh, q_tok, tile * 16, len, lane, scale_log2 < 0.f);  // overlaps the K / V copy
+    if (tile < q_tiles) begin_rows<T, D>(st, qh, q_tok, tile * 16, len, lane);  // overlaps the K / V copy
     cp_async_wait<0>();
     __syncthreads();
 
     if (parts == 1) {
         const int stride = gridDim.x * warps;
         for (; tile < q_tiles; tile += stride) {
-            if (tile != first_tile + warp) begin_rows<T, D>(st, qh, q_tok, tile * 16, len, lane, scale_log2 < 0.f);
+            if (tile != first_tile + warp) begin_rows<T, D>(st, qh, q_tok, tile * 16, len, lane);
             for (int key0 = 0; key0 < len; key0 += KEYS)
                 attend_chunk<T, D, KEYS>(st, ks + key0 * C::ROW, vs + key0 * C::ROW, min(KEYS, len - key0), scale_log2, lane);
             end_rows<T, D>(st, oh, o_tok, tile * 16, len, lane);

@@ -165,7 +165,7 @@ fn large_logits_stay_stable() {
         check(&[97, 33], 2, 64, dtype, false, 1.0, 50);
     }
     // At 4.0 (std 32) the softmax is nearly one-hot and the tensor-core kernels' running maxima
-    // move by far more than their lazy-rescaling slack (2^8) from chunk to chunk. Not f32: there
+    // jump by tens of log2 units from key chunk to key chunk. Not f32: there
     // a logit's rounding error δ (~1e-5 after 64 f32 products of this size) moves the output by
     // ~δ relative, above f32's 1e-5 tolerance whatever the kernel does.
     for dtype in [DType::F16, DType::BF16] {
@@ -173,9 +173,10 @@ fn large_logits_stay_stable() {
     }
 }
 
-/// Negative and zero scales are legal: the CUDA kernels fold a negative scale's sign into Q and
-/// scale by its magnitude, and a zero scale (the uniform average of V) must not turn the masked
-/// keys of a partial chunk into NaN. Resident kernel (with and without key parts) and tiled one.
+/// Negative and zero scales are legal (the op checks only that the scale is finite): a negative
+/// one flips which key is the row maximum, and a zero one is the uniform average of V, where a
+/// masked key's score must still count as -inf (not -inf · 0 = NaN). Resident kernel (with and
+/// without key parts), tiled one, head_dim 128.
 #[test]
 fn negative_and_zero_scales() {
     for dtype in DTYPES {

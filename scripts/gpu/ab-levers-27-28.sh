@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Levers 27 and 28 on the GPU machine, from the repo root. Two bundles:
+# Levers 27 and 28 on the GPU machine, from the repo root (as run in stop 19 on 84b5356; both were
+# reverted after it, so on a later bundle the switch and the attention change are gone). Two bundles:
 #   .gpu/*.xz                     this change (scripts/gpu/bundle.sh): bench, bench-attention,
 #                                 test-attention, test-linear, test-graph, test-paths_agreement
 #   .gpu-prev/bench-prev.xz       main before it (same defaults otherwise), and
