@@ -39,10 +39,11 @@ pub struct RaggedAttention<'a> {
 /// On CUDA, f16 / bf16 batches whose sequences are at most 256 tokens with `head_dim` ≤ 64 (ViTs
 /// at 224 px) run a kernel that keeps each (sequence, head)'s whole K and V in shared memory;
 /// other batches stream K and V in tiles. When a batch is small enough to fill at most about one
-/// wave of warps (one image), four warps share each query tile's keys and merge their softmax
-/// states. All give the same results up to f32 summation order.
+/// wave of warps (one image), four or eight warps share each query tile's keys and merge their
+/// softmax states. All give the same results up to f32 summation order.
 /// `CANDLE_RAGGED_ATTENTION=tiled` in the environment (read once per device) forces the tiled one,
-/// `CANDLE_RAGGED_KEY_PARTS=1` keeps one warp per query tile; both for A/B measurements.
+/// `CANDLE_RAGGED_KEY_PARTS=1` keeps one warp per query tile and `=4` at most four; all for A/B
+/// measurements.
 pub fn ragged_attention(
     q: &Tensor,
     k: &Tensor,

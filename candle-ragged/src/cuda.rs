@@ -40,17 +40,32 @@ fn resident_smem_bytes(max_len: usize, head_dim: usize) -> usize {
 }
 
 /// The resident kernel's key parts (its blockDim.y) and query-tile warps per block for a batch of
-/// `pairs` (sequence, head) pairs of up to `q_tiles` 16-row tiles (and as many 16-key tiles): 4
-/// warps share each tile's keys when the whole batch is at most about one wave of warps (132 SMs
-/// × 16 resident warps), as at batch 1, where one warp's chain over all keys is the kernel's
-/// time; otherwise 1 (`None`). Two parts were measured too (H100): slower than none at batch 8
-/// with 6 heads (each extra block stages a whole K / V again), so they are not used.
-fn resident_key_parts(pairs: usize, q_tiles: usize, sm_count: usize) -> Option<(usize, usize)> {
-    (q_tiles >= KEY_PARTS && pairs * q_tiles * KEY_PARTS <= 16 * sm_count)
-        .then_some((KEY_PARTS, RESIDENT_MAX_WARPS / KEY_PARTS))
+/// `pairs` (sequence, head) pairs of up to `q_tiles` 16-row tiles (and as many 16-key tiles):
+/// several warps share each tile's keys when the whole batch is a small fraction of a wave of
+/// warps (132 SMs × 16 resident warps), as at batch 1, where one warp's chain over all keys is the
+/// kernel's time; otherwise 1 (`None`).
+/// - 8 parts (one tile per block) when they fit in half a wave: DeiT-T and DeiT-S at batch 1
+///   (lever 29, H100: ncu 9.44 → 8.54 µs at 3 heads, 9.31 → 8.86 µs at 6; graph replays
+///   1.01–1.03× faster). Past half a wave each tile re-staging the whole K / V costs more than the
+///   shorter chain saves (12 heads at batch 1: 0.86–0.92× in bench-attention, DeiT-B 0.98–1.00×);
+/// - else 4 parts (two tiles per block) within a wave (lever 16);
+/// - 2 parts were measured too: slower than none at batch 8 with 6 heads.
+///
+/// `max_parts` (`CANDLE_RAGGED_KEY_PARTS`, for A/B): 1 turns parts off, 4 keeps lever 16's rule.
+fn resident_key_parts(
+    pairs: usize,
+    q_tiles: usize,
+    sm_count: usize,
+    max_parts: usize,
+) -> Option<(usize, usize)> {
+    [(8, 8 * sm_count), (KEY_PARTS, 16 * sm_count)]
+        .into_iter()
+        .filter(|&(p, _)| p <= max_parts)
+        .find(|&(p, warps)| q_tiles >= p && pairs * q_tiles * p <= warps)
+        .map(|(p, _)| (p, RESIDENT_MAX_WARPS / p))
 }
 
-/// Warps sharing one query tile's keys when [`resident_key_parts`] splits them.
+/// Warps sharing one query tile's keys in lever 16's split (see [`resident_key_parts`]).
 const KEY_PARTS: usize = 4;
 
 /// Shared memory the key parts' merge adds after K and V: per tile warp, the online-softmax
@@ -59,9 +74,13 @@ fn resident_merge_bytes(warps: usize, parts: usize, head_dim: usize) -> usize {
     warps * (parts - 1) * (head_dim / 2 + 4) * 32 * 4
 }
 
-/// What a key-part launch needs (the only split [`resident_key_parts`] makes).
+/// What a key-part launch needs at most (over the splits [`resident_key_parts`] makes).
 fn resident_merge_max_bytes(head_dim: usize) -> usize {
-    resident_merge_bytes(RESIDENT_MAX_WARPS / KEY_PARTS, KEY_PARTS, head_dim)
+    [KEY_PARTS, 8]
+        .into_iter()
+        .map(|p| resident_merge_bytes(RESIDENT_MAX_WARPS / p, p, head_dim))
+        .max()
+        .unwrap_or(0)
 }
 
 const ATTN_NAMES: [[&str; 3]; 3] = [
@@ -129,8 +148,9 @@ struct Kernels {
     sm_count: usize,
     /// `CANDLE_RAGGED_ATTENTION=tiled` turns the resident kernel off (for A/B measurements).
     resident_enabled: bool,
-    /// `CANDLE_RAGGED_KEY_PARTS=1` turns the resident kernel's key parts off (for A/B).
-    key_parts_enabled: bool,
+    /// Most key parts per query tile (`CANDLE_RAGGED_KEY_PARTS`, for A/B: 1 turns them off, 4
+    /// keeps lever 16's rule; default 8).
+    max_key_parts: usize,
     select: Vec<CudaFunction>,
     decide: Vec<CudaFunction>,
     gather: Vec<CudaFunction>,
@@ -183,7 +203,11 @@ fn kernels(dev: &CudaDevice) -> Result<Arc<Kernels>> {
         .w()?
         .max(1) as usize;
     let resident_enabled = std::env::var("CANDLE_RAGGED_ATTENTION").as_deref() != Ok("tiled");
-    let key_parts_enabled = std::env::var("CANDLE_RAGGED_KEY_PARTS").as_deref() != Ok("1");
+    let max_key_parts = match std::env::var("CANDLE_RAGGED_KEY_PARTS").as_deref() {
+        Ok("1") => 1,
+        Ok("4") => KEY_PARTS,
+        _ => 8,
+    };
     let decide: Vec<CudaFunction> = DECIDE_NAMES
         .iter()
         .map(|n| load(n))
@@ -203,7 +227,7 @@ fn kernels(dev: &CudaDevice) -> Result<Arc<Kernels>> {
         resident,
         sm_count,
         resident_enabled,
-        key_parts_enabled,
+        max_key_parts,
         select: SELECT_NAMES
             .iter()
             .map(|n| load(n))
@@ -342,8 +366,7 @@ pub(crate) fn attention(
         // `CANDLE_RAGGED_KEY_PARTS=1` keeps one warp per tile (A/B).
         let pairs = batch.batch_size() * heads;
         let q_tiles = batch.max_len().div_ceil(16);
-        let key_parts =
-            resident_key_parts(pairs, q_tiles, k.sm_count).filter(|_| k.key_parts_enabled);
+        let key_parts = resident_key_parts(pairs, q_tiles, k.sm_count, k.max_key_parts);
         let cfg = if let Some((parts, warps)) = key_parts {
             // One tile per warp: every tile of the longest sequence has its warps.
             LaunchConfig {
