@@ -27,61 +27,9 @@ const RESIDENT_NAMES: [[&str; 2]; 2] = [
         "ragged_attn_resident_bf16_d64",
     ],
 ];
-/// Longest sequence the resident kernel takes (RESIDENT_MAX_LEN in the kernel source); longer
-/// batches use the tiled kernel.
-const RESIDENT_MAX_LEN: usize = 256;
-/// Most warps per resident block (RESIDENT_MAX_WARPS in the kernel source), 16 query rows each.
-const RESIDENT_MAX_WARPS: usize = 8;
-
-/// Shared memory of a resident block: K and V rows (head_dim + 8 elements, padded so ldmatrix
-/// is conflict-free) for the longest sequence rounded up to 16 keys.
-fn resident_smem_bytes(max_len: usize, head_dim: usize) -> usize {
-    2 * max_len.next_multiple_of(16) * (head_dim + 8) * 2
-}
-
-/// The resident kernel's key parts (its blockDim.y) and query-tile warps per block for a batch of
-/// `pairs` (sequence, head) pairs of up to `q_tiles` 16-row tiles (and as many 16-key tiles):
-/// several warps share each tile's keys when the whole batch is a small fraction of a wave of
-/// warps (132 SMs × 16 resident warps), as at batch 1, where one warp's chain over all keys is the
-/// kernel's time; otherwise 1 (`None`).
-/// - 8 parts (one tile per block) when they fit in half a wave: DeiT-T and DeiT-S at batch 1
-///   (lever 29, H100: ncu 9.44 → 8.54 µs at 3 heads, 9.31 → 8.86 µs at 6; graph replays
-///   1.01–1.03× faster). Past half a wave each tile re-staging the whole K / V costs more than the
-///   shorter chain saves (12 heads at batch 1: 0.86–0.92× in bench-attention, DeiT-B 0.98–1.00×);
-/// - else 4 parts (two tiles per block) within a wave (lever 16);
-/// - 2 parts were measured too: slower than none at batch 8 with 6 heads.
-///
-/// `max_parts` (`CANDLE_RAGGED_KEY_PARTS`, for A/B): 1 turns parts off, 4 keeps lever 16's rule.
-fn resident_key_parts(
-    pairs: usize,
-    q_tiles: usize,
-    sm_count: usize,
-    max_parts: usize,
-) -> Option<(usize, usize)> {
-    [(8, 8 * sm_count), (KEY_PARTS, 16 * sm_count)]
-        .into_iter()
-        .filter(|&(p, _)| p <= max_parts)
-        .find(|&(p, warps)| q_tiles >= p && pairs * q_tiles * p <= warps)
-        .map(|(p, _)| (p, RESIDENT_MAX_WARPS / p))
-}
-
-/// Warps sharing one query tile's keys in lever 16's split (see [`resident_key_parts`]).
-const KEY_PARTS: usize = 4;
-
-/// Shared memory the key parts' merge adds after K and V: per tile warp, the online-softmax
-/// state (head_dim / 2 accumulators and four row scalars per lane) of every part but the first.
-fn resident_merge_bytes(warps: usize, parts: usize, head_dim: usize) -> usize {
-    warps * (parts - 1) * (head_dim / 2 + 4) * 32 * 4
-}
-
-/// What a key-part launch needs at most (over the splits [`resident_key_parts`] makes).
-fn resident_merge_max_bytes(head_dim: usize) -> usize {
-    [KEY_PARTS, 8]
-        .into_iter()
-        .map(|p| resident_merge_bytes(RESIDENT_MAX_WARPS / p, p, head_dim))
-        .max()
-        .unwrap_or(0)
-}
+use crate::resident_plan::{
+    resident_merge_max_bytes, resident_plan, resident_smem_bytes, RESIDENT_MAX_LEN,
+};
 
 const ATTN_NAMES: [[&str; 3]; 3] = [
     [
@@ -205,7 +153,7 @@ fn kernels(dev: &CudaDevice) -> Result<Arc<Kernels>> {
     let resident_enabled = std::env::var("CANDLE_RAGGED_ATTENTION").as_deref() != Ok("tiled");
     let max_key_parts = match std::env::var("CANDLE_RAGGED_KEY_PARTS").as_deref() {
         Ok("1") => 1,
-        Ok("4") => KEY_PARTS,
+        Ok("4") => 4,
         _ => 8,
     };
     let decide: Vec<CudaFunction> = DECIDE_NAMES
@@ -357,41 +305,19 @@ pub(crate) fn attention(
     let heads_i = heads as i32;
     let scale_log2 = softmax_scale * std::f32::consts::LOG2_E;
     let (func, cfg) = if resident {
-        // One block per (sequence, head) whose warps take two 16-row query tiles each (a block
-        // holds its shared memory until its slowest warp ends, so the tiles must spread evenly);
-        // when the batch would leave SMs idle (about 16 warps fit per SM), two blocks per
-        // (sequence, head) and a tile per warp; when the whole batch is at most about one wave
-        // of warps (batch 1), key parts: 4 warps per tile, each over a quarter of the keys,
-        // merged in shared memory (see the kernel).
-        // `CANDLE_RAGGED_KEY_PARTS=1` keeps one warp per tile (A/B).
-        let pairs = batch.batch_size() * heads;
-        let q_tiles = batch.max_len().div_ceil(16);
-        let key_parts = resident_key_parts(pairs, q_tiles, k.sm_count, k.max_key_parts);
-        let cfg = if let Some((parts, warps)) = key_parts {
-            // One tile per warp: every tile of the longest sequence has its warps.
-            LaunchConfig {
-                grid_dim: (
-                    q_tiles.div_ceil(warps) as u32,
-                    heads as u32,
-                    batch.batch_size() as u32,
-                ),
-                block_dim: ((warps * 32) as u32, parts as u32, 1),
-                shared_mem_bytes: (resident_smem_bytes(batch.max_len(), dim)
-                    + resident_merge_bytes(warps, parts, dim))
-                    as u32,
-            }
-        } else {
-            let warps = q_tiles.div_ceil(2).clamp(1, RESIDENT_MAX_WARPS);
-            let splits = if pairs * warps < 8 * k.sm_count {
-                q_tiles.div_ceil(warps).clamp(1, 2)
-            } else {
-                1
-            };
-            LaunchConfig {
-                grid_dim: (splits as u32, heads as u32, batch.batch_size() as u32),
-                block_dim: ((warps * 32) as u32, 1, 1),
-                shared_mem_bytes: resident_smem_bytes(batch.max_len(), dim) as u32,
-            }
+        // The launch shape (blocks, warps, key parts, shared memory): crate::resident_plan.
+        let plan = resident_plan(
+            batch.batch_size(),
+            heads,
+            batch.max_len(),
+            dim,
+            k.sm_count,
+            k.max_key_parts,
+        );
+        let cfg = LaunchConfig {
+            grid_dim: plan.grid,
+            block_dim: plan.block,
+            shared_mem_bytes: plan.shared_mem_bytes,
         };
         (&k.resident[dtype_index - 1][dim_index], cfg)
     } else {

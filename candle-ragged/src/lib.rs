@@ -41,6 +41,7 @@ mod error;
 pub mod keep;
 mod pack;
 mod reduce;
+mod resident_plan;
 mod scores;
 mod select;
 mod select_rule;

@@ -1,0 +1,185 @@
+//! The launch shape of the resident attention kernel (`kernels/ragged_attention.cu`): how many
+//! blocks, warps per block, key parts and bytes of shared memory a batch gets. Pure host
+//! arithmetic from values the host already knows (batch size, heads, longest sequence, SM
+//! count), kept out of the CUDA module so that its rules are unit-tested on every machine.
+#![cfg_attr(not(feature = "cuda"), allow(dead_code))]
+
+/// Longest sequence the resident kernel takes (RESIDENT_MAX_LEN in the kernel source); longer
+/// batches use the tiled kernel.
+pub(crate) const RESIDENT_MAX_LEN: usize = 256;
+/// Most warps per resident block (RESIDENT_MAX_WARPS in the kernel source), 16 query rows each.
+pub(crate) const RESIDENT_MAX_WARPS: usize = 8;
+/// Warps sharing one query tile's keys in lever 16's split (see [`resident_key_parts`]).
+pub(crate) const KEY_PARTS: usize = 4;
+/// The larger split of lever 29.
+const KEY_PARTS_WIDE: usize = 8;
+
+/// Shared memory of a resident block: K and V rows (head_dim + 8 elements, padded so ldmatrix
+/// is conflict-free) for the longest sequence rounded up to 16 keys.
+pub(crate) fn resident_smem_bytes(max_len: usize, head_dim: usize) -> usize {
+    2 * max_len.next_multiple_of(16) * (head_dim + 8) * 2
+}
+
+/// The resident kernel's key parts (its blockDim.y) and query-tile warps per block for a batch of
+/// `pairs` (sequence, head) pairs of up to `q_tiles` 16-row tiles (and as many 16-key tiles):
+/// several warps share each tile's keys when the whole batch is a small fraction of a wave of
+/// warps (`sm_count` SMs × 16 resident warps), as at batch 1, where one warp's chain over all
+/// keys is the kernel's time; otherwise 1 (`None`).
+/// - 8 parts (one tile per block) when they fit in half a wave: DeiT-T and DeiT-S at batch 1
+///   (lever 29, H100: ncu 9.44 → 8.54 µs at 3 heads, 9.31 → 8.86 µs at 6; graph replays
+///   1.00–1.03× faster). Past half a wave each tile re-staging the whole K / V costs more than the
+///   shorter chain saves (12 heads at batch 1: 0.86–0.92× in bench-attention, DeiT-B 0.98–1.00×);
+/// - else 4 parts (two tiles per block) within a wave (lever 16);
+/// - 2 parts were measured too: slower than none at batch 8 with 6 heads.
+///
+/// `max_parts` (`CANDLE_RAGGED_KEY_PARTS`, for A/B): 1 turns parts off, 4 keeps lever 16's rule.
+pub(crate) fn resident_key_parts(
+    pairs: usize,
+    q_tiles: usize,
+    sm_count: usize,
+    max_parts: usize,
+) -> Option<(usize, usize)> {
+    [(KEY_PARTS_WIDE, 8 * sm_count), (KEY_PARTS, 16 * sm_count)]
+        .into_iter()
+        .filter(|&(p, _)| p <= max_parts)
+        .find(|&(p, warps)| q_tiles >= p && pairs * q_tiles * p <= warps)
+        .map(|(p, _)| (p, RESIDENT_MAX_WARPS / p))
+}
+
+/// Shared memory the key parts' merge adds after K and V: per tile warp, the online-softmax
+/// state (head_dim / 2 accumulators and four row scalars per lane) of every part but the first.
+pub(crate) fn resident_merge_bytes(warps: usize, parts: usize, head_dim: usize) -> usize {
+    warps * (parts - 1) * (head_dim / 2 + 4) * 32 * 4
+}
+
+/// What a key-part launch needs at most (over the splits [`resident_key_parts`] makes): with
+/// [`resident_smem_bytes`] at [`RESIDENT_MAX_LEN`], the opt-in the kernels get when they load.
+pub(crate) fn resident_merge_max_bytes(head_dim: usize) -> usize {
+    [KEY_PARTS, KEY_PARTS_WIDE]
+        .into_iter()
+        .map(|p| resident_merge_bytes(RESIDENT_MAX_WARPS / p, p, head_dim))
+        .max()
+        .unwrap_or(0)
+}
+
+/// One resident launch: CUDA's grid (x, heads, batch) and block (x: warps · 32, y: key parts),
+/// and the dynamic shared memory.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(crate) struct ResidentPlan {
+    pub grid: (u32, u32, u32),
+    pub block: (u32, u32, u32),
+    pub shared_mem_bytes: u32,
+}
+
+/// The launch of a batch of `batch` sequences (the longest `max_len` ≤ [`RESIDENT_MAX_LEN`]
+/// tokens) over `heads` heads of `head_dim` ≤ 64:
+/// - key parts when [`resident_key_parts`] splits (one query tile per warp of a part, so that
+///   every tile of the longest sequence has its warps);
+/// - else one block per (sequence, head) whose warps take two 16-row query tiles each (a block
+///   holds its shared memory until its slowest warp ends, so the tiles must spread evenly), or,
+///   when that would leave SMs idle (about 16 warps fit per SM, so under half a wave), two
+///   blocks per (sequence, head) and a tile per warp.
+pub(crate) fn resident_plan(
+    batch: usize,
+    heads: usize,
+    max_len: usize,
+    head_dim: usize,
+    sm_count: usize,
+    max_parts: usize,
+) -> ResidentPlan {
+    let pairs = batch * heads;
+    let q_tiles = max_len.div_ceil(16);
+    let kv = resident_smem_bytes(max_len, head_dim);
+    if let Some((parts, warps)) = resident_key_parts(pairs, q_tiles, sm_count, max_parts) {
+        return ResidentPlan {
+            grid: (q_tiles.div_ceil(warps) as u32, heads as u32, batch as u32),
+            block: ((warps * 32) as u32, parts as u32, 1),
+            shared_mem_bytes: (kv + resident_merge_bytes(warps, parts, head_dim)) as u32,
+        };
+    }
+    let warps = q_tiles.div_ceil(2).clamp(1, RESIDENT_MAX_WARPS);
+    let splits = if pairs * warps < 8 * sm_count {
+        q_tiles.div_ceil(warps).clamp(1, 2)
+    } else {
+        1
+    };
+    ResidentPlan {
+        grid: (splits as u32, heads as u32, batch as u32),
+        block: ((warps * 32) as u32, 1, 1),
+        shared_mem_bytes: kv as u32,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const H100_SMS: usize = 132;
+
+    fn plan(batch: usize, heads: usize, max_len: usize, max_parts: usize) -> ResidentPlan {
+        resident_plan(batch, heads, max_len, 64, H100_SMS, max_parts)
+    }
+
+    #[test]
+    fn deit_shapes_get_the_measured_splits() {
+        // DeiT-T / DeiT-S at batch 1: 8 parts, one tile per block (lever 29).
+        for heads in [3, 6] {
+            let p = plan(1, heads, 197, 8);
+            assert_eq!((p.block, p.grid), ((32, 8, 1), (13, heads as u32, 1)));
+        }
+        // DeiT-B at batch 1 and DeiT-T at batch 8: 8 parts would pass half a wave, 4 fit.
+        assert_eq!(plan(1, 12, 197, 8).block, (64, 4, 1));
+        assert_eq!(plan(8, 3, 197, 8).block, (64, 4, 1));
+        // `CANDLE_RAGGED_KEY_PARTS=4`: lever 16's split; `=1`: none.
+        assert_eq!(plan(1, 3, 197, 4).block, (64, 4, 1));
+        assert_eq!(plan(1, 3, 197, 1).block.1, 1);
+        // DeiT-S at batch 8 fills more than a wave: no parts, two blocks per (sequence, head).
+        assert_eq!(
+            plan(8, 6, 197, 8),
+            ResidentPlan {
+                grid: (2, 6, 8),
+                block: (7 * 32, 1, 1),
+                shared_mem_bytes: resident_smem_bytes(197, 64) as u32,
+            }
+        );
+        // Batch 256: one block of 7 warps per (sequence, head).
+        assert_eq!(plan(256, 12, 197, 8).grid, (1, 12, 256));
+        assert_eq!(plan(256, 12, 197, 8).block, (7 * 32, 1, 1));
+    }
+
+    /// For every batch the kernel takes: every query tile of the longest sequence has a warp,
+    /// the parts never outnumber the key tiles, and the shared memory stays within what the
+    /// kernels opt into when they load (and under the H100's 227 KB per block).
+    #[test]
+    fn every_plan_covers_its_tiles_within_the_opt_in() {
+        for head_dim in [32, 64] {
+            let opt_in = resident_smem_bytes(RESIDENT_MAX_LEN, head_dim)
+                + resident_merge_max_bytes(head_dim);
+            assert!(opt_in <= 227 * 1024, "opt-in {opt_in} bytes");
+            for max_parts in [1, 4, 8] {
+                for batch in [1, 2, 3, 8, 64, 256] {
+                    for heads in [1, 3, 6, 12, 16] {
+                        for max_len in [1, 2, 15, 16, 17, 63, 64, 65, 129, 197, 255, 256] {
+                            let p =
+                                resident_plan(batch, heads, max_len, head_dim, H100_SMS, max_parts);
+                            let q_tiles = max_len.div_ceil(16) as u32;
+                            let (warps, parts) = (p.block.0 / 32, p.block.1);
+                            assert!((1..=RESIDENT_MAX_WARPS as u32).contains(&(warps * parts)));
+                            assert!(parts as usize <= max_parts);
+                            let what = format!("batch {batch} heads {heads} len {max_len} d {head_dim} max {max_parts}: {p:?}");
+                            if parts > 1 {
+                                assert!(p.grid.0 * warps >= q_tiles, "{what}");
+                                assert!(parts <= q_tiles, "{what}");
+                            } else {
+                                // Tiles warp, warp + warps · splits, ...: all reached.
+                                assert!(p.grid.0 >= 1 && p.grid.0 <= 2, "{what}");
+                            }
+                            assert_eq!((p.grid.1, p.grid.2), (heads as u32, batch as u32));
+                            assert!(p.shared_mem_bytes as usize <= opt_in, "{what}");
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
