@@ -28,7 +28,7 @@ const RESIDENT_NAMES: [[&str; 2]; 2] = [
     ],
 ];
 use crate::resident_plan::{
-    resident_merge_max_bytes, resident_plan, resident_smem_bytes, RESIDENT_MAX_LEN,
+    resident_merge_max_bytes, resident_plan, resident_smem_bytes, KEY_PARTS, RESIDENT_MAX_LEN,
 };
 
 const ATTN_NAMES: [[&str; 3]; 3] = [
@@ -153,7 +153,7 @@ fn kernels(dev: &CudaDevice) -> Result<Arc<Kernels>> {
     let resident_enabled = std::env::var("CANDLE_RAGGED_ATTENTION").as_deref() != Ok("tiled");
     let max_key_parts = match std::env::var("CANDLE_RAGGED_KEY_PARTS").as_deref() {
         Ok("1") => 1,
-        Ok("4") => 4,
+        Ok("4") => KEY_PARTS,
         _ => 8,
     };
     let decide: Vec<CudaFunction> = DECIDE_NAMES
