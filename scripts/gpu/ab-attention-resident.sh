@@ -34,15 +34,8 @@ if has checks; then
   echo "== racecheck test-attention (k32b3)" >> "$C"
   CANDLE_RAGGED_RESIDENT=k32b3 compute-sanitizer --tool racecheck --error-exitcode 9 $B/test-attention --test-threads=1 key_parts resident_and_tiled 2>&1 | grep -E "RACECHECK SUMMARY|ERROR SUMMARY|test result" >> "$C"
 fi
-if has attn; then
-  for r in 1 2; do
-    for a in $ARMS; do
-      env $(var $a) $B/bench-attention ${ATTN_ARGS:---heads 3,6,12 --batch 8,64,256 --keep 1.0,0.7,0.5 --dtype f16,bf16} --out "$out/attn-$a-$r.json" > /dev/null 2>&1
-      echo "bench-attention $a round $r rc=$?" >> "$C"
-    done
-  done
-  python3 scripts/gpu/ab_ratios.py --attn "$out/attn" $ARMS >> "$C"
-fi
+attn_run() { env $(var $1) $B/bench-attention ${ATTN_ARGS:---heads 3,6,12 --batch 8,64,256 --keep 1.0,0.7,0.5 --dtype f16,bf16} --out "$2"; }
+has attn && ab_rounds attn attn_run --attn
 if has ncu; then
   for a in $ARMS; do
     echo "== ncu $a (12 heads, batch 256, keep 0.7, f16)" >> "$C"
@@ -52,14 +45,7 @@ if has ncu; then
       | grep -E "gpu__time|warps_active|registers|occupancy_limit|long_scoreboard|inst_executed" >> "$C"
   done
 fi
-if has e2e; then
-  for r in 1 2; do
-    for a in $ARMS; do
-      env $(var $a) $B/bench --device cuda --models deit-tiny,deit-small,deit-base --dtype f16 --batch 64,256 --pruners none,threshold-l2-fixed,evit-fixed --paths ragged --reps 10 --out "$out/e2e-$a-$r.json" > /dev/null 2>&1
-      echo "e2e $a round $r rc=$?" >> "$C"
-    done
-  done
-  python3 scripts/gpu/ab_ratios.py "$out/e2e" $ARMS >> "$C"
-fi
-(cd "$out" && ls attn-*.json e2e-*.json >/dev/null 2>&1 && tar czf attention-resident-json.tgz attn-*.json e2e-*.json 2>/dev/null && rm -f attn-*.json e2e-*.json)
+e2e_run() { env $(var $1) $B/bench --device cuda --models deit-tiny,deit-small,deit-base --dtype f16 --batch 64,256 --pruners none,threshold-l2-fixed,evit-fixed --paths ragged --reps 10 --out "$2"; }
+has e2e && ab_rounds e2e e2e_run
+pack attention-resident-json.tgz 'attn-*.json' 'e2e-*.json'
 cat "$C"

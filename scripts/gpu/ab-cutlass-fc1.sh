@@ -39,6 +39,6 @@ if has e2e; then
     done
   done
   python3 scripts/gpu/ab_ratios.py "$out/e2e" off on >> "$C"
-  (cd "$out" && tar czf e2e-json.tgz e2e-*.json && rm -f e2e-*.json)
+  pack e2e-json.tgz 'e2e-*.json'
 fi
 cat "$C"

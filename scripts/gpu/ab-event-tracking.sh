@@ -41,5 +41,5 @@ for k in sorted(on):
     print(*k, "|", f"{on[k]:.2f} {off[k]:.2f}", "|", f"{on[k] / off[k]:.2f}", "|", f"{off[k] / aff_on:.2f}")
 PY
 python3 scripts/gpu/ab_ratios.py "$out/e2e" true false >> "$C"
-(cd "$out" && tar czf json.tgz attn-*.json e2e-*.json && rm -f attn-*.json e2e-*.json)
+pack json.tgz 'attn-*.json' 'e2e-*.json'
 cat "$C"

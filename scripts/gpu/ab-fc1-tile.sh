@@ -38,16 +38,8 @@ print(f"  {len(t)} launches, mean {sum(t) / len(t) / 1000:.1f} us; registers {re
     done
   done
 fi
-if has e2e; then
-  for r in 1 2; do
-    for a in $ARMS; do
-      CANDLE_FASTPATH_CUTLASS_TILE=$a $B/bench --device cuda --models deit-small,deit-base --dtype f16 --batch 64,256 --pruners none,threshold-l2-fixed --paths ragged --reps 10 --out "$out/e2e-$a-$r.json" > /dev/null 2>&1
-      echo "e2e $a round $r rc=$?" >> "$C"
-    done
-  done
-  python3 scripts/gpu/ab_ratios.py "$out/e2e" $ARMS >> "$C"
-  (cd "$out" && tar czf fc1-tile-e2e-json.tgz e2e-*.json && rm -f e2e-*.json)
-fi
+e2e_run() { CANDLE_FASTPATH_CUTLASS_TILE=$1 $B/bench --device cuda --models deit-small,deit-base --dtype f16 --batch 64,256 --pruners none,threshold-l2-fixed --paths ragged --reps 10 --out "$2"; }
+has e2e && ab_rounds e2e e2e_run && pack fc1-tile-e2e-json.tgz 'e2e-*.json'
 if has checks; then
   for a in $ARMS; do
     [ "$a" = base ] && continue

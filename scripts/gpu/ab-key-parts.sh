@@ -28,15 +28,8 @@ if has checks; then
   CANDLE_RAGGED_KEY_PARTS=8 compute-sanitizer --tool memcheck --error-exitcode 9 $B/test-attention --test-threads=1 key_parts negative_and_zero 2>&1 | grep -E "ERROR SUMMARY|test result" >> "$C"
   CANDLE_RAGGED_KEY_PARTS=8 compute-sanitizer --tool racecheck --error-exitcode 9 $B/test-attention --test-threads=1 key_parts 2>&1 | grep -E "RACECHECK SUMMARY|ERROR SUMMARY|test result" >> "$C"
 fi
-if has attn; then
-  for r in 1 2; do
-    for a in $ARMS; do
-      CANDLE_RAGGED_KEY_PARTS=$a $B/bench-attention --heads 3,6,12 --batch 1,8 --keep 1.0,0.7 --dtype f16,bf16 --host-calls 200 --out "$out/attn-$a-$r.json" > /dev/null 2>&1
-      echo "bench-attention $a round $r rc=$?" >> "$C"
-    done
-  done
-  python3 scripts/gpu/ab_ratios.py --attn "$out/attn" $ARMS >> "$C"
-fi
+attn_run() { CANDLE_RAGGED_KEY_PARTS=$1 $B/bench-attention --heads 3,6,12 --batch 1,8 --keep 1.0,0.7 --dtype f16,bf16 --host-calls 200 --out "$2"; }
+has attn && ab_rounds attn attn_run --attn
 if has ncu; then
   for a in $ARMS; do
     for h in 3 6 12; do
@@ -48,14 +41,7 @@ if has ncu; then
     done
   done
 fi
-if has e2e; then
-  for r in 1 2; do
-    for a in $ARMS; do
-      CANDLE_RAGGED_KEY_PARTS=$a $B/bench --device cuda --models deit-tiny,deit-small,deit-base --dtype f16 --batch 1,8 --pruners none,threshold-l2-fixed,evit-fixed --paths ragged --reps 10 --out "$out/e2e-$a-$r.json" > /dev/null 2>&1
-      echo "e2e $a round $r rc=$?" >> "$C"
-    done
-  done
-  python3 scripts/gpu/ab_ratios.py "$out/e2e" $ARMS >> "$C"
-fi
-(cd "$out" && files=$(ls attn-*.json e2e-*.json 2>/dev/null || true) && [ -n "$files" ] && tar czf key-parts-json.tgz $files && rm -f $files)
+e2e_run() { CANDLE_RAGGED_KEY_PARTS=$1 $B/bench --device cuda --models deit-tiny,deit-small,deit-base --dtype f16 --batch 1,8 --pruners none,threshold-l2-fixed,evit-fixed --paths ragged --reps 10 --out "$2"; }
+has e2e && ab_rounds e2e e2e_run
+pack key-parts-json.tgz 'attn-*.json' 'e2e-*.json'
 cat "$C"

@@ -66,7 +66,7 @@ if has e2e; then
     done
   done
   python3 scripts/gpu/ab_ratios.py "$out/e2e" old ln lnphi all >> "$C"
-  (cd "$out" && tar czf e2e-json.tgz e2e-*.json && rm -f e2e-*.json)
+  pack e2e-json.tgz 'e2e-*.json'
 fi
 if has ncu; then
   for a in old all; do

@@ -56,16 +56,11 @@ if has checks; then
   PATHS_DEVICE=cuda PATHS_MODELS=deit-tiny PATHS_BATCH=8 $B/test-paths_agreement --ignored --test-threads=1 > "$out/paths-t.log" 2>&1; echo "paths T rc=$?" >> "$C"
   grep -hE "test result" "$out"/paths-*.log >> "$C"
 fi
-if has attn; then
-  for r in 1 2; do
-    for a in prev new; do
-      bin=$B/bench-attention; [ $a = prev ] && bin=$B/bench-attention-prev
-      $bin ${ATTN_ARGS:---heads 12,6,3 --batch 1,8,64,256 --keep 1.0,0.7 --dtype f16 --host-calls 200} --out "$out/attn-$a-$r.json" > /dev/null 2>&1
-      echo "bench-attention $a round $r rc=$?" >> "$C"
-    done
-  done
-  python3 scripts/gpu/ab_ratios.py --attn "$out/attn" prev new >> "$C"
-fi
+attn_run() {
+  local bin=$B/bench-attention; [ $1 = prev ] && bin=$B/bench-attention-prev
+  $bin ${ATTN_ARGS:---heads 12,6,3 --batch 1,8,64,256 --keep 1.0,0.7 --dtype f16 --host-calls 200} --out "$2"
+}
+has attn && ARMS="prev new" ab_rounds attn attn_run --attn
 if has ncu; then
   for s in ${NCU_ARMS:-off 64x128 64x64}; do
     for b in ${NCU_BATCH:-1 8}; do
@@ -82,17 +77,11 @@ if has ncu; then
       | grep -E "gpu__time|warps_active|registers|inst_executed|long_scoreboard|pipe" >> "$C"
   done
 fi
-if has e2e; then
-  for r in 1 2; do
-    for a in prev l28 s64 s128; do
-      bin=$B/bench; v="X=1"
-      case $a in prev) bin=$B/bench-prev;; l28) v="CANDLE_FASTPATH_CUTLASS_SMALL=off";; s64) v="CANDLE_FASTPATH_CUTLASS_SMALL=64x64";; esac
-      env $v $bin --device cuda ${E2E_ARGS:---models deit-tiny,deit-small,deit-base --batch 1,8,64,256} --dtype f16 --pruners none,threshold-l2-fixed,evit-fixed --paths ragged --reps 10 --out "$out/e2e-$a-$r.json" > /dev/null 2>&1
-      echo "e2e $a round $r rc=$?" >> "$C"
-    done
-  done
-  python3 scripts/gpu/ab_ratios.py "$out/e2e" prev l28 s64 s128 >> "$C"
-fi
-(cd "$out" && files=$(ls attn-*.json e2e-*.json paths-*.log 2>/dev/null || true) && [ -n "$files" ] \
-  && tar czf "levers-27-28-${stages// /-}.tgz" $files && rm -f $files)
+e2e_run() {
+  local bin=$B/bench v="X=1"
+  case $1 in prev) bin=$B/bench-prev;; l28) v="CANDLE_FASTPATH_CUTLASS_SMALL=off";; s64) v="CANDLE_FASTPATH_CUTLASS_SMALL=64x64";; esac
+  env $v $bin --device cuda ${E2E_ARGS:---models deit-tiny,deit-small,deit-base --batch 1,8,64,256} --dtype f16 --pruners none,threshold-l2-fixed,evit-fixed --paths ragged --reps 10 --out "$2"
+}
+has e2e && ARMS="prev l28 s64 s128" ab_rounds e2e e2e_run
+pack "levers-27-28-${stages// /-}.tgz" 'attn-*.json' 'e2e-*.json' 'paths-*.log'
 cat "$C"

@@ -49,5 +49,5 @@ if has ncu; then
     done
   done
 fi
-(cd "$out" && ls patchify-*.json >/dev/null 2>&1 && tar czf patchify-json.tgz patchify-*.json && rm -f patchify-*.json)
+pack patchify-json.tgz 'patchify-*.json'
 cat "$C"

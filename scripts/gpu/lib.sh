@@ -22,3 +22,30 @@ unpack() {
 
 # has STAGE: whether the space-separated $stages names STAGE.
 has() { [[ " $stages " == *" $1 "* ]]; }
+
+# ab_rounds NAME RUN [ab_ratios.py flags]: two rounds with the arms of $ARMS interleaved, each run
+# being `RUN ARM JSON` (a function of the script) into $out/NAME-ARM-ROUND.json, its exit status
+# logged to $C; then ab_ratios.py's per-row table of the arms (first arm / arm) into $C.
+ab_rounds() {
+  local name=$1 run=$2 r a
+  shift 2
+  for r in 1 2; do
+    for a in $ARMS; do
+      "$run" "$a" "$out/$name-$a-$r.json" > /dev/null 2>&1
+      echo "$name $a round $r rc=$?" >> "$C"
+    done
+  done
+  python3 scripts/gpu/ab_ratios.py "$@" "$out/$name" $ARMS >> "$C"
+}
+
+# pack ARCHIVE PATTERN...: the files of $out matching the patterns, packed into $out/ARCHIVE and
+# removed (the device tool returns at most 8 files). Patterns that match nothing are skipped; with
+# no file at all nothing is written.
+pack() {
+  local archive=$1 files
+  shift
+  files=$(cd "$out" && for p in "$@"; do compgen -G "$p"; done)
+  [ -n "$files" ] || return 0
+  # shellcheck disable=SC2086  # file names from $out: no spaces
+  (cd "$out" && tar czf "$archive" $files && rm -f $files)
+}
