@@ -540,10 +540,16 @@ __device__ __forceinline__ void pack_rows(const VEC *__restrict__ x, VEC *__rest
                                           const uint32_t *__restrict__ positions, int batch, long long x_b, long long x_n,
                                           int row_vecs) {
     const uint32_t t = blockIdx.x;
+    VEC *dst = out + static_cast<long long>(t) * row_vecs;
+    if (t >= cu_seqlens[batch]) {  // spare capacity of a device-lengths batch: zeros
+        VEC zero;
+        memset(&zero, 0, sizeof(VEC));
+        for (int i = threadIdx.x; i < row_vecs; i += blockDim.x) dst[i] = zero;
+        return;
+    }
     const int b = sequence_of(cu_seqlens, batch, t);
     const uint32_t pos = positions ? positions[t] : t - cu_seqlens[b];
     const VEC *src = x + b * x_b + pos * x_n;
-    VEC *dst = out + static_cast<long long>(t) * row_vecs;
     for (int i = threadIdx.x; i < row_vecs; i += blockDim.x) dst[i] = src[i];
 }
 
@@ -1259,7 +1265,8 @@ __device__ void select_gather(const T *__restrict__ x, const uint32_t *__restric
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
     if ((int)blockIdx.x < row_blocks) {
         const int row = blockIdx.x * warps + warp;
-        if (row >= total) return;
+        // Rows past cu[batch] (a device-lengths batch's spare capacity) have no plan entry.
+        if (row >= total || row >= (int)cu[batch]) return;
         const int s = slot[row];
         if (s < 0) return;
         int lo = 0, hi = batch;  // the last b with cu[b] <= row
@@ -1330,6 +1337,48 @@ __device__ void select_gather(const T *__restrict__ x, const uint32_t *__restric
 RULE_ENTRIES(f32, float)
 RULE_ENTRIES(f16, __half)
 RULE_ENTRIES(bf16, __nv_bfloat16)
+
+// select_by_rule_bounded's middle kernel: cu[0] = 0, cu[b + 1] = lengths[0] + ... + lengths[b]
+// (the plan's leading B entries), in one block of OFFSETS_THREADS threads; chunks of that many
+// lengths, each scanned with warp shuffles, carried over in order.
+#define OFFSETS_THREADS 1024
+extern "C" __global__ void __launch_bounds__(OFFSETS_THREADS)
+    ragged_lengths_to_offsets(const uint32_t *__restrict__ lengths, uint32_t *__restrict__ cu, int batch) {
+    __shared__ uint32_t warp_sums[OFFSETS_THREADS / 32];
+    __shared__ uint32_t carry;
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    if (threadIdx.x == 0) {
+        carry = 0;
+        cu[0] = 0;
+    }
+    __syncthreads();
+    for (int base = 0; base < batch; base += OFFSETS_THREADS) {
+        const int i = base + threadIdx.x;
+        uint32_t v = i < batch ? lengths[i] : 0;
+#pragma unroll
+        for (int d = 1; d < 32; d <<= 1) {
+            const uint32_t u = __shfl_up_sync(0xffffffffu, v, d);
+            if (lane >= d) v += u;
+        }
+        if (lane == 31) warp_sums[w] = v;
+        __syncthreads();
+        if (w == 0) {
+            uint32_t s = warp_sums[lane];
+#pragma unroll
+            for (int d = 1; d < 32; d <<= 1) {
+                const uint32_t u = __shfl_up_sync(0xffffffffu, s, d);
+                if (lane >= d) s += u;
+            }
+            warp_sums[lane] = s;  // inclusive sums of the warps
+        }
+        __syncthreads();
+        const uint32_t before = carry + (w > 0 ? warp_sums[w - 1] : 0);
+        if (i < batch) cu[i + 1] = before + v;
+        __syncthreads();  // every thread has read carry and warp_sums
+        if (threadIdx.x == 0) carry += warp_sums[OFFSETS_THREADS / 32 - 1];
+        __syncthreads();
+    }
+}
 
 // ---------------------------------------------------------------------------------------------
 // Per-sequence mean rows (sequence_mean): block (b, y) averages columns 32y..32y+31 of sequence

@@ -182,13 +182,13 @@ impl CustomOp3 for RaggedAttention<'_> {
         let shape = l1.shape().clone();
         let storage = match (s1, s2, s3) {
             (CpuStorage::F32(q), CpuStorage::F32(k), CpuStorage::F32(v)) => {
-                CpuStorage::F32(self.cpu_attention(q, l1, k, l2, v, l3))
+                CpuStorage::F32(self.cpu_attention(q, l1, k, l2, v, l3)?)
             }
             (CpuStorage::F16(q), CpuStorage::F16(k), CpuStorage::F16(v)) => {
-                CpuStorage::F16(self.cpu_attention(q, l1, k, l2, v, l3))
+                CpuStorage::F16(self.cpu_attention(q, l1, k, l2, v, l3)?)
             }
             (CpuStorage::BF16(q), CpuStorage::BF16(k), CpuStorage::BF16(v)) => {
-                CpuStorage::BF16(self.cpu_attention(q, l1, k, l2, v, l3))
+                CpuStorage::BF16(self.cpu_attention(q, l1, k, l2, v, l3)?)
             }
             _ => {
                 use candle_core::backend::BackendStorage;
@@ -231,7 +231,7 @@ impl RaggedAttention<'_> {
         lk: &Layout,
         v: &[T],
         lv: &Layout,
-    ) -> Vec<T> {
+    ) -> candle_core::Result<Vec<T>> {
         let (_total, heads, dim) = lq.shape().dims3().expect("validated rank 3");
         let at = |l: &Layout| {
             let s = l.stride();
@@ -241,43 +241,37 @@ impl RaggedAttention<'_> {
         let scale = self.softmax_scale;
         let row_len = heads * dim;
         let mut out = vec![T::from_f32(0.0); self.batch.total_tokens() * row_len];
-        for_each_sequence(
-            &mut out,
-            self.batch.offsets(),
-            row_len,
-            |start, len, out_rows| {
-                // One head's [len, dim] result per task, written back below.
-                let per_head: Vec<Vec<f32>> = (0..heads)
-                    .into_par_iter()
-                    .map(|h| {
-                        // This sequence's rows of head `h` in each operand.
-                        let rows =
-                            |data, (first, row_stride, head_stride): (usize, usize, usize)| {
-                                HeadRows {
-                                    data,
-                                    first: first + start * row_stride + h * head_stride,
-                                    stride: row_stride,
-                                }
-                            };
-                        attend_one_head_dispatch(
-                            rows(q, qa),
-                            rows(k, ka),
-                            rows(v, va),
-                            (len, dim, scale),
-                        )
-                    })
-                    .collect();
-                for (h, res) in per_head.iter().enumerate() {
-                    for i in 0..len {
-                        let o = &mut out_rows[i * row_len + h * dim..i * row_len + (h + 1) * dim];
-                        for (o, &r) in o.iter_mut().zip(&res[i * dim..(i + 1) * dim]) {
-                            *o = T::from_f32(r);
-                        }
+        let offsets = self.batch.offsets()?;
+        for_each_sequence(&mut out, &offsets, row_len, |start, len, out_rows| {
+            // One head's [len, dim] result per task, written back below.
+            let per_head: Vec<Vec<f32>> = (0..heads)
+                .into_par_iter()
+                .map(|h| {
+                    // This sequence's rows of head `h` in each operand.
+                    let rows =
+                        |data, (first, row_stride, head_stride): (usize, usize, usize)| HeadRows {
+                            data,
+                            first: first + start * row_stride + h * head_stride,
+                            stride: row_stride,
+                        };
+                    attend_one_head_dispatch(
+                        rows(q, qa),
+                        rows(k, ka),
+                        rows(v, va),
+                        (len, dim, scale),
+                    )
+                })
+                .collect();
+            for (h, res) in per_head.iter().enumerate() {
+                for i in 0..len {
+                    let o = &mut out_rows[i * row_len + h * dim..i * row_len + (h + 1) * dim];
+                    for (o, &r) in o.iter_mut().zip(&res[i * dim..(i + 1) * dim]) {
+                        *o = T::from_f32(r);
                     }
                 }
-            },
-        );
-        out
+            }
+        });
+        Ok(out)
     }
 }
 

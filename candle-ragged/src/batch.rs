@@ -5,6 +5,8 @@
 //! (FlashAttention's varlen convention). The description is validated once, when it is built; the
 //! ops that take it then only compare sizes the host already knows, so no call waits on the GPU.
 
+use std::borrow::Cow;
+
 use crate::error::{RaggedError, Result};
 use candle_core::{DType, Device, Tensor};
 
@@ -19,10 +21,21 @@ pub const MAX_SEQ_LEN: usize = 2048;
 /// the same offsets, and, when the batch was built from kept token positions, `positions`
 /// (`[total]`, u32, on the device): for each packed row, the position inside its image that the
 /// token came from. [`crate::pack`] gathers with it and [`crate::unpack`] scatters back with it.
+///
+/// A batch made by [`crate::select_by_rule_bounded`] has its lengths **on the device only**
+/// ([`RaggedBatch::lengths_on_host`] is false): the host knows the batch size, an upper bound of
+/// every length ([`RaggedBatch::max_len`]) and the rows of its packed tensors
+/// ([`RaggedBatch::total_tokens`], a capacity); rows past `cu_seqlens[B]` belong to no sequence
+/// and hold unspecified values. Every op launches from those host values alone, so a forward over
+/// such batches never waits on the GPU and can be captured into a CUDA graph.
 #[derive(Debug, Clone)]
 pub struct RaggedBatch {
     cu_seqlens: Tensor,
-    offsets: Vec<u32>,
+    /// Host copy of `cu_seqlens`; `None` when the lengths live on the device only.
+    offsets: Option<Vec<u32>>,
+    batch_size: usize,
+    /// Rows of the packed tensors: the total, or the capacity of a device-lengths batch.
+    rows: usize,
     positions: Option<Tensor>,
     /// One past the largest source position (unused when `positions` is `None`: `max_len` bounds it).
     position_bound: usize,
@@ -46,13 +59,48 @@ impl RaggedBatch {
         let offsets = offsets_from_lengths(lengths, allow_empty)?;
         let max_len = lengths.iter().copied().max().unwrap_or(0);
         let cu_seqlens = Tensor::from_slice(&offsets, offsets.len(), device)?;
-        Ok(Self {
+        Ok(Self::known(cu_seqlens, offsets, None, 0, max_len))
+    }
+
+    /// A batch whose host copy of the offsets is `offsets` (validated by the caller).
+    fn known(
+        cu_seqlens: Tensor,
+        offsets: Vec<u32>,
+        positions: Option<Tensor>,
+        position_bound: usize,
+        max_len: usize,
+    ) -> Self {
+        let batch_size = offsets.len() - 1;
+        let rows = *offsets.last().unwrap_or(&0) as usize;
+        Self {
             cu_seqlens,
-            offsets,
+            offsets: Some(offsets),
+            batch_size,
+            rows,
+            positions,
+            position_bound,
+            max_len,
+        }
+    }
+
+    /// A batch whose lengths live on the device only: `cu_seqlens` (`[batch_size + 1]`, u32)
+    /// must start at 0, never decrease, end at most at `rows`, and hold no sequence longer than
+    /// `max_len` nor empty — the kernel that wrote it guarantees that, nothing here checks it.
+    pub(crate) fn with_device_lengths(
+        cu_seqlens: Tensor,
+        batch_size: usize,
+        rows: usize,
+        max_len: usize,
+    ) -> Self {
+        Self {
+            cu_seqlens,
+            offsets: None,
+            batch_size,
+            rows,
             positions: None,
             position_bound: 0,
             max_len,
-        })
+        }
     }
 
     /// A batch from kept token positions: `indices[b]` lists, strictly increasing, the positions of
@@ -87,13 +135,13 @@ impl RaggedBatch {
         let max_len = lengths.iter().copied().max().unwrap_or(0);
         let cu_seqlens = Tensor::from_slice(&offsets, offsets.len(), device)?;
         let positions = Tensor::from_slice(&flat, flat.len(), device)?;
-        Ok(Self {
+        Ok(Self::known(
             cu_seqlens,
             offsets,
-            positions: Some(positions),
+            Some(positions),
             position_bound,
             max_len,
-        })
+        ))
     }
 
     /// A batch from a `[batch, tokens]` keep mask (any dtype; non-zero means kept). This reads the
@@ -138,13 +186,7 @@ impl RaggedBatch {
             .map(|w| (w[1] - w[0]) as usize)
             .max()
             .unwrap_or(0);
-        Ok(Self {
-            cu_seqlens: cu_seqlens.clone(),
-            offsets,
-            positions: None,
-            position_bound: 0,
-            max_len,
-        })
+        Ok(Self::known(cu_seqlens.clone(), offsets, None, 0, max_len))
     }
 
     /// `cu_seqlens`, `[batch + 1]`, u32, on the device of the packed tensors.
@@ -152,9 +194,25 @@ impl RaggedBatch {
         &self.cu_seqlens
     }
 
-    /// Host copy of `cu_seqlens`.
-    pub fn offsets(&self) -> &[u32] {
-        &self.offsets
+    /// `cu_seqlens` on the host: the host copy, or, for a batch whose lengths live on the device
+    /// only, read back (a host sync on CUDA).
+    pub fn offsets(&self) -> Result<Cow<'_, [u32]>> {
+        match &self.offsets {
+            Some(o) => Ok(Cow::Borrowed(o)),
+            None => Ok(Cow::Owned(self.cu_seqlens.to_vec1::<u32>()?)),
+        }
+    }
+
+    /// The host copy of `cu_seqlens`, without reading anything back (`None` for a batch whose
+    /// lengths live on the device only).
+    pub fn host_offsets(&self) -> Option<&[u32]> {
+        self.offsets.as_deref()
+    }
+
+    /// Whether the host knows every length (false for a batch made by
+    /// [`crate::select_by_rule_bounded`]).
+    pub fn lengths_on_host(&self) -> bool {
+        self.offsets.is_some()
     }
 
     /// Source positions of the packed rows (`[total]`, u32), when built from kept positions.
@@ -163,23 +221,27 @@ impl RaggedBatch {
     }
 
     pub fn batch_size(&self) -> usize {
-        self.offsets.len() - 1
+        self.batch_size
     }
 
+    /// Rows of the packed tensors of this batch: the sum of the lengths, or, when the lengths
+    /// live on the device only, the capacity (rows past `cu_seqlens[B]` belong to no sequence).
     pub fn total_tokens(&self) -> usize {
-        *self.offsets.last().expect("offsets hold at least [0]") as usize
+        self.rows
     }
 
+    /// The longest sequence, or an upper bound of it when the lengths live on the device only.
     pub fn max_len(&self) -> usize {
         self.max_len
     }
 
-    /// Length of each sequence.
-    pub fn lengths(&self) -> Vec<usize> {
-        self.offsets
+    /// Length of each sequence (read back when the lengths live on the device only).
+    pub fn lengths(&self) -> Result<Vec<usize>> {
+        Ok(self
+            .offsets()?
             .windows(2)
             .map(|w| (w[1] - w[0]) as usize)
-            .collect()
+            .collect())
     }
 
     /// The device `cu_seqlens` lives on.
@@ -207,6 +269,8 @@ impl RaggedBatch {
                 .map(|p| p.to_device(device))
                 .transpose()?,
             offsets: self.offsets.clone(),
+            batch_size: self.batch_size,
+            rows: self.rows,
             position_bound: self.position_bound,
             max_len: self.max_len,
         })
@@ -254,10 +318,10 @@ mod tests {
     #[test]
     fn lengths_give_prefix_sums() {
         let b = RaggedBatch::from_lengths(&[3, 1, 5], &Device::Cpu).unwrap();
-        assert_eq!(b.offsets(), &[0, 3, 4, 9]);
+        assert_eq!(&*b.offsets().unwrap(), &[0, 3, 4, 9]);
         assert_eq!(b.cu_seqlens().to_vec1::<u32>().unwrap(), vec![0, 3, 4, 9]);
         assert_eq!((b.batch_size(), b.total_tokens(), b.max_len()), (3, 9, 5));
-        assert_eq!(b.lengths(), vec![3, 1, 5]);
+        assert_eq!(b.lengths().unwrap(), vec![3, 1, 5]);
     }
 
     #[test]
@@ -271,7 +335,7 @@ mod tests {
             Err(RaggedError::EmptySequence { index: 1 })
         ));
         let b = RaggedBatch::from_lengths_allowing_empty(&[2, 0, 1], &Device::Cpu).unwrap();
-        assert_eq!(b.offsets(), &[0, 2, 2, 3]);
+        assert_eq!(&*b.offsets().unwrap(), &[0, 2, 2, 3]);
     }
 
     #[test]
@@ -314,8 +378,8 @@ mod tests {
         let mask = Tensor::new(&[[1u8, 0, 1, 1], [0, 1, 0, 0]], &dev).unwrap();
         let from_mask = RaggedBatch::from_keep_mask(&mask).unwrap();
         let from_idx = RaggedBatch::from_keep_indices(&[vec![0, 2, 3], vec![1]], 4, &dev).unwrap();
-        assert_eq!(from_mask.offsets(), from_idx.offsets());
-        assert_eq!(from_mask.offsets(), &[0, 3, 4]);
+        assert_eq!(from_mask.offsets().unwrap(), from_idx.offsets().unwrap());
+        assert_eq!(&*from_mask.offsets().unwrap(), &[0, 3, 4]);
         let pos = from_mask.positions().unwrap().to_vec1::<u32>().unwrap();
         assert_eq!(pos, vec![0, 2, 3, 1]);
         assert_eq!(from_mask.min_tokens_per_image(), 4);

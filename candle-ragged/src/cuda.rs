@@ -105,6 +105,7 @@ struct Kernels {
     pack: Vec<CudaFunction>,
     unpack: Vec<CudaFunction>,
     mean: Vec<CudaFunction>,
+    offsets: CudaFunction,
 }
 
 static LOADED: Mutex<Vec<(DeviceId, Arc<Kernels>)>> = Mutex::new(Vec::new());
@@ -191,6 +192,7 @@ fn kernels(dev: &CudaDevice) -> Result<Arc<Kernels>> {
             .map(|n| load(n))
             .collect::<Result<_>>()?,
         mean: MEAN_NAMES.iter().map(|n| load(n)).collect::<Result<_>>()?,
+        offsets: load("ragged_lengths_to_offsets")?,
     });
     loaded.push((dev.id(), k.clone()));
     Ok(k)
@@ -438,9 +440,12 @@ pub(crate) fn pack(
     Ok((storage, shape))
 }
 
+/// [`crate::unpack`] (`use_positions`: scatter to the batch's positions when it has them) and
+/// [`crate::leading_rows`] (`false`: the leading rows of each sequence, in packed order).
 pub(crate) fn unpack(
     batch: &RaggedBatch,
     tokens: usize,
+    use_positions: bool,
     s: &CudaStorage,
     l: &Layout,
 ) -> Result<(CudaStorage, Shape)> {
@@ -459,13 +464,14 @@ pub(crate) fn unpack(
         tokens as i32,
         bsz as i32,
     );
-    let scatter = batch.positions().is_some();
+    let positions = batch.positions().filter(|_| use_positions);
+    let scatter = positions.is_some();
     // With positions, blocks walk packed rows over a zeroed output; without, they walk output rows.
     let rows = if scatter { total } else { bsz * tokens };
     let k = kernels(dev)?;
     let (cu_storage, cu_off) = u32_storage(batch.cu_seqlens());
     let cu = cuda_u32(&cu_storage)?.slice(cu_off..);
-    let pos_guard = batch.positions().map(u32_storage);
+    let pos_guard = positions.map(u32_storage);
     let cfg = LaunchConfig {
         grid_dim: (rows as u32, 1, 1),
         block_dim: ((row_vecs as u32).clamp(32, 256).next_multiple_of(32), 1, 1),
@@ -823,4 +829,37 @@ pub(crate) fn sequence_mean(
     }
     let out = by_float_dtype!(s.dtype(), "sequence_mean", run);
     Ok((out, Shape::from((b, d))))
+}
+
+/// [`crate::select_rule::LengthsToOffsets`] on CUDA: one block scans the plan's `b` leading
+/// lengths into a fresh `[b + 1]` `cu_seqlens`.
+pub(crate) fn lengths_to_offsets(
+    b: usize,
+    plan: &CudaStorage,
+    l: &Layout,
+) -> Result<(CudaStorage, Shape)> {
+    let dev = &plan.device;
+    if l.shape().elem_count() < b || !l.is_contiguous() {
+        candle_core::bail!("select_by_rule: the plan holds fewer than {b} lengths");
+    }
+    let k = kernels(dev)?;
+    let lengths = plan.as_cuda_slice::<u32>()?.slice(l.start_offset()..);
+    // SAFETY: the kernel writes all b + 1 entries.
+    let cu = unsafe { dev.alloc::<u32>(b + 1)? };
+    let b_i = b as i32;
+    let cfg = LaunchConfig {
+        grid_dim: (1, 1, 1),
+        // OFFSETS_THREADS in the kernel source.
+        block_dim: (1024, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let stream = dev.cuda_stream();
+    let mut builder = stream.launch_builder(&k.offsets);
+    builder.arg(&lengths).arg(&cu).arg(&b_i);
+    // SAFETY: arguments match ragged_lengths_to_offsets in kernels/ragged_attention.cu.
+    unsafe { builder.launch(cfg) }.w()?;
+    Ok((
+        CudaStorage::wrap_cuda_slice(cu, dev.clone()),
+        Shape::from(b + 1),
+    ))
 }

@@ -96,6 +96,20 @@ impl KeepRule {
         }
     }
 
+    /// The most tokens this rule can keep out of `n` (`n` ≥ 1), whatever the scores: the count of
+    /// [`KeepRule::Top`], the sample points of [`KeepRule::InverseTransform`] (duplicates only
+    /// lower it), `n` for the threshold and mass rules.
+    pub fn max_kept(&self, n: usize) -> usize {
+        match *self {
+            KeepRule::Top(c) => c.of(n),
+            KeepRule::InverseTransform { samples } => samples.samples(n).min(n),
+            KeepRule::AtLeast(_)
+            | KeepRule::Above(_)
+            | KeepRule::AtLeastMeanTimes(_)
+            | KeepRule::MassShare(_) => n,
+        }
+    }
+
     /// The kept positions among `from..to` of `row` (ascending; at least one when `from < to`).
     pub fn keep(&self, row: &[f32], from: usize, to: usize) -> Vec<usize> {
         let n = to.saturating_sub(from);

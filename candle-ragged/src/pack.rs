@@ -127,7 +127,7 @@ fn host_positions(batch: &RaggedBatch) -> candle_core::Result<Vec<u32>> {
     match batch.positions() {
         Some(p) => p.to_device(&candle_core::Device::Cpu)?.to_vec1::<u32>(),
         None => Ok(batch
-            .offsets()
+            .offsets()?
             .windows(2)
             .flat_map(|w| 0..w[1] - w[0])
             .collect()),
@@ -146,20 +146,23 @@ pub struct Unpack<'a> {
 }
 
 /// Packed row `t` of sequence `b` is row `positions[t]` of image `b`: copy it out of `x`.
-fn gather_rows<T: Copy>(
+/// The packed rows, then zeros up to `rows` (a device-lengths batch's capacity).
+fn gather_rows<T: Copy + Default>(
     x: &[T],
     (off, sb, sn): (usize, usize, usize),
     c: usize,
     offsets: &[u32],
     positions: &[u32],
+    rows: usize,
 ) -> Vec<T> {
-    let mut out = Vec::with_capacity(positions.len() * c);
+    let mut out = Vec::with_capacity(rows * c);
     for (b, w) in offsets.windows(2).enumerate() {
         for &pos in &positions[w[0] as usize..w[1] as usize] {
             let src = off + b * sb + pos as usize * sn;
             out.extend_from_slice(&x[src..src + c]);
         }
     }
+    out.resize(rows * c, T::default());
     out
 }
 
@@ -174,7 +177,8 @@ fn scatter_rows<T: Copy + Default>(
 ) -> Vec<T> {
     let mut out = vec![T::default(); (offsets.len() - 1) * n * c];
     for (b, w) in offsets.windows(2).enumerate() {
-        for t in w[0] as usize..w[1] as usize {
+        // Positions past `n` are left out (only `leading_rows` asks for fewer than a sequence has).
+        for t in (w[0] as usize..w[1] as usize).filter(|&t| (positions[t] as usize) < n) {
             let dst = (b * n + positions[t] as usize) * c;
             out[dst..dst + c].copy_from_slice(&x[off + t * st..off + t * st + c]);
         }
@@ -200,15 +204,17 @@ impl CustomOp1 for Pack<'_> {
         let (_b, _n, c) = l.shape().dims3()?;
         let (off, sb, sn) = (l.start_offset(), l.stride()[0], l.stride()[1]);
         let p = host_positions(self.batch)?;
-        let (o, lay) = (self.batch.offsets(), (off, sb, sn));
+        let offsets = self.batch.offsets()?;
+        let rows = self.batch.total_tokens();
+        let (o, lay) = (&offsets[..], (off, sb, sn));
         let out = match s {
-            CpuStorage::F32(x) => CpuStorage::F32(gather_rows(x, lay, c, o, &p)),
-            CpuStorage::F16(x) => CpuStorage::F16(gather_rows(x, lay, c, o, &p)),
-            CpuStorage::BF16(x) => CpuStorage::BF16(gather_rows(x, lay, c, o, &p)),
-            CpuStorage::U32(x) => CpuStorage::U32(gather_rows(x, lay, c, o, &p)),
+            CpuStorage::F32(x) => CpuStorage::F32(gather_rows(x, lay, c, o, &p, rows)),
+            CpuStorage::F16(x) => CpuStorage::F16(gather_rows(x, lay, c, o, &p, rows)),
+            CpuStorage::BF16(x) => CpuStorage::BF16(gather_rows(x, lay, c, o, &p, rows)),
+            CpuStorage::U32(x) => CpuStorage::U32(gather_rows(x, lay, c, o, &p, rows)),
             other => return Err(unsupported("pack", other)),
         };
-        Ok((out, Shape::from((self.batch.total_tokens(), c))))
+        Ok((out, Shape::from((rows, c))))
     }
 
     #[cfg(feature = "cuda")]
@@ -230,7 +236,8 @@ impl CustomOp1 for Unpack<'_> {
         let (_t, c) = l.shape().dims2()?;
         let (off, st) = (l.start_offset(), l.stride()[0]);
         let p = host_positions(self.batch)?;
-        let (o, n, lay) = (self.batch.offsets(), self.tokens, (off, st));
+        let offsets = self.batch.offsets()?;
+        let (o, n, lay) = (&offsets[..], self.tokens, (off, st));
         let out = match s {
             CpuStorage::F32(x) => CpuStorage::F32(scatter_rows(x, lay, c, n, o, &p)),
             CpuStorage::F16(x) => CpuStorage::F16(scatter_rows(x, lay, c, n, o, &p)),
@@ -248,6 +255,84 @@ impl CustomOp1 for Unpack<'_> {
         s: &candle_core::CudaStorage,
         l: &Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
-        crate::cuda::unpack(self.batch, self.tokens, s, l)
+        crate::cuda::unpack(self.batch, self.tokens, true, s, l)
     }
 }
+
+/// The first `rows` packed rows of every sequence, image-shaped: `out[b, j] = packed[cu[b] + j]`
+/// for `j < min(rows, len_b)`, zeros after. One kernel, no host read, so it also serves batches
+/// whose lengths live on the device only (the class token of each image after a
+/// [`crate::select_by_rule_bounded`] step, for instance).
+///
+/// * `packed` - `[batch.total_tokens(), channels]`, f32 / f16 / bf16 / u32.
+///
+/// Returns `[batch.batch_size(), rows, channels]`, contiguous.
+pub fn leading_rows(packed: &Tensor, batch: &RaggedBatch, rows: usize) -> Result<Tensor> {
+    const OP: &str = "leading_rows";
+    let total = match packed.dims() {
+        &[t, _c] => t,
+        _ => {
+            return Err(RaggedError::Rank {
+                op: OP,
+                what: "packed",
+                expected: 2,
+                shape: packed.shape().clone(),
+            })
+        }
+    };
+    check_common(OP, packed, batch)?;
+    if total != batch.total_tokens() {
+        return Err(RaggedError::TotalMismatch {
+            op: OP,
+            what: "packed",
+            expected: batch.total_tokens(),
+            found: total,
+        });
+    }
+    let packed = if packed.stride()[1] == 1 {
+        packed.clone()
+    } else {
+        packed.contiguous()?
+    };
+    Ok(packed.apply_op1_no_bwd(&LeadingRows { batch, rows })?)
+}
+
+/// `[total, channels]` -> `[batch, rows, channels]`; see [`leading_rows`].
+pub struct LeadingRows<'a> {
+    pub batch: &'a RaggedBatch,
+    pub rows: usize,
+}
+
+impl CustomOp1 for LeadingRows<'_> {
+    fn name(&self) -> &'static str {
+        "leading-rows"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (_t, c) = l.shape().dims2()?;
+        let (off, st) = (l.start_offset(), l.stride()[0]);
+        let offsets = self.batch.offsets()?;
+        // Each packed row's place in its sequence.
+        let p: Vec<u32> = offsets.windows(2).flat_map(|w| 0..w[1] - w[0]).collect();
+        let (o, n, lay) = (&offsets[..], self.rows, (off, st));
+        let out = match s {
+            CpuStorage::F32(x) => CpuStorage::F32(scatter_rows(x, lay, c, n, o, &p)),
+            CpuStorage::F16(x) => CpuStorage::F16(scatter_rows(x, lay, c, n, o, &p)),
+            CpuStorage::BF16(x) => CpuStorage::BF16(scatter_rows(x, lay, c, n, o, &p)),
+            CpuStorage::U32(x) => CpuStorage::U32(scatter_rows(x, lay, c, n, o, &p)),
+            other => return Err(unsupported(OP_LEADING, other)),
+        };
+        Ok((out, Shape::from((self.batch.batch_size(), n, c))))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        l: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        crate::cuda::unpack(self.batch, self.rows, false, s, l)
+    }
+}
+
+const OP_LEADING: &str = "leading_rows";

@@ -51,9 +51,12 @@ pub fn sequence_mean(x: &Tensor, batch: &RaggedBatch, skip: usize) -> Result<Ten
             found: format!("{:?}", batch.device().location()),
         });
     }
-    if let Some((index, len)) = batch
-        .lengths()
-        .into_iter()
+    // A batch with its lengths on the device only was made by a selection that keeps a patch
+    // after the prefix in every sequence; it is not read back here.
+    let host = batch.host_offsets().unwrap_or(&[0]);
+    if let Some((index, len)) = host
+        .windows(2)
+        .map(|w| (w[1] - w[0]) as usize)
         .enumerate()
         .find(|&(_, len)| len <= skip)
     {
@@ -117,7 +120,8 @@ impl CustomOp1 for SequenceMean<'_> {
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
         let (_rows, d) = l.shape().dims2()?;
         let lay = (l.start_offset(), l.stride()[0]);
-        let o = self.batch.offsets();
+        let offsets = self.batch.offsets()?;
+        let o = &offsets[..];
         let out = match s {
             CpuStorage::F32(x) => CpuStorage::F32(means(x, lay, d, o, self.skip)),
             CpuStorage::F16(x) => CpuStorage::F16(means(x, lay, d, o, self.skip)),

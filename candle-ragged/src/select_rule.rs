@@ -6,7 +6,7 @@
 //! The decision is [`KeepRule::keep`] itself on the CPU, and the same rule repeated operation for
 //! operation in the CUDA kernel, so a host pruner's decision over the same scores is the same.
 
-use candle_core::{CpuStorage, CustomOp2, Layout, Shape, Tensor, WithDType};
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Shape, Tensor, WithDType};
 
 use crate::batch::{RaggedBatch, MAX_SEQ_LEN};
 use crate::error::{RaggedError, Result};
@@ -32,7 +32,8 @@ const OP: &str = "select_by_rule";
 ///   [`MAX_SEQ_LEN`] tokens.
 ///
 /// Returns the new packed tokens `[total', C]` and their [`RaggedBatch`]. Reads `B` u32 back from
-/// the device (the one host sync); everything else stays on the device.
+/// the device (the one host sync); everything else stays on the device. See
+/// [`select_by_rule_bounded`] for the same step without that read.
 pub fn select_by_rule(
     x: &Tensor,
     batch: &RaggedBatch,
@@ -41,6 +42,70 @@ pub fn select_by_rule(
     rule: KeepRule,
     fusion: Option<DroppedFusion>,
 ) -> Result<(Tensor, RaggedBatch)> {
+    let (x, plan) = decide(x, batch, scores, prefix, rule, fusion)?;
+    let b = batch.batch_size();
+    let lengths: Vec<usize> = read_lengths(&plan, b)?
+        .into_iter()
+        .map(|l| l as usize)
+        .collect();
+    let new_batch = RaggedBatch::from_lengths(&lengths, x.device())?;
+    let gather = Gather {
+        batch: batch.clone(),
+        new_batch: new_batch.clone(),
+    };
+    let out = x.apply_op2_no_bwd(&plan, &gather)?;
+    Ok((out, new_batch))
+}
+
+/// [`select_by_rule`] without the host read: the new lengths and `cu_seqlens` stay on the device
+/// (a third, one-block kernel turns the lengths into offsets), and the new tokens get as many rows
+/// as the host can bound without looking, so a forward built of these steps never waits on the GPU
+/// and one CUDA graph of it serves every keep pattern.
+///
+/// Same arguments and the same kept rows, in the same order, as [`select_by_rule`]; `batch` may
+/// itself have its lengths on the device only (the output of an earlier step). The returned batch
+/// has its lengths on the device only ([`RaggedBatch::lengths_on_host`] is false):
+/// * [`RaggedBatch::max_len`] = `prefix + min(n, m + fused)`, `n = batch.max_len() - prefix`, `m`
+///   the most patches `rule` can keep out of `n` ([`KeepRule::max_kept`]), `fused` 1 with `fusion`;
+/// * [`RaggedBatch::total_tokens`] (the rows of the returned tensor) = `min(batch.total_tokens(),
+///   B · max_len)`; rows past the new `cu_seqlens[B]` hold zeros on the CPU and unspecified values
+///   on CUDA.
+///
+/// With rules that can keep every token (thresholds, mass shares) the capacity does not shrink:
+/// the following per-token ops then run over as many rows as before the step.
+pub fn select_by_rule_bounded(
+    x: &Tensor,
+    batch: &RaggedBatch,
+    scores: TokenScores<'_>,
+    prefix: usize,
+    rule: KeepRule,
+    fusion: Option<DroppedFusion>,
+) -> Result<(Tensor, RaggedBatch)> {
+    let (x, plan) = decide(x, batch, scores, prefix, rule, fusion)?;
+    let b = batch.batch_size();
+    let n = batch.max_len() - prefix;
+    let fused = fusion.is_some() as usize;
+    let max_len = prefix + n.min(rule.max_kept(n) + fused);
+    let rows = batch.total_tokens().min(b * max_len);
+    let cu_seqlens = plan.apply_op1_no_bwd(&LengthsToOffsets { batch_size: b })?;
+    let new_batch = RaggedBatch::with_device_lengths(cu_seqlens, b, rows, max_len);
+    let gather = Gather {
+        batch: batch.clone(),
+        new_batch: new_batch.clone(),
+    };
+    let out = x.apply_op2_no_bwd(&plan, &gather)?;
+    Ok((out, new_batch))
+}
+
+/// Checks, then the first kernel: `x` made contiguous and the plan (see [`plan_len`]).
+fn decide(
+    x: &Tensor,
+    batch: &RaggedBatch,
+    scores: TokenScores<'_>,
+    prefix: usize,
+    rule: KeepRule,
+    fusion: Option<DroppedFusion>,
+) -> Result<(Tensor, Tensor)> {
     let (rows, c) = token_dims(OP, x)?;
     if rows != batch.total_tokens() {
         return Err(RaggedError::TotalMismatch {
@@ -61,14 +126,23 @@ pub fn select_by_rule(
         return Err(msg("x has no channels".into()));
     }
     let b = batch.batch_size();
-    if let Some((index, len)) = batch
-        .lengths()
-        .into_iter()
+    // Lengths on the device only come from an earlier step, which keeps a patch after the prefix
+    // in every sequence; the bound still has to leave room for one.
+    let host = batch.host_offsets().unwrap_or(&[0]);
+    if let Some((index, len)) = host
+        .windows(2)
+        .map(|w| (w[1] - w[0]) as usize)
         .enumerate()
         .find(|&(_, len)| len <= prefix)
     {
         return Err(msg(format!(
             "sequence {index} has {len} tokens: it needs more than the {prefix} prefix tokens"
+        )));
+    }
+    if batch.max_len() <= prefix {
+        return Err(msg(format!(
+            "sequences of at most {} tokens: they need more than the {prefix} prefix tokens",
+            batch.max_len()
         )));
     }
     if batch.max_len() > MAX_SEQ_LEN {
@@ -109,17 +183,7 @@ pub fn select_by_rule(
         score_stride,
     };
     let plan = x.apply_op2_no_bwd(&aux, &decide)?;
-    let lengths: Vec<usize> = read_lengths(&plan, b)?
-        .into_iter()
-        .map(|l| l as usize)
-        .collect();
-    let new_batch = RaggedBatch::from_lengths(&lengths, x.device())?;
-    let gather = Gather {
-        batch: batch.clone(),
-        new_batch: new_batch.clone(),
-    };
-    let out = x.apply_op2_no_bwd(&plan, &gather)?;
-    Ok((out, new_batch))
+    Ok((x, plan))
 }
 
 fn msg(m: String) -> RaggedError {
@@ -168,7 +232,7 @@ impl Decide {
         let (head, rest) = plan.split_at_mut(2 * b_count);
         let (slots, weights) = rest.split_at_mut(total);
         let p = self.prefix;
-        for (b, w) in self.batch.offsets().windows(2).enumerate() {
+        for (b, w) in self.batch.offsets()?.windows(2).enumerate() {
             let (start, len) = (w[0] as usize, (w[1] - w[0]) as usize);
             let given = given.map(|g| &g[b * self.score_stride..]);
             let s = sequence_scores(self.source, x, qkv, given, c, start, len)?;
@@ -253,13 +317,13 @@ pub(crate) struct Gather {
 }
 
 impl Gather {
-    fn cpu<T: WithDType>(&self, x: &[T], plan: &[u32], c: usize) -> Vec<T> {
+    fn cpu<T: WithDType>(&self, x: &[T], plan: &[u32], c: usize) -> candle_core::Result<Vec<T>> {
         let b_count = self.batch.batch_size();
         let total = self.batch.total_tokens();
         let slots = &plan[2 * b_count..2 * b_count + total];
         let weights = &plan[2 * b_count + total..];
         let mut out = vec![T::zero(); self.new_batch.total_tokens() * c];
-        let (old, new) = (self.batch.offsets(), self.new_batch.offsets());
+        let (old, new) = (self.batch.offsets()?, self.new_batch.offsets()?);
         for b in 0..b_count {
             let (start, end, dst) = (old[b] as usize, old[b + 1] as usize, new[b] as usize);
             for j in start..end {
@@ -280,7 +344,7 @@ impl Gather {
                 out[r * c + ch] = T::from_f64(acc as f64);
             }
         }
-        out
+        Ok(out)
     }
 }
 
@@ -305,9 +369,9 @@ impl CustomOp2 for Gather {
             _ => candle_core::bail!("{OP}: the plan must be u32"),
         };
         let out = match x {
-            CpuStorage::F32(v) => CpuStorage::F32(self.cpu(&v[x_span], plan, c)),
-            CpuStorage::F16(v) => CpuStorage::F16(self.cpu(&v[x_span], plan, c)),
-            CpuStorage::BF16(v) => CpuStorage::BF16(self.cpu(&v[x_span], plan, c)),
+            CpuStorage::F32(v) => CpuStorage::F32(self.cpu(&v[x_span], plan, c)?),
+            CpuStorage::F16(v) => CpuStorage::F16(self.cpu(&v[x_span], plan, c)?),
+            CpuStorage::BF16(v) => CpuStorage::BF16(self.cpu(&v[x_span], plan, c)?),
             _ => candle_core::bail!("{OP}: unsupported dtype"),
         };
         Ok((out, Shape::from((self.new_batch.total_tokens(), c))))
@@ -322,5 +386,42 @@ impl CustomOp2 for Gather {
         lp: &Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
         crate::cuda::select_gather(self, (x, lx), (plan, lp))
+    }
+}
+
+/// Between the two kernels of [`select_by_rule_bounded`]: the plan's leading `B` new lengths to
+/// the new `cu_seqlens` (`[B + 1]`, u32, starting at 0), on the device.
+pub(crate) struct LengthsToOffsets {
+    pub batch_size: usize,
+}
+
+impl CustomOp1 for LengthsToOffsets {
+    fn name(&self) -> &'static str {
+        "select-by-rule-offsets"
+    }
+
+    fn cpu_fwd(&self, plan: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let b = self.batch_size;
+        let plan = match plan {
+            CpuStorage::U32(p) => &p[l.start_offset()..l.start_offset() + b],
+            _ => candle_core::bail!("{OP}: the plan must be u32"),
+        };
+        let mut offsets = Vec::with_capacity(b + 1);
+        offsets.push(0u32);
+        let mut total = 0u32;
+        for &len in plan {
+            total += len;
+            offsets.push(total);
+        }
+        Ok((CpuStorage::U32(offsets), Shape::from(b + 1)))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        plan: &candle_core::CudaStorage,
+        l: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        crate::cuda::lengths_to_offsets(self.batch_size, plan, l)
     }
 }

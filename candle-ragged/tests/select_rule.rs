@@ -169,11 +169,11 @@ fn check_against_the_rule(
                         let kept = rule.keep(s, prefix, len);
                         let fused = fusion.filter(|_| kept.len() < len - prefix);
                         assert_eq!(
-                            new_batch.lengths()[bi],
+                            new_batch.lengths().unwrap()[bi],
                             prefix + kept.len() + fused.is_some() as usize,
                             "{what}: length of sequence {bi}"
                         );
-                        let ob = &out[new_batch.offsets()[bi] as usize * c..];
+                        let ob = &out[new_batch.offsets().unwrap()[bi] as usize * c..];
                         for (o, j) in (0..prefix).chain(kept.iter().copied()).enumerate() {
                             assert_eq!(
                                 &ob[o * c..(o + 1) * c],
@@ -340,10 +340,14 @@ fn computed_scores_decide_as_given_scores() {
                     poison(&dev, want.elem_count(), dtype);
                     let (got, got_batch) =
                         select_by_rule(&xt, &batch, source, 1, rule, fusion).unwrap();
-                    assert_eq!(got_batch.lengths(), want_batch.lengths(), "{what}");
+                    assert_eq!(
+                        got_batch.lengths().unwrap(),
+                        want_batch.lengths().unwrap(),
+                        "{what}"
+                    );
                     let (got, want) = (host(&got), host(&want));
-                    for (bi, len) in got_batch.lengths().into_iter().enumerate() {
-                        let o = got_batch.offsets()[bi] as usize * c;
+                    for (bi, len) in got_batch.lengths().unwrap().into_iter().enumerate() {
+                        let o = got_batch.offsets().unwrap()[bi] as usize * c;
                         let fused = len < lengths[bi];
                         let kept = (len - fused as usize) * c;
                         assert_eq!(

@@ -34,6 +34,6 @@ pub use deit::{Attention, Block, DeiT, Mlp, PatchEmbed};
 pub use error::{ModelError, PreprocessError};
 pub use hub::{fetch, HubSource};
 pub use labels::{class_names, imagenet1k_classes, imagenet1k_index_of_wnid, ImageNetClass};
-pub use on_device::DevicePrunedForward;
+pub use on_device::{CapturablePrunedForward, DevicePrunedForward};
 pub use preprocess::{decode_image, Interpolation, PreprocessConfig, Resize};
 pub use pruned::{BlockPruner, ExecutionPath, PruneStage, PrunedForward};

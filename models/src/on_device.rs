@@ -17,19 +17,29 @@
 //!   [`candle_ragged::select_by_rule`]: two kernels and **one host read of B u32** (the new
 //!   lengths, to allocate the new packed tensor). Not capturable.
 //!
+//!
+//! [`DeiT::forward_pruned_capturable`] runs the second kind without the reads: each step is a
+//! [`candle_ragged::select_by_rule_bounded`], the new lengths and offsets stay on the device and
+//! the packed tokens keep a capacity the host bounds from the rule (ATS: its sample count;
+//! thresholds and mass shares: every token), so the whole call can be captured and one graph
+//! replays every keep pattern. The per-token ops then run over the capacity's rows, which costs
+//! nothing extra where a matmul takes as long for 140 rows as for 197 (small batches) and, for the
+//! rules that can keep everything, all of pruning's matmul savings at large ones.
+//!
 //! Same decisions as the host path, ties and NaN scores included, given bit-identical scores
 //! (the rules are one definition, [`candle_ragged::KeepRule`]).
 
 use candle_core::{DType, Module, Tensor};
 use candle_ragged::{
-    select_by_rule, select_top_k_by, unpack, DroppedFusion, RaggedBatch, TokenScores,
+    leading_rows, select_by_rule, select_by_rule_bounded, select_top_k_by, unpack, DroppedFusion,
+    RaggedBatch, TokenScores,
 };
 use pruners::{EvitFusion, FixedCount, PruneInput, PruneSite, ScoreRecipe};
 
 use crate::attention::{cls_attention, AttentionInputs};
 use crate::deit::DeiT;
 use crate::error::ModelError;
-use crate::pruned::{packed_prefix, BlockPruner};
+use crate::pruned::BlockPruner;
 
 /// What [`DeiT::forward_pruned_on_device`] returns.
 #[derive(Debug, Clone)]
@@ -51,6 +61,60 @@ impl DevicePrunedForward {
             Some(k) => k.iter().sum::<usize>() as f64 / k.len().max(1) as f64,
         }
     }
+}
+
+/// What [`DeiT::forward_pruned_capturable`] returns: the logits and, without having read them
+/// back, the lengths each pruning step left.
+#[derive(Debug, Clone)]
+pub struct CapturablePrunedForward {
+    /// `[B, num_classes]` in the model dtype.
+    pub logits: Tensor,
+    kept: KeptLengths,
+}
+
+#[derive(Debug, Clone)]
+enum KeptLengths {
+    /// Fixed counts: known on the host.
+    Host(Vec<Vec<usize>>),
+    /// Each step's `cu_seqlens` (`[B + 1]`, u32, on the device).
+    Device(Vec<Tensor>),
+}
+
+impl CapturablePrunedForward {
+    /// Per pruning step (block order), per image: tokens after the step, as
+    /// [`DevicePrunedForward::kept_tokens`]. Reads the lengths back (a host sync on CUDA) when the
+    /// counts came from the scores.
+    pub fn kept_tokens(&self) -> Result<Vec<Vec<usize>>, ModelError> {
+        match &self.kept {
+            KeptLengths::Host(k) => Ok(k.clone()),
+            KeptLengths::Device(cu) => cu
+                .iter()
+                .map(|cu| {
+                    let o = cu.to_vec1::<u32>()?;
+                    Ok(o.windows(2).map(|w| (w[1] - w[0]) as usize).collect())
+                })
+                .collect(),
+        }
+    }
+
+    /// Mean over images of the tokens left after the last pruning step (`initial` when there
+    /// is none); reads back like [`Self::kept_tokens`].
+    pub fn mean_final_tokens(&self, initial: usize) -> Result<f64, ModelError> {
+        let kept = self.kept_tokens()?;
+        Ok(match kept.last() {
+            None => initial as f64,
+            Some(k) => k.iter().sum::<usize>() as f64 / k.len().max(1) as f64,
+        })
+    }
+}
+
+/// How a step whose counts come from the scores learns its new layout.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Lengths {
+    /// Read the `B` new lengths back (exact totals, one sync per step).
+    ReadBack,
+    /// Keep them on the device, the packed tokens at a host-bounded capacity (no sync).
+    OnDevice,
 }
 
 fn fusion_of(f: Option<EvitFusion>) -> Option<DroppedFusion> {
@@ -95,6 +159,62 @@ impl DeiT {
         pixels: &Tensor,
         pruners: &[BlockPruner],
     ) -> Result<DevicePrunedForward, ModelError> {
+        let order = self.device_order(pruners)?;
+        match self.fixed_counts(&order) {
+            Some(counts) => self.forward_fixed_on_device(pixels, &order, &counts),
+            None => {
+                let (logits, batches) =
+                    self.forward_ragged_on_device(pixels, &order, Lengths::ReadBack)?;
+                let kept_tokens = batches
+                    .iter()
+                    .map(|b| b.lengths())
+                    .collect::<Result<_, _>>()?;
+                Ok(DevicePrunedForward {
+                    logits,
+                    kept_tokens,
+                })
+            }
+        }
+    }
+
+    /// [`DeiT::forward_pruned_on_device`] with **no host sync for any pruner**, so that the call
+    /// can be captured into a CUDA graph ([`candle_fastpath::CapturedForward`]) and replayed for
+    /// any input: fixed counts run as there; counts from the scores (adaptive modes, ATS) run
+    /// each step as a [`candle_ragged::select_by_rule_bounded`] (see the module docs for the
+    /// capacity it keeps). Same kept tokens and logits as [`DeiT::forward_pruned_on_device`]
+    /// (the same kernels on the same rows; matmuls over more rows may round differently on CUDA).
+    /// The kept lengths are read only when asked for ([`CapturablePrunedForward::kept_tokens`]).
+    pub fn forward_pruned_capturable(
+        &self,
+        pixels: &Tensor,
+        pruners: &[BlockPruner],
+    ) -> Result<CapturablePrunedForward, ModelError> {
+        let order = self.device_order(pruners)?;
+        match self.fixed_counts(&order) {
+            Some(counts) => {
+                let out = self.forward_fixed_on_device(pixels, &order, &counts)?;
+                Ok(CapturablePrunedForward {
+                    logits: out.logits,
+                    kept: KeptLengths::Host(out.kept_tokens),
+                })
+            }
+            None => {
+                let (logits, batches) =
+                    self.forward_ragged_on_device(pixels, &order, Lengths::OnDevice)?;
+                let cu = batches.iter().map(|b| b.cu_seqlens().clone()).collect();
+                Ok(CapturablePrunedForward {
+                    logits,
+                    kept: KeptLengths::Device(cu),
+                })
+            }
+        }
+    }
+
+    /// The pruners in block order, after checking that the device path can run each of them.
+    fn device_order<'a>(
+        &self,
+        pruners: &'a [BlockPruner],
+    ) -> Result<Vec<&'a BlockPruner>, ModelError> {
         self.check_pruner_blocks(pruners)?;
         let mut order: Vec<&BlockPruner> = pruners.iter().collect();
         order.sort_by_key(|(block, _)| *block);
@@ -116,10 +236,7 @@ impl DeiT {
                 )));
             }
         }
-        match self.fixed_counts(&order) {
-            Some(counts) => self.forward_fixed_on_device(pixels, &order, &counts),
-            None => self.forward_ragged_on_device(pixels, &order),
-        }
+        Ok(order)
     }
 
     /// Every step's count when every pruner has a fixed one (the lengths then stay equal).
@@ -210,18 +327,21 @@ impl DeiT {
         })
     }
 
-    /// Counts from the scores: one `select_by_rule` per step (one read of the new lengths).
+    /// Counts from the scores: one `select_by_rule` per step (one read of the new lengths), or
+    /// with `Lengths::OnDevice` one `select_by_rule_bounded` (none). Returns the logits and the
+    /// batch after each step.
     fn forward_ragged_on_device(
         &self,
         pixels: &Tensor,
         order: &[&BlockPruner],
-    ) -> Result<DevicePrunedForward, ModelError> {
+        lengths_mode: Lengths,
+    ) -> Result<(Tensor, Vec<RaggedBatch>), ModelError> {
         let num_prefix = self.config.num_prefix_tokens();
         let x = self.embed(pixels)?;
         let (b, n, c) = x.dims3()?;
         let mut x = x.reshape((b * n, c))?;
         let mut batch = RaggedBatch::from_lengths(&vec![n; b], x.device())?;
-        let mut kept_tokens = Vec::with_capacity(order.len());
+        let mut batches = Vec::with_capacity(order.len());
         let mut steps = order.iter().peekable();
         for (i, block) in self.blocks.iter().enumerate() {
             let inputs = AttentionInputs::Ragged { batch: &batch };
@@ -246,10 +366,17 @@ impl DeiT {
                     TokenScores::Given(&given)
                 }
                 (None, None) if site == PruneSite::BeforeBlock => {
+                    if !batch.lengths_on_host() {
+                        return Err(ModelError::InvalidPruning(format!(
+                            "{}: custom scores need each image's length on the host, which a \
+                             capturable forward does not read after an earlier step",
+                            pruner.kind()
+                        )));
+                    }
                     // The pruner's own scores over the image-shaped tokens (zeros past each
                     // image's length), `[B, max_len]`.
                     let image = unpack(&tokens, &batch, batch.max_len())?;
-                    let lengths = batch.lengths();
+                    let lengths = batch.lengths()?;
                     let input = PruneInput::new(&image, num_prefix).with_lengths(&lengths);
                     given = pruner.scores(&input)?.to_dtype(DType::F32)?;
                     TokenScores::Given(&given)
@@ -265,24 +392,21 @@ impl DeiT {
             let rule = pruner.keep_rule().ok_or_else(|| {
                 ModelError::InvalidPruning(format!("{}: no keep rule", pruner.kind()))
             })?;
-            let (next, next_batch) = select_by_rule(
-                &tokens,
-                &batch,
-                scores,
-                num_prefix,
-                rule,
-                fusion_of(pruner.fusion()),
-            )?;
+            let select = match lengths_mode {
+                Lengths::ReadBack => select_by_rule,
+                Lengths::OnDevice => select_by_rule_bounded,
+            };
+            let fusion = fusion_of(pruner.fusion());
+            let (next, next_batch) = select(&tokens, &batch, scores, num_prefix, rule, fusion)?;
             x = next;
             batch = next_batch;
-            kept_tokens.push(batch.lengths());
+            batches.push(batch.clone());
             let inputs = AttentionInputs::Ragged { batch: &batch };
             x = block.rest_after(site, &x, &inputs)?;
         }
-        let prefix = packed_prefix(&x, &batch, num_prefix)?;
-        Ok(DevicePrunedForward {
-            logits: self.forward_head(&self.norm.forward(&prefix)?)?,
-            kept_tokens,
-        })
+        // One kernel, no host offsets: the class (and distillation) token of every image.
+        let prefix = leading_rows(&x, &batch, num_prefix)?;
+        let logits = self.forward_head(&self.norm.forward(&prefix)?)?;
+        Ok((logits, batches))
     }
 }

@@ -159,10 +159,10 @@ impl Tokens {
         }
     }
 
-    fn lengths(&self) -> Vec<usize> {
+    fn lengths(&self) -> candle_core::Result<Vec<usize>> {
         match self {
-            Self::Padded { mask, .. } => mask.lengths().to_vec(),
-            Self::Ragged { batch, .. } => batch.lengths(),
+            Self::Padded { mask, .. } => Ok(mask.lengths().to_vec()),
+            Self::Ragged { batch, .. } => Ok(batch.lengths()?),
         }
     }
 
@@ -216,7 +216,7 @@ impl Tokens {
                 let q_cls = qkv.index_select(&rows, 0)?.narrow(1, 0, c)?;
                 let width = if values { 2 * c } else { c };
                 let kv = unpack(&qkv.narrow(1, c, width)?, batch, batch.max_len())?;
-                let lengths = batch.lengths();
+                let lengths = batch.lengths()?;
                 let full = lengths.iter().all(|&l| l == batch.max_len());
                 let mask = if full {
                     None
@@ -257,7 +257,8 @@ impl Tokens {
             Self::Ragged { x, batch } => {
                 let total = batch.total_tokens() as u32;
                 let mut rows = Vec::new();
-                for (b, (idx, &off)) in plan.indices.iter().zip(batch.offsets()).enumerate() {
+                let offsets = batch.offsets()?;
+                for (b, (idx, &off)) in plan.indices.iter().zip(offsets.iter()).enumerate() {
                     rows.extend(idx.iter().map(|&j| off + j));
                     if plan.has_fused(b) {
                         rows.push(total + b as u32);
@@ -282,7 +283,8 @@ impl Tokens {
 /// Row `offsets[b] + i` of a packed tensor for every image `b` and `i` in `rows` (uploaded from
 /// the host offsets; no sync).
 fn packed_rows(batch: &RaggedBatch, rows: std::ops::Range<u32>) -> candle_core::Result<Tensor> {
-    let offsets = &batch.offsets()[..batch.batch_size()];
+    let offsets = batch.offsets()?;
+    let offsets = &offsets[..batch.batch_size()];
     let idx: Vec<u32> = offsets
         .iter()
         .flat_map(|&o| rows.clone().map(move |i| o + i))
@@ -379,7 +381,7 @@ impl DeiT {
                 tokens.set_x(x);
                 continue;
             };
-            let lengths = tokens.lengths();
+            let lengths = tokens.lengths()?;
             let (plan, image) = match pruner.site() {
                 PruneSite::BeforeBlock => {
                     let image = tokens.image_shaped(tokens.x())?;
@@ -408,10 +410,7 @@ impl DeiT {
             let x = block.rest_after(pruner.site(), tokens.x(), &tokens.inputs())?;
             tokens.set_x(x);
         }
-        debug_assert_eq!(
-            tokens.max_len(),
-            tokens.lengths().into_iter().max().unwrap()
-        );
+        debug_assert_eq!(Some(tokens.max_len()), tokens.lengths()?.into_iter().max());
         let prefix = self.norm.forward(&tokens.prefix(num_prefix)?)?;
         Ok(PrunedForward {
             logits: self.forward_head(&prefix)?,

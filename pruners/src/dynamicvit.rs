@@ -557,9 +557,12 @@ impl DynamicVit {
         batch: &RaggedBatch,
         num_prefix: usize,
     ) -> Result<Tensor> {
-        if let Some((index, len)) = batch
-            .lengths()
-            .into_iter()
+        // A batch with its lengths on the device only comes from a selection that keeps a patch
+        // in every image; it is not read back here (that would be a host sync).
+        let host = batch.host_offsets().unwrap_or(&[0]);
+        if let Some((index, len)) = host
+            .windows(2)
+            .map(|w| (w[1] - w[0]) as usize)
             .enumerate()
             .find(|&(_, len)| len <= num_prefix)
         {

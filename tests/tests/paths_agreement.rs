@@ -751,7 +751,9 @@ fn images_deciding_differently(m: &DeiT, pixels: &Tensor, pruners: &Pruners) -> 
 /// [`DeiT::forward_pruned_on_device`] against the host-decided ragged forward `host` of the
 /// same pruners: the same kept tokens per stage and the same logits within the f32 tolerance;
 /// on CUDA, for fixed-count pruners, also its captured graph, replayed, against the eager call
-/// (bit-identical). Returns the max |Δlogit| against `host`.
+/// (bit-identical). Then [`DeiT::forward_pruned_capturable`] the same way, and on CUDA its graph
+/// replayed for another input against the eager call on that input (one graph, two keep
+/// patterns). Returns the max |Δlogit| against `host`.
 fn check_on_device(
     what: &str,
     m: &DeiT,
@@ -800,6 +802,71 @@ fn check_on_device(
         assert_eq!(
             diff, 0.0,
             "{what}: graph replay differs from the eager call"
+        );
+    }
+    let dc = check_capturable(what, m, pixels, pruners, host, &want);
+    d.max(dc)
+}
+
+fn max_abs(a: &Tensor, b: &Tensor) -> f32 {
+    (a - b)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_dtype(DType::F32)
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap()
+}
+
+/// See [`check_on_device`]: the capturable forward, no host sync for any pruner.
+fn check_capturable(
+    what: &str,
+    m: &DeiT,
+    pixels: &Tensor,
+    pruners: &Pruners,
+    host: &PrunedForward,
+    want: &[Vec<f32>],
+) -> f32 {
+    let forward = |x: &Tensor| m.forward_pruned_capturable(x, pruners).unwrap();
+    let out = forward(pixels);
+    assert_eq!(
+        out.kept_tokens().unwrap(),
+        host.kept_tokens(),
+        "{what}: kept tokens per stage, capturable vs host decisions"
+    );
+    let got: Vec<Vec<f32>> = out.logits.to_dtype(DType::F32).unwrap().to_vec2().unwrap();
+    let d = assert_logits_agree(
+        &format!("{what} capturable"),
+        &got,
+        want,
+        tolerance(DType::F32, want),
+    );
+    if pixels.device().is_cuda() {
+        let graph = candle_fastpath::CapturedForward::capture(pixels, |x| {
+            m.forward_pruned_capturable(x, pruners)
+                .map(|f| f.logits)
+                .map_err(candle_core::Error::wrap)
+        })
+        .unwrap();
+        let other = (pixels * 0.5).unwrap();
+        let replayed_other = graph.run(&other).unwrap();
+        let replayed = graph.run(pixels).unwrap();
+        assert_eq!(
+            max_abs(&replayed, &out.logits),
+            0.0,
+            "{what}: capturable graph replay differs from the eager call"
+        );
+        let eager_other = forward(&other);
+        assert_eq!(
+            max_abs(&replayed_other, &eager_other.logits),
+            0.0,
+            "{what}: capturable graph replayed for another input differs from the eager call \
+             (kept {:?} vs {:?})",
+            eager_other.kept_tokens().unwrap().last(),
+            out.kept_tokens().unwrap().last(),
         );
     }
     d

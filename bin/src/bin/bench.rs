@@ -71,8 +71,8 @@ struct Args {
     #[arg(long, value_enum, default_value_t = DeviceArg::Cuda)]
     device: DeviceArg,
 
-    /// Also time the dense forward captured once as a CUDA graph and replayed (extra dense
-    /// rows with `"cuda_graph": true`; CUDA only).
+    /// Also time forwards captured once as a CUDA graph and replayed (extra rows with
+    /// `"cuda_graph": true`: dense, and device-decided ragged for every pruner; CUDA only).
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     cuda_graph: bool,
 
@@ -300,8 +300,8 @@ fn main() -> ExitCode {
                             rows.push((latency, kept, peak, true, "host"));
                         }
                         // The ragged path can also decide on the device: with fixed counts no
-                        // host sync (eagerly, and replayed from a CUDA graph), otherwise one read
-                        // of the new lengths per step.
+                        // host sync, otherwise one read of the new lengths per step (eagerly);
+                        // replayed from a CUDA graph with no sync either way.
                         if v.path == ExecutionPath::Ragged {
                             let fixed = pruners
                                 .iter()
@@ -317,8 +317,20 @@ fn main() -> ExitCode {
                             };
                             let (latency, kept, peak) = time(&device, args.warmup, args.reps, run)?;
                             rows.push((latency, kept, peak, false, "device"));
-                            if graphable && fixed {
-                                let forward = |x: &Tensor| Ok(forward(x)?.logits);
+                            if graphable {
+                                // Fixed counts: the same call, captured. Counts from the scores:
+                                // the capturable forward (lengths kept on the device, packed
+                                // tokens at a bounded capacity), captured.
+                                let forward = |x: &Tensor| {
+                                    if fixed {
+                                        Ok(forward(x)?.logits)
+                                    } else {
+                                        model
+                                            .forward_pruned_capturable(x, &pruners)
+                                            .map(|f| f.logits)
+                                            .map_err(candle_core::Error::wrap)
+                                    }
+                                };
                                 let graph = CapturedForward::capture(&pixels, forward)?;
                                 let run = || -> Result<f64> {
                                     graph.replay(&pixels)?;
