@@ -1085,11 +1085,16 @@ __device__ void inverse_transform(const float *sc, int prefix, int n, int sample
         order[rank] = i;
     }
     __syncthreads();
+    // The weights in ascending order first (in parallel), then the running sum over that
+    // contiguous array: a chain of a[order[r]] loads, each waiting on the one before, made this
+    // one thread's loop the step's longest part.
+    for (int r = threadIdx.x; r < n; r += blockDim.x) c[r] = a[order[r]];
+    __syncthreads();
     if (threadIdx.x == 0) {
         double acc = 0.0;
 #pragma unroll 8
         for (int r = 0; r < n; ++r) {
-            acc = __dadd_rn(acc, a[order[r]]);
+            acc = __dadd_rn(acc, c[r]);
             c[r] = acc;
         }
     }
@@ -1117,6 +1122,10 @@ __device__ void inverse_transform(const float *sc, int prefix, int n, int sample
         atomicExch(&flag[prefix + order[nearest_first(c, n, y)]], 1);
     }
 }
+
+// Threads of a decide block (the Rust launch uses the same number): at small batches one block's
+// latency is the step's, and its parallel phases (logits, value norms, ranks) split over them.
+#define DECIDE_THREADS 1024
 
 // One block per sequence. Dynamic shared memory: tmp_floats floats of scratch (at least 4·len:
 // the score computation's logits, then two f64 arrays for inverse_transform), then sc, key,
@@ -1182,15 +1191,22 @@ __device__ void select_decide(const T *__restrict__ x, const float *__restrict__
         // Nothing passes: the best one.
         if (!__syncthreads_or(any) && threadIdx.x == 0) flag[order[0]] = 1;
     } else if (rule == RULE_MASS_SHARE) {
+        // The weights in rank order, gathered in parallel into the (now free) scratch, so that
+        // the ordered f64 sums below read a contiguous array instead of chaining order[r] and
+        // sc[order[r]] loads.
+        double *ranked = reinterpret_cast<double *>(tmp);
+        for (int r = threadIdx.x; r < n; r += blockDim.x) ranked[r] = (double)weight(sc[order[r]]);
+        __syncthreads();
         if (threadIdx.x == 0) {
             double whole = -0.0;
 #pragma unroll 8
-            for (int r = 0; r < n; ++r) whole = __dadd_rn(whole, (double)weight(sc[order[r]]));
+            for (int r = 0; r < n; ++r) whole = __dadd_rn(whole, ranked[r]);
             const double target = __dmul_rn(param, whole);
             double acc = 0.0;
             int kk = n;
+#pragma unroll 4
             for (int r = 0; r < n; ++r) {
-                acc = __dadd_rn(acc, (double)weight(sc[order[r]]));
+                acc = __dadd_rn(acc, ranked[r]);
                 if (acc >= target) {
                     kk = r + 1;
                     break;
@@ -1227,14 +1243,22 @@ __device__ void select_decide(const T *__restrict__ x, const float *__restrict__
     const int kept = ishared[1];
     const int fused = fuse != 0 && kept < n;
     float *w_out = reinterpret_cast<float *>(plan + 2 * batch + total) + start;
+    // The dropped rows' weights, f64 in position order (the EViT pruner's host rule): laid out in
+    // parallel first, kept rows as -0.0 (x + -0.0 is x, signed zeros included), then summed over
+    // the contiguous array by one thread.
+    double *dropped_w = reinterpret_cast<double *>(tmp);
+    if (fused)
+        for (int j = prefix + threadIdx.x; j < len; j += blockDim.x)
+            dropped_w[j - prefix] = flag[j] ? -0.0 : (double)weight(sc[j]);
+    __syncthreads();
     if (threadIdx.x == 0) {
         plan[b] = (uint32_t)(prefix + kept + fused);
         plan[batch + b] = (uint32_t)fused;
-        // The dropped rows' weights, f64 in position order (the EViT pruner's host rule).
         double whole = -0.0;
-        if (fused)
-            for (int j = prefix; j < len; ++j)
-                if (!flag[j]) whole = __dadd_rn(whole, (double)weight(sc[j]));
+        if (fused) {
+#pragma unroll 8
+            for (int i = 0; i < n; ++i) whole = __dadd_rn(whole, dropped_w[i]);
+        }
         dshared[0] = whole;
     }
     __syncthreads();
@@ -1322,7 +1346,7 @@ __device__ void select_gather(const T *__restrict__ x, const uint32_t *__restric
 }  // namespace rule_detail
 
 #define RULE_ENTRIES(SUFFIX, T)                                                                                    \
-    extern "C" __global__ void ragged_select_decide_##SUFFIX(                                                      \
+    extern "C" __global__ void __launch_bounds__(DECIDE_THREADS) ragged_select_decide_##SUFFIX(                   \
         const T *x, const float *scores, int score_stride, const T *qkv, const uint32_t *cu, uint32_t *plan,      \
         int batch, int total, int C, int prefix, int mode, int heads, float scale, int rule, int count_kind,      \
         int count, double param, int fuse, int tmp_floats) {                                                       \

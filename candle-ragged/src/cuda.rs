@@ -610,7 +610,7 @@ pub(crate) fn read_u32_prefix(t: &candle_core::Tensor, n: usize) -> Result<Vec<u
     cs.device.cuda_stream().clone_dtoh(&view).w()
 }
 
-/// [`crate::select_by_rule`]'s first kernel on CUDA: one block of 256 threads per sequence.
+/// [`crate::select_by_rule`]'s first kernel on CUDA: one block of 1024 threads per sequence.
 pub(crate) fn select_decide(
     op: &crate::select_rule::Decide,
     (x, lx): (&CudaStorage, &Layout),
@@ -690,7 +690,8 @@ pub(crate) fn select_decide(
     );
     let cfg = LaunchConfig {
         grid_dim: (b as u32, 1, 1),
-        block_dim: (256, 1, 1),
+        // DECIDE_THREADS in the kernel source.
+        block_dim: (1024, 1, 1),
         shared_mem_bytes: smem as u32,
     };
     // SAFETY: the kernel writes every entry of the plan (see plan_len).

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Lever 31 on the GPU machine, from the repo root: select_by_rule's decide kernel with 1024
+# threads and its ordered f64 sums over arrays gathered in parallel (new) against the 256-thread
+# kernel with chained loads (prev). Two binaries: .gpu/bench.xz (new) and .gpu/bench-prev.xz.
+# STAGES (default "checks ncu e2e"):
+#   checks  the selection tests on the new bundle, memcheck over them, racecheck of the rule tests
+#   ncu     decide / gather kernel times per pruner (ncu-decide.sh's runs), each binary
+#   e2e     bench, every pruner, ragged path, T/S/B, batch 1/8, f16, arms interleaved, twice
+set -u
+stages=${STAGES:-checks ncu e2e}
+. scripts/gpu/lib.sh
+unpack bench bench-prev test-select_rule test-select_bounded test-select test-paths_agreement
+C="$out/decide.txt"
+nvidia-smi --query-gpu=name --format=csv,noheader >> "$C"
+ARMS=${ARMS:-prev new}
+bin_of() { if [ "$1" = prev ]; then echo bench-prev; else echo bench; fi; }
+if has checks; then
+  for t in select_rule select_bounded select; do
+    echo "== test-$t" >> "$C"
+    timeout 120 $B/test-$t --test-threads=1 2>&1 | grep -E "test result|panicked" >> "$C"
+    timeout 150 compute-sanitizer --tool memcheck --error-exitcode 9 $B/test-$t --test-threads=1 2>&1 | grep -E "ERROR SUMMARY" >> "$C"
+  done
+  echo "== racecheck test-select_rule every_rule_once, test-select_bounded many_sequences" >> "$C"
+  timeout 200 compute-sanitizer --tool racecheck --error-exitcode 9 $B/test-select_rule --test-threads=1 every_rule_once 2>&1 | grep -E "RACECHECK SUMMARY|test result" >> "$C"
+  timeout 100 compute-sanitizer --tool racecheck --error-exitcode 9 $B/test-select_bounded --test-threads=1 many_sequences 2>&1 | grep -E "RACECHECK SUMMARY|test result" >> "$C"
+  echo "== paths (cuda, T/S/B, batch 32)" >> "$C"
+  PATHS_DEVICE=cuda PATHS_MODELS=deit-tiny,deit-small,deit-base PATHS_BATCH=32 timeout 200 $B/test-paths_agreement --ignored --test-threads=1 2>&1 | grep -E "test result|panicked" >> "$C"
+fi
+if has ncu; then
+  for a in $ARMS; do
+    echo "== ncu, arm $a" >> "$C"
+    OUT=$out/ncu-$a BENCH=$(bin_of $a) RUNS="deit-small:1:ats-fixed deit-small:1:evit-adaptive deit-small:1:threshold-l2-adaptive deit-small:8:ats-fixed" \
+      bash scripts/gpu/ncu-decide.sh 2>&1 | grep -E "^==|decide|gather|offsets" >> "$C"
+  done
+fi
+e2e_run() { $B/$(bin_of $1) --device cuda --models deit-tiny,deit-small,deit-base --dtype f16 --batch 1,8 --pruners none,threshold-l2,dynamicvit,evit,ats --paths ragged --reps 10 --out "$2"; }
+has e2e && ab_rounds e2e e2e_run
+pack decide-json.tgz 'e2e-*.json'
+cat "$C"
