@@ -1051,11 +1051,93 @@ __device__ __forceinline__ double block_min(double v, double *dred) {
     return m;
 }
 
+// Ranks counted with the block's threads split P ways per element (P = threads / n, at most 32),
+// each part counting a slice of the others and adding its count to cnt[j] (zero on entry) with a
+// shared-memory atomic: integer adds, so the order they land in does not matter. At 196 patches
+// and 1024 threads each thread compares ~40 pairs instead of 196. `before(i, j)`: element i ranks
+// before element j. Ends on a barrier.
+template <typename Before>
+__device__ __forceinline__ void count_ranks(int from, int to, int *cnt, Before before) {
+    const int n = to - from;
+    const int parts = max(1, min(32, (int)blockDim.x / max(n, 1)));
+    const int slice = (n + parts - 1) / parts;
+    for (int w = threadIdx.x; w < n * parts; w += blockDim.x) {
+        const int j = from + w / parts, p = w % parts;
+        const int lo = from + p * slice, hi = min(to, lo + slice);
+        int c = 0;
+        for (int i = lo; i < hi; ++i) c += before(i, j);
+        if (c) atomicAdd(&cnt[j], c);
+    }
+    __syncthreads();
+}
+
+// Exclusive prefix count of flag[from..to) into out[from..to) (out may not alias flag), chunks of
+// blockDim.x scanned with warp shuffles and carried in order; returns the total to every thread.
+// Ends on a barrier.
+__device__ __forceinline__ int block_exclusive_count(const int *flag, int *out, int from, int to) {
+    __shared__ int warp_sums[32];
+    __shared__ int carry;
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    if (threadIdx.x == 0) carry = 0;
+    __syncthreads();
+    for (int base = from; base < to; base += blockDim.x) {
+        const int i = base + threadIdx.x;
+        const int f = i < to ? (flag[i] != 0) : 0;
+        int v = f;
+#pragma unroll
+        for (int d = 1; d < 32; d <<= 1) {
+            const int u = __shfl_up_sync(0xffffffffu, v, d);
+            if (lane >= d) v += u;
+        }
+        if (lane == 31) warp_sums[w] = v;
+        __syncthreads();
+        if (w == 0) {
+            int s = lane < warps ? warp_sums[lane] : 0;
+#pragma unroll
+            for (int d = 1; d < 32; d <<= 1) {
+                const int u = __shfl_up_sync(0xffffffffu, s, d);
+                if (lane >= d) s += u;
+            }
+            if (lane < warps) warp_sums[lane] = s;  // inclusive sums of the warps
+        }
+        __syncthreads();
+        if (i < to) out[i] = carry + (w > 0 ? warp_sums[w - 1] : 0) + v - f;
+        __syncthreads();  // every thread has read carry and warp_sums
+        if (threadIdx.x == 0) carry += warp_sums[warps - 1];
+        __syncthreads();
+    }
+    return carry;
+}
+
+// The best-scoring position of from..to by `key` (highest key, the lowest position on ties), to
+// every thread: one 64-bit max over (key with its sign bit flipped, ~position).
+__device__ __forceinline__ int block_best(const int *key, int from, int to) {
+    __shared__ unsigned long long best[32];
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    unsigned long long m = 0;
+    for (int j = from + threadIdx.x; j < to; j += blockDim.x) {
+        const unsigned long long v =
+            ((unsigned long long)((unsigned)key[j] ^ 0x80000000u) << 32) | (unsigned)~j;
+        m = v > m ? v : m;
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const unsigned long long u = __shfl_xor_sync(0xffffffffu, m, o);
+        m = u > m ? u : m;
+    }
+    if (lane == 0) best[w] = m;
+    __syncthreads();
+    unsigned long long all = 0;
+    for (int i = 0; i < warps; ++i) all = best[i] > all ? best[i] : all;
+    __syncthreads();  // best[] is free again
+    return (int)~(unsigned)(all & 0xffffffffu);
+}
+
 // ATS's inverse-transform sampling over the n = len - prefix patches (inverse_transform_sample
 // of src/keep.rs): sets flag[j] for every kept position j. a, c: n doubles each of scratch;
-// order: n ints.
+// order: n ints; cnt: n ints, zero on entry (the rank counts).
 __device__ void inverse_transform(const float *sc, int prefix, int n, int samples, double *a, double *c, int *order,
-                                  int *flag, double *dred, double *dshared) {
+                                  int *flag, int *cnt, double *dred, double *dshared) {
     if (n <= 1) {
         for (int i = threadIdx.x; i < n; i += blockDim.x) flag[prefix + i] = 1;
         return;
@@ -1077,13 +1159,10 @@ __device__ void inverse_transform(const float *sc, int prefix, int n, int sample
     for (int i = threadIdx.x; i < n; i += blockDim.x)
         a[i] = total > 0.0 ? __ddiv_rn(a[i], total) : __ddiv_rn(1.0, (double)n);
     __syncthreads();
-    // Ascending (weight, position): every weight is a finite non-negative double.
-    for (int i = threadIdx.x; i < n; i += blockDim.x) {
-        const double ai = a[i];
-        int rank = 0;
-        for (int l = 0; l < n; ++l) rank += (a[l] < ai) || (a[l] == ai && l < i);
-        order[rank] = i;
-    }
+    // Ascending (weight, position): every weight is a finite non-negative double. Counted into
+    // cnt (n ints, zero on entry).
+    count_ranks(0, n, cnt, [&](int l, int i) { return (a[l] < a[i]) || (a[l] == a[i] && l < i); });
+    for (int i = threadIdx.x; i < n; i += blockDim.x) order[cnt[i]] = i;
     __syncthreads();
     // The weights in ascending order first (in parallel), then the running sum over that
     // contiguous array: a chain of a[order[r]] loads, each waiting on the one before, made this
@@ -1154,19 +1233,19 @@ __device__ void select_decide(const T *__restrict__ x, const float *__restrict__
         key[j] = total_key(sc[j]);
         flag[j] = 0;
     }
-    if (threadIdx.x == 0) ishared[1] = 0;
     __syncthreads();
-    // order[r]: the patch position ranked r-th best (descending score, ties to the lower position).
-    for (int j = prefix + threadIdx.x; j < len; j += blockDim.x) {
-        const int kj = key[j];
-        int rank = 0;
-        for (int i = prefix; i < len; ++i) {
-            const int ki = key[i];
-            rank += (ki > kj) || (ki == kj && i < j);
-        }
-        order[rank] = j;
+    // order[r]: the patch position ranked r-th best (descending score, ties to the lower position),
+    // for the rules that take tokens best-first; counted into flag (zero), which is cleared after.
+    if (rule == RULE_TOP || rule == RULE_MASS_SHARE) {
+        count_ranks(prefix, len, flag, [&](int i, int j) {
+            const int ki = key[i], kj = key[j];
+            return (ki > kj) || (ki == kj && i < j);
+        });
+        for (int j = prefix + threadIdx.x; j < len; j += blockDim.x) order[flag[j]] = j;
+        __syncthreads();
+        for (int j = prefix + threadIdx.x; j < len; j += blockDim.x) flag[j] = 0;
+        __syncthreads();
     }
-    __syncthreads();
     int k = -1;  // best-first tokens kept (count rules); -1: the rule set the flags itself
     if (rule == RULE_TOP) {
         k = count_kind == 0 ? min(max(count, 1), n) : ceil_count(param, n);
@@ -1189,7 +1268,10 @@ __device__ void select_decide(const T *__restrict__ x, const float *__restrict__
             any |= pass;
         }
         // Nothing passes: the best one.
-        if (!__syncthreads_or(any) && threadIdx.x == 0) flag[order[0]] = 1;
+        if (!__syncthreads_or(any)) {
+            const int best = block_best(key, prefix, len);
+            if (threadIdx.x == 0) flag[best] = 1;
+        }
     } else if (rule == RULE_MASS_SHARE) {
         // The weights in rank order, gathered in parallel into the (now free) scratch, so that
         // the ordered f64 sums below read a contiguous array instead of chaining order[r] and
@@ -1219,28 +1301,20 @@ __device__ void select_decide(const T *__restrict__ x, const float *__restrict__
     } else {
         const int samples = count_kind == 0 ? max(count, 1) : ceil_count(param, n);
         double *a = reinterpret_cast<double *>(tmp);
-        inverse_transform(sc, prefix, n, samples, a, a + len, order, flag, dred, dshared);
+        // key as the rank counts (the generic ranking above did not run for this rule).
+        for (int i = threadIdx.x; i < n; i += blockDim.x) key[i] = 0;
+        __syncthreads();
+        inverse_transform(sc, prefix, n, samples, a, a + len, order, flag, key, dred, dshared);
     }
     for (int r = threadIdx.x; r < k; r += blockDim.x) flag[order[r]] = 1;
     __syncthreads();
-    // Slots (kept rows in ascending position after the prefix) and the kept count.
-    int kept_here = 0;
+    // Slots (kept rows in ascending position after the prefix) and the kept count: a block scan of
+    // the flags into key (free by now).
+    const int kept = block_exclusive_count(flag, key, prefix, len);
     for (int j = threadIdx.x; j < len; j += blockDim.x) {
-        int slot;
-        if (j < prefix) {
-            slot = j;
-        } else if (flag[j]) {
-            slot = prefix;
-            for (int i = prefix; i < j; ++i) slot += flag[i];
-            ++kept_here;
-        } else {
-            slot = -1;
-        }
+        const int slot = j < prefix ? j : (flag[j] ? prefix + key[j] : -1);
         plan[2 * batch + start + j] = (uint32_t)slot;
     }
-    atomicAdd(&ishared[1], kept_here);
-    __syncthreads();
-    const int kept = ishared[1];
     const int fused = fuse != 0 && kept < n;
     float *w_out = reinterpret_cast<float *>(plan + 2 * batch + total) + start;
     // The dropped rows' weights, f64 in position order (the EViT pruner's host rule): laid out in
