@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Lever 31 on the GPU machine, from the repo root: select_by_rule's decide kernel with 1024
-# threads and its ordered f64 sums over arrays gathered in parallel (new) against the 256-thread
-# kernel with chained loads (prev). Two binaries: .gpu/bench.xz (new) and .gpu/bench-prev.xz.
+# Levers 31-32 on the GPU machine, from the repo root: select_by_rule's decide kernel, two
+# binaries: .gpu/bench.xz (new) against .gpu/bench-prev.xz (prev). Lever 31 (d98101f against
+# d8f7c33): 1024 threads, the ordered f64 sums over arrays gathered in parallel. Lever 32 (against
+# d98101f): ranks counted by split threads and only where a rule needs them, the threshold
+# fallback by a block argmax, slots by a block scan.
 # STAGES (default "checks ncu e2e"):
 #   checks  the selection tests on the new bundle, memcheck over them, racecheck of the rule tests
 #   ncu     decide / gather kernel times per pruner (ncu-decide.sh's runs), each binary
