@@ -10,12 +10,13 @@ nvidia-smi --query-gpu=name --format=csv,noheader >> "$C"
 for run in ${RUNS:-deit-small:1:threshold-l2-adaptive deit-small:1:evit-adaptive deit-small:1:ats-fixed}; do
   IFS=: read -r m b p <<< "$run"
   rep=/tmp/decide-$p
-  ncu --set full --import-source yes --kernel-name regex:ragged_select_decide --launch-skip 3 --launch-count 1 -f -o $rep \
+  ncu --set full --import-source yes --warp-sampling-interval 0 --kernel-name regex:ragged_select_decide --launch-skip 3 --launch-count 1 -f -o $rep \
     $B/bench --device cuda --models $m --dtype f16 --batch $b --pruners $p --paths ragged --reps 1 --warmup 1 --cuda-graph false --out /tmp/x.json > /dev/null 2>&1
   echo "=== $m batch $b $p" >> "$C"
   ncu -i $rep.ncu-rep --page details --section SpeedOfLight --section LaunchStats --section WarpStateStats --section Occupancy 2>&1 \
     | grep -E "Duration|Elapsed Cycles|SM Frequency|Registers|Threads|Block Size|Stall|Warp Cycles|Achieved|Theoretical Occ|Issued" | head -30 >> "$C"
   ncu -i $rep.ncu-rep --page source --print-source sass --csv 2>/dev/null > /tmp/src.csv
+  cp /tmp/src.csv "$out/sass-$p.csv"
   python3 - /tmp/src.csv >> "$C" <<'PY'
 import csv, sys
 rows = list(csv.reader(open(sys.argv[1])))
@@ -33,10 +34,26 @@ def num(x):
     except ValueError: return 0.0
 tot = sum(num(r[si]) for r in data if len(r) > si)
 print(f"stall samples {tot:.0f}; top instructions (share, index, sass):")
-top = sorted(range(len(data)), key=lambda i: -num(data[i][si]) if len(data[i]) > si else 0)[:40]
+top = sorted(range(len(data)), key=lambda i: -num(data[i][si]) if len(data[i]) > si else 0)[:30]
 for i in sorted(top):
     r = data[i]
     print(f"{100*num(r[si])/max(tot,1):5.1f}%  {i:5d}  {r[src][:110]}")
+# Stall samples by instruction-index windows of 100 (which phase of the kernel).
+win = {}
+for i, r in enumerate(data):
+    if len(r) > si:
+        win[i // 100] = win.get(i // 100, 0) + num(r[si])
+print("by window of 100 instructions:", ", ".join(f"{k*100}:{100*v/max(tot,1):.0f}%" for k, v in sorted(win.items()) if v / max(tot, 1) >= 0.02))
+# SASS opcode mix of the sampled stalls.
+ops = {}
+for r in data:
+    if len(r) > si and num(r[si]) > 0:
+        t = r[src].split()
+        op = next((x for x in t if not x.startswith("@")), "?").split(".")[0]
+        ops[op] = ops.get(op, 0) + num(r[si])
+print("by opcode:", ", ".join(f"{k}:{100*v/max(tot,1):.0f}%" for k, v in sorted(ops.items(), key=lambda kv: -kv[1])[:12]))
 PY
 done
+
+pack decide-sass.tgz "sass-*.csv"
 cat "$C"
