@@ -776,6 +776,18 @@ __device__ void sequence_scores(float *sc, float *tmp, int tmp_floats, float *re
     constexpr int V = 16 / sizeof(T);
     if (mode == 0) {
         for (int j = threadIdx.x; j < len; j += blockDim.x) sc[j] = scores[(size_t)b * score_stride + j];
+    } else if (mode == 4 || mode == 5) {
+        // Modes 2 / 3 with each head's probabilities (and, for 3, the value rows' sums of squares)
+        // already computed by cls_probs over (sequence, head) blocks: rows h of
+        // scores[b·(heads + 1)·score_stride ..], row `heads` the sums of squares. The same
+        // operations in the same order as below, so the same bits.
+        const float *p = scores + (size_t)b * (heads + 1) * score_stride;
+        const float inv_heads = 1.f / (float)heads;
+        for (int j = threadIdx.x; j < len; j += blockDim.x) {
+            float acc = 0.f;
+            for (int h = 0; h < heads; ++h) acc += p[(size_t)h * score_stride + j];
+            sc[j] = mode == 4 ? acc * inv_heads : acc * __fsqrt_rn(p[(size_t)heads * score_stride + j]);
+        }
     } else if (mode == 1) {
         const T *xb = x + (size_t)start * C;
         const bool vec = C % V == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0;
@@ -848,6 +860,62 @@ __device__ void sequence_scores(float *sc, float *tmp, int tmp_floats, float *re
         }
     }
     __syncthreads();
+}
+
+// The class token's attention probabilities of one (sequence b = blockIdx.x, head h = blockIdx.y)
+// into out[(b·(heads + 1) + h)·out_stride + j], by the operations sequence_scores uses for modes 2
+// and 3 (logits rounded to T, one warp's max and exp-sum in its order, exp(l - m) / sum); block
+// h = heads (with `vnorm`) writes the value rows' sums of squares instead. At small batches one
+// block per sequence left those loads to a single SM; here they spread over B · (heads + 1).
+// Dynamic shared memory: (D + len) floats.
+template <typename T>
+__device__ void cls_probs(const T *__restrict__ qkv, const uint32_t *__restrict__ cu, float *__restrict__ out,
+                          int out_stride, int heads, int C, float scale) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    __shared__ float red[2];
+    const int b = blockIdx.x, h = blockIdx.y;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+    constexpr int V = 16 / sizeof(T);
+    const int start = (int)cu[b], len = (int)cu[b + 1] - start;
+    const int D = C / heads;
+    const size_t stride = 3 * (size_t)C;
+    const T *qb = qkv + (size_t)start * stride;
+    float *o = out + ((size_t)b * (heads + 1) + h) * out_stride;
+    if (h == heads) {
+        const bool vvec = C % V == 0 && reinterpret_cast<uintptr_t>(qkv) % 16 == 0;
+        for (int j0 = warp; j0 < len; j0 += SQ_ROWS * warps) {
+            float acc[SQ_ROWS];
+            warp_sums_of_squares<T>(acc, qb + 2 * C, stride, j0, warps, len, C, vvec);
+#pragma unroll
+            for (int u = 0; u < SQ_ROWS; ++u)
+                if (lane == 0 && j0 + u * warps < len) o[j0 + u * warps] = acc[u];
+        }
+        return;
+    }
+    float *qs = reinterpret_cast<float *>(smem);  // [D]
+    float *logit = qs + D;                        // [len]
+    const bool vec = D % V == 0 && C % V == 0 && reinterpret_cast<uintptr_t>(qkv) % 16 == 0;
+    for (int i = threadIdx.x; i < D; i += blockDim.x) qs[i] = to_f32(from_f32<T>(to_f32(qb[h * D + i]) * scale));
+    __syncthreads();
+    for (int j = threadIdx.x; j < len; j += blockDim.x)
+        logit[j] = to_f32(from_f32<T>(dot_row<T>(qs, qb + (size_t)j * stride + C + h * D, D, vec)));
+    __syncthreads();
+    if (warp == 0) {
+        float m = -INFINITY;
+        for (int j = lane; j < len; j += 32) m = fmaxf(m, logit[j]);
+#pragma unroll
+        for (int k = 16; k > 0; k >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, k));
+        float sum = 0.f;
+        for (int j = lane; j < len; j += 32) sum += expf(logit[j] - m);
+#pragma unroll
+        for (int k = 16; k > 0; k >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, k);
+        if (lane == 0) {
+            red[0] = m;
+            red[1] = sum;
+        }
+    }
+    __syncthreads();
+    for (int j = threadIdx.x; j < len; j += blockDim.x) o[j] = expf(logit[j] - red[0]) / red[1];
 }
 
 template <typename T>
@@ -1435,6 +1503,15 @@ __device__ void select_gather(const T *__restrict__ x, const uint32_t *__restric
 RULE_ENTRIES(f32, float)
 RULE_ENTRIES(f16, __half)
 RULE_ENTRIES(bf16, __nv_bfloat16)
+
+#define CLS_PROBS_ENTRY(SUFFIX, T)                                                                                 \
+    extern "C" __global__ void ragged_cls_probs_##SUFFIX(const T *qkv, const uint32_t *cu, float *out,            \
+                                                         int out_stride, int heads, int C, float scale) {         \
+        select_detail::cls_probs<T>(qkv, cu, out, out_stride, heads, C, scale);                                   \
+    }
+CLS_PROBS_ENTRY(f32, float)
+CLS_PROBS_ENTRY(f16, __half)
+CLS_PROBS_ENTRY(bf16, __nv_bfloat16)
 
 // select_by_rule_bounded's middle kernel: cu[0] = 0, cu[b + 1] = lengths[0] + ... + lengths[b]
 // (the plan's leading B entries), in one block of OFFSETS_THREADS threads; chunks of that many

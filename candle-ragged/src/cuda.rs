@@ -78,6 +78,11 @@ const GATHER_NAMES: [&str; 3] = [
     "ragged_select_gather_f16",
     "ragged_select_gather_bf16",
 ];
+const CLS_PROBS_NAMES: [&str; 3] = [
+    "ragged_cls_probs_f32",
+    "ragged_cls_probs_f16",
+    "ragged_cls_probs_bf16",
+];
 const MEAN_NAMES: [&str; 3] = [
     "ragged_sequence_mean_f32",
     "ragged_sequence_mean_f16",
@@ -106,6 +111,11 @@ struct Kernels {
     unpack: Vec<CudaFunction>,
     mean: Vec<CudaFunction>,
     offsets: CudaFunction,
+    cls_probs: Vec<CudaFunction>,
+    /// Whether `select_by_rule` computes class-attention scores in their own (sequence, head)
+    /// blocks first: below `sm_count` sequences by default, `CANDLE_RAGGED_SPLIT_SCORES=1`
+    /// always, `=0` never (the decide block computes them itself; same bits either way).
+    split_scores: Option<bool>,
 }
 
 static LOADED: Mutex<Vec<(DeviceId, Arc<Kernels>)>> = Mutex::new(Vec::new());
@@ -193,6 +203,15 @@ fn kernels(dev: &CudaDevice) -> Result<Arc<Kernels>> {
             .collect::<Result<_>>()?,
         mean: MEAN_NAMES.iter().map(|n| load(n)).collect::<Result<_>>()?,
         offsets: load("ragged_lengths_to_offsets")?,
+        cls_probs: CLS_PROBS_NAMES
+            .iter()
+            .map(|n| load(n))
+            .collect::<Result<_>>()?,
+        split_scores: match std::env::var("CANDLE_RAGGED_SPLIT_SCORES").as_deref() {
+            Ok("1") => Some(true),
+            Ok("0") => Some(false),
+            _ => None,
+        },
     });
     loaded.push((dev.id(), k.clone()));
     Ok(k)
@@ -632,10 +651,14 @@ pub(crate) fn select_decide(
         );
     }
     let (mode, heads, scale) = op.source.kernel_args();
+    let k = kernels(dev)?;
+    // Class-attention scores in (sequence, head) blocks first (`cls_probs`), the decide kernel
+    // then reading them as modes 4 / 5: one block per sequence is one SM's loads at small batches.
+    let split = op.source.reads_qkv() && k.split_scores.unwrap_or(b < k.sm_count);
     // Scratch: the logits of a group of heads (and their queries), and at least 4 floats per
     // token (two f64 arrays for the inverse-transform rule); a multiple of 4 keeps them aligned.
     let head_dim = c / heads.max(1) as usize;
-    let logits = if op.source.reads_qkv() {
+    let logits = if op.source.reads_qkv() && !split {
         (heads.clamp(1, 16) as usize * (max_len + head_dim)).min(DECIDE_LOGIT_FLOATS)
     } else {
         0
@@ -670,22 +693,59 @@ pub(crate) fn select_decide(
         Some(crate::DroppedFusion::WeightedMean) => 1,
         Some(crate::DroppedFusion::WeightedSum) => 2,
     };
-    let k = kernels(dev)?;
     let (cu_storage, cu_off) = u32_storage(batch.cu_seqlens());
     let cu = cuda_u32(&cu_storage)?.slice(cu_off..);
     let null: u64 = 0;
-    let scores = match op.source {
-        crate::scores::ScoreSource::Given => {
+    let stream = dev.cuda_stream();
+    // `[B, heads + 1, max_len]` f32: each head's probabilities, then the value rows' sums of
+    // squares (written for Significance only).
+    let probs = if split {
+        let out_stride = max_len.max(1);
+        // SAFETY: cls_probs writes every (sequence, head) row's first `len` entries, which are all
+        // the decide kernel reads.
+        let buf = unsafe { dev.alloc::<f32>(b * (heads as usize + 1) * out_stride)? };
+        let vnorm = matches!(op.source, crate::scores::ScoreSource::Significance { .. });
+        let cfg = LaunchConfig {
+            grid_dim: (b as u32, heads as u32 + vnorm as u32, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: (4 * (head_dim + max_len)) as u32,
+        };
+        let (stride_i, heads_i, c_i) = (out_stride as i32, heads, c as i32);
+        macro_rules! run {
+            ($t:ty, $i:expr) => {{
+                let qkv = s.as_cuda_slice::<$t>()?.slice(ls.start_offset()..);
+                let mut builder = stream.launch_builder(&k.cls_probs[$i]);
+                builder.arg(&qkv).arg(&cu).arg(&buf);
+                builder.arg(&stride_i).arg(&heads_i).arg(&c_i).arg(&scale);
+                // SAFETY: arguments match ragged_cls_probs_* in kernels/ragged_attention.cu; the
+                // buffer holds B · (heads + 1) rows of max_len floats.
+                unsafe { builder.launch(cfg) }.w()?;
+            }};
+        }
+        by_float_dtype!(x.dtype(), "select_by_rule", run);
+        Some((buf, out_stride))
+    } else {
+        None
+    };
+    let scores = match (&probs, op.source) {
+        (Some((buf, _)), _) => Some(buf.slice(0..)),
+        (None, crate::scores::ScoreSource::Given) => {
             Some(s.as_cuda_slice::<f32>()?.slice(ls.start_offset()..))
         }
         _ => None,
     };
+    let mode = match (&probs, op.source) {
+        (Some(_), crate::scores::ScoreSource::ClsAttention { .. }) => 4,
+        (Some(_), _) => 5,
+        (None, _) => mode,
+    };
+    let score_stride = probs.as_ref().map_or(op.score_stride, |(_, st)| *st);
     let (b_i, total_i, c_i, prefix_i, stride_i, tmp_i) = (
         b as i32,
         rows as i32,
         c as i32,
         op.prefix as i32,
-        op.score_stride as i32,
+        score_stride as i32,
         tmp_floats as i32,
     );
     let cfg = LaunchConfig {
@@ -696,11 +756,10 @@ pub(crate) fn select_decide(
     };
     // SAFETY: the kernel writes every entry of the plan (see plan_len).
     let plan = unsafe { dev.alloc::<u32>(plan_len(b, rows))? };
-    let stream = dev.cuda_stream();
     macro_rules! run {
         ($t:ty, $i:expr) => {{
             let xs = x.as_cuda_slice::<$t>()?.slice(lx.start_offset()..);
-            let qkv = if op.source.reads_qkv() {
+            let qkv = if op.source.reads_qkv() && probs.is_none() {
                 Some(s.as_cuda_slice::<$t>()?.slice(ls.start_offset()..))
             } else {
                 None
