@@ -872,7 +872,6 @@ template <typename T>
 __device__ void cls_probs(const T *__restrict__ qkv, const uint32_t *__restrict__ cu, float *__restrict__ out,
                           int out_stride, int heads, int C, float scale) {
     extern __shared__ __align__(16) unsigned char smem[];
-    __shared__ float red[2];
     const int b = blockIdx.x, h = blockIdx.y;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
     constexpr int V = 16 / sizeof(T);
@@ -900,22 +899,18 @@ __device__ void cls_probs(const T *__restrict__ qkv, const uint32_t *__restrict_
     for (int j = threadIdx.x; j < len; j += blockDim.x)
         logit[j] = to_f32(from_f32<T>(dot_row<T>(qs, qb + (size_t)j * stride + C + h * D, D, vec)));
     __syncthreads();
-    if (warp == 0) {
-        float m = -INFINITY;
-        for (int j = lane; j < len; j += 32) m = fmaxf(m, logit[j]);
+    // Every warp finds the max and the exp-sum itself, in the one warp's order sequence_scores
+    // uses (so every warp gets the same bits), and writes its own share of the row: no shared
+    // result to hand between warps.
+    float m = -INFINITY;
+    for (int j = lane; j < len; j += 32) m = fmaxf(m, logit[j]);
 #pragma unroll
-        for (int k = 16; k > 0; k >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, k));
-        float sum = 0.f;
-        for (int j = lane; j < len; j += 32) sum += expf(logit[j] - m);
+    for (int k = 16; k > 0; k >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, k));
+    float sum = 0.f;
+    for (int j = lane; j < len; j += 32) sum += expf(logit[j] - m);
 #pragma unroll
-        for (int k = 16; k > 0; k >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, k);
-        if (lane == 0) {
-            red[0] = m;
-            red[1] = sum;
-        }
-    }
-    __syncthreads();
-    for (int j = threadIdx.x; j < len; j += blockDim.x) o[j] = expf(logit[j] - red[0]) / red[1];
+    for (int k = 16; k > 0; k >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, k);
+    for (int j = threadIdx.x; j < len; j += blockDim.x) o[j] = expf(logit[j] - m) / sum;
 }
 
 template <typename T>
