@@ -867,7 +867,7 @@ __device__ void sequence_scores(float *sc, float *tmp, int tmp_floats, float *re
 // and 3 (logits rounded to T, one warp's max and exp-sum in its order, exp(l - m) / sum); block
 // h = heads (with `vnorm`) writes the value rows' sums of squares instead. At small batches one
 // block per sequence left those loads to a single SM; here they spread over B · (heads + 1).
-// Dynamic shared memory: (D + len) floats.
+// Dynamic shared memory: (round_up(D, 4) + len) floats.
 template <typename T>
 __device__ void cls_probs(const T *__restrict__ qkv, const uint32_t *__restrict__ cu, float *__restrict__ out,
                           int out_stride, int heads, int C, float scale) {
@@ -891,8 +891,10 @@ __device__ void cls_probs(const T *__restrict__ qkv, const uint32_t *__restrict_
         }
         return;
     }
-    float *qs = reinterpret_cast<float *>(smem);  // [D]
-    float *logit = qs + D;                        // [len]
+    // qs padded to a multiple of 4 floats: dot_row's loop may read a[] in 16-byte chunks past D
+    // (the compiler's vector load for the remainder), which must not land on logit being written.
+    float *qs = reinterpret_cast<float *>(smem);  // [round_up(D, 4)]
+    float *logit = qs + ((D + 3) & ~3);           // [len]
     const bool vec = D % V == 0 && C % V == 0 && reinterpret_cast<uintptr_t>(qkv) % 16 == 0;
     for (int i = threadIdx.x; i < D; i += blockDim.x) qs[i] = to_f32(from_f32<T>(to_f32(qb[h * D + i]) * scale));
     __syncthreads();

@@ -708,7 +708,8 @@ pub(crate) fn select_decide(
         let cfg = LaunchConfig {
             grid_dim: (b as u32, heads as u32 + vnorm as u32, 1),
             block_dim: (256, 1, 1),
-            shared_mem_bytes: (4 * (head_dim + max_len)) as u32,
+            // (round_up(D, 4) + max_len) floats: see cls_probs.
+            shared_mem_bytes: (4 * (head_dim.next_multiple_of(4) + max_len)) as u32,
         };
         let (stride_i, heads_i, c_i) = (out_stride as i32, heads, c as i32);
         macro_rules! run {
