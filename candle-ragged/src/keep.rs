@@ -320,6 +320,53 @@ fn nearest_first(sorted: &[f64], y: f64) -> usize {
 mod tests {
     use super::*;
 
+    /// `max_kept` bounds what `keep` returns for any scores (here: random rows with ties, NaN and
+    /// zeros, every length up to 200), and is reached by the count rules.
+    #[test]
+    fn max_kept_bounds_every_decision() {
+        let rules = [
+            KeepRule::Top(KeepCount::CeilRatio(0.7)),
+            KeepRule::Top(KeepCount::Exactly(5)),
+            KeepRule::AtLeast(0.5),
+            KeepRule::Above(0.5),
+            KeepRule::AtLeastMeanTimes(1.0),
+            KeepRule::MassShare(0.9),
+            KeepRule::InverseTransform {
+                samples: KeepCount::CeilRatio(0.7),
+            },
+            KeepRule::InverseTransform {
+                samples: KeepCount::Exactly(40),
+            },
+        ];
+        let mut state = 0x2545_f491_4f6c_dd1du64;
+        let mut next = move || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        for n in 1..=200usize {
+            let row: Vec<f32> = (0..n)
+                .map(|_| match next() % 16 {
+                    0 => f32::NAN,
+                    1 => 0.0,
+                    v => (v % 5) as f32 / 4.0,
+                })
+                .collect();
+            for rule in rules {
+                let kept = rule.keep(&row, 0, n).len();
+                assert!(
+                    (1..=rule.max_kept(n)).contains(&kept),
+                    "{rule:?} n={n}: kept {kept}, bound {}",
+                    rule.max_kept(n)
+                );
+                if let KeepRule::Top(_) = rule {
+                    assert_eq!(kept, rule.max_kept(n), "{rule:?} n={n}");
+                }
+            }
+        }
+    }
+
     #[test]
     fn ties_break_to_lower_index() {
         let row = [9.0, 1.0, 2.0, 2.0, f32::NAN, 2.0];
