@@ -913,6 +913,11 @@ fn device_decisions_equal_host_decisions() {
             .unwrap_err()
             .to_string();
         assert!(err.contains("keep rule"), "replayed plan: {err}");
+        let err = m
+            .forward_pruned_capturable(&pixels, &replay)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("keep rule"), "replayed plan, capturable: {err}");
     }
 }
 
