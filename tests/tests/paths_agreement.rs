@@ -917,7 +917,10 @@ fn device_decisions_equal_host_decisions() {
             .forward_pruned_capturable(&pixels, &replay)
             .unwrap_err()
             .to_string();
-        assert!(err.contains("keep rule"), "replayed plan, capturable: {err}");
+        assert!(
+            err.contains("keep rule"),
+            "replayed plan, capturable: {err}"
+        );
     }
 }
 
