@@ -1338,31 +1338,31 @@ __device__ void select_decide(const T *__restrict__ x, const float *__restrict__
             if (threadIdx.x == 0) flag[best] = 1;
         }
     } else if (rule == RULE_MASS_SHARE) {
-        // The weights in rank order, gathered in parallel into the (now free) scratch, so that
-        // the ordered f64 sums below read a contiguous array instead of chaining order[r] and
-        // sc[order[r]] loads.
+        // The weights in rank order, gathered in parallel into the (now free) scratch, then their
+        // running sums in rank order by one thread: a plain chain of adds, stored in place. The
+        // total is the last sum and the cut the first sum reaching share · total, found by every
+        // thread at once. The host sums the total from -0.0 and the running sum from 0.0; the
+        // two differ at most in the sign of a zero total, which leaves target's comparisons alike.
         double *ranked = reinterpret_cast<double *>(tmp);
         for (int r = threadIdx.x; r < n; r += blockDim.x) ranked[r] = (double)weight(sc[order[r]]);
+        if (threadIdx.x == 0) ishared[0] = n;
         __syncthreads();
         if (threadIdx.x == 0) {
-            double whole = -0.0;
-#pragma unroll 8
-            for (int r = 0; r < n; ++r) whole = __dadd_rn(whole, ranked[r]);
-            const double target = __dmul_rn(param, whole);
             double acc = 0.0;
-            int kk = n;
-#pragma unroll 4
+#pragma unroll 8
             for (int r = 0; r < n; ++r) {
                 acc = __dadd_rn(acc, ranked[r]);
-                if (acc >= target) {
-                    kk = r + 1;
-                    break;
-                }
+                ranked[r] = acc;
             }
-            ishared[0] = max(kk, 1);
         }
         __syncthreads();
-        k = ishared[0];
+        const double target = __dmul_rn(param, ranked[n - 1]);
+        int first = n;
+        for (int r = threadIdx.x; r < n; r += blockDim.x)
+            if (ranked[r] >= target) first = min(first, r + 1);
+        if (first < n) atomicMin(&ishared[0], first);
+        __syncthreads();
+        k = max(ishared[0], 1);
     } else {
         const int samples = count_kind == 0 ? max(count, 1) : ceil_count(param, n);
         double *a = reinterpret_cast<double *>(tmp);
