@@ -3,7 +3,8 @@
 # binaries: .gpu/bench.xz (new) against .gpu/bench-prev.xz (prev). Lever 31 (d98101f against
 # d8f7c33): 1024 threads, the ordered f64 sums over arrays gathered in parallel. Lever 32 (against
 # d98101f): ranks counted by split threads and only where a rule needs them, the threshold
-# fallback by a block argmax, slots by a block scan.
+# fallback by a block argmax, slots by a block scan. Lever 34 (584f676 against 301d218): the
+# mass share's two ordered passes as one chain of running sums and a parallel search.
 # STAGES (default "checks ncu e2e"):
 #   checks  the selection tests on the new bundle, memcheck over them, racecheck of the rule tests
 #   ncu     decide / gather kernel times per pruner (ncu-decide.sh's runs), each binary
