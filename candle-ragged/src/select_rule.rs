@@ -1,7 +1,12 @@
 //! [`select_by_rule`]: a token-pruning step on a ragged batch whose counts depend on the scores
 //! (adaptive thresholds, attention-mass shares, ATS's sampling): scores, the keep decision, the
 //! row gathers and EViT's fused token in two kernels on CUDA, with one host read in between (the
-//! new lengths: the host must know the new total to allocate the output).
+//! new lengths: the host must know the new total to allocate the output). At small batches the
+//! class-attention scores get a kernel of their own first, spread over (sequence, head) blocks.
+//!
+//! [`select_by_rule_bounded`]: the same step without the host read, for graph capture: a third,
+//! one-block kernel turns the new lengths into `cu_seqlens` on the device, and the output keeps a
+//! capacity bounded on the host from the rule ([`KeepRule::max_kept`]).
 //!
 //! The decision is [`KeepRule::keep`] itself on the CPU, and the same rule repeated operation for
 //! operation in the CUDA kernel, so a host pruner's decision over the same scores is the same.
