@@ -1052,7 +1052,9 @@ SELECT_ENTRY(bf16, __nv_bfloat16)
 // Two kernels with one host read between them. `ragged_select_decide_*` (one block per sequence)
 // computes the sequence's scores (sequence_scores), applies the keep rule and writes a plan; the
 // host reads the new lengths and uploads the new cu_seqlens; `ragged_select_gather_*` copies the
-// kept rows and builds the fused rows. The rules repeat KeepRule::keep (src/keep.rs) operation
+// kept rows and builds the fused rows. select_by_rule_bounded replaces the host read with
+// `ragged_lengths_to_offsets` (cu_seqlens built on the device); at small batches
+// `ragged_cls_probs_*` computes the class-attention scores first, over (sequence, head) blocks. The rules repeat KeepRule::keep (src/keep.rs) operation
 // for operation: the same comparisons, f64 sums in the same order with no contraction into
 // fused multiply-adds, the same roundings, so a device decision equals the host's given the
 // same scores.
