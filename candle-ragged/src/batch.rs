@@ -235,6 +235,18 @@ impl RaggedBatch {
         self.max_len
     }
 
+    /// The first sequence of at most `len` tokens, `(index, its length)`, among lengths the host
+    /// knows. `None` as well when the lengths live on the device only: nothing is read back (the
+    /// selections that make such batches keep a token after the prefix in every sequence).
+    pub fn first_sequence_at_most(&self, len: usize) -> Option<(usize, usize)> {
+        self.offsets
+            .as_deref()?
+            .windows(2)
+            .map(|w| (w[1] - w[0]) as usize)
+            .enumerate()
+            .find(|&(_, l)| l <= len)
+    }
+
     /// Length of each sequence (read back when the lengths live on the device only).
     pub fn lengths(&self) -> Result<Vec<usize>> {
         Ok(self

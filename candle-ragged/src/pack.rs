@@ -53,33 +53,43 @@ pub fn pack(x: &Tensor, batch: &RaggedBatch) -> Result<Tensor> {
 /// left-aligned batch), and every position not kept is zero.
 pub fn unpack(packed: &Tensor, batch: &RaggedBatch, tokens: usize) -> Result<Tensor> {
     const OP: &str = "unpack";
+    check_packed(OP, packed, batch)?;
+    fits(OP, batch, tokens)?;
+    Ok(unit_column_stride(packed)?.apply_op1_no_bwd(&Unpack { batch, tokens })?)
+}
+
+/// `packed` is `[batch.total_tokens(), channels]` of a dtype the ops move, on the batch's device.
+fn check_packed(op: &'static str, packed: &Tensor, batch: &RaggedBatch) -> Result<()> {
     let total = match packed.dims() {
         &[t, _c] => t,
         _ => {
             return Err(RaggedError::Rank {
-                op: OP,
+                op,
                 what: "packed",
                 expected: 2,
                 shape: packed.shape().clone(),
             })
         }
     };
-    check_common(OP, packed, batch)?;
+    check_common(op, packed, batch)?;
     if total != batch.total_tokens() {
         return Err(RaggedError::TotalMismatch {
-            op: OP,
+            op,
             what: "packed",
             expected: batch.total_tokens(),
             found: total,
         });
     }
-    fits(OP, batch, tokens)?;
-    let packed = if packed.stride()[1] == 1 {
+    Ok(())
+}
+
+/// `packed` itself when its rows are unit-stride (any row stride), else a contiguous copy.
+pub(crate) fn unit_column_stride(packed: &Tensor) -> Result<Tensor> {
+    Ok(if packed.stride()[1] == 1 {
         packed.clone()
     } else {
         packed.contiguous()?
-    };
-    Ok(packed.apply_op1_no_bwd(&Unpack { batch, tokens })?)
+    })
 }
 
 fn check_common(op: &'static str, x: &Tensor, batch: &RaggedBatch) -> Result<()> {
@@ -126,12 +136,37 @@ fn fits(op: &'static str, batch: &RaggedBatch, tokens: usize) -> Result<()> {
 fn host_positions(batch: &RaggedBatch) -> candle_core::Result<Vec<u32>> {
     match batch.positions() {
         Some(p) => p.to_device(&candle_core::Device::Cpu)?.to_vec1::<u32>(),
-        None => Ok(batch
-            .offsets()?
-            .windows(2)
-            .flat_map(|w| 0..w[1] - w[0])
-            .collect()),
+        None => Ok(leading_positions(&batch.offsets()?)),
     }
+}
+
+/// Each packed row's place in its sequence: `0..len_b` for every sequence `b`.
+fn leading_positions(offsets: &[u32]) -> Vec<u32> {
+    offsets.windows(2).flat_map(|w| 0..w[1] - w[0]).collect()
+}
+
+/// [`scatter_rows`] over any dtype the ops move: `[batch, n, channels]` from packed rows placed at
+/// `positions` (see [`Unpack`] and [`LeadingRows`]).
+fn scatter_cpu(
+    op: &'static str,
+    batch: &RaggedBatch,
+    n: usize,
+    positions: &[u32],
+    s: &CpuStorage,
+    l: &Layout,
+) -> candle_core::Result<(CpuStorage, Shape)> {
+    let (_t, c) = l.shape().dims2()?;
+    let lay = (l.start_offset(), l.stride()[0]);
+    let offsets = batch.offsets()?;
+    let (o, p) = (&offsets[..], positions);
+    let out = match s {
+        CpuStorage::F32(x) => CpuStorage::F32(scatter_rows(x, lay, c, n, o, p)),
+        CpuStorage::F16(x) => CpuStorage::F16(scatter_rows(x, lay, c, n, o, p)),
+        CpuStorage::BF16(x) => CpuStorage::BF16(scatter_rows(x, lay, c, n, o, p)),
+        CpuStorage::U32(x) => CpuStorage::U32(scatter_rows(x, lay, c, n, o, p)),
+        other => return Err(unsupported(op, other)),
+    };
+    Ok((out, Shape::from((batch.batch_size(), n, c))))
 }
 
 /// `[batch, tokens, channels]` -> `[total, channels]`; see [`pack`].
@@ -233,20 +268,8 @@ impl CustomOp1 for Unpack<'_> {
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        let (_t, c) = l.shape().dims2()?;
-        let (off, st) = (l.start_offset(), l.stride()[0]);
         let p = host_positions(self.batch)?;
-        let offsets = self.batch.offsets()?;
-        let (o, n, lay) = (&offsets[..], self.tokens, (off, st));
-        let out = match s {
-            CpuStorage::F32(x) => CpuStorage::F32(scatter_rows(x, lay, c, n, o, &p)),
-            CpuStorage::F16(x) => CpuStorage::F16(scatter_rows(x, lay, c, n, o, &p)),
-            CpuStorage::BF16(x) => CpuStorage::BF16(scatter_rows(x, lay, c, n, o, &p)),
-            CpuStorage::U32(x) => CpuStorage::U32(scatter_rows(x, lay, c, n, o, &p)),
-            other => return Err(unsupported("unpack", other)),
-        };
-        let b_count = self.batch.batch_size();
-        Ok((out, Shape::from((b_count, n, c))))
+        scatter_cpu("unpack", self.batch, self.tokens, &p, s, l)
     }
 
     #[cfg(feature = "cuda")]
@@ -268,33 +291,8 @@ impl CustomOp1 for Unpack<'_> {
 ///
 /// Returns `[batch.batch_size(), rows, channels]`, contiguous.
 pub fn leading_rows(packed: &Tensor, batch: &RaggedBatch, rows: usize) -> Result<Tensor> {
-    const OP: &str = "leading_rows";
-    let total = match packed.dims() {
-        &[t, _c] => t,
-        _ => {
-            return Err(RaggedError::Rank {
-                op: OP,
-                what: "packed",
-                expected: 2,
-                shape: packed.shape().clone(),
-            })
-        }
-    };
-    check_common(OP, packed, batch)?;
-    if total != batch.total_tokens() {
-        return Err(RaggedError::TotalMismatch {
-            op: OP,
-            what: "packed",
-            expected: batch.total_tokens(),
-            found: total,
-        });
-    }
-    let packed = if packed.stride()[1] == 1 {
-        packed.clone()
-    } else {
-        packed.contiguous()?
-    };
-    Ok(packed.apply_op1_no_bwd(&LeadingRows { batch, rows })?)
+    check_packed("leading_rows", packed, batch)?;
+    Ok(unit_column_stride(packed)?.apply_op1_no_bwd(&LeadingRows { batch, rows })?)
 }
 
 /// `[total, channels]` -> `[batch, rows, channels]`; see [`leading_rows`].
@@ -309,20 +307,8 @@ impl CustomOp1 for LeadingRows<'_> {
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        let (_t, c) = l.shape().dims2()?;
-        let (off, st) = (l.start_offset(), l.stride()[0]);
-        let offsets = self.batch.offsets()?;
-        // Each packed row's place in its sequence.
-        let p: Vec<u32> = offsets.windows(2).flat_map(|w| 0..w[1] - w[0]).collect();
-        let (o, n, lay) = (&offsets[..], self.rows, (off, st));
-        let out = match s {
-            CpuStorage::F32(x) => CpuStorage::F32(scatter_rows(x, lay, c, n, o, &p)),
-            CpuStorage::F16(x) => CpuStorage::F16(scatter_rows(x, lay, c, n, o, &p)),
-            CpuStorage::BF16(x) => CpuStorage::BF16(scatter_rows(x, lay, c, n, o, &p)),
-            CpuStorage::U32(x) => CpuStorage::U32(scatter_rows(x, lay, c, n, o, &p)),
-            other => return Err(unsupported(OP_LEADING, other)),
-        };
-        Ok((out, Shape::from((self.batch.batch_size(), n, c))))
+        let p = leading_positions(&self.batch.offsets()?);
+        scatter_cpu("leading_rows", self.batch, self.rows, &p, s, l)
     }
 
     #[cfg(feature = "cuda")]
@@ -334,5 +320,3 @@ impl CustomOp1 for LeadingRows<'_> {
         crate::cuda::unpack(self.batch, self.rows, false, s, l)
     }
 }
-
-const OP_LEADING: &str = "leading_rows";

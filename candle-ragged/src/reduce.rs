@@ -5,6 +5,7 @@ use candle_core::{CpuStorage, CustomOp1, DType, Layout, Shape, Tensor, WithDType
 
 use crate::batch::RaggedBatch;
 use crate::error::{RaggedError, Result};
+use crate::pack::unit_column_stride;
 
 const OP: &str = "sequence_mean";
 
@@ -51,15 +52,7 @@ pub fn sequence_mean(x: &Tensor, batch: &RaggedBatch, skip: usize) -> Result<Ten
             found: format!("{:?}", batch.device().location()),
         });
     }
-    // A batch with its lengths on the device only was made by a selection that keeps a patch
-    // after the prefix in every sequence; it is not read back here.
-    let host = batch.host_offsets().unwrap_or(&[0]);
-    if let Some((index, len)) = host
-        .windows(2)
-        .map(|w| (w[1] - w[0]) as usize)
-        .enumerate()
-        .find(|&(_, len)| len <= skip)
-    {
+    if let Some((index, len)) = batch.first_sequence_at_most(skip) {
         return Err(RaggedError::Candle(candle_core::Error::Msg(format!(
             "{OP}: sequence {index} has {len} rows, nothing left to average after skipping {skip}"
         ))));
@@ -69,12 +62,7 @@ pub fn sequence_mean(x: &Tensor, batch: &RaggedBatch, skip: usize) -> Result<Ten
             "{OP}: x has no columns"
         ))));
     }
-    let x = if x.stride()[1] == 1 {
-        x.clone()
-    } else {
-        x.contiguous()?
-    };
-    Ok(x.apply_op1_no_bwd(&SequenceMean { batch, skip })?)
+    Ok(unit_column_stride(x)?.apply_op1_no_bwd(&SequenceMean { batch, skip })?)
 }
 
 /// `[total, D]` -> `[B, D]`; see [`sequence_mean`].

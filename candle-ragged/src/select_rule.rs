@@ -54,12 +54,7 @@ pub fn select_by_rule(
         .map(|l| l as usize)
         .collect();
     let new_batch = RaggedBatch::from_lengths(&lengths, x.device())?;
-    let gather = Gather {
-        batch: batch.clone(),
-        new_batch: new_batch.clone(),
-    };
-    let out = x.apply_op2_no_bwd(&plan, &gather)?;
-    Ok((out, new_batch))
+    gather(&x, &plan, batch, new_batch)
 }
 
 /// [`select_by_rule`] without the host read: the new lengths and `cu_seqlens` stay on the device
@@ -94,12 +89,22 @@ pub fn select_by_rule_bounded(
     let rows = batch.total_tokens().min(b * max_len);
     let cu_seqlens = plan.apply_op1_no_bwd(&LengthsToOffsets { batch_size: b })?;
     let new_batch = RaggedBatch::with_device_lengths(cu_seqlens, b, rows, max_len);
+    gather(&x, &plan, batch, new_batch)
+}
+
+/// The second kernel: `x`'s kept rows (and fused rows) per `plan` into `new_batch`'s layout.
+fn gather(
+    x: &Tensor,
+    plan: &Tensor,
+    batch: &RaggedBatch,
+    new_batch: RaggedBatch,
+) -> Result<(Tensor, RaggedBatch)> {
     let gather = Gather {
         batch: batch.clone(),
-        new_batch: new_batch.clone(),
+        new_batch,
     };
-    let out = x.apply_op2_no_bwd(&plan, &gather)?;
-    Ok((out, new_batch))
+    let out = x.apply_op2_no_bwd(plan, &gather)?;
+    Ok((out, gather.new_batch))
 }
 
 /// Checks, then the first kernel: `x` made contiguous and the plan (see [`plan_len`]).
@@ -131,15 +136,9 @@ fn decide(
         return Err(msg("x has no channels".into()));
     }
     let b = batch.batch_size();
-    // Lengths on the device only come from an earlier step, which keeps a patch after the prefix
-    // in every sequence; the bound still has to leave room for one.
-    let host = batch.host_offsets().unwrap_or(&[0]);
-    if let Some((index, len)) = host
-        .windows(2)
-        .map(|w| (w[1] - w[0]) as usize)
-        .enumerate()
-        .find(|&(_, len)| len <= prefix)
-    {
+    // Lengths on the device only are not checked one by one (see first_sequence_at_most); their
+    // bound still has to leave room for a patch.
+    if let Some((index, len)) = batch.first_sequence_at_most(prefix) {
         return Err(msg(format!(
             "sequence {index} has {len} tokens: it needs more than the {prefix} prefix tokens"
         )));

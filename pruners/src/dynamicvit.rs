@@ -557,15 +557,8 @@ impl DynamicVit {
         batch: &RaggedBatch,
         num_prefix: usize,
     ) -> Result<Tensor> {
-        // A batch with its lengths on the device only comes from a selection that keeps a patch
-        // in every image; it is not read back here (that would be a host sync).
-        let host = batch.host_offsets().unwrap_or(&[0]);
-        if let Some((index, len)) = host
-            .windows(2)
-            .map(|w| (w[1] - w[0]) as usize)
-            .enumerate()
-            .find(|&(_, len)| len <= num_prefix)
-        {
+        // Not read back for a batch whose lengths live on the device (a host sync).
+        if let Some((index, len)) = batch.first_sequence_at_most(num_prefix) {
             return Err(PruneError::InvalidInput(format!(
                 "dynamicvit: image {index} has {len} tokens, no patch after its {num_prefix} \
                  prefix tokens"

@@ -10,8 +10,6 @@ stages=${STEPS:-checks sanitizer paths f16}
 unpack
 L="$out/capturable.log"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader >> "$L"
-step() { local name=$1 limit=$2; shift 2; local t0=$SECONDS
-  timeout "$limit" "$@"; local rc=$?; echo "$name rc=$rc $((SECONDS - t0)) s" >> "$L"; }
 tests="select_bounded select_rule select pack sequence_mean attention graph"
 if has checks; then
   for t in $tests; do

@@ -15,8 +15,6 @@ stages=${STEPS:-checks ours peers max ours2}
 unpack bench test-attention test-paths_agreement
 L="$out/deit-b-vs-peers.log"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader >> "$L"
-step() { local name=$1 limit=$2; shift 2; local t0=$SECONDS
-  timeout "$limit" "$@"; local rc=$?; echo "$name rc=$rc $((SECONDS - t0)) s" >> "$L"; }
 if has checks; then
   {
     echo "== test-attention"; $B/test-attention --test-threads=1 2>&1 | grep -E -A2 "test result|panicked"

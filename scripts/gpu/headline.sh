@@ -21,8 +21,6 @@ stages=${STEPS:-checks f16 peers max bf16 f32}
 unpack
 L="$out/headline.log"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader >> "$L"
-step() { local name=$1 limit=$2; shift 2; local t0=$SECONDS
-  timeout "$limit" "$@"; local rc=$?; echo "$name rc=$rc $((SECONDS - t0)) s" >> "$L"; }
 models=deit-tiny,deit-small,deit-base
 if has checks; then
   {

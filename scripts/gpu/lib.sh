@@ -20,6 +20,11 @@ unpack() {
   done
 }
 
+# step NAME LIMIT CMD...: CMD under `timeout LIMIT`, then "NAME rc=<status> <seconds> s" appended
+# to the script's log $L.
+step() { local name=$1 limit=$2; shift 2; local t0=$SECONDS
+  timeout "$limit" "$@"; local rc=$?; echo "$name rc=$rc $((SECONDS - t0)) s" >> "$L"; }
+
 # has STAGE: whether the space-separated $stages names STAGE.
 has() { [[ " $stages " == *" $1 "* ]]; }
 

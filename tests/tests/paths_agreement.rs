@@ -789,18 +789,9 @@ fn check_on_device(
         // A different input first, so the replay below cannot pass by leftover buffers.
         graph.run(&(pixels * 0.5).unwrap()).unwrap();
         let replayed = graph.run(pixels).unwrap();
-        let diff = (replayed - &eager)
-            .unwrap()
-            .abs()
-            .unwrap()
-            .max_all()
-            .unwrap()
-            .to_dtype(DType::F32)
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap();
         assert_eq!(
-            diff, 0.0,
+            max_abs(&replayed, &eager),
+            0.0,
             "{what}: graph replay differs from the eager call"
         );
     }
