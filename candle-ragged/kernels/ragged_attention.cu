@@ -756,6 +756,36 @@ __device__ __forceinline__ void warp_sums_of_squares(float (&acc)[SQ_ROWS], cons
     }
 }
 
+// f(j, Σ row_j²) for every row j < len (rows row_stride elements apart from base), on lane 0 of
+// the warp that summed it: warps take SQ_ROWS rows at a time (see warp_sums_of_squares).
+template <typename T, typename F>
+__device__ __forceinline__ void for_each_row_sum_of_squares(const T *base, size_t row_stride, int len, int C,
+                                                            bool vec, F f) {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+    for (int j0 = warp; j0 < len; j0 += SQ_ROWS * warps) {
+        float acc[SQ_ROWS];
+        warp_sums_of_squares<T>(acc, base, row_stride, j0, warps, len, C, vec);
+#pragma unroll
+        for (int u = 0; u < SQ_ROWS; ++u)
+            if (lane == 0 && j0 + u * warps < len) f(j0 + u * warps, acc[u]);
+    }
+}
+
+// The max and the exp-sum of l[0..len) by one warp, every lane getting both: lane-strided, then a
+// butterfly. The one order every class-attention score uses (sequence_scores, cls_probs), so they
+// give the same bits wherever they run.
+__device__ __forceinline__ void warp_softmax_stats(const float *l, int len, float &m, float &sum) {
+    const int lane = threadIdx.x % 32;
+    m = -INFINITY;
+    for (int j = lane; j < len; j += 32) m = fmaxf(m, l[j]);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    sum = 0.f;
+    for (int j = lane; j < len; j += 32) sum += expf(l[j] - m);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+}
+
 // The scores of sequence b = blockIdx.x, packed rows start..start + len, into sc (shared), by `mode`:
 //   0: given, scores[b·score_stride + j];
 //   1: the L2 norm of row j of x (f32 sum of squares);
@@ -791,13 +821,7 @@ __device__ void sequence_scores(float *sc, float *tmp, int tmp_floats, float *re
     } else if (mode == 1) {
         const T *xb = x + (size_t)start * C;
         const bool vec = C % V == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0;
-        for (int j0 = warp; j0 < len; j0 += SQ_ROWS * warps) {
-            float acc[SQ_ROWS];
-            warp_sums_of_squares<T>(acc, xb, C, j0, warps, len, C, vec);
-#pragma unroll
-            for (int u = 0; u < SQ_ROWS; ++u)
-                if (lane == 0 && j0 + u * warps < len) sc[j0 + u * warps] = sqrtf(acc[u]);
-        }
+        for_each_row_sum_of_squares<T>(xb, C, len, C, vec, [&](int j, float ss) { sc[j] = sqrtf(ss); });
     } else {
         const int D = C / heads;
         const size_t stride = 3 * (size_t)C;
@@ -821,15 +845,8 @@ __device__ void sequence_scores(float *sc, float *tmp, int tmp_floats, float *re
             __syncthreads();
             // Each head's max and exp-sum by one warp: red[2h], red[2h + 1].
             for (int h = warp; h < hn; h += warps) {
-                const float *l = logit + h * len;
-                float m = -INFINITY;
-                for (int j = lane; j < len; j += 32) m = fmaxf(m, l[j]);
-#pragma unroll
-                for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-                float sum = 0.f;
-                for (int j = lane; j < len; j += 32) sum += expf(l[j] - m);
-#pragma unroll
-                for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+                float m, sum;
+                warp_softmax_stats(logit + h * len, len, m, sum);
                 if (lane == 0) {
                     red[2 * h] = m;
                     red[2 * h + 1] = sum;
@@ -850,13 +867,8 @@ __device__ void sequence_scores(float *sc, float *tmp, int tmp_floats, float *re
         } else {
             // Times ‖v_j‖, a warp per row (the head loop ended on a barrier).
             const bool vvec = C % V == 0 && reinterpret_cast<uintptr_t>(qkv) % 16 == 0;
-            for (int j0 = warp; j0 < len; j0 += SQ_ROWS * warps) {
-                float acc[SQ_ROWS];
-                warp_sums_of_squares<T>(acc, qb + 2 * C, stride, j0, warps, len, C, vvec);
-#pragma unroll
-                for (int u = 0; u < SQ_ROWS; ++u)
-                    if (lane == 0 && j0 + u * warps < len) sc[j0 + u * warps] *= __fsqrt_rn(acc[u]);
-            }
+            for_each_row_sum_of_squares<T>(qb + 2 * C, stride, len, C, vvec,
+                                           [&](int j, float ss) { sc[j] *= __fsqrt_rn(ss); });
         }
     }
     __syncthreads();
@@ -873,7 +885,6 @@ __device__ void cls_probs(const T *__restrict__ qkv, const uint32_t *__restrict_
                           int out_stride, int heads, int C, float scale) {
     extern __shared__ __align__(16) unsigned char smem[];
     const int b = blockIdx.x, h = blockIdx.y;
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
     constexpr int V = 16 / sizeof(T);
     const int start = (int)cu[b], len = (int)cu[b + 1] - start;
     const int D = C / heads;
@@ -882,13 +893,7 @@ __device__ void cls_probs(const T *__restrict__ qkv, const uint32_t *__restrict_
     float *o = out + ((size_t)b * (heads + 1) + h) * out_stride;
     if (h == heads) {
         const bool vvec = C % V == 0 && reinterpret_cast<uintptr_t>(qkv) % 16 == 0;
-        for (int j0 = warp; j0 < len; j0 += SQ_ROWS * warps) {
-            float acc[SQ_ROWS];
-            warp_sums_of_squares<T>(acc, qb + 2 * C, stride, j0, warps, len, C, vvec);
-#pragma unroll
-            for (int u = 0; u < SQ_ROWS; ++u)
-                if (lane == 0 && j0 + u * warps < len) o[j0 + u * warps] = acc[u];
-        }
+        for_each_row_sum_of_squares<T>(qb + 2 * C, stride, len, C, vvec, [&](int j, float ss) { o[j] = ss; });
         return;
     }
     // qs padded to a multiple of 4 floats: dot_row's loop may read a[] in 16-byte chunks past D
@@ -901,17 +906,10 @@ __device__ void cls_probs(const T *__restrict__ qkv, const uint32_t *__restrict_
     for (int j = threadIdx.x; j < len; j += blockDim.x)
         logit[j] = to_f32(from_f32<T>(dot_row<T>(qs, qb + (size_t)j * stride + C + h * D, D, vec)));
     __syncthreads();
-    // Every warp finds the max and the exp-sum itself, in the one warp's order sequence_scores
-    // uses (so every warp gets the same bits), and writes its own share of the row: no shared
-    // result to hand between warps.
-    float m = -INFINITY;
-    for (int j = lane; j < len; j += 32) m = fmaxf(m, logit[j]);
-#pragma unroll
-    for (int k = 16; k > 0; k >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, k));
-    float sum = 0.f;
-    for (int j = lane; j < len; j += 32) sum += expf(logit[j] - m);
-#pragma unroll
-    for (int k = 16; k > 0; k >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, k);
+    // Every warp finds the max and the exp-sum itself (the same bits in every warp) and writes its
+    // own share of the row: no shared result to hand between warps.
+    float m, sum;
+    warp_softmax_stats(logit, len, m, sum);
     for (int j = threadIdx.x; j < len; j += blockDim.x) o[j] = expf(logit[j] - m) / sum;
 }
 
