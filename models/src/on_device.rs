@@ -17,7 +17,6 @@
 //!   [`candle_ragged::select_by_rule`]: two kernels and **one host read of B u32** (the new
 //!   lengths, to allocate the new packed tensor). Not capturable.
 //!
-//!
 //! [`DeiT::forward_pruned_capturable`] runs the second kind without the reads: each step is a
 //! [`candle_ragged::select_by_rule_bounded`], the new lengths and offsets stay on the device and
 //! the packed tokens keep a capacity the host bounds from the rule (ATS: its sample count;
@@ -56,10 +55,15 @@ impl DevicePrunedForward {
     /// Mean over images of the tokens left after the last pruning step (`initial` when there
     /// is none).
     pub fn mean_final_tokens(&self, initial: usize) -> f64 {
-        match self.kept_tokens.last() {
-            None => initial as f64,
-            Some(k) => k.iter().sum::<usize>() as f64 / k.len().max(1) as f64,
-        }
+        mean_final_tokens(&self.kept_tokens, initial)
+    }
+}
+
+/// Mean over images of the last step's kept tokens, `initial` when there is no step.
+fn mean_final_tokens(kept_tokens: &[Vec<usize>], initial: usize) -> f64 {
+    match kept_tokens.last() {
+        None => initial as f64,
+        Some(k) => k.iter().sum::<usize>() as f64 / k.len().max(1) as f64,
     }
 }
 
@@ -76,8 +80,8 @@ pub struct CapturablePrunedForward {
 enum KeptLengths {
     /// Fixed counts: known on the host.
     Host(Vec<Vec<usize>>),
-    /// Each step's `cu_seqlens` (`[B + 1]`, u32, on the device).
-    Device(Vec<Tensor>),
+    /// Each step's batch, its lengths on the device only.
+    Device(Vec<RaggedBatch>),
 }
 
 impl CapturablePrunedForward {
@@ -87,24 +91,17 @@ impl CapturablePrunedForward {
     pub fn kept_tokens(&self) -> Result<Vec<Vec<usize>>, ModelError> {
         match &self.kept {
             KeptLengths::Host(k) => Ok(k.clone()),
-            KeptLengths::Device(cu) => cu
+            KeptLengths::Device(batches) => Ok(batches
                 .iter()
-                .map(|cu| {
-                    let o = cu.to_vec1::<u32>()?;
-                    Ok(o.windows(2).map(|w| (w[1] - w[0]) as usize).collect())
-                })
-                .collect(),
+                .map(|b| b.lengths())
+                .collect::<Result<_, _>>()?),
         }
     }
 
     /// Mean over images of the tokens left after the last pruning step (`initial` when there
     /// is none); reads back like [`Self::kept_tokens`].
     pub fn mean_final_tokens(&self, initial: usize) -> Result<f64, ModelError> {
-        let kept = self.kept_tokens()?;
-        Ok(match kept.last() {
-            None => initial as f64,
-            Some(k) => k.iter().sum::<usize>() as f64 / k.len().max(1) as f64,
-        })
+        Ok(mean_final_tokens(&self.kept_tokens()?, initial))
     }
 }
 
@@ -201,10 +198,9 @@ impl DeiT {
             None => {
                 let (logits, batches) =
                     self.forward_ragged_on_device(pixels, &order, Lengths::OnDevice)?;
-                let cu = batches.iter().map(|b| b.cu_seqlens().clone()).collect();
                 Ok(CapturablePrunedForward {
                     logits,
-                    kept: KeptLengths::Device(cu),
+                    kept: KeptLengths::Device(batches),
                 })
             }
         }
