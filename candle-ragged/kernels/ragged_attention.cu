@@ -1136,31 +1136,33 @@ __device__ __forceinline__ void count_ranks(int from, int to, int *cnt, Before b
     __syncthreads();
 }
 
-// Exclusive prefix count of flag[from..to) into out[from..to) (out may not alias flag), chunks of
+// Exclusive prefix sum of in[from..to) into out[from..to) (out may not alias in), chunks of
 // blockDim.x scanned with warp shuffles and carried in order; returns the total to every thread.
-// Ends on a barrier.
-__device__ __forceinline__ int block_exclusive_count(const int *flag, int *out, int from, int to) {
-    __shared__ int warp_sums[32];
-    __shared__ int carry;
+// Ends on a barrier. The decide kernel's slots (flags are 0 or 1, so the sum counts the kept
+// tokens before each one) and select_by_rule_bounded's offsets both use it.
+template <typename T>
+__device__ __forceinline__ T block_exclusive_sum(const T *in, T *out, int from, int to) {
+    __shared__ T warp_sums[32];
+    __shared__ T carry;
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, warps = blockDim.x >> 5;
     if (threadIdx.x == 0) carry = 0;
     __syncthreads();
     for (int base = from; base < to; base += blockDim.x) {
         const int i = base + threadIdx.x;
-        const int f = i < to ? (flag[i] != 0) : 0;
-        int v = f;
+        const T f = i < to ? in[i] : 0;
+        T v = f;
 #pragma unroll
         for (int d = 1; d < 32; d <<= 1) {
-            const int u = __shfl_up_sync(0xffffffffu, v, d);
+            const T u = __shfl_up_sync(0xffffffffu, v, d);
             if (lane >= d) v += u;
         }
         if (lane == 31) warp_sums[w] = v;
         __syncthreads();
         if (w == 0) {
-            int s = lane < warps ? warp_sums[lane] : 0;
+            T s = lane < warps ? warp_sums[lane] : 0;
 #pragma unroll
             for (int d = 1; d < 32; d <<= 1) {
-                const int u = __shfl_up_sync(0xffffffffu, s, d);
+                const T u = __shfl_up_sync(0xffffffffu, s, d);
                 if (lane >= d) s += u;
             }
             if (lane < warps) warp_sums[lane] = s;  // inclusive sums of the warps
@@ -1375,7 +1377,7 @@ __device__ void select_decide(const T *__restrict__ x, const float *__restrict__
     __syncthreads();
     // Slots (kept rows in ascending position after the prefix) and the kept count: a block scan of
     // the flags into key (free by now).
-    const int kept = block_exclusive_count(flag, key, prefix, len);
+    const int kept = block_exclusive_sum(flag, key, prefix, len);
     for (int j = threadIdx.x; j < len; j += blockDim.x) {
         const int slot = j < prefix ? j : (flag[j] ? prefix + key[j] : -1);
         plan[2 * batch + start + j] = (uint32_t)slot;
@@ -1511,45 +1513,12 @@ CLS_PROBS_ENTRY(f16, __half)
 CLS_PROBS_ENTRY(bf16, __nv_bfloat16)
 
 // select_by_rule_bounded's middle kernel: cu[0] = 0, cu[b + 1] = lengths[0] + ... + lengths[b]
-// (the plan's leading B entries), in one block of OFFSETS_THREADS threads; chunks of that many
-// lengths, each scanned with warp shuffles, carried over in order.
+// (the plan's leading B entries), in one block of OFFSETS_THREADS threads (block_exclusive_sum).
 #define OFFSETS_THREADS 1024
 extern "C" __global__ void __launch_bounds__(OFFSETS_THREADS)
     ragged_lengths_to_offsets(const uint32_t *__restrict__ lengths, uint32_t *__restrict__ cu, int batch) {
-    __shared__ uint32_t warp_sums[OFFSETS_THREADS / 32];
-    __shared__ uint32_t carry;
-    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
-    if (threadIdx.x == 0) {
-        carry = 0;
-        cu[0] = 0;
-    }
-    __syncthreads();
-    for (int base = 0; base < batch; base += OFFSETS_THREADS) {
-        const int i = base + threadIdx.x;
-        uint32_t v = i < batch ? lengths[i] : 0;
-#pragma unroll
-        for (int d = 1; d < 32; d <<= 1) {
-            const uint32_t u = __shfl_up_sync(0xffffffffu, v, d);
-            if (lane >= d) v += u;
-        }
-        if (lane == 31) warp_sums[w] = v;
-        __syncthreads();
-        if (w == 0) {
-            uint32_t s = warp_sums[lane];
-#pragma unroll
-            for (int d = 1; d < 32; d <<= 1) {
-                const uint32_t u = __shfl_up_sync(0xffffffffu, s, d);
-                if (lane >= d) s += u;
-            }
-            warp_sums[lane] = s;  // inclusive sums of the warps
-        }
-        __syncthreads();
-        const uint32_t before = carry + (w > 0 ? warp_sums[w - 1] : 0);
-        if (i < batch) cu[i + 1] = before + v;
-        __syncthreads();  // every thread has read carry and warp_sums
-        if (threadIdx.x == 0) carry += warp_sums[OFFSETS_THREADS / 32 - 1];
-        __syncthreads();
-    }
+    const uint32_t total = rule_detail::block_exclusive_sum(lengths, cu, 0, batch);
+    if (threadIdx.x == 0) cu[batch] = total;
 }
 
 // ---------------------------------------------------------------------------------------------
