@@ -144,7 +144,14 @@ __device__ __forceinline__ void begin_rows(RowState<D> &st, const T *qh, long lo
 // keys of the chunk are real; n-tiles and k-steps wholly past them are skipped (warp-uniform
 // branches), keys past them inside a live n-tile are masked. Shared rows up to the next multiple
 // of 16 past the last valid key must hold finite values (zeros): P is exactly 0 there.
-template <typename T, int D, int KEYS>
+//
+// FULL (valid == KEYS, every chunk of a sequence but its last): no branch and no mask, and Q K^T
+// runs k-step-outer over the n-tiles, so the chunk's MMAs form NT_S independent accumulator
+// chains and its ldmatrix loads can issue ahead of them. The guarded form (lever 35's
+// before) is a single chain: every n-tile's ldmatrix -> 4 dependent MMAs sits behind a branch,
+// which keeps ptxas from interleaving n-tiles, so each MMA waits out its predecessor's latency.
+// Same products and sums in the same order per element: the results are bit-identical.
+template <typename T, int D, int KEYS, bool FULL>
 __device__ __forceinline__ void attend_chunk(RowState<D> &st, const T *kt, const T *vt, int valid, float scale_log2,
                                              int lane) {
     using C = TileCfg<D>;
@@ -157,22 +164,37 @@ __device__ __forceinline__ void attend_chunk(RowState<D> &st, const T *kt, const
     // S = Q K^T for 16 rows x KEYS keys; K's B operands by ldmatrix, two k-steps per load.
     float s[NT_S][4];
 #pragma unroll
-    for (int nt = 0; nt < NT_S; ++nt) {
-        s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
-        if (nt * 8 >= valid) continue;
-        const T *krow = kt + (nt * 8 + (lane & 7)) * C::ROW + (lane >> 3) * 8;
+    for (int nt = 0; nt < NT_S; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+    if (FULL) {
+        const T *krow = kt + (lane & 7) * C::ROW + (lane >> 3) * 8;
 #pragma unroll
         for (int kk = 0; kk < KSTEPS; kk += 2) {
-            uint32_t b0, b1, b2, b3;
-            ldmatrix_x4(b0, b1, b2, b3, krow + kk * 16);
-            mma_16816<T>(s[nt], st.qa[kk], b0, b1);
-            mma_16816<T>(s[nt], st.qa[kk + 1], b2, b3);
+            uint32_t b[NT_S][4];
+#pragma unroll
+            for (int nt = 0; nt < NT_S; ++nt) ldmatrix_x4(b[nt][0], b[nt][1], b[nt][2], b[nt][3], krow + nt * 8 * C::ROW + kk * 16);
+#pragma unroll
+            for (int nt = 0; nt < NT_S; ++nt) mma_16816<T>(s[nt], st.qa[kk], b[nt][0], b[nt][1]);
+#pragma unroll
+            for (int nt = 0; nt < NT_S; ++nt) mma_16816<T>(s[nt], st.qa[kk + 1], b[nt][2], b[nt][3]);
+        }
+    } else {
+#pragma unroll
+        for (int nt = 0; nt < NT_S; ++nt) {
+            if (nt * 8 >= valid) continue;
+            const T *krow = kt + (nt * 8 + (lane & 7)) * C::ROW + (lane >> 3) * 8;
+#pragma unroll
+            for (int kk = 0; kk < KSTEPS; kk += 2) {
+                uint32_t b0, b1, b2, b3;
+                ldmatrix_x4(b0, b1, b2, b3, krow + kk * 16);
+                mma_16816<T>(s[nt], st.qa[kk], b0, b1);
+                mma_16816<T>(s[nt], st.qa[kk + 1], b2, b3);
+            }
         }
     }
 
     // Scale into log2 units; mask keys past the end only in a partial chunk.
     float tmax0 = -INFINITY, tmax1 = -INFINITY;
-    const bool partial = valid < KEYS;
+    const bool partial = !FULL && valid < KEYS;
 #pragma unroll
     for (int nt = 0; nt < NT_S; ++nt) {
 #pragma unroll
@@ -200,7 +222,7 @@ __device__ __forceinline__ void attend_chunk(RowState<D> &st, const T *kt, const
     float sum0 = 0.f, sum1 = 0.f;
 #pragma unroll
     for (int nt = 0; nt < NT_S; ++nt) {
-        const bool live = nt * 8 < valid;  // masked n-tiles contribute exact zeros without exp2
+        const bool live = FULL || nt * 8 < valid;  // masked n-tiles contribute exact zeros without exp2
         const float p0 = live ? exp2f(s[nt][0] - new_m0) : 0.f;
         const float p1 = live ? exp2f(s[nt][1] - new_m0) : 0.f;
         const float p2 = live ? exp2f(s[nt][2] - new_m1) : 0.f;
@@ -224,7 +246,7 @@ __device__ __forceinline__ void attend_chunk(RowState<D> &st, const T *kt, const
     // O += P V; V's B operands come transposed out of its row-major rows by ldmatrix.
 #pragma unroll
     for (int ps = 0; ps < PSTEPS; ++ps) {
-        if (ps * 16 >= valid) continue;
+        if (!FULL && ps * 16 >= valid) continue;
         const T *vrow = vt + (ps * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * C::ROW + (lane >> 4) * 8;
 #pragma unroll
         for (int dt = 0; dt < NT_O; dt += 2) {
@@ -234,6 +256,18 @@ __device__ __forceinline__ void attend_chunk(RowState<D> &st, const T *kt, const
             mma_16816<T>(st.acc_o[dt + 1], pa[ps], b2, b3);
         }
     }
+}
+
+// Keys [key0, key_end) of the staged rows kt / vt (key 0 at row 0) in steps of KEYS: the full
+// steps branch-free, the last partial one guarded.
+template <typename T, int D, int KEYS>
+__device__ __forceinline__ void attend_keys(RowState<D> &st, const T *kt, const T *vt, int key0, int key_end,
+                                            float scale_log2, int lane) {
+    using C = TileCfg<D>;
+    for (; key0 + KEYS <= key_end; key0 += KEYS)
+        attend_chunk<T, D, KEYS, true>(st, kt + key0 * C::ROW, vt + key0 * C::ROW, KEYS, scale_log2, lane);
+    if (key0 < key_end)
+        attend_chunk<T, D, KEYS, false>(st, kt + key0 * C::ROW, vt + key0 * C::ROW, key_end - key0, scale_log2, lane);
 }
 
 // Normalises the 16 rows row_base.. and writes those inside the sequence to o (contiguous).
@@ -306,7 +340,11 @@ __device__ __forceinline__ void attn_mma_kernel(const T *__restrict__ q, const T
             cp_async_wait<0>();
         }
         __syncthreads();
-        if (warp_active) attend_chunk<T, D, KEYS>(st, ks[buf], vs[buf], min(KEYS, len - tile * KEYS), scale_log2, lane);
+        if (warp_active) {
+            const int valid = min(KEYS, len - tile * KEYS);
+            if (valid == KEYS) attend_chunk<T, D, KEYS, true>(st, ks[buf], vs[buf], KEYS, scale_log2, lane);
+            else attend_chunk<T, D, KEYS, false>(st, ks[buf], vs[buf], valid, scale_log2, lane);
+        }
         __syncthreads();  // this buffer is refilled two tiles from now
     }
 
@@ -386,8 +424,7 @@ __device__ __forceinline__ void attn_resident_kernel(const T *__restrict__ q, co
         const int stride = gridDim.x * warps;
         for (; tile < q_tiles; tile += stride) {
             if (tile != first_tile + warp) begin_rows<T, D>(st, qh, q_tok, tile * 16, len, lane);
-            for (int key0 = 0; key0 < len; key0 += KEYS)
-                attend_chunk<T, D, KEYS>(st, ks + key0 * C::ROW, vs + key0 * C::ROW, min(KEYS, len - key0), scale_log2, lane);
+            attend_keys<T, D, KEYS>(st, ks, vs, 0, len, scale_log2, lane);
             end_rows<T, D>(st, oh, o_tok, tile * 16, len, lane);
         }
         return;
@@ -402,8 +439,7 @@ __device__ __forceinline__ void attn_resident_kernel(const T *__restrict__ q, co
     const int key_tiles = (len + 15) / 16;
     if (active) {
         const int key_end = min(len, (part + 1) * key_tiles / parts * 16);
-        for (int key0 = part * key_tiles / parts * 16; key0 < key_end; key0 += KEYS)
-            attend_chunk<T, D, KEYS>(st, ks + key0 * C::ROW, vs + key0 * C::ROW, min(KEYS, key_end - key0), scale_log2, lane);
+        attend_keys<T, D, KEYS>(st, ks, vs, part * key_tiles / parts * 16, key_end, scale_log2, lane);
     }
     // Partial states after K / V: [warp][part - 1][STATE][32 lanes] floats (lane-minor: no bank
     // conflicts), STATE = D / 2 accumulators + m0, m1, l0, l1.
@@ -600,7 +636,18 @@ __device__ __forceinline__ void unpack_rows(const VEC *__restrict__ packed, VEC 
 // less kernel time at batch 256. `k64` keeps v4's 64-key, two-block kernel as the A/B arm
 // (CANDLE_RAGGED_RESIDENT=k64). 64-key steps capped for three blocks spill 684 bytes, and 32-key
 // steps left at two blocks gained only ~3 %: neither is kept.
-#define RESIDENT_ENTRY(NAME, T, D, KEYS, BLOCKS)                                                  \
+//
+// Lever 35: the branch-free full chunks need a few more live registers (ldmatrix results of four
+// n-tiles in flight). Capped at 96 instead of lever 24's 85 (launch bounds of 256 threads x 3
+// blocks), ptxas spills 4 bytes instead of 44, and DeiT's blocks still fit three per SM: 7 warps
+// (197 tokens) x 96 registers x 3 = 64,512 of the 65,536 registers; 8-warp blocks (225-256
+// tokens) fit two. `lb3` (CANDLE_RAGGED_RESIDENT=lb3) is the same code under lever 24's bound.
+#define RESIDENT_REGS 96
+#define RESIDENT_ENTRY(NAME, T, D, KEYS)                                                          \
+    extern "C" __global__ void __maxnreg__(RESIDENT_REGS) NAME(ATTN_ARGS(T)) {                    \
+        attn_resident_kernel<T, D, KEYS>(ATTN_PASS);                                              \
+    }
+#define RESIDENT_ENTRY_BOUNDED(NAME, T, D, KEYS, BLOCKS)                                          \
     extern "C" __global__ void __launch_bounds__(RESIDENT_MAX_WARPS * 32, BLOCKS) NAME(ATTN_ARGS(T)) { \
         attn_resident_kernel<T, D, KEYS>(ATTN_PASS);                                              \
     }
@@ -610,14 +657,18 @@ MMA_ENTRY(ragged_attn_f16_d128, __half, 128)
 MMA_ENTRY(ragged_attn_bf16_d32, __nv_bfloat16, 32)
 MMA_ENTRY(ragged_attn_bf16_d64, __nv_bfloat16, 64)
 MMA_ENTRY(ragged_attn_bf16_d128, __nv_bfloat16, 128)
-RESIDENT_ENTRY(ragged_attn_resident_f16_d32, __half, 32, 32, 3)
-RESIDENT_ENTRY(ragged_attn_resident_f16_d64, __half, 64, 32, 3)
-RESIDENT_ENTRY(ragged_attn_resident_bf16_d32, __nv_bfloat16, 32, 32, 3)
-RESIDENT_ENTRY(ragged_attn_resident_bf16_d64, __nv_bfloat16, 64, 32, 3)
-RESIDENT_ENTRY(ragged_attn_resident_k64_f16_d32, __half, 32, 64, 2)
-RESIDENT_ENTRY(ragged_attn_resident_k64_f16_d64, __half, 64, 64, 2)
-RESIDENT_ENTRY(ragged_attn_resident_k64_bf16_d32, __nv_bfloat16, 32, 64, 2)
-RESIDENT_ENTRY(ragged_attn_resident_k64_bf16_d64, __nv_bfloat16, 64, 64, 2)
+RESIDENT_ENTRY(ragged_attn_resident_f16_d32, __half, 32, 32)
+RESIDENT_ENTRY(ragged_attn_resident_f16_d64, __half, 64, 32)
+RESIDENT_ENTRY(ragged_attn_resident_bf16_d32, __nv_bfloat16, 32, 32)
+RESIDENT_ENTRY(ragged_attn_resident_bf16_d64, __nv_bfloat16, 64, 32)
+RESIDENT_ENTRY_BOUNDED(ragged_attn_resident_lb3_f16_d32, __half, 32, 32, 3)
+RESIDENT_ENTRY_BOUNDED(ragged_attn_resident_lb3_f16_d64, __half, 64, 32, 3)
+RESIDENT_ENTRY_BOUNDED(ragged_attn_resident_lb3_bf16_d32, __nv_bfloat16, 32, 32, 3)
+RESIDENT_ENTRY_BOUNDED(ragged_attn_resident_lb3_bf16_d64, __nv_bfloat16, 64, 32, 3)
+RESIDENT_ENTRY_BOUNDED(ragged_attn_resident_k64_f16_d32, __half, 32, 64, 2)
+RESIDENT_ENTRY_BOUNDED(ragged_attn_resident_k64_f16_d64, __half, 64, 64, 2)
+RESIDENT_ENTRY_BOUNDED(ragged_attn_resident_k64_bf16_d32, __nv_bfloat16, 32, 64, 2)
+RESIDENT_ENTRY_BOUNDED(ragged_attn_resident_k64_bf16_d64, __nv_bfloat16, 64, 64, 2)
 
 #define F32_ENTRY(NAME, D)                                                                        \
     extern "C" __global__ void __launch_bounds__(QUERIES_PER_BLOCK) NAME(ATTN_ARGS(float)) {     \

@@ -130,13 +130,15 @@ fn kernels(dev: &CudaDevice) -> Result<Arc<Kernels>> {
             .get_or_load_custom_func(name, MODULE, PTX)?
             .into_cuda_function())
     };
-    // `CANDLE_RAGGED_RESIDENT=k64`: v4's resident kernel from before lever 24 (64-key softmax
-    // steps, two blocks per SM) as an A/B arm; same launch shape and shared memory.
+    // A/B arms, same launch shape and shared memory: `CANDLE_RAGGED_RESIDENT=k64` is v4's
+    // resident kernel from before lever 24 (64-key softmax steps, two blocks per SM), `lb3` the
+    // kernel under lever 24's register bound (three 8-warp blocks per SM) instead of lever 35's.
     let variant = match std::env::var("CANDLE_RAGGED_RESIDENT")
         .as_deref()
         .map(str::trim)
     {
         Ok("k64") => "resident_k64_",
+        Ok("lb3") => "resident_lb3_",
         _ => "resident_",
     };
     let resident: Vec<Vec<CudaFunction>> = RESIDENT_NAMES
