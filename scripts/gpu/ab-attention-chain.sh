@@ -7,17 +7,17 @@
 #   .gpu-prev/       bench-prev.xz and bench-attention-prev.xz, main before it
 # Arms: prev (the previous binaries), new (this change), lb3 (this change's code under the
 # register bound of before, CANDLE_RAGGED_RESIDENT=lb3).
-# STAGES (default "checks attn ncu e2e"):
-#   checks  test-attention under each resident variant and the tiled kernel, memcheck and
-#           racecheck over its odd-length, key-part and boundary tests, test-graph, paths at
-#           DeiT-S batch 32 and DeiT-T batch 8
+# STAGES (default "tests attn ncu", then a second call "sanitize e2e"):
+#   tests     test-attention under each resident variant and the tiled kernel
+#   sanitize  memcheck and racecheck over test-attention's odd-length, key-part and boundary
+#             tests, test-graph, paths at DeiT-S batch 32 and DeiT-T batch 8
 #   attn    bench-attention prev / new / lb3 interleaved, twice (ATTN_ARGS replaces the grid);
 #           GPU-time ratios per row
 #   ncu     scripts/gpu/ncu-attention-detail.sh for prev and new (SHAPES as there)
 #   e2e     bench dense / Threshold-L2 fixed / EViT fixed, T/S/B, f16, prev / new, twice
 #           (E2E_ARGS replaces the models / batches)
 set -u
-stages=${STAGES:-checks attn ncu e2e}
+stages=${STAGES:-tests attn ncu}
 . scripts/gpu/lib.sh
 unpack bench bench-attention test-attention test-graph test-paths_agreement
 for p in bench-prev bench-attention-prev; do
@@ -25,12 +25,14 @@ for p in bench-prev bench-attention-prev; do
 done
 C="$out/attention-chain.txt"
 nvidia-smi --query-gpu=name --format=csv,noheader >> "$C"
-if has checks; then
+if has tests; then
   for a in default lb3 k64 tiled; do
     echo "== test-attention ($a)" >> "$C"
     case $a in lb3|k64) v="CANDLE_RAGGED_RESIDENT=$a";; tiled) v="CANDLE_RAGGED_ATTENTION=tiled";; *) v="X=1";; esac
     env $v timeout 120 $B/test-attention --test-threads=1 2>&1 | grep -E "test result|panicked|got" | head -5 >> "$C"
   done
+fi
+if has sanitize; then
   echo "== memcheck test-attention" >> "$C"
   timeout 200 compute-sanitizer --tool memcheck --error-exitcode 9 $B/test-attention --test-threads=1 odd_lengths key_parts resident_and_tiled negative_and_zero large_logits 2>&1 | grep -E "ERROR SUMMARY|test result" >> "$C"
   echo "== racecheck test-attention" >> "$C"
