@@ -638,10 +638,12 @@ __device__ __forceinline__ void unpack_rows(const VEC *__restrict__ packed, VEC 
 // steps left at two blocks gained only ~3 %: neither is kept.
 //
 // Lever 35: the branch-free full chunks need a few more live registers (ldmatrix results of four
-// n-tiles in flight). Capped at 96 instead of lever 24's 85 (launch bounds of 256 threads x 3
-// blocks), ptxas spills 4 bytes instead of 44, and DeiT's blocks still fit three per SM: 7 warps
-// (197 tokens) x 96 registers x 3 = 64,512 of the 65,536 registers; 8-warp blocks (225-256
-// tokens) fit two. `lb3` (CANDLE_RAGGED_RESIDENT=lb3) is the same code under lever 24's bound.
+// n-tiles in flight). Capped at 96 (`resident_`), ptxas spills 4 bytes instead of 44, but
+// registers are allocated per SM sub-partition (16,384 each, whole warps), so 96 registers hold
+// 5 warps per sub-partition, 20 per SM, and 7-warp blocks (DeiT's 197 tokens) fit two per SM
+// instead of three. `resident_r80_` keeps lever 24's bound (256 threads x 3 blocks: 80
+// registers, 6 warps per sub-partition) for the launches that lose a block to the cap (see
+// resident_plan.rs); CANDLE_RAGGED_RESIDENT=r96 / r80 forces one of the two.
 #define RESIDENT_REGS 96
 #define RESIDENT_ENTRY(NAME, T, D, KEYS)                                                          \
     extern "C" __global__ void __maxnreg__(RESIDENT_REGS) NAME(ATTN_ARGS(T)) {                    \
@@ -661,10 +663,10 @@ RESIDENT_ENTRY(ragged_attn_resident_f16_d32, __half, 32, 32)
 RESIDENT_ENTRY(ragged_attn_resident_f16_d64, __half, 64, 32)
 RESIDENT_ENTRY(ragged_attn_resident_bf16_d32, __nv_bfloat16, 32, 32)
 RESIDENT_ENTRY(ragged_attn_resident_bf16_d64, __nv_bfloat16, 64, 32)
-RESIDENT_ENTRY_BOUNDED(ragged_attn_resident_lb3_f16_d32, __half, 32, 32, 3)
-RESIDENT_ENTRY_BOUNDED(ragged_attn_resident_lb3_f16_d64, __half, 64, 32, 3)
-RESIDENT_ENTRY_BOUNDED(ragged_attn_resident_lb3_bf16_d32, __nv_bfloat16, 32, 32, 3)
-RESIDENT_ENTRY_BOUNDED(ragged_attn_resident_lb3_bf16_d64, __nv_bfloat16, 64, 32, 3)
+RESIDENT_ENTRY_BOUNDED(ragged_attn_resident_r80_f16_d32, __half, 32, 32, 3)
+RESIDENT_ENTRY_BOUNDED(ragged_attn_resident_r80_f16_d64, __half, 64, 32, 3)
+RESIDENT_ENTRY_BOUNDED(ragged_attn_resident_r80_bf16_d32, __nv_bfloat16, 32, 32, 3)
+RESIDENT_ENTRY_BOUNDED(ragged_attn_resident_r80_bf16_d64, __nv_bfloat16, 64, 32, 3)
 RESIDENT_ENTRY_BOUNDED(ragged_attn_resident_k64_f16_d32, __half, 32, 64, 2)
 RESIDENT_ENTRY_BOUNDED(ragged_attn_resident_k64_f16_d64, __half, 64, 64, 2)
 RESIDENT_ENTRY_BOUNDED(ragged_attn_resident_k64_bf16_d32, __nv_bfloat16, 32, 64, 2)

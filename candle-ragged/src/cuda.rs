@@ -95,7 +95,9 @@ const DECIDE_MAX_SMEM: usize = 4 * DECIDE_LOGIT_FLOATS + 16 * crate::MAX_SEQ_LEN
 
 struct Kernels {
     attn: Vec<Vec<CudaFunction>>,
-    resident: Vec<Vec<CudaFunction>>,
+    /// The resident kernels, [96-register, 80-register] (lever 35; `ResidentPlan::low_registers`
+    /// picks), each [dtype - 1][head_dim index].
+    resident: [Vec<Vec<CudaFunction>>; 2],
     /// Streaming multiprocessors: the resident kernel splits a (sequence, head) over several
     /// blocks when the batch alone would not fill them.
     sm_count: usize,
@@ -131,26 +133,35 @@ fn kernels(dev: &CudaDevice) -> Result<Arc<Kernels>> {
             .into_cuda_function())
     };
     // A/B arms, same launch shape and shared memory: `CANDLE_RAGGED_RESIDENT=k64` is v4's
-    // resident kernel from before lever 24 (64-key softmax steps, two blocks per SM), `lb3` the
-    // kernel under lever 24's register bound (three 8-warp blocks per SM) instead of lever 35's.
-    let variant = match std::env::var("CANDLE_RAGGED_RESIDENT")
+    // resident kernel from before lever 24 (64-key softmax steps, two blocks per SM) for every
+    // launch; `r96` / `r80` lever 35's kernel under one register bound for every launch instead
+    // of the plan's choice.
+    let variants = match std::env::var("CANDLE_RAGGED_RESIDENT")
         .as_deref()
         .map(str::trim)
     {
-        Ok("k64") => "resident_k64_",
-        Ok("lb3") => "resident_lb3_",
-        _ => "resident_",
+        Ok("k64") => ["resident_k64_", "resident_k64_"],
+        Ok("r96") => ["resident_", "resident_"],
+        Ok("r80") => ["resident_r80_", "resident_r80_"],
+        _ => ["resident_", "resident_r80_"],
     };
-    let resident: Vec<Vec<CudaFunction>> = RESIDENT_NAMES
-        .iter()
-        .map(|row| {
-            row.iter()
-                .map(|n| load(&n.replacen("resident_", variant, 1)))
-                .collect()
-        })
-        .collect::<Result<_>>()?;
+    let load_resident = |variant: &str| -> Result<Vec<Vec<CudaFunction>>> {
+        RESIDENT_NAMES
+            .iter()
+            .map(|row| {
+                row.iter()
+                    .map(|n| load(&n.replacen("resident_", variant, 1)))
+                    .collect()
+            })
+            .collect()
+    };
+    let resident = [load_resident(variants[0])?, load_resident(variants[1])?];
     // Past 48 KB of dynamic shared memory a kernel must opt in.
-    for (fs, dim) in resident.iter().flat_map(|row| row.iter().zip([32, 64])) {
+    for (fs, dim) in resident
+        .iter()
+        .flatten()
+        .flat_map(|row| row.iter().zip([32, 64]))
+    {
         fs.set_attribute(
             sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
             (resident_smem_bytes(RESIDENT_MAX_LEN, dim) + resident_merge_max_bytes(dim)) as i32,
@@ -342,7 +353,10 @@ pub(crate) fn attention(
             block_dim: plan.block,
             shared_mem_bytes: plan.shared_mem_bytes,
         };
-        (&k.resident[dtype_index - 1][dim_index], cfg)
+        (
+            &k.resident[plan.low_registers as usize][dtype_index - 1][dim_index],
+            cfg,
+        )
     } else {
         let cfg = LaunchConfig {
             grid_dim: (

@@ -63,12 +63,28 @@ pub(crate) fn resident_merge_max_bytes(head_dim: usize) -> usize {
 }
 
 /// One resident launch: CUDA's grid (x, heads, batch) and block (x: warps · 32, y: key parts),
-/// and the dynamic shared memory.
+/// the dynamic shared memory, and which register bound the kernel is built for.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub(crate) struct ResidentPlan {
     pub grid: (u32, u32, u32),
     pub block: (u32, u32, u32),
     pub shared_mem_bytes: u32,
+    /// The 80-register kernel (lever 24's bound) instead of the 96-register one (lever 35).
+    pub low_registers: bool,
+}
+
+/// Whether a launch of `blocks` blocks of `warps` warps (no key parts) takes the 80-register
+/// kernel. Registers are allocated per SM sub-partition (16,384, whole warps): 96 registers hold
+/// 20 warps per SM, 80 hold 24. From 6 warps per block that is one block per SM fewer at 96
+/// (7 warps: two instead of three), which costs more than the spills of the 80-register form
+/// once the grid needs more than the 96-register kernel holds at once (two blocks per SM).
+/// Lever 35, one A/B call on the H100 (f16, bench-attention GPU µs, 96 / 80 registers): 6 heads
+/// batch 64 keep 1.0 (384 blocks of 7 warps) 37.5 / 32.0, 12 heads batch 256 keep 1.0 191.0 /
+/// 185.7; with fewer warps per block the 96-register kernel wins (12 heads batch 256, keep 0.7:
+/// 107.3 / 117.7, keep 0.5: 74.0 / 81.9), as it does for grids that fit at once (3 heads batch 64
+/// keep 1.0: 21.7 / 24.3).
+fn wants_low_registers(warps: usize, blocks: usize, sm_count: usize) -> bool {
+    warps >= 6 && blocks > 2 * sm_count
 }
 
 /// The launch of a batch of `batch` sequences (the longest `max_len` ≤ [`RESIDENT_MAX_LEN`]
@@ -95,6 +111,8 @@ pub(crate) fn resident_plan(
             grid: (q_tiles.div_ceil(warps) as u32, heads as u32, batch as u32),
             block: ((warps * 32) as u32, parts as u32, 1),
             shared_mem_bytes: (kv + resident_merge_bytes(warps, parts, head_dim)) as u32,
+            // At most a wave of warps: occupancy does not bound it.
+            low_registers: false,
         };
     }
     let warps = q_tiles.div_ceil(2).clamp(1, RESIDENT_MAX_WARPS);
@@ -107,6 +125,7 @@ pub(crate) fn resident_plan(
         grid: (splits as u32, heads as u32, batch as u32),
         block: ((warps * 32) as u32, 1, 1),
         shared_mem_bytes: kv as u32,
+        low_registers: wants_low_registers(warps, splits * pairs, sm_count),
     }
 }
 
@@ -140,11 +159,24 @@ mod tests {
                 grid: (2, 6, 8),
                 block: (7 * 32, 1, 1),
                 shared_mem_bytes: resident_smem_bytes(197, 64) as u32,
+                low_registers: false,
             }
         );
-        // Batch 256: one block of 7 warps per (sequence, head).
+        // Batch 256: one block of 7 warps per (sequence, head), on the 80-register kernel
+        // (three blocks per SM instead of two).
         assert_eq!(plan(256, 12, 197, 8).grid, (1, 12, 256));
         assert_eq!(plan(256, 12, 197, 8).block, (7 * 32, 1, 1));
+        assert!(plan(256, 12, 197, 8).low_registers);
+        // Lever 35's measured cells: 7-warp blocks past two per SM take the 80-register kernel;
+        // 5-warp blocks (keep 0.7), 4-warp blocks (keep 0.5) and grids that fit at two blocks
+        // per SM (3 heads at batch 64: 192 blocks) the 96-register one.
+        assert!(plan(64, 6, 197, 8).low_registers);
+        assert!(plan(64, 12, 197, 8).low_registers);
+        assert!(!plan(64, 3, 197, 8).low_registers);
+        assert!(!plan(256, 12, 159, 8).low_registers);
+        assert!(!plan(256, 12, 113, 8).low_registers);
+        // Key parts (batch 1): a wave at most, never the low-register kernel.
+        assert!(!plan(1, 12, 197, 8).low_registers);
     }
 
     /// For every batch the kernel takes: every query tile of the longest sequence has a warp,

@@ -5,13 +5,14 @@
 #   .gpu/*.xz        this change (scripts/gpu/bundle.sh): bench, bench-attention, test-attention,
 #                    test-graph, test-paths_agreement
 #   .gpu-prev/       bench-prev.xz and bench-attention-prev.xz, main before it
-# Arms: prev (the previous binaries), new (this change), lb3 (this change's code under the
-# register bound of before, CANDLE_RAGGED_RESIDENT=lb3).
+# Arms: prev (the previous binaries), new (this change), and, through CANDLE_RAGGED_RESIDENT,
+# r96 / r80 (this change's kernel under one register bound for every launch). The first call ran
+# the candidate before the launch plan chose between the bounds: its `new` is r96, its `lb3` r80.
 # STAGES (default "tests attn ncu", then a second call "sanitize e2e"):
 #   tests     test-attention under each resident variant and the tiled kernel
 #   sanitize  memcheck and racecheck over test-attention's odd-length, key-part and boundary
 #             tests, test-graph, paths at DeiT-S batch 32 and DeiT-T batch 8
-#   attn    bench-attention prev / new / lb3 interleaved, twice (ATTN_ARGS replaces the grid);
+#   attn    bench-attention prev / new interleaved (ATTN_ARMS adds r96, r80), twice (ATTN_ARGS replaces the grid);
 #           GPU-time ratios per row
 #   ncu     scripts/gpu/ncu-attention-detail.sh for prev and new (SHAPES as there)
 #   e2e     bench dense / Threshold-L2 fixed / EViT fixed, T/S/B, f16, prev / new, twice
@@ -26,9 +27,9 @@ done
 C="$out/attention-chain.txt"
 nvidia-smi --query-gpu=name --format=csv,noheader >> "$C"
 if has tests; then
-  for a in default lb3 k64 tiled; do
+  for a in default r96 r80 k64 tiled; do
     echo "== test-attention ($a)" >> "$C"
-    case $a in lb3|k64) v="CANDLE_RAGGED_RESIDENT=$a";; tiled) v="CANDLE_RAGGED_ATTENTION=tiled";; *) v="X=1";; esac
+    case $a in r96|r80|k64) v="CANDLE_RAGGED_RESIDENT=$a";; tiled) v="CANDLE_RAGGED_ATTENTION=tiled";; *) v="X=1";; esac
     env $v timeout 120 $B/test-attention --test-threads=1 2>&1 | grep -E "test result|panicked|got" | head -5 >> "$C"
   done
 fi
@@ -46,10 +47,10 @@ if has sanitize; then
 fi
 attn_run() {
   local bin=$B/bench-attention v="X=1"
-  case $1 in prev) bin=$B/bench-attention-prev;; lb3) v="CANDLE_RAGGED_RESIDENT=lb3";; esac
+  case $1 in prev) bin=$B/bench-attention-prev;; r96|r80) v="CANDLE_RAGGED_RESIDENT=$1";; esac
   env $v $bin ${ATTN_ARGS:---heads 12,6,3 --batch 1,8,64,256 --keep 1.0,0.7,0.5 --dtype f16,bf16 --host-calls 200 --gpu-reps 100} --out "$2"
 }
-has attn && ARMS="prev new lb3" ab_rounds attn attn_run --attn
+has attn && ARMS="${ATTN_ARMS:-prev new}" ab_rounds attn attn_run --attn
 if has ncu; then
   for a in prev new; do
     b=bench-attention; [ $a = prev ] && b=bench-attention-prev
