@@ -173,6 +173,68 @@ fn large_logits_stay_stable() {
     }
 }
 
+/// Scores that step up by 7.5 and 8.5 log2 units in turn at every 64th key, so the online
+/// softmax's running maxima move at chunk boundaries of the resident kernel's 32-key and the tiled
+/// kernel's 64-key chunks, with and without key parts; head 1 sees the negated scores (the maximum
+/// in the first chunk, never growing). The steps straddle 8 log2 units on purpose: lever 37
+/// (lazy rescaling, rescale only past 8 units; not kept, see docs/BENCHMARKS.md) was checked
+/// with it on both of its branches, and any such scheme should be again.
+#[test]
+fn stepped_scores_across_chunks() {
+    let (heads, dim) = (2, 64);
+    // scale ln 2: a score of c in these units is c log2 units, exactly what the kernels compare.
+    let scale = std::f32::consts::LN_2;
+    for lengths in [vec![197usize], vec![300, 40], vec![197; 8]] {
+        let total: usize = lengths.iter().sum();
+        let mut rng = rng(200 + total as u64);
+        let n = total * heads * dim;
+        let mut q = vec![0f32; n];
+        let mut k = vec![0f32; n];
+        let v = randn(&mut rng, n, 1.0);
+        let mut start = 0;
+        for &len in &lengths {
+            for j in 0..len {
+                let block = j / 64;
+                // 0, 7.5, 16, 23.5, 32, ...: steps of 7.5 and 8.5 in turn; jitter in multiples of
+                // 1/8 below each level (exact in f16 and bf16 at these magnitudes).
+                let level = (block / 2) as f32 * 16.0 + if block % 2 == 1 { 7.5 } else { 0.0 };
+                let jitter = -((j * 7 % 5) as f32) / 8.0;
+                for h in 0..heads {
+                    let at = ((start + j) * heads + h) * dim;
+                    q[at] = if h == 0 { 1.0 } else { -1.0 };
+                    k[at] = level + jitter;
+                }
+            }
+            start += len;
+        }
+        let want = reference(&q, &k, &v, &lengths, heads, dim, scale as f64);
+        let dev = device();
+        let batch = RaggedBatch::from_lengths(&lengths, &dev).unwrap();
+        for dtype in DTYPES {
+            let mk = |x: &Vec<f32>| {
+                Tensor::from_slice(x, (total, heads, dim), &dev)
+                    .unwrap()
+                    .to_dtype(dtype)
+                    .unwrap()
+            };
+            let vq = quantize(&v, dtype);
+            let want = if dtype == DType::F32 {
+                want.clone()
+            } else {
+                reference(&q, &k, &vq, &lengths, heads, dim, scale as f64)
+            };
+            poison(&dev, n, dtype);
+            let out = ragged_attention(&mk(&q), &mk(&k), &mk(&vq), &batch, scale).unwrap();
+            let err = max_rel_err(&host(&out), &want);
+            assert!(
+                err <= tolerance(dtype),
+                "lengths {lengths:?} {dtype:?}: max rel err {err:e} > {:e}",
+                tolerance(dtype)
+            );
+        }
+    }
+}
+
 /// Negative and zero scales are legal (the op checks only that the scale is finite): a negative
 /// one flips which key is the row maximum, and a zero one is the uniform average of V, where a
 /// masked key's score must still count as -inf (not -inf · 0 = NaN). Resident kernel (with and

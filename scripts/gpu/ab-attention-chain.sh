@@ -35,9 +35,9 @@ if has tests; then
 fi
 if has sanitize; then
   echo "== memcheck test-attention" >> "$C"
-  timeout 200 compute-sanitizer --tool memcheck --error-exitcode 9 $B/test-attention --test-threads=1 odd_lengths key_parts resident_and_tiled negative_and_zero large_logits 2>&1 | grep -E "ERROR SUMMARY|test result" >> "$C"
+  timeout 200 compute-sanitizer --tool memcheck --error-exitcode 9 $B/test-attention --test-threads=1 odd_lengths key_parts resident_and_tiled negative_and_zero large_logits stepped_scores 2>&1 | grep -E "ERROR SUMMARY|test result" >> "$C"
   echo "== racecheck test-attention" >> "$C"
-  timeout 200 compute-sanitizer --tool racecheck --error-exitcode 9 $B/test-attention --test-threads=1 key_parts resident_and_tiled negative_and_zero 2>&1 | grep -E "RACECHECK SUMMARY|ERROR SUMMARY|test result" >> "$C"
+  timeout 200 compute-sanitizer --tool racecheck --error-exitcode 9 $B/test-attention --test-threads=1 key_parts resident_and_tiled negative_and_zero stepped_scores 2>&1 | grep -E "RACECHECK SUMMARY|ERROR SUMMARY|test result" >> "$C"
   echo "== test-graph" >> "$C"
   timeout 120 $B/test-graph --test-threads=1 2>&1 | grep -E "test result|panicked" >> "$C"
   echo "== paths deit-small (batch 32) and deit-tiny (batch 8)" >> "$C"

@@ -88,6 +88,12 @@ struct Args {
     #[arg(long, default_value_t = false, action = clap::ArgAction::Set)]
     event_tracking: bool,
 
+    /// Seed of the random weights and images: the same seed gives the same model and inputs on
+    /// every run and machine (DynamicViT's adaptive rule, with its random predictor, keeps very
+    /// different counts for different weights, so its rows compare across runs only this way).
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+
     /// Output JSON file.
     #[arg(long, default_value = "docs/benchmarks/h100-e2e.json")]
     out: PathBuf,
@@ -122,6 +128,8 @@ struct Report {
     command: String,
     /// `--event-tracking`: whether device buffers carried cudarc's per-buffer events.
     event_tracking: bool,
+    /// `--seed` of the random weights and images.
+    seed: u64,
     rows: Vec<Row>,
 }
 
@@ -168,7 +176,7 @@ fn variants(pruners: &[String], paths: &[String]) -> Result<Vec<Variant>> {
 
 /// A random timm-named checkpoint for `cfg` (LayerNorms at identity, Linear weights
 /// ~N(0, 1/fan_in)), so that activations and attention stay well scaled through the blocks.
-fn random_model(cfg: &DeiTConfig, dtype: DType, device: &Device) -> Result<DeiT> {
+fn random_model(cfg: &DeiTConfig, dtype: DType, seed: u64, device: &Device) -> Result<DeiT> {
     let mut tensors = HashMap::new();
     for (name, shape) in expected_tensors(cfg, WeightNaming::Timm) {
         let is_norm = name.contains("norm") && !name.contains("patch_embed");
@@ -183,7 +191,9 @@ fn random_model(cfg: &DeiTConfig, dtype: DType, device: &Device) -> Result<DeiT>
             } else {
                 (1.0 / fan_in as f64).sqrt()
             };
-            Tensor::randn(0f32, std as f32, shape.as_slice(), &Device::Cpu)?
+            let n = shape.iter().product();
+            let values = seeded_normal(n, std as f32, seed ^ fnv1a(name.as_bytes()));
+            Tensor::from_vec(values, shape.as_slice(), &Device::Cpu)?
         };
         tensors.insert(name, t);
     }
@@ -191,14 +201,70 @@ fn random_model(cfg: &DeiTConfig, dtype: DType, device: &Device) -> Result<DeiT>
 }
 
 /// `[b, 3, S, S]` random images whose contrast grows across the batch.
-fn random_pixels(b: usize, cfg: &DeiTConfig, device: &Device) -> Result<Tensor> {
+fn random_pixels(b: usize, cfg: &DeiTConfig, seed: u64, device: &Device) -> Result<Tensor> {
     let s = cfg.image_size;
-    let x = Tensor::randn(0f32, 1.0, (b, 3, s, s), &Device::Cpu)?;
+    let values = seeded_normal(b * 3 * s * s, 1.0, seed ^ fnv1a(b"pixels") ^ b as u64);
+    let x = Tensor::from_vec(values, (b, 3, s, s), &Device::Cpu)?;
     let contrast: Vec<f32> = (0..b)
         .map(|i| 0.2 + 1.8 * i as f32 / b.max(2) as f32)
         .collect();
     let contrast = Tensor::from_vec(contrast, (b, 1, 1, 1), &Device::Cpu)?;
     Ok(x.broadcast_mul(&contrast)?.to_device(device)?)
+}
+
+/// `n` values of N(0, std²), the same for the same seed on every run and machine: splitmix64
+/// for uniform bits, Box–Muller for the normal pairs.
+fn seeded_normal(n: usize, std: f32, seed: u64) -> Vec<f32> {
+    let mut state = seed;
+    let mut next_unit = || {
+        state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^= z >> 31;
+        // 53 random bits in (0, 1]: never 0, so the logarithm below is finite.
+        ((z >> 11) as f64 + 1.0) / (1u64 << 53) as f64
+    };
+    let mut out = Vec::with_capacity(n + 1);
+    while out.len() < n {
+        let (u1, u2) = (next_unit(), next_unit());
+        let r = (-2.0 * u1.ln()).sqrt() * std as f64;
+        let theta = std::f64::consts::TAU * u2;
+        out.push((r * theta.cos()) as f32);
+        out.push((r * theta.sin()) as f32);
+    }
+    out.truncate(n);
+    out
+}
+
+/// FNV-1a of a tensor name: a per-tensor seed offset.
+fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xCBF2_9CE4_8422_2325u64, |h, &b| {
+        (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01B3)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn seeded_normal_is_reproducible_and_normal() {
+        let a = seeded_normal(100_001, 2.0, 7);
+        assert_eq!(a.len(), 100_001);
+        assert_eq!(a, seeded_normal(100_001, 2.0, 7), "same seed, same values");
+        assert_ne!(
+            a[..100],
+            seeded_normal(100, 2.0, 8)[..],
+            "another seed, other values"
+        );
+        let n = a.len() as f64;
+        let mean = a.iter().map(|&x| x as f64).sum::<f64>() / n;
+        let var = a.iter().map(|&x| (x as f64 - mean).powi(2)).sum::<f64>() / n;
+        assert!(mean.abs() < 0.03, "mean {mean}");
+        assert!((var.sqrt() - 2.0).abs() < 0.03, "std {}", var.sqrt());
+        assert!(a.iter().all(|x| x.is_finite()));
+    }
 }
 
 fn device_name(arg: DeviceArg) -> String {
@@ -262,6 +328,7 @@ fn main() -> ExitCode {
             gpu: device_name(args.device),
             command: std::env::args().collect::<Vec<_>>().join(" "),
             event_tracking: args.event_tracking,
+            seed: args.seed,
             rows: Vec::new(),
         };
         if let Some(dir) = args.out.parent().filter(|d| !d.as_os_str().is_empty()) {
@@ -270,9 +337,9 @@ fn main() -> ExitCode {
         for name in &args.models {
             let cfg = DeiTConfig::from_name(name)?;
             for &dtype_arg in &args.dtype {
-                let model = random_model(&cfg, dtype_arg.dtype(), &device)?;
+                let model = random_model(&cfg, dtype_arg.dtype(), args.seed, &device)?;
                 for &batch in &args.batch {
-                    let pixels = random_pixels(batch, &cfg, &device)?;
+                    let pixels = random_pixels(batch, &cfg, args.seed, &device)?;
                     for v in &variants {
                         let schedule = match v.spec.kind {
                             None => PruningSchedule::none(),
