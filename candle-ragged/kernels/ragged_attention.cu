@@ -139,6 +139,10 @@ __device__ __forceinline__ void begin_rows(RowState<D> &st, const T *qh, long lo
     st.l0 = st.l1 = 0.f;
 }
 
+// How far (log2 units) a score may pass the running maximum before a LAZY attend_chunk rescales
+// O and l: P <= 2^8 = 256, far inside f16's and bf16's range.
+constexpr float RESCALE_SLACK = 8.f;
+
 // One warp, 16 query rows, one chunk of KEYS keys staged in shared memory (rows of C::ROW
 // elements starting at kt / vt): S = Q K^T, online-softmax update, O += P V. `valid` (1..KEYS)
 // keys of the chunk are real; n-tiles and k-steps wholly past them are skipped (warp-uniform
@@ -151,7 +155,7 @@ __device__ __forceinline__ void begin_rows(RowState<D> &st, const T *qh, long lo
 // before) is a single chain: every n-tile's ldmatrix -> 4 dependent MMAs sits behind a branch,
 // which keeps ptxas from interleaving n-tiles, so each MMA waits out its predecessor's latency.
 // Same products and sums in the same order per element: the results are bit-identical.
-template <typename T, int D, int KEYS, bool FULL>
+template <typename T, int D, int KEYS, bool FULL, bool LAZY>
 __device__ __forceinline__ void attend_chunk(RowState<D> &st, const T *kt, const T *vt, int valid, float scale_log2,
                                              int lane) {
     using C = TileCfg<D>;
@@ -205,42 +209,93 @@ __device__ __forceinline__ void attend_chunk(RowState<D> &st, const T *kt, const
         tmax0 = fmaxf(tmax0, fmaxf(s[nt][0], s[nt][1]));
         tmax1 = fmaxf(tmax1, fmaxf(s[nt][2], s[nt][3]));
     }
-    // The four threads of a quad hold one row between them.
-    tmax0 = fmaxf(tmax0, __shfl_xor_sync(0xffffffff, tmax0, 1));
-    tmax0 = fmaxf(tmax0, __shfl_xor_sync(0xffffffff, tmax0, 2));
-    tmax1 = fmaxf(tmax1, __shfl_xor_sync(0xffffffff, tmax1, 1));
-    tmax1 = fmaxf(tmax1, __shfl_xor_sync(0xffffffff, tmax1, 2));
-    // Every chunk holds at least one valid key, so the new maxima are finite.
-    const float new_m0 = fmaxf(st.m0, tmax0);
-    const float new_m1 = fmaxf(st.m1, tmax1);
-    const float alpha0 = exp2f(st.m0 - new_m0);
-    const float alpha1 = exp2f(st.m1 - new_m1);
-    st.m0 = new_m0;
-    st.m1 = new_m1;
-
     uint32_t pa[PSTEPS][4];
     float sum0 = 0.f, sum1 = 0.f;
+    if constexpr (LAZY) {
+        // Lazy rescaling (lever 38; LAZY is the 80-register resident kernel only): the running
+        // maxima m0 / m1 only move when some score of the warp exceeds its row's maximum by more
+        // than RESCALE_SLACK (log2 units), as FlashAttention-3 does, so P = exp2(s - m) stays at
+        // most 2^RESCALE_SLACK (finite in f16 and bf16) and O, l stay consistent with the m they
+        // were scaled by: softmax = O / l is unchanged, and the key parts' merge weighs each
+        // part's state by its own m. Most chunks after a sequence's first then skip the quad
+        // shuffles, the two exp2 of alpha and the rescaling of O, which sit on the dependent
+        // chain between the two MMA groups. A thread's own column maximum exceeds m + slack iff
+        // its row's maximum does for some thread of the quad, so the vote needs no shuffle; the
+        // first chunk always rescales (m = -inf). Lever 37 measured it in every form: it pays
+        // where registers are short (the 80-register form: 1.03-1.06x) and costs ~2 % in the
+        // 96-register one, which keeps the eager form below (the results of before, bit for bit).
+        if (__any_sync(0xffffffff, tmax0 > st.m0 + RESCALE_SLACK || tmax1 > st.m1 + RESCALE_SLACK)) {
+            tmax0 = fmaxf(tmax0, __shfl_xor_sync(0xffffffff, tmax0, 1));
+            tmax0 = fmaxf(tmax0, __shfl_xor_sync(0xffffffff, tmax0, 2));
+            tmax1 = fmaxf(tmax1, __shfl_xor_sync(0xffffffff, tmax1, 1));
+            tmax1 = fmaxf(tmax1, __shfl_xor_sync(0xffffffff, tmax1, 2));
+            const float new_m0 = fmaxf(st.m0, tmax0);
+            const float new_m1 = fmaxf(st.m1, tmax1);
+            const float alpha0 = exp2f(st.m0 - new_m0);
+            const float alpha1 = exp2f(st.m1 - new_m1);
+            st.m0 = new_m0;
+            st.m1 = new_m1;
+            st.l0 *= alpha0;
+            st.l1 *= alpha1;
 #pragma unroll
-    for (int nt = 0; nt < NT_S; ++nt) {
-        const bool live = FULL || nt * 8 < valid;  // masked n-tiles contribute exact zeros without exp2
-        const float p0 = live ? exp2f(s[nt][0] - new_m0) : 0.f;
-        const float p1 = live ? exp2f(s[nt][1] - new_m0) : 0.f;
-        const float p2 = live ? exp2f(s[nt][2] - new_m1) : 0.f;
-        const float p3 = live ? exp2f(s[nt][3] - new_m1) : 0.f;
-        sum0 += p0 + p1;
-        sum1 += p2 + p3;
-        // The accumulator layout of S is the A-operand layout of P: no shuffles needed.
-        pa[nt / 2][(nt % 2) * 2 + 0] = Pack2<T>::from_floats(p0, p1);
-        pa[nt / 2][(nt % 2) * 2 + 1] = Pack2<T>::from_floats(p2, p3);
-    }
-    st.l0 = st.l0 * alpha0 + sum0;
-    st.l1 = st.l1 * alpha1 + sum1;
+            for (int i = 0; i < NT_O; ++i) {
+                st.acc_o[i][0] *= alpha0;
+                st.acc_o[i][1] *= alpha0;
+                st.acc_o[i][2] *= alpha1;
+                st.acc_o[i][3] *= alpha1;
+            }
+        }
 #pragma unroll
-    for (int i = 0; i < NT_O; ++i) {
-        st.acc_o[i][0] *= alpha0;
-        st.acc_o[i][1] *= alpha0;
-        st.acc_o[i][2] *= alpha1;
-        st.acc_o[i][3] *= alpha1;
+        for (int nt = 0; nt < NT_S; ++nt) {
+            const bool live = FULL || nt * 8 < valid;
+            const float p0 = live ? exp2f(s[nt][0] - st.m0) : 0.f;
+            const float p1 = live ? exp2f(s[nt][1] - st.m0) : 0.f;
+            const float p2 = live ? exp2f(s[nt][2] - st.m1) : 0.f;
+            const float p3 = live ? exp2f(s[nt][3] - st.m1) : 0.f;
+            sum0 += p0 + p1;
+            sum1 += p2 + p3;
+            pa[nt / 2][(nt % 2) * 2 + 0] = Pack2<T>::from_floats(p0, p1);
+            pa[nt / 2][(nt % 2) * 2 + 1] = Pack2<T>::from_floats(p2, p3);
+        }
+        st.l0 += sum0;
+        st.l1 += sum1;
+    } else {
+        // The four threads of a quad hold one row between them.
+        tmax0 = fmaxf(tmax0, __shfl_xor_sync(0xffffffff, tmax0, 1));
+        tmax0 = fmaxf(tmax0, __shfl_xor_sync(0xffffffff, tmax0, 2));
+        tmax1 = fmaxf(tmax1, __shfl_xor_sync(0xffffffff, tmax1, 1));
+        tmax1 = fmaxf(tmax1, __shfl_xor_sync(0xffffffff, tmax1, 2));
+        // Every chunk holds at least one valid key, so the new maxima are finite.
+        const float new_m0 = fmaxf(st.m0, tmax0);
+        const float new_m1 = fmaxf(st.m1, tmax1);
+        const float alpha0 = exp2f(st.m0 - new_m0);
+        const float alpha1 = exp2f(st.m1 - new_m1);
+        st.m0 = new_m0;
+        st.m1 = new_m1;
+
+#pragma unroll
+        for (int nt = 0; nt < NT_S; ++nt) {
+            const bool live = FULL || nt * 8 < valid;  // masked n-tiles contribute exact zeros without exp2
+            const float p0 = live ? exp2f(s[nt][0] - new_m0) : 0.f;
+            const float p1 = live ? exp2f(s[nt][1] - new_m0) : 0.f;
+            const float p2 = live ? exp2f(s[nt][2] - new_m1) : 0.f;
+            const float p3 = live ? exp2f(s[nt][3] - new_m1) : 0.f;
+            sum0 += p0 + p1;
+            sum1 += p2 + p3;
+            // The accumulator layout of S is the A-operand layout of P: no shuffles needed.
+            pa[nt / 2][(nt % 2) * 2 + 0] = Pack2<T>::from_floats(p0, p1);
+            pa[nt / 2][(nt % 2) * 2 + 1] = Pack2<T>::from_floats(p2, p3);
+        }
+        st.l0 = st.l0 * alpha0 + sum0;
+        st.l1 = st.l1 * alpha1 + sum1;
+#pragma unroll
+        for (int i = 0; i < NT_O; ++i) {
+            st.acc_o[i][0] *= alpha0;
+            st.acc_o[i][1] *= alpha0;
+            st.acc_o[i][2] *= alpha1;
+            st.acc_o[i][3] *= alpha1;
+        }
+
     }
 
     // O += P V; V's B operands come transposed out of its row-major rows by ldmatrix.
@@ -260,14 +315,14 @@ __device__ __forceinline__ void attend_chunk(RowState<D> &st, const T *kt, const
 
 // Keys [key0, key_end) of the staged rows kt / vt (key 0 at row 0) in steps of KEYS: the full
 // steps branch-free, the last partial one guarded.
-template <typename T, int D, int KEYS>
+template <typename T, int D, int KEYS, bool LAZY>
 __device__ __forceinline__ void attend_keys(RowState<D> &st, const T *kt, const T *vt, int key0, int key_end,
                                             float scale_log2, int lane) {
     using C = TileCfg<D>;
     for (; key0 + KEYS <= key_end; key0 += KEYS)
-        attend_chunk<T, D, KEYS, true>(st, kt + key0 * C::ROW, vt + key0 * C::ROW, KEYS, scale_log2, lane);
+        attend_chunk<T, D, KEYS, true, LAZY>(st, kt + key0 * C::ROW, vt + key0 * C::ROW, KEYS, scale_log2, lane);
     if (key0 < key_end)
-        attend_chunk<T, D, KEYS, false>(st, kt + key0 * C::ROW, vt + key0 * C::ROW, key_end - key0, scale_log2, lane);
+        attend_chunk<T, D, KEYS, false, LAZY>(st, kt + key0 * C::ROW, vt + key0 * C::ROW, key_end - key0, scale_log2, lane);
 }
 
 // Normalises the 16 rows row_base.. and writes those inside the sequence to o (contiguous).
@@ -342,8 +397,8 @@ __device__ __forceinline__ void attn_mma_kernel(const T *__restrict__ q, const T
         __syncthreads();
         if (warp_active) {
             const int valid = min(KEYS, len - tile * KEYS);
-            if (valid == KEYS) attend_chunk<T, D, KEYS, true>(st, ks[buf], vs[buf], KEYS, scale_log2, lane);
-            else attend_chunk<T, D, KEYS, false>(st, ks[buf], vs[buf], valid, scale_log2, lane);
+            if (valid == KEYS) attend_chunk<T, D, KEYS, true, false>(st, ks[buf], vs[buf], KEYS, scale_log2, lane);
+            else attend_chunk<T, D, KEYS, false, false>(st, ks[buf], vs[buf], valid, scale_log2, lane);
         }
         __syncthreads();  // this buffer is refilled two tiles from now
     }
@@ -372,7 +427,8 @@ __device__ __forceinline__ void attn_mma_kernel(const T *__restrict__ q, const T
 #define RESIDENT_MAX_LEN 256
 #define RESIDENT_MAX_WARPS 8
 
-template <typename T, int D, int KEYS>  // KEYS: keys per online-softmax step
+// KEYS: keys per online-softmax step; LAZY: lazy rescaling (attend_chunk)
+template <typename T, int D, int KEYS, bool LAZY>
 __device__ __forceinline__ void attn_resident_kernel(const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v,
                                                      T *__restrict__ o, const uint32_t *__restrict__ cu_seqlens,
                                                      long long q_tok, long long q_head, long long k_tok, long long k_head,
@@ -424,7 +480,7 @@ __device__ __forceinline__ void attn_resident_kernel(const T *__restrict__ q, co
         const int stride = gridDim.x * warps;
         for (; tile < q_tiles; tile += stride) {
             if (tile != first_tile + warp) begin_rows<T, D>(st, qh, q_tok, tile * 16, len, lane);
-            attend_keys<T, D, KEYS>(st, ks, vs, 0, len, scale_log2, lane);
+            attend_keys<T, D, KEYS, LAZY>(st, ks, vs, 0, len, scale_log2, lane);
             end_rows<T, D>(st, oh, o_tok, tile * 16, len, lane);
         }
         return;
@@ -439,7 +495,7 @@ __device__ __forceinline__ void attn_resident_kernel(const T *__restrict__ q, co
     const int key_tiles = (len + 15) / 16;
     if (active) {
         const int key_end = min(len, (part + 1) * key_tiles / parts * 16);
-        attend_keys<T, D, KEYS>(st, ks, vs, part * key_tiles / parts * 16, key_end, scale_log2, lane);
+        attend_keys<T, D, KEYS, LAZY>(st, ks, vs, part * key_tiles / parts * 16, key_end, scale_log2, lane);
     }
     // Partial states after K / V: [warp][part - 1][STATE][32 lanes] floats (lane-minor: no bank
     // conflicts), STATE = D / 2 accumulators + m0, m1, l0, l1.
@@ -647,11 +703,12 @@ __device__ __forceinline__ void unpack_rows(const VEC *__restrict__ packed, VEC 
 #define RESIDENT_REGS 96
 #define RESIDENT_ENTRY(NAME, T, D, KEYS)                                                          \
     extern "C" __global__ void __maxnreg__(RESIDENT_REGS) NAME(ATTN_ARGS(T)) {                    \
-        attn_resident_kernel<T, D, KEYS>(ATTN_PASS);                                              \
+        attn_resident_kernel<T, D, KEYS, false>(ATTN_PASS);                                       \
     }
-#define RESIDENT_ENTRY_BOUNDED(NAME, T, D, KEYS, BLOCKS)                                          \
+// Lever 38: LAZY (the last argument) makes the 80-register form rescale lazily (attend_chunk).
+#define RESIDENT_ENTRY_BOUNDED(NAME, T, D, KEYS, BLOCKS, LAZY)                                    \
     extern "C" __global__ void __launch_bounds__(RESIDENT_MAX_WARPS * 32, BLOCKS) NAME(ATTN_ARGS(T)) { \
-        attn_resident_kernel<T, D, KEYS>(ATTN_PASS);                                              \
+        attn_resident_kernel<T, D, KEYS, LAZY>(ATTN_PASS);                                        \
     }
 MMA_ENTRY(ragged_attn_f16_d32, __half, 32)
 MMA_ENTRY(ragged_attn_f16_d64, __half, 64)
@@ -663,14 +720,14 @@ RESIDENT_ENTRY(ragged_attn_resident_f16_d32, __half, 32, 32)
 RESIDENT_ENTRY(ragged_attn_resident_f16_d64, __half, 64, 32)
 RESIDENT_ENTRY(ragged_attn_resident_bf16_d32, __nv_bfloat16, 32, 32)
 RESIDENT_ENTRY(ragged_attn_resident_bf16_d64, __nv_bfloat16, 64, 32)
-RESIDENT_ENTRY_BOUNDED(ragged_attn_resident_r80_f16_d32, __half, 32, 32, 3)
-RESIDENT_ENTRY_BOUNDED(ragged_attn_resident_r80_f16_d64, __half, 64, 32, 3)
-RESIDENT_ENTRY_BOUNDED(ragged_attn_resident_r80_bf16_d32, __nv_bfloat16, 32, 32, 3)
-RESIDENT_ENTRY_BOUNDED(ragged_attn_resident_r80_bf16_d64, __nv_bfloat16, 64, 32, 3)
-RESIDENT_ENTRY_BOUNDED(ragged_attn_resident_k64_f16_d32, __half, 32, 64, 2)
-RESIDENT_ENTRY_BOUNDED(ragged_attn_resident_k64_f16_d64, __half, 64, 64, 2)
-RESIDENT_ENTRY_BOUNDED(ragged_attn_resident_k64_bf16_d32, __nv_bfloat16, 32, 64, 2)
-RESIDENT_ENTRY_BOUNDED(ragged_attn_resident_k64_bf16_d64, __nv_bfloat16, 64, 64, 2)
+RESIDENT_ENTRY_BOUNDED(ragged_attn_resident_r80_f16_d32, __half, 32, 32, 3, true)
+RESIDENT_ENTRY_BOUNDED(ragged_attn_resident_r80_f16_d64, __half, 64, 32, 3, true)
+RESIDENT_ENTRY_BOUNDED(ragged_attn_resident_r80_bf16_d32, __nv_bfloat16, 32, 32, 3, true)
+RESIDENT_ENTRY_BOUNDED(ragged_attn_resident_r80_bf16_d64, __nv_bfloat16, 64, 32, 3, true)
+RESIDENT_ENTRY_BOUNDED(ragged_attn_resident_k64_f16_d32, __half, 32, 64, 2, false)
+RESIDENT_ENTRY_BOUNDED(ragged_attn_resident_k64_f16_d64, __half, 64, 64, 2, false)
+RESIDENT_ENTRY_BOUNDED(ragged_attn_resident_k64_bf16_d32, __nv_bfloat16, 32, 64, 2, false)
+RESIDENT_ENTRY_BOUNDED(ragged_attn_resident_k64_bf16_d64, __nv_bfloat16, 64, 64, 2, false)
 
 #define F32_ENTRY(NAME, D)                                                                        \
     extern "C" __global__ void __launch_bounds__(QUERIES_PER_BLOCK) NAME(ATTN_ARGS(float)) {     \
