@@ -244,29 +244,6 @@ fn fnv1a(bytes: &[u8]) -> u64 {
     })
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn seeded_normal_is_reproducible_and_normal() {
-        let a = seeded_normal(100_001, 2.0, 7);
-        assert_eq!(a.len(), 100_001);
-        assert_eq!(a, seeded_normal(100_001, 2.0, 7), "same seed, same values");
-        assert_ne!(
-            a[..100],
-            seeded_normal(100, 2.0, 8)[..],
-            "another seed, other values"
-        );
-        let n = a.len() as f64;
-        let mean = a.iter().map(|&x| x as f64).sum::<f64>() / n;
-        let var = a.iter().map(|&x| (x as f64 - mean).powi(2)).sum::<f64>() / n;
-        assert!(mean.abs() < 0.03, "mean {mean}");
-        assert!((var.sqrt() - 2.0).abs() < 0.03, "std {}", var.sqrt());
-        assert!(a.iter().all(|x| x.is_finite()));
-    }
-}
-
 fn device_name(arg: DeviceArg) -> String {
     match arg {
         DeviceArg::Cpu => "cpu".into(),
@@ -445,4 +422,27 @@ fn main() -> ExitCode {
         eprintln!("wrote {} rows to {}", report.rows.len(), args.out.display());
         Ok(())
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn seeded_normal_is_reproducible_and_normal() {
+        let a = seeded_normal(100_001, 2.0, 7);
+        assert_eq!(a.len(), 100_001);
+        assert_eq!(a, seeded_normal(100_001, 2.0, 7), "same seed, same values");
+        assert_ne!(
+            a[..100],
+            seeded_normal(100, 2.0, 8)[..],
+            "another seed, other values"
+        );
+        let n = a.len() as f64;
+        let mean = a.iter().map(|&x| x as f64).sum::<f64>() / n;
+        let var = a.iter().map(|&x| (x as f64 - mean).powi(2)).sum::<f64>() / n;
+        assert!(mean.abs() < 0.03, "mean {mean}");
+        assert!((var.sqrt() - 2.0).abs() < 0.03, "std {}", var.sqrt());
+        assert!(a.iter().all(|x| x.is_finite()));
+    }
 }
