@@ -176,9 +176,10 @@ fn large_logits_stay_stable() {
 /// Scores that step up by 7.5 and 8.5 log2 units in turn at every 64th key, so the online
 /// softmax's running maxima move at chunk boundaries of the resident kernel's 32-key and the tiled
 /// kernel's 64-key chunks, with and without key parts; head 1 sees the negated scores (the maximum
-/// in the first chunk, never growing). The steps straddle 8 log2 units on purpose: lever 37
-/// (lazy rescaling, rescale only past 8 units; not kept, see docs/BENCHMARKS.md) was checked
-/// with it on both of its branches, and any such scheme should be again.
+/// in the first chunk, never growing). The steps straddle 8 log2 units on purpose: the
+/// 80-register resident kernel (`CANDLE_RAGGED_RESIDENT=r80` forces it everywhere) rescales O and
+/// the row sums only when scores pass the running maximum by more than 8 log2 units (levers 37
+/// and 38 in docs/BENCHMARKS.md), and this runs both of its branches.
 #[test]
 fn stepped_scores_across_chunks() {
     let (heads, dim) = (2, 64);
