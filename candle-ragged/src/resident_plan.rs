@@ -69,7 +69,8 @@ pub(crate) struct ResidentPlan {
     pub grid: (u32, u32, u32),
     pub block: (u32, u32, u32),
     pub shared_mem_bytes: u32,
-    /// The 80-register kernel (lever 24's bound) instead of the 96-register one (lever 35).
+    /// The 80-register kernel (lever 24's bound; since lever 38 it also rescales its online softmax
+    /// lazily) instead of the 96-register one (lever 35).
     pub low_registers: bool,
 }
 
