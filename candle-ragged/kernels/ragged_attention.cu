@@ -989,6 +989,7 @@ __device__ void sequence_scores(float *sc, float *tmp, int tmp_floats, float *re
 // and 3 (logits rounded to T, one warp's max and exp-sum in its order, exp(l - m) / sum); block
 // h = heads (with `vnorm`) writes the value rows' sums of squares instead. At small batches one
 // block per sequence left those loads to a single SM; here they spread over B · (heads + 1).
+// `cu` null: sequences of out_stride tokens each (select_top_k's equal lengths, lever 39).
 // Dynamic shared memory: (round_up(D, 4) + len) floats.
 template <typename T>
 __device__ void cls_probs(const T *__restrict__ qkv, const uint32_t *__restrict__ cu, float *__restrict__ out,
@@ -996,7 +997,8 @@ __device__ void cls_probs(const T *__restrict__ qkv, const uint32_t *__restrict_
     extern __shared__ __align__(16) unsigned char smem[];
     const int b = blockIdx.x, h = blockIdx.y;
     constexpr int V = 16 / sizeof(T);
-    const int start = (int)cu[b], len = (int)cu[b + 1] - start;
+    const int start = cu ? (int)cu[b] : b * out_stride;
+    const int len = cu ? (int)cu[b + 1] - start : out_stride;
     const int D = C / heads;
     const size_t stride = 3 * (size_t)C;
     const T *qb = qkv + (size_t)start * stride;

@@ -590,6 +590,48 @@ pub(crate) fn select_top_k(
         Some(crate::DroppedFusion::WeightedMean) => 1,
         Some(crate::DroppedFusion::WeightedSum) => 2,
     };
+    // Lever 39: class-attention scores (EViT, ATS) in (sequence, head) blocks first, as
+    // select_by_rule does since lever 33 (same switch, `CANDLE_RAGGED_SPLIT_SCORES`): below one
+    // sequence per SM every block of a sequence below would otherwise compute all of its heads'
+    // logits again, each reading the whole sequence's keys. `[B, heads + 1, len]` f32, the rows
+    // modes 4 / 5 read (the same bits as modes 2 / 3).
+    let split = op.source.reads_qkv() && k.split_scores.unwrap_or(b < k.sm_count);
+    let probs = if split {
+        let head_dim = c / heads.max(1) as usize;
+        let vnorm = matches!(op.source, ScoreSource::Significance { .. });
+        // SAFETY: cls_probs writes the first `len` entries of every (sequence, row) it is given,
+        // and every sequence has exactly `len` tokens here: the whole buffer.
+        let buf = unsafe { dev.alloc::<f32>(b * (heads as usize + 1) * op.len)? };
+        let cfg = LaunchConfig {
+            grid_dim: (b as u32, heads as u32 + vnorm as u32, 1),
+            block_dim: (256, 1, 1),
+            // (round_up(D, 4) + len) floats: see cls_probs.
+            shared_mem_bytes: (4 * (head_dim.next_multiple_of(4) + op.len)) as u32,
+        };
+        let stream = dev.cuda_stream();
+        let c_i = c as i32;
+        macro_rules! run {
+            ($t:ty, $i:expr) => {{
+                let qkv = s.as_cuda_slice::<$t>()?.slice(ls.start_offset()..);
+                let mut builder = stream.launch_builder(&k.cls_probs[$i]);
+                // A null cu_seqlens: sequences of `len` (the out_stride) tokens each.
+                builder.arg(&qkv).arg(&null).arg(&buf);
+                builder.arg(&len).arg(&heads).arg(&c_i).arg(&scale);
+                // SAFETY: arguments match ragged_cls_probs_* in kernels/ragged_attention.cu; qkv
+                // holds B · len rows of 3 · C (checked above), the buffer B · (heads + 1) rows.
+                unsafe { builder.launch(cfg) }.w()?;
+            }};
+        }
+        by_float_dtype!(x.dtype(), "select_top_k", run);
+        Some(buf)
+    } else {
+        None
+    };
+    let (scores, mode) = match (&probs, op.source) {
+        (Some(buf), ScoreSource::ClsAttention { .. }) => (Some(buf.slice(0..)), 4),
+        (Some(buf), _) => (Some(buf.slice(0..)), 5),
+        (None, _) => (scores, mode),
+    };
     // Blocks per sequence: enough to spread the row copies over the GPU at small batches (each
     // block of a sequence scores and ranks it again, O(len²/512) per thread), one at large ones.
     // 512 threads: at batch 1 a block's scoring and ranking are the step's latency, and they
@@ -604,7 +646,7 @@ pub(crate) fn select_top_k(
     macro_rules! run {
         ($t:ty, $i:expr) => {{
             let xs = x.as_cuda_slice::<$t>()?.slice(lx.start_offset()..);
-            let qkv = if op.source.reads_qkv() {
+            let qkv = if op.source.reads_qkv() && probs.is_none() {
                 Some(s.as_cuda_slice::<$t>()?.slice(ls.start_offset()..))
             } else {
                 None
