@@ -114,9 +114,10 @@ struct Kernels {
     mean: Vec<CudaFunction>,
     offsets: CudaFunction,
     cls_probs: Vec<CudaFunction>,
-    /// Whether `select_by_rule` computes class-attention scores in their own (sequence, head)
-    /// blocks first: below `sm_count` sequences by default, `CANDLE_RAGGED_SPLIT_SCORES=1`
-    /// always, `=0` never (the decide block computes them itself; same bits either way).
+    /// Whether `select_by_rule` (lever 33) and `select_top_k` (lever 39) compute class-attention
+    /// scores in their own (sequence, head) blocks first: below `sm_count` sequences by default,
+    /// `CANDLE_RAGGED_SPLIT_SCORES=1` always, `=0` never (the decide / select blocks compute them
+    /// themselves; same bits either way).
     split_scores: Option<bool>,
 }
 
