@@ -11,6 +11,7 @@ fn main() {
     println!("cargo:rerun-if-changed=build.rs");
     println!("cargo:rerun-if-changed=kernels/fastpath.cu");
     println!("cargo:rerun-if-changed=kernels/gelu_phi.cuh");
+    println!("cargo:rerun-if-changed=kernels/small_block.cu");
     println!("cargo:rerun-if-env-changed=CUDA_COMPUTE_CAP");
     println!("cargo:rerun-if-env-changed=CUDA_HOME");
     println!("cargo:rerun-if-env-changed=CUDA_PATH");
@@ -35,22 +36,27 @@ fn main() {
             Some(home) => home.join("bin").join("nvcc"),
             None => PathBuf::from("nvcc"),
         });
-    let out = PathBuf::from(std::env::var("OUT_DIR").unwrap()).join("fastpath.ptx");
-    let status = Command::new(&nvcc)
-        .args(["--ptx", "-O3", "-std=c++17"])
-        .arg(format!("-arch=compute_{cap}"))
-        .arg("-o")
-        .arg(&out)
-        .arg("kernels/fastpath.cu")
-        .status()
-        .unwrap_or_else(|e| {
-            panic!(
-                "cannot run nvcc ({}): {e}; install a toolkit with scripts/install-cuda-toolkit.sh",
-                nvcc.display()
-            )
-        });
-    if !status.success() {
-        panic!("nvcc failed to compile kernels/fastpath.cu ({status})");
+    // fastpath.cu: GELU, LayerNorm, patchify, embedding, the pruner head; small_block.cu: a
+    // whole ViT block in one launch for small token counts (its own module: a change there
+    // leaves the other kernels' PTX untouched).
+    for name in ["fastpath", "small_block"] {
+        let out = PathBuf::from(std::env::var("OUT_DIR").unwrap()).join(format!("{name}.ptx"));
+        let status = Command::new(&nvcc)
+            .args(["--ptx", "-O3", "-std=c++17"])
+            .arg(format!("-arch=compute_{cap}"))
+            .arg("-o")
+            .arg(&out)
+            .arg(format!("kernels/{name}.cu"))
+            .status()
+            .unwrap_or_else(|e| {
+                panic!(
+                    "cannot run nvcc ({}): {e}; install a toolkit with scripts/install-cuda-toolkit.sh",
+                    nvcc.display()
+                )
+            });
+        if !status.success() {
+            panic!("nvcc failed to compile kernels/{name}.cu ({status})");
+        }
     }
     if cap >= 90 {
         build_cutlass(&nvcc);

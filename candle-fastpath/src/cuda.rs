@@ -947,3 +947,311 @@ pub(crate) fn linear_log_prob(
         Shape::from(rows),
     ))
 }
+
+// ---------------------------------------------------------------------------------------------
+// The fused small-token block (kernels/small_block.cu, its own PTX module).
+
+const SMALL_BLOCK_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/small_block.ptx"));
+const SMALL_BLOCK_MODULE: &str = "candle_fastpath_small_block";
+/// Per `crate::SMALL_BLOCK_DIMS` entry, f16 then bf16.
+const SMALL_BLOCK_NAMES: [[&str; 2]; 3] = [
+    ["fastpath_small_block_f16_c192", "fastpath_small_block_bf16_c192"],
+    ["fastpath_small_block_f16_c384", "fastpath_small_block_bf16_c384"],
+    ["fastpath_small_block_f16_c768", "fastpath_small_block_bf16_c768"],
+];
+/// `sb::THREADS`, `sb::BM`, `sb::BN`, `sb::PAD`, `sb::FC2_SPLIT` in the kernel.
+const SB_THREADS: u32 = 256;
+const SB_BM: usize = 32;
+const SB_BN: usize = 64;
+const SB_PAD: usize = 8;
+const SB_FC2_SPLIT: usize = 4;
+
+/// Dynamic shared memory of the C-wide kernel: the W tile `[BN][C + PAD]`, then the larger of
+/// the A tile `[BM][C + PAD]` and the attention's K, V (`MAX_LEN` rows each) and Q tile (16
+/// rows) of `HD + PAD` elements (the merge buffer reuses that space and is smaller).
+fn small_block_smem_bytes(c: usize) -> usize {
+    let w = SB_BN * (c + SB_PAD) * 2;
+    let a = SB_BM * (c + SB_PAD) * 2;
+    let attn = (2 * crate::SMALL_BLOCK_MAX_LEN + 16) * (64 + SB_PAD) * 2;
+    w + a.max(attn)
+}
+
+/// `sb::Params`, field for field (20 device pointers, then 3 u32, then 3 f32).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct SmallBlockParams {
+    ptrs: [u64; 20],
+    rows: u32,
+    nseq: u32,
+    max_len: u32,
+    eps1: f32,
+    eps2: f32,
+    scale_log2: f32,
+}
+
+// SAFETY: plain old data laid out as the kernel's `sb::Params`.
+unsafe impl candle_core::cuda_backend::cudarc::driver::DeviceRepr for SmallBlockParams {}
+
+struct SmallBlockState {
+    id: DeviceId,
+    /// Indexed like `SMALL_BLOCK_NAMES`.
+    funcs: Vec<[CudaFunction; 2]>,
+    /// Resident blocks of each kernel on the whole GPU (SMs × blocks per SM), the most a
+    /// cooperative launch may have.
+    max_grid: Vec<u32>,
+    /// The grid barrier's two words; the kernel leaves them zero after every launch.
+    barrier: CudaSlice<u32>,
+}
+
+static SMALL_BLOCK_STATE: Mutex<Vec<SmallBlockState>> = Mutex::new(Vec::new());
+
+/// The kernel for width `c` (index into `SMALL_BLOCK_NAMES`) and dtype, its largest grid and
+/// the barrier's device address, loaded and allocated on first use per device (a CUDA graph
+/// capture warms up eagerly first, so the allocation is never captured).
+fn small_block_state(
+    dev: &CudaDevice,
+    width: usize,
+    bf16: bool,
+) -> candle_core::Result<(CudaFunction, u32, u64)> {
+    use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES as MAX_SMEM;
+    use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT as SMS;
+    let mut states = SMALL_BLOCK_STATE
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    let index = match states.iter().position(|s| s.id == dev.id()) {
+        Some(i) => i,
+        None => {
+            let stream = dev.cuda_stream();
+            let sms = stream
+                .context()
+                .attribute(SMS)
+                .map_err(candle_core::Error::wrap)?
+                .max(1) as u32;
+            let mut funcs = Vec::new();
+            let mut max_grid = Vec::new();
+            for (names, c) in SMALL_BLOCK_NAMES.iter().zip(crate::SMALL_BLOCK_DIMS) {
+                let smem = small_block_smem_bytes(c);
+                let mut pair = Vec::new();
+                let mut grid = u32::MAX;
+                for name in names {
+                    let f = dev
+                        .get_or_load_custom_func(name, SMALL_BLOCK_MODULE, SMALL_BLOCK_PTX)?
+                        .into_cuda_function();
+                    // Past 48 KB of dynamic shared memory a kernel must opt in.
+                    f.set_attribute(MAX_SMEM, smem as i32)
+                        .map_err(candle_core::Error::wrap)?;
+                    let per_sm = f
+                        .occupancy_max_active_blocks_per_multiprocessor(SB_THREADS, smem, None)
+                        .map_err(candle_core::Error::wrap)?;
+                    grid = grid.min(per_sm * sms);
+                    pair.push(f);
+                }
+                let [f16, bf16]: [CudaFunction; 2] = pair
+                    .try_into()
+                    .map_err(|_| candle_core::Error::Msg("small_block: two dtypes".into()))?;
+                funcs.push([f16, bf16]);
+                max_grid.push(grid);
+            }
+            let barrier = dev.alloc_zeros::<u32>(2)?;
+            states.push(SmallBlockState {
+                id: dev.id(),
+                funcs,
+                max_grid,
+                barrier,
+            });
+            states.len() - 1
+        }
+    };
+    let state = &states[index];
+    let stream = dev.cuda_stream();
+    let (ptr, _sync) = state.barrier.device_ptr(&stream);
+    Ok((
+        state.funcs[width][bf16 as usize].clone(),
+        state.max_grid[width],
+        ptr,
+    ))
+}
+
+/// The CustomOp behind [`crate::small_block`]: `(x [rows, C], cu_seqlens [B + 1])`, the weights
+/// carried here (checked by the caller for shapes, dtypes and devices; strides and alignment
+/// are checked here).
+pub(crate) struct SmallBlockOp<'a> {
+    pub weights: crate::BlockWeights<'a>,
+    pub max_len: usize,
+}
+
+impl SmallBlockOp<'_> {
+    fn run<T>(
+        &self,
+        (x, lx): (&CudaStorage, &Layout),
+        (cu, lcu): (&CudaStorage, &Layout),
+    ) -> candle_core::Result<(CudaStorage, Shape)>
+    where
+        T: candle_core::cuda_backend::CudaDType
+            + candle_core::cuda_backend::cudarc::driver::DeviceRepr
+            + candle_core::WithDType,
+    {
+        let dev = &x.device;
+        let w = &self.weights;
+        let c = w.norm1.weight().elem_count();
+        let width = crate::SMALL_BLOCK_DIMS
+            .iter()
+            .position(|&d| d == c)
+            .ok_or_else(|| candle_core::Error::Msg(format!("small_block: no kernel for C = {c}")))?;
+        let dims = lx.shape().dims();
+        if dims.len() != 2 || dims[1] != c || !lx.is_contiguous() {
+            return Err(not_contiguous("small_block x", lx));
+        }
+        let rows = dims[0];
+        let nseq = lcu.shape().elem_count().saturating_sub(1);
+        if !lcu.is_contiguous() || nseq == 0 {
+            candle_core::bail!("small_block: cu_seqlens must be a contiguous [B + 1], B >= 1");
+        }
+        let stream = dev.cuda_stream();
+        // Device addresses of everything the kernel reads or writes; the guards keep cudarc's
+        // stream ordering (when its event tracking is on) until the launch is queued.
+        let size = std::mem::size_of::<T>();
+        let mut ptrs = [0u64; 20];
+        let xs = x.as_cuda_slice::<T>()?.slice(lx.start_offset()..);
+        let cus = cu.as_cuda_slice::<u32>()?.slice(lcu.start_offset()..);
+        let (x_ptr, _gx) = xs.device_ptr(&stream);
+        let (cu_ptr, _gcu) = cus.device_ptr(&stream);
+        // SAFETY: every element of `out` and of the scratch buffers the kernel reads is written
+        // by an earlier phase of the same launch (rows outside every sequence: see small_block).
+        let out = unsafe { dev.alloc::<T>(rows * c)? };
+        let qkv = unsafe { dev.alloc::<T>(rows * 3 * c)? };
+        let attn = unsafe { dev.alloc::<T>(rows * c)? };
+        let hidden = unsafe { dev.alloc::<T>(rows * 4 * c)? };
+        let partial = unsafe { dev.alloc::<f32>(SB_FC2_SPLIT * rows * c)? };
+        // The guards of every device pointer live until the launch is queued.
+        {
+            let (out_ptr, _go) = out.device_ptr(&stream);
+            let (qkv_ptr, _gq) = qkv.device_ptr(&stream);
+            let (attn_ptr, _ga) = attn.device_ptr(&stream);
+            let (hidden_ptr, _gh) = hidden.device_ptr(&stream);
+            let (partial_ptr, _gp) = partial.device_ptr(&stream);
+            let tensors: [&Tensor; 12] = [
+                w.norm1.weight(),
+                w.norm1.bias(),
+                w.qkv.weight(),
+                w.qkv.bias().ok_or_else(|| candle_core::Error::Msg("small_block: qkv bias".into()))?,
+                w.proj.weight(),
+                w.proj.bias().ok_or_else(|| candle_core::Error::Msg("small_block: proj bias".into()))?,
+                w.norm2.weight(),
+                w.norm2.bias(),
+                w.fc1.weight(),
+                w.fc1.bias().ok_or_else(|| candle_core::Error::Msg("small_block: fc1 bias".into()))?,
+                w.fc2.weight(),
+                w.fc2.bias().ok_or_else(|| candle_core::Error::Msg("small_block: fc2 bias".into()))?,
+            ];
+            let guards: Vec<_> = tensors.iter().map(|t| t.storage_and_layout()).collect();
+            let mut views = Vec::with_capacity(12);
+            for (g, t) in guards.iter().zip(tensors) {
+                let (storage, layout) = (&g.0, &g.1);
+                let Storage::Cuda(s) = &**storage else {
+                    candle_core::bail!("small_block: a weight is not on the CUDA device");
+                };
+                if !layout.is_contiguous() || (layout.start_offset() * size) % 16 != 0 {
+                    return Err(not_contiguous("small_block weight", t.layout()));
+                }
+                views.push(s.as_cuda_slice::<T>()?.slice(layout.start_offset()..));
+            }
+            let mut weight_guards = Vec::with_capacity(12);
+            for (i, v) in views.iter().enumerate() {
+                let (p, g) = v.device_ptr(&stream);
+                ptrs[2 + i] = p;
+                weight_guards.push(g);
+            }
+            for (what, p) in [("x", x_ptr)] {
+                if p % 16 != 0 {
+                    candle_core::bail!("small_block: {what} is not 16-byte aligned");
+                }
+            }
+            ptrs[0] = x_ptr;
+            ptrs[1] = out_ptr;
+            ptrs[14] = cu_ptr;
+            ptrs[15] = qkv_ptr;
+            ptrs[16] = attn_ptr;
+            ptrs[17] = hidden_ptr;
+            ptrs[18] = partial_ptr;
+            let (func, max_grid, barrier) = small_block_state(dev, width, T::DTYPE == DType::BF16)?;
+            ptrs[19] = barrier;
+            // Work units of the widest phase (fc1's tiles, fc2's split tiles, or attention's
+            // (sequence, head, 16-query) units): more blocks would only wait at the barriers.
+            let row_tiles = rows.div_ceil(SB_BM);
+            let units = (row_tiles * 4 * c / SB_BN)
+                .max(nseq * self.max_len.div_ceil(16) * (c / 64))
+                .max(1);
+            let grid = (units as u32).min(max_grid);
+            let params = SmallBlockParams {
+                ptrs,
+                rows: rows as u32,
+                nseq: nseq as u32,
+                max_len: self.max_len as u32,
+                eps1: w.norm1.eps() as f32,
+                eps2: w.norm2.eps() as f32,
+                scale_log2: w.scale * std::f32::consts::LOG2_E,
+            };
+            let cfg = LaunchConfig {
+                grid_dim: (grid, 1, 1),
+                block_dim: (SB_THREADS, 1, 1),
+                shared_mem_bytes: small_block_smem_bytes(c) as u32,
+            };
+            let mut builder = stream.launch_builder(&func);
+            builder.arg(&params);
+            // SAFETY: shapes, strides and alignment checked above and by the caller. The grid is at
+            // most what the GPU holds at once; the cooperative launch also makes the driver refuse
+            // rather than oversubscribe, so the barriers cannot wait for blocks that are not
+            // resident. `CANDLE_FASTPATH_SMALL_BLOCK_LAUNCH=plain` launches it the ordinary way (as
+            // CUTLASS's stream-K GEMMs, which also wait on other CTAs, are launched).
+            static PLAIN: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+            let plain = crate::switches::read_once(&PLAIN, "CANDLE_FASTPATH_SMALL_BLOCK_LAUNCH", |v| {
+                v == Some("plain")
+            });
+            if plain {
+                unsafe { builder.launch(cfg) }.map_err(candle_core::Error::wrap)?;
+            } else {
+                unsafe { builder.launch_cooperative(cfg) }.map_err(candle_core::Error::wrap)?;
+            }
+        }
+        drop((qkv, attn, hidden, partial));
+        Ok((
+            CudaStorage::wrap_cuda_slice(out, dev.clone()),
+            Shape::from((rows, c)),
+        ))
+    }
+}
+
+impl candle_core::CustomOp2 for SmallBlockOp<'_> {
+    fn name(&self) -> &'static str {
+        "fastpath-small-block"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        candle_core::bail!("small_block: the CUDA op was dispatched on a CPU tensor")
+    }
+
+    fn cuda_fwd(
+        &self,
+        x: &CudaStorage,
+        lx: &Layout,
+        cu: &CudaStorage,
+        lcu: &Layout,
+    ) -> candle_core::Result<(CudaStorage, Shape)> {
+        match x.dtype() {
+            DType::F16 => self.run::<half::f16>((x, lx), (cu, lcu)),
+            DType::BF16 => self.run::<half::bf16>((x, lx), (cu, lcu)),
+            dtype => Err(FastpathError::UnsupportedDType {
+                op: "small_block",
+                dtype,
+            }
+            .into()),
+        }
+    }
+}

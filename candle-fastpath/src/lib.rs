@@ -55,6 +55,7 @@ mod linear;
 mod norm;
 mod patch;
 mod pool;
+mod small_block;
 // Read only by CUDA code; compiled everywhere so its unit test runs in CI.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 mod switches;
@@ -67,3 +68,7 @@ pub use linear::{linear, linear_no_bias, Epilogue, FusedLinear};
 pub use norm::{layer_norm, LayerNorm};
 pub use patch::patchify;
 pub use pool::{retain_freed_memory, track_buffer_events, PeakMemory};
+pub use small_block::{
+    small_block, small_block_applies, small_block_max_rows, BlockWeights, SMALL_BLOCK_DIMS,
+    SMALL_BLOCK_HEAD_DIM, SMALL_BLOCK_MAX_LEN,
+};

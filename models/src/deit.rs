@@ -195,7 +195,34 @@ impl Block {
     }
 
     pub fn forward_with(&self, x: &Tensor, inputs: &AttentionInputs) -> Result<Tensor> {
+        // Packed tokens few enough for the one-launch block (a DeiT at batch 1 on CUDA, f16 /
+        // bf16): the same block as one kernel instead of ~8 (candle_fastpath::small_block).
+        if let AttentionInputs::Ragged { batch } = inputs {
+            let w = self.fused_weights();
+            if candle_fastpath::small_block_applies(x, batch.max_len(), &w) {
+                return Ok(candle_fastpath::small_block(
+                    x,
+                    batch.cu_seqlens(),
+                    batch.max_len(),
+                    &w,
+                )?);
+            }
+        }
         self.mlp_residual(&self.attn_residual(x, inputs)?)
+    }
+
+    /// This block's weights as [`candle_fastpath::small_block`] reads them.
+    pub fn fused_weights(&self) -> candle_fastpath::BlockWeights<'_> {
+        candle_fastpath::BlockWeights {
+            norm1: &self.norm1,
+            qkv: &self.attn.qkv,
+            proj: &self.attn.proj,
+            norm2: &self.norm2,
+            fc1: &self.mlp.fc1,
+            fc2: &self.mlp.fc2,
+            heads: self.attn.heads,
+            scale: self.attn.scale as f32,
+        }
     }
 
     /// What a pruner at `site` of this block sees: the block's input (before the block), or the

@@ -1,0 +1,194 @@
+//! [`small_block`]: one pre-norm ViT block (timm's `Block`: `x + proj(attn(LN1(x)))`, then
+//! `+ fc2(GELU(fc1(LN2(x))))`) in one CUDA launch, for the token counts of a ViT at batch 1–2.
+//!
+//! At those sizes a block run as its ~8 kernels (two LayerNorms, four GEMMs, attention, GELU)
+//! costs 3–9 µs per kernel, nearly all of it each kernel's ramp-up, one chain of memory
+//! latencies and drain; the arithmetic is well under a microsecond. The fused kernel keeps one
+//! block per SM for the whole transformer block, separates its phases with grid-wide barriers,
+//! folds the LayerNorms into the GEMM tiles that read those rows anyway and the GELU into fc1,
+//! and requests each phase's first weight tile before the barrier into it
+//! (`kernels/small_block.cu` describes the phases).
+//!
+//! The attention runs per sequence of a packed batch given as `cu_seqlens` (FlashAttention's
+//! varlen convention, as candle-ragged's batches hold it), so a packed token-pruned batch runs
+//! through it as well as a dense one. There is no CPU kernel: a caller runs the block's own
+//! layers there (and wherever [`small_block_applies`] says no); the results agree to the
+//! rounding of the storage type (the GELU and the fc2 sum are rounded once here, twice there).
+
+use candle_core::{DType, Tensor};
+
+use crate::error::{FastpathError, Result};
+use crate::{FusedLinear, LayerNorm};
+
+const OP: &str = "small_block";
+
+/// Longest sequence the kernel stages (its keys and values live in shared memory).
+pub const SMALL_BLOCK_MAX_LEN: usize = 256;
+/// Embedding widths with a compiled kernel (DeiT-T/S/B), each with head_dim 64.
+pub const SMALL_BLOCK_DIMS: [usize; 3] = [192, 384, 768];
+/// The head dimension the kernel is written for.
+pub const SMALL_BLOCK_HEAD_DIM: usize = 64;
+
+/// One block's weights as timm names them: `norm1`, `attn.qkv` (`[3C, C]`, rows q | k | v, each
+/// head-major), `attn.proj`, `norm2`, `mlp.fc1` (`[4C, C]`), `mlp.fc2` (`[C, 4C]`), every Linear
+/// with its bias.
+#[derive(Debug, Clone, Copy)]
+pub struct BlockWeights<'a> {
+    pub norm1: &'a LayerNorm,
+    pub qkv: &'a FusedLinear,
+    pub proj: &'a FusedLinear,
+    pub norm2: &'a LayerNorm,
+    pub fc1: &'a FusedLinear,
+    pub fc2: &'a FusedLinear,
+    /// Attention heads: `C / 64`.
+    pub heads: usize,
+    /// The softmax scale (`head_dim^-0.5` in timm).
+    pub scale: f32,
+}
+
+/// Rows at most this many take the fused block (`CANDLE_FASTPATH_SMALL_BLOCK_ROWS`, default
+/// 256: a DeiT at batch 1; `0` turns it off). Above about one GEMM tile per SM per phase the
+/// GEMMs of cuBLASLt win.
+pub fn small_block_max_rows() -> usize {
+    static ROWS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    crate::switches::read_once(&ROWS, "CANDLE_FASTPATH_SMALL_BLOCK_ROWS", |v| {
+        v.and_then(|s| s.parse().ok()).unwrap_or(256)
+    })
+}
+
+/// Whether [`small_block`] runs `x` (`[rows, C]`) with these weights and sequences of at most
+/// `max_len` tokens on this build and device: CUDA (the `cuda` feature), f16 or bf16, C in
+/// [`SMALL_BLOCK_DIMS`] with 64-wide heads, `1 ≤ max_len ≤` [`SMALL_BLOCK_MAX_LEN`] and
+/// `rows ≤` [`small_block_max_rows`]. Everything else about the inputs is checked by
+/// [`small_block`] itself, with an error.
+pub fn small_block_applies(x: &Tensor, max_len: usize, w: &BlockWeights) -> bool {
+    let c = w.norm1.weight().elem_count();
+    cfg!(feature = "cuda")
+        && x.device().is_cuda()
+        && matches!(x.dtype(), DType::F16 | DType::BF16)
+        && x.rank() == 2
+        && x.dim(1).ok() == Some(c)
+        && SMALL_BLOCK_DIMS.contains(&c)
+        && w.heads * SMALL_BLOCK_HEAD_DIM == c
+        && (1..=SMALL_BLOCK_MAX_LEN).contains(&max_len)
+        && (1..=small_block_max_rows()).contains(&x.dim(0).unwrap_or(0))
+}
+
+/// One ViT block over the packed tokens `x` (`[rows, C]`, f16 / bf16, CUDA) of the sequences
+/// `cu_seqlens` describes (u32 `[B + 1]` on `x`'s device: non-decreasing offsets from 0 with
+/// `cu_seqlens[B] ≤ rows`; every length in `0..=max_len`) → `[rows, C]`, contiguous.
+///
+/// The offsets are read on the device only (nothing waits on the GPU); the host cannot check
+/// them, so a wrong `cu_seqlens` gives wrong numbers, not a fault: every access stays inside
+/// `rows`. Rows past `cu_seqlens[B]` (a capacity-sized buffer) go through the per-token layers
+/// on whatever they hold, as the unfused ragged path does.
+pub fn small_block(
+    x: &Tensor,
+    cu_seqlens: &Tensor,
+    max_len: usize,
+    w: &BlockWeights,
+) -> Result<Tensor> {
+    let c = w.norm1.weight().elem_count();
+    if x.rank() != 2 {
+        return Err(FastpathError::Rank {
+            op: OP,
+            what: "x",
+            expected: "2 ([rows, C])",
+            shape: x.shape().clone(),
+        });
+    }
+    let rows = x.dim(0)?;
+    if rows == 0 {
+        return Err(FastpathError::Empty {
+            op: OP,
+            what: "x",
+            shape: x.shape().clone(),
+        });
+    }
+    if !SMALL_BLOCK_DIMS.contains(&c) || w.heads * SMALL_BLOCK_HEAD_DIM != c {
+        return Err(FastpathError::Candle(candle_core::Error::Msg(format!(
+            "{OP}: needs C in {SMALL_BLOCK_DIMS:?} split into heads of {SMALL_BLOCK_HEAD_DIM}, \
+             got C = {c} with {} heads",
+            w.heads
+        ))));
+    }
+    if !(1..=SMALL_BLOCK_MAX_LEN).contains(&max_len) {
+        return Err(FastpathError::Candle(candle_core::Error::Msg(format!(
+            "{OP}: max_len must be in 1..={SMALL_BLOCK_MAX_LEN}, got {max_len}"
+        ))));
+    }
+    if !matches!(x.dtype(), DType::F16 | DType::BF16) {
+        return Err(FastpathError::UnsupportedDType {
+            op: OP,
+            dtype: x.dtype(),
+        });
+    }
+    let anchor = w.norm1.weight();
+    let check = |what, t: &Tensor, dims: &[usize]| {
+        crate::linear::check_like(OP, anchor, what, t, &dims.into())
+    };
+    check("x", x, &[rows, c])?;
+    check("norm1.bias", w.norm1.bias(), &[c])?;
+    check("norm2.weight", w.norm2.weight(), &[c])?;
+    check("norm2.bias", w.norm2.bias(), &[c])?;
+    let linear = |what_w, what_b, l: &FusedLinear, out: usize, inp: usize| -> Result<()> {
+        check(what_w, l.weight(), &[out, inp])?;
+        match l.bias() {
+            Some(b) => check(what_b, b, &[out]),
+            None => Err(FastpathError::Candle(candle_core::Error::Msg(format!(
+                "{OP}: {what_b} is missing (every Linear of the block needs its bias)"
+            )))),
+        }
+    };
+    linear("attn.qkv.weight", "attn.qkv.bias", w.qkv, 3 * c, c)?;
+    linear("attn.proj.weight", "attn.proj.bias", w.proj, c, c)?;
+    linear("mlp.fc1.weight", "mlp.fc1.bias", w.fc1, 4 * c, c)?;
+    linear("mlp.fc2.weight", "mlp.fc2.bias", w.fc2, c, 4 * c)?;
+    if cu_seqlens.rank() != 1 || cu_seqlens.dim(0)? < 2 {
+        return Err(FastpathError::Rank {
+            op: OP,
+            what: "cu_seqlens",
+            expected: "1 ([B + 1], B >= 1)",
+            shape: cu_seqlens.shape().clone(),
+        });
+    }
+    if cu_seqlens.dtype() != DType::U32 {
+        return Err(FastpathError::Candle(candle_core::Error::Msg(format!(
+            "{OP}: cu_seqlens must be u32, got {:?}",
+            cu_seqlens.dtype()
+        ))));
+    }
+    if !cu_seqlens.device().same_device(x.device()) {
+        return Err(FastpathError::DeviceMismatch {
+            op: OP,
+            what: "cu_seqlens",
+            expected: format!("{:?}", x.device().location()),
+            found: format!("{:?}", cu_seqlens.device().location()),
+        });
+    }
+    run(x, cu_seqlens, max_len, w)
+}
+
+#[cfg(feature = "cuda")]
+fn run(x: &Tensor, cu_seqlens: &Tensor, max_len: usize, w: &BlockWeights) -> Result<Tensor> {
+    if !x.device().is_cuda() {
+        return Err(FastpathError::NotCuda {
+            op: OP,
+            device: format!("{:?}", x.device().location()),
+        });
+    }
+    let op = crate::cuda::SmallBlockOp {
+        weights: *w,
+        max_len,
+    };
+    Ok(x.contiguous()?
+        .apply_op2_no_bwd(&cu_seqlens.contiguous()?, &op)?)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn run(x: &Tensor, _: &Tensor, _: usize, _: &BlockWeights) -> Result<Tensor> {
+    Err(FastpathError::NotCuda {
+        op: OP,
+        device: format!("{:?} (built without the cuda feature)", x.device().location()),
+    })
+}
