@@ -4,12 +4,14 @@
 //   y  = x1 + fc2(GELU(fc1(LN2(x1))))
 //
 // Why: at batch 1 a DeiT block is ~8 kernels (LayerNorm, qkv, attention, proj, LayerNorm, fc1,
-// GELU, fc2) of 3-9 µs each whose arithmetic is well under a microsecond: each kernel's time is
-// its own ramp-up, one dependent chain of loads and its drain. Here the block's five phases run
-// in one launch of one block per SM, separated by grid-wide barriers (an atomic counter in L2,
-// ~1 µs), the LayerNorms inside the GEMM tiles that read their rows anyway, the GELU in fc1's
-// epilogue, and each phase's first weight tile requested before the barrier that precedes it
-// (weights never depend on the previous phase).
+// GELU, fc2) whose arithmetic is well under a microsecond; launched one by one through candle,
+// each costs ~10 µs of host time. Here the block's phases run in one cooperative launch of 1-2
+// blocks per SM, separated by grid-wide barriers (an arrival counter in L2, ~2 µs each), the
+// LayerNorms inside the GEMM tiles that read their rows anyway, the GELU in fc1's epilogue,
+// and each phase's first weight tile requested before the barrier that precedes it (weights
+// never depend on the previous phase). Measured (docs/BENCHMARKS.md, lever 40): ~57 µs per
+// DeiT-S block under ncu, longer than the separate kernels in a CUDA graph (each phase is one
+// SM's serial chain of loads, reductions and mma steps), shorter than their eager launches.
 //
 // Phases (every block walks a phase's work units u = blockIdx.x, + gridDim.x, ...):
 //   1. LN1 + qkv:   tiles of BM rows × BN outputs of qkv[M, 3C] = LN1(x) W_qkvᵀ + b
@@ -17,10 +19,10 @@
 //                   memory, the keys split over the 8 warps (online softmax each), merged
 //   3. proj:        x_out = x + attn W_projᵀ + b
 //   4. LN2 + fc1:   hidden = GELU(LN2(x_out) W_fc1ᵀ + b)
-//   5. fc2 split-K: partial[p] = hidden[:, pC:(p+1)C] W_fc2[:, pC:(p+1)C]ᵀ (f32), p < 4
-//   6. reduce:      x_out = x_out + Σ_p partial[p] + b  (fixed order: deterministic)
-// Every GEMM unit has K = C, so an A tile [BM, C] and a W tile [BN, C] are loaded whole (one
-// cp.async wave each) and multiplied with mma.sync m16n8k16 (f32 accumulation).
+//   5. fc2:         x_out = x_out + hidden W_fc2ᵀ + b, K = 4C streamed in chunks through a ring
+// The K = C units load their A tile [BM, C] and W tile [BN, C] whole (one cp.async wave) and
+// multiply with mma.sync m16n8k16 (f32 accumulation); bias, residual and LayerNorm parameters
+// are requested before the tile arrives.
 //
 // Rounding follows the unfused path: LN1/LN2 outputs, qkv, attention and hidden are rounded to
 // the storage type where the unfused path stores them; bias, residual and GELU are applied to the
@@ -52,7 +54,6 @@ constexpr int HLD = HD + PAD; // shared row length of K, V, Q
 constexpr int QT = 16;        // queries per attention unit
 constexpr int KC = 16;        // keys per chunk
 constexpr int MAX_LEN = 256;  // longest sequence (the K/V staging size)
-constexpr int FC2_SPLIT = 4;  // fc2's K = 4C in four parts of C
 constexpr int OLD = HD + 4;   // f32 row length of the merge buffer
 
 __device__ __forceinline__ float to_f32(__half x) { return __half2float(x); }
@@ -106,11 +107,12 @@ __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint3
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// Grid-wide barrier over two words: [0] arrivals, [1] generation. Thread 0 of each block reads
-// the generation, arrives; the last arrival resets the count and bumps the generation, the
-// others wait for the bump. Acquire/release at GPU scope order every block's writes before the
-// barrier ahead of every block's reads after it (the __syncthreads on either side extend that
-// to the whole block).
+// Grid-wide barrier over two words 128 bytes apart (their own L2 lines, so the spinning reads
+// of the generation do not contend with the arrivals): bar[0] arrivals, bar[32] generation.
+// Thread 0 of each block reads the generation, arrives; the last arrival resets the count and
+// bumps the generation, the others spin until they see the bump. Acquire/release at GPU scope
+// order every block's writes before the barrier ahead of every block's reads after it (the
+// __syncthreads on either side extend that to the whole block).
 __device__ __forceinline__ unsigned ld_acquire(const unsigned* p) {
     unsigned v;
     asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
@@ -119,8 +121,8 @@ __device__ __forceinline__ unsigned ld_acquire(const unsigned* p) {
 __device__ __forceinline__ void grid_sync(unsigned* bar) {
     __syncthreads();
     if (threadIdx.x == 0) {
-        const unsigned gen = ld_acquire(bar + 1);
-        __threadfence();
+        unsigned* gen_word = bar + 32;
+        const unsigned gen = ld_acquire(gen_word);
         unsigned arrived;
         asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;\n"
                      : "=r"(arrived)
@@ -128,11 +130,11 @@ __device__ __forceinline__ void grid_sync(unsigned* bar) {
                      : "memory");
         if (arrived == gridDim.x - 1) {
             asm volatile("st.relaxed.gpu.global.u32 [%0], 0;\n" ::"l"(bar) : "memory");
-            asm volatile("red.release.gpu.global.add.u32 [%0], 1;\n" ::"l"(bar + 1) : "memory");
+            asm volatile("red.release.gpu.global.add.u32 [%0], 1;\n" ::"l"(gen_word) : "memory");
         } else {
-            while (ld_acquire(bar + 1) == gen) __nanosleep(20);
+            while (ld_acquire(gen_word) == gen) {
+            }
         }
-        __threadfence();
     }
     __syncthreads();
 }
@@ -156,94 +158,107 @@ struct Params {
     void* qkv;           // scratch [rows, 3C]
     void* attn;          // scratch [rows, C]
     void* hidden;        // scratch [rows, 4C]
-    float* partial;      // scratch [FC2_SPLIT, rows, C]
-    unsigned* barrier;   // 2 words, zero between launches
+    unsigned* barrier;   // 33 words (count at [0], generation at [32]); count zero between launches
     unsigned rows;
     unsigned nseq;
     unsigned max_len;    // bound on every sequence's length (<= MAX_LEN)
     float eps1;
     float eps2;
     float scale_log2;    // softmax scale · log2(e)
+    unsigned skip;       // profiling only: phases to leave out (bit i: phase i + 1), else 0
 };
 
 // ---------------------------------------------------------------------------------------------
-// GEMM tiles. Shared layout: W tile [BN][C + PAD] first, then the A tile [BM][C + PAD] (the
-// attention phase reuses the A region and beyond).
+// GEMM units. Every phase lays out shared memory from offset 0 on its own (the host sizes it
+// for the largest): K = C phases (qkv, proj, fc1) hold a W tile [BN][C + PAD] and then an A tile
+// [BM][C + PAD], loaded whole; fc2 (K = 4C) streams K in chunks of KC2 through a two-stage ring
+// of (A [BM][KC2 + PAD], W [BN][KC2 + PAD]).
 
-template <typename T, int C>
-__device__ __forceinline__ void load_w_tile(T* ws, const T* w, unsigned ldw, unsigned n0) {
-    constexpr int CH = C / 8;
-    for (int i = threadIdx.x; i < BN * CH; i += THREADS) {
-        const int r = i / CH, c = (i % CH) * 8;
-        cp_async_16(ws + r * (C + PAD) + c, w + (size_t)(n0 + r) * ldw + c, true);
+// Loads `rows_n` rows of `K` elements (row stride `ld`) into a shared tile of row length `LDS`;
+// rows at or past `valid` are zero-filled. 8 threads per row, 16 bytes each: no divisions.
+template <typename T, int K, int LDS>
+__device__ __forceinline__ void load_rows(T* dst, const T* src, unsigned ld, int rows_n,
+                                          unsigned first_row, unsigned valid) {
+    constexpr int PER_ROW = K / 8;  // 16-byte pieces a row
+    const int piece = threadIdx.x % 8;
+    for (int r = threadIdx.x / 8; r < rows_n; r += THREADS / 8) {
+        const bool ok = first_row + r < valid;
+        const T* row = src + (size_t)(ok ? first_row + r : 0) * ld;
+#pragma unroll
+        for (int c = piece; c < PER_ROW; c += 8)
+            cp_async_16(dst + r * LDS + c * 8, row + c * 8, ok);
     }
 }
 
+// LayerNorm of the BM rows in `as` (row length C + PAD), in place, as fastpath_layer_norm
+// computes it (mean, then the centred sum of squares, f32; one rounding of
+// (x - mean) · rstd · w + b). Lane l holds column pairs 2(l + 32j); the weight and bias pairs
+// come in registers; each warp normalises two rows at once (their shuffles interleave).
 template <typename T, int C>
-__device__ __forceinline__ void load_a_tile(T* as, const T* a, unsigned lda, unsigned m0,
-                                            unsigned rows) {
-    constexpr int CH = C / 8;
-    for (int i = threadIdx.x; i < BM * CH; i += THREADS) {
-        const int r = i / CH, c = (i % CH) * 8;
-        const bool ok = m0 + r < rows;
-        cp_async_16(as + r * (C + PAD) + c, ok ? a + (size_t)(m0 + r) * lda + c : a, ok);
-    }
-}
-
-// LayerNorm of the BM rows in `as`, in place, as fastpath_layer_norm computes it (mean, then the
-// centred sum of squares, f32; one rounding of (x - mean) · rstd · w + b).
-template <typename T, int C>
-__device__ __forceinline__ void layer_norm_tile(T* as, const T* w, const T* b, float eps) {
-    constexpr int PER = C / 32;  // elements per lane: 6, 12, 24
+__device__ __forceinline__ void layer_norm_tile(T* as, const uint32_t (&wv)[C / 64],
+                                                const uint32_t (&bv)[C / 64], float eps) {
+    constexpr int P = C / 64;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    for (int r = warp; r < BM; r += WARPS) {
-        T* row = as + r * (C + PAD);
-        float v[PER];
-        float sum = 0.f;
+#pragma unroll 1
+    for (int r0 = warp; r0 < BM; r0 += 2 * WARPS) {
+        T* row[2] = {as + r0 * (C + PAD), as + (r0 + WARPS) * (C + PAD)};
+        float v[2][2 * P], sum[2] = {0.f, 0.f}, sq[2] = {0.f, 0.f};
 #pragma unroll
-        for (int j = 0; j < PER / 2; ++j) {
-            const int c = 2 * (lane + 32 * j);
-            v[2 * j] = to_f32(row[c]);
-            v[2 * j + 1] = to_f32(row[c + 1]);
-            sum += v[2 * j] + v[2 * j + 1];
+        for (int i = 0; i < 2; ++i)
+#pragma unroll
+            for (int j = 0; j < P; ++j) {
+                const uint32_t raw = *reinterpret_cast<const uint32_t*>(row[i] + 2 * (lane + 32 * j));
+                const T* e = reinterpret_cast<const T*>(&raw);
+                v[i][2 * j] = to_f32(e[0]);
+                v[i][2 * j + 1] = to_f32(e[1]);
+                sum[i] += v[i][2 * j] + v[i][2 * j + 1];
+            }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1)
+#pragma unroll
+            for (int i = 0; i < 2; ++i) sum[i] += __shfl_xor_sync(0xffffffffu, sum[i], o);
+        float mean[2], rstd[2];
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            mean[i] = sum[i] / (float)C;
+#pragma unroll
+            for (int j = 0; j < 2 * P; ++j) {
+                const float d = v[i][j] - mean[i];
+                sq[i] += d * d;
+            }
         }
 #pragma unroll
-        for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-        const float mean = sum / (float)C;
-        float sq = 0.f;
+        for (int o = 16; o > 0; o >>= 1)
 #pragma unroll
-        for (int j = 0; j < PER; ++j) {
-            const float d = v[j] - mean;
-            sq += d * d;
-        }
+            for (int i = 0; i < 2; ++i) sq[i] += __shfl_xor_sync(0xffffffffu, sq[i], o);
 #pragma unroll
-        for (int o = 16; o > 0; o >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, o);
-        const float rstd = 1.0f / sqrtf(sq / (float)C + eps);
+        for (int i = 0; i < 2; ++i) {
+            rstd[i] = 1.0f / sqrtf(sq[i] / (float)C + eps);
 #pragma unroll
-        for (int j = 0; j < PER / 2; ++j) {
-            const int c = 2 * (lane + 32 * j);
-            const float y0 = (v[2 * j] - mean) * rstd * to_f32(w[c]) + to_f32(b[c]);
-            const float y1 = (v[2 * j + 1] - mean) * rstd * to_f32(w[c + 1]) + to_f32(b[c + 1]);
-            *reinterpret_cast<uint32_t*>(row + c) = pack2<T>(y0, y1);
+            for (int j = 0; j < P; ++j) {
+                const T* we = reinterpret_cast<const T*>(&wv[j]);
+                const T* be = reinterpret_cast<const T*>(&bv[j]);
+                const float y0 = (v[i][2 * j] - mean[i]) * rstd[i] * to_f32(we[0]) + to_f32(be[0]);
+                const float y1 =
+                    (v[i][2 * j + 1] - mean[i]) * rstd[i] * to_f32(we[1]) + to_f32(be[1]);
+                *reinterpret_cast<uint32_t*>(row[i] + 2 * (lane + 32 * j)) = pack2<T>(y0, y1);
+            }
         }
     }
 }
 
-// acc[nt][0..3] of warp (wm, wn): rows wm·16 + g (+8 for [2], [3]), outputs wn·16 + nt·8 + 2t
-// (+1). K walked in two interleaved halves (two accumulator sets) to halve the mma chain.
-template <typename T, int C>
-__device__ __forceinline__ void tile_mma(const T* as, const T* ws, float (&acc)[2][4]) {
+// acc[nt][0..3] += the warp's (wm, wn) part of A · Wᵀ over K: rows wm·16 + g (+8 for [2], [3]),
+// outputs wn·16 + nt·8 + 2t (+1). K walked in two interleaved halves (two accumulator sets) to
+// halve the dependent mma chain.
+template <typename T, int LDS, int K>
+__device__ __forceinline__ void tile_mma(const T* as, const T* ws, float (&acc)[2][4],
+                                         float (&acc2)[2][4]) {
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int wm = warp / 4, wn = warp % 4;
-    float acc2[2][4] = {};
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) acc[nt][j] = 0.f;
-    const T* arow = as + (wm * 16 + lane % 16) * (C + PAD) + (lane / 16) * 8;
-    const T* wrow = ws + (wn * 16 + (lane / 16) * 8 + lane % 8) * (C + PAD) + ((lane / 8) % 2) * 8;
+    const T* arow = as + (wm * 16 + lane % 16) * LDS + (lane / 16) * 8;
+    const T* wrow = ws + (wn * 16 + (lane / 16) * 8 + lane % 8) * LDS + ((lane / 8) % 2) * 8;
 #pragma unroll 4
-    for (int kk = 0; kk < C; kk += 32) {
+    for (int kk = 0; kk < K; kk += 32) {
         uint32_t a0[4], b0[4], a1[4], b1[4];
         ldmatrix_x4(a0, arow + kk);
         ldmatrix_x4(b0, wrow + kk);
@@ -254,89 +269,189 @@ __device__ __forceinline__ void tile_mma(const T* as, const T* ws, float (&acc)[
         mma(acc2[0], a1, b1[0], b1[1], T());
         mma(acc2[1], a1, b1[2], b1[3], T());
     }
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) acc[nt][j] += acc2[nt][j];
 }
 
 enum Epi { EPI_QKV, EPI_PROJ, EPI_FC1, EPI_FC2 };
 
-// One phase of GEMM units. `a`/`lda`: the A operand; `w`/`ldw`, N: the weight rows; for FC2 the
-// unit index also picks the K part. `w_ready`: this block's first unit's W tile was requested
-// before the barrier (see prefetch_w).
-template <typename T, int C, Epi E>
-__device__ void gemm_phase(const Params& p, unsigned char* smem, const T* a, unsigned lda,
-                           const T* w, unsigned ldw, unsigned N, const T* bias, const T* ln_w,
-                           const T* ln_b, float eps, T* out, bool w_ready) {
-    T* ws = reinterpret_cast<T*>(smem);
-    T* as = ws + BN * (C + PAD);
-    const unsigned mt = (p.rows + BM - 1) / BM, nt = N / BN;
-    const unsigned parts = E == EPI_FC2 ? FC2_SPLIT : 1;
-    const unsigned units = mt * nt * parts;
+// Bias pairs and residual pairs of this thread's outputs, requested before the tile arrives.
+struct EpiOperands {
+    float bias[2][2];
+    uint32_t res[2][2];  // [nt][h]: the residual pair at (row h, outputs nt)
+};
+
+template <typename T, Epi E>
+__device__ __forceinline__ EpiOperands epi_operands(const Params& p, const T* bias, unsigned m0,
+                                                    unsigned n0, unsigned ldres) {
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int wm = warp / 4, wn = warp % 4, g = lane / 4, t = lane % 4;
-    bool first = true;
-    for (unsigned u = blockIdx.x; u < units; u += gridDim.x) {
-        const unsigned part = u / (mt * nt), rem = u % (mt * nt);
-        const unsigned n0 = (rem % nt) * BN, m0 = (rem / nt) * BM;
-        const unsigned k0 = part * C;
-        __syncthreads();  // the previous unit is done with both tiles
-        if (!(first && w_ready)) load_w_tile<T, C>(ws, w + k0, ldw, n0);
-        load_a_tile<T, C>(as, a + k0, lda, m0, p.rows);
-        cp_async_commit();
-        cp_async_wait_all();
-        __syncthreads();
-        first = false;
-        if (E == EPI_QKV || E == EPI_FC1) {
-            layer_norm_tile<T, C>(as, ln_w, ln_b, eps);
-            __syncthreads();
+    EpiOperands o;
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+        const unsigned col = n0 + wn * 16 + j * 8 + 2 * t;
+        const uint32_t b = __ldg(reinterpret_cast<const unsigned*>(bias + col));
+        o.bias[j][0] = to_f32(reinterpret_cast<const T*>(&b)[0]);
+        o.bias[j][1] = to_f32(reinterpret_cast<const T*>(&b)[1]);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const unsigned row = m0 + wm * 16 + g + 8 * h;
+            o.res[j][h] = 0u;
+            if (row >= p.rows) continue;
+            if (E == EPI_PROJ)  // the block input: never written in this launch
+                o.res[j][h] = __ldg(reinterpret_cast<const unsigned*>(
+                    reinterpret_cast<const T*>(p.x) + (size_t)row * ldres + col));
+            if (E == EPI_FC2)  // x1, written by other blocks in this launch: from L2
+                o.res[j][h] = __ldcg(reinterpret_cast<const unsigned*>(
+                    reinterpret_cast<const T*>(p.out) + (size_t)row * ldres + col));
         }
-        float acc[2][4];
-        tile_mma<T, C>(as, ws, acc);
+    }
+    return o;
+}
+
+template <typename T, Epi E>
+__device__ __forceinline__ void epilogue(const Params& p, float (&acc)[2][4],
+                                         const float (&acc2)[2][4], const EpiOperands& o,
+                                         unsigned m0, unsigned n0, T* out, unsigned ldo) {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int wm = warp / 4, wn = warp % 4, g = lane / 4, t = lane % 4;
 #pragma unroll
-        for (int j = 0; j < 2; ++j) {
-            const unsigned col = n0 + wn * 16 + j * 8 + 2 * t;
-            float b0 = 0.f, b1 = 0.f;
-            if (E != EPI_FC2) {
-                b0 = to_f32(bias[col]);
-                b1 = to_f32(bias[col + 1]);
-            }
+    for (int j = 0; j < 2; ++j) {
+        const unsigned col = n0 + wn * 16 + j * 8 + 2 * t;
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const unsigned row = m0 + wm * 16 + g + 8 * h;
-                if (row >= p.rows) continue;
-                float v0 = acc[j][2 * h] + b0, v1 = acc[j][2 * h + 1] + b1;
-                if (E == EPI_FC2) {
-                    float2* dst = reinterpret_cast<float2*>(
-                        p.partial + ((size_t)part * p.rows + row) * C + col);
-                    *dst = make_float2(v0, v1);
-                    continue;
-                }
-                if (E == EPI_PROJ) {
-                    const T* r = reinterpret_cast<const T*>(p.x) + (size_t)row * C + col;
-                    v0 += to_f32(r[0]);
-                    v1 += to_f32(r[1]);
-                }
-                if (E == EPI_FC1) {
-                    v0 = gelu_phi(v0);
-                    v1 = gelu_phi(v1);
-                }
-                *reinterpret_cast<uint32_t*>(out + (size_t)row * N + col) = pack2<T>(v0, v1);
+        for (int h = 0; h < 2; ++h) {
+            const unsigned row = m0 + wm * 16 + g + 8 * h;
+            if (row >= p.rows) continue;
+            float v0 = acc[j][2 * h] + acc2[j][2 * h] + o.bias[j][0];
+            float v1 = acc[j][2 * h + 1] + acc2[j][2 * h + 1] + o.bias[j][1];
+            if (E == EPI_PROJ || E == EPI_FC2) {
+                const T* r = reinterpret_cast<const T*>(&o.res[j][h]);
+                v0 += to_f32(r[0]);
+                v1 += to_f32(r[1]);
             }
+            if (E == EPI_FC1) {
+                v0 = gelu_phi(v0);
+                v1 = gelu_phi(v1);
+            }
+            *reinterpret_cast<uint32_t*>(out + (size_t)row * ldo + col) = pack2<T>(v0, v1);
         }
     }
 }
 
-// Requests the W tile of this block's first unit of the next GEMM phase (called before the
-// barrier into that phase; the phase then skips that load). Returns whether it did.
+// A K = C phase: units (row tile, output tile) of `N` outputs. `w_ready`: this block's first
+// unit's W tile was requested before the barrier (prefetch_w).
+template <typename T, int C, Epi E>
+__device__ void gemm_phase(const Params& p, unsigned char* smem, const T* a, const T* w,
+                           unsigned N, const T* bias, const T* ln_w, const T* ln_b, float eps,
+                           T* out, bool w_ready) {
+    T* ws = reinterpret_cast<T*>(smem);
+    T* as = ws + BN * (C + PAD);
+    const unsigned nt = N / BN;
+    const unsigned units = ((p.rows + BM - 1) / BM) * nt;
+    constexpr bool LN = E == EPI_QKV || E == EPI_FC1;
+    uint32_t wv[C / 64], bv[C / 64];
+    if (LN) {
+        const int lane = threadIdx.x % 32;
+#pragma unroll
+        for (int j = 0; j < C / 64; ++j) {
+            wv[j] = __ldg(reinterpret_cast<const unsigned*>(ln_w + 2 * (lane + 32 * j)));
+            bv[j] = __ldg(reinterpret_cast<const unsigned*>(ln_b + 2 * (lane + 32 * j)));
+        }
+    }
+    bool first = true;
+    for (unsigned u = blockIdx.x; u < units; u += gridDim.x) {
+        const unsigned n0 = (u % nt) * BN, m0 = (u / nt) * BM;
+        __syncthreads();  // the previous unit is done with both tiles
+        if (!(first && w_ready)) load_rows<T, C, C + PAD>(ws, w + (size_t)n0 * C, C, BN, 0, BN);
+        load_rows<T, C, C + PAD>(as, a, C, BM, m0, p.rows);
+        cp_async_commit();
+        first = false;
+        const EpiOperands o = epi_operands<T, E>(p, bias, m0, n0, C);
+        cp_async_wait_all();
+        __syncthreads();
+        if (LN) {
+            layer_norm_tile<T, C>(as, wv, bv, eps);
+            __syncthreads();
+        }
+        float acc[2][4] = {}, acc2[2][4] = {};
+        tile_mma<T, C + PAD, C>(as, ws, acc, acc2);
+        epilogue<T, E>(p, acc, acc2, o, m0, n0, out, N);
+    }
+}
+
+// fc2: out = x1 + hidden · W_fc2ᵀ + b, K = 4C in chunks of KC2 through a two-stage ring.
+constexpr int KC2 = 192;
+constexpr int FC2_STAGE_ELEMS = (BM + BN) * (KC2 + PAD);
+
 template <typename T, int C>
-__device__ __forceinline__ bool prefetch_w(unsigned char* smem, const T* w, unsigned ldw,
-                                           unsigned N, unsigned rows) {
+__device__ __forceinline__ void fc2_load(unsigned char* smem, const Params& p, unsigned m0,
+                                         unsigned n0, unsigned chunk, bool with_w) {
+    T* stage = reinterpret_cast<T*>(smem) + (chunk % 2) * FC2_STAGE_ELEMS;
+    const unsigned k0 = chunk * KC2;
+    load_rows<T, KC2, KC2 + PAD>(stage, reinterpret_cast<const T*>(p.hidden) + k0, 4 * C, BM, m0,
+                                 p.rows);
+    if (with_w)
+        load_rows<T, KC2, KC2 + PAD>(stage + BM * (KC2 + PAD),
+                                     reinterpret_cast<const T*>(p.fc2_w) + (size_t)n0 * 4 * C + k0,
+                                     4 * C, BN, 0, BN);
+}
+
+template <typename T, int C>
+__device__ void fc2_phase(const Params& p, unsigned char* smem, bool w_ready) {
+    constexpr unsigned CHUNKS = 4 * C / KC2;
+    const unsigned nt = C / BN;
+    const unsigned units = ((p.rows + BM - 1) / BM) * nt;
+    bool first = true;
+    for (unsigned u = blockIdx.x; u < units; u += gridDim.x) {
+        const unsigned n0 = (u % nt) * BN, m0 = (u / nt) * BM;
+        __syncthreads();  // the previous unit is done with the ring
+        fc2_load<T, C>(smem, p, m0, n0, 0, !(first && w_ready));
+        cp_async_commit();
+        first = false;
+        const EpiOperands o =
+            epi_operands<T, EPI_FC2>(p, reinterpret_cast<const T*>(p.fc2_b), m0, n0, C);
+        float acc[2][4] = {}, acc2[2][4] = {};
+#pragma unroll 1
+        for (unsigned k = 0; k < CHUNKS; ++k) {
+            if (k + 1 < CHUNKS) {
+                fc2_load<T, C>(smem, p, m0, n0, k + 1, true);
+                cp_async_commit();
+                asm volatile("cp.async.wait_group 1;\n" ::);
+            } else {
+                cp_async_wait_all();
+            }
+            __syncthreads();
+            const T* stage = reinterpret_cast<const T*>(smem) + (k % 2) * FC2_STAGE_ELEMS;
+            tile_mma<T, KC2 + PAD, KC2>(stage, stage + BM * (KC2 + PAD), acc, acc2);
+            __syncthreads();  // chunk k + 2 overwrites this stage
+        }
+        epilogue<T, EPI_FC2>(p, acc, acc2, o, m0, n0, reinterpret_cast<T*>(p.out), C);
+    }
+}
+
+// Requests the W tile of this block's first unit of the next K = C phase before the barrier
+// into it (weights never depend on the phase before). Returns whether it did.
+template <typename T, int C>
+__device__ __forceinline__ bool prefetch_w(unsigned char* smem, const T* w, unsigned N,
+                                           unsigned rows) {
     const unsigned units = ((rows + BM - 1) / BM) * (N / BN);
     if (blockIdx.x >= units) return false;
-    __syncthreads();  // nobody still reads the W region
-    load_w_tile<T, C>(reinterpret_cast<T*>(smem), w, ldw, (blockIdx.x % (N / BN)) * BN);
+    __syncthreads();  // nobody still reads this region
+    load_rows<T, C, C + PAD>(reinterpret_cast<T*>(smem), w + (size_t)(blockIdx.x % (N / BN)) * BN * C,
+                             C, BN, 0, BN);
+    cp_async_commit();
+    return true;
+}
+
+// The same for fc2's first chunk.
+template <typename T, int C>
+__device__ __forceinline__ bool prefetch_fc2(unsigned char* smem, const Params& p) {
+    const unsigned units = ((p.rows + BM - 1) / BM) * (C / BN);
+    if (blockIdx.x >= units) return false;
+    __syncthreads();
+    T* stage = reinterpret_cast<T*>(smem);
+    load_rows<T, KC2, KC2 + PAD>(stage + BM * (KC2 + PAD),
+                                 reinterpret_cast<const T*>(p.fc2_w) +
+                                     (size_t)(blockIdx.x % (C / BN)) * BN * 4 * C,
+                                 4 * C, BN, 0, BN);
     cp_async_commit();
     return true;
 }
@@ -347,13 +462,12 @@ __device__ __forceinline__ bool prefetch_w(unsigned char* smem, const T* w, unsi
 // takes key chunks w, w + 8, ... with an online softmax in registers, and the eight partial
 // results are merged through shared memory (which then reuses the K/V space).
 template <typename T, int C>
-__device__ void attention_phase(const Params& p, unsigned char* smem_base) {
+__device__ void attention_phase(const Params& p, unsigned char* smem) {
     constexpr int H = C / HD;
-    // Past the W region, so a W tile requested before this phase would survive it.
-    unsigned char* smem = smem_base + sizeof(T) * BN * (C + PAD);
+    const unsigned lpad = (p.max_len + KC - 1) / KC * KC;
     T* ks = reinterpret_cast<T*>(smem);
-    T* vs = ks + MAX_LEN * HLD;
-    T* qs = vs + MAX_LEN * HLD;
+    T* vs = ks + lpad * HLD;
+    T* qs = vs + lpad * HLD;
     float* om = reinterpret_cast<float*>(smem);   // [WARPS][QT][OLD], after the key loops
     float* mm = om + WARPS * QT * OLD;             // [WARPS][QT]
     float* ll = mm + WARPS * QT;                   // [WARPS][QT]
@@ -372,18 +486,18 @@ __device__ void attention_phase(const Params& p, unsigned char* smem_base) {
         const unsigned chunks = (len + KC - 1) / KC;
         __syncthreads();  // the previous unit's merge is read
         // K and V rows [0, chunks·KC) of head h, Q rows [q0, q0 + QT); 8 16-byte pieces a row.
-        for (unsigned i = threadIdx.x; i < chunks * KC * 8 * 2; i += THREADS) {
-            const unsigned which = i / (chunks * KC * 8), j = i % (chunks * KC * 8);
-            const unsigned r = j / 8, c = (j % 8) * 8;
+        const unsigned piece = (threadIdx.x % 8) * 8;
+        for (unsigned r = threadIdx.x / 8; r < chunks * KC; r += THREADS / 8) {
             const bool ok = r < len;
-            const T* src = qkv + (size_t)(start + (ok ? r : 0)) * (3 * C) + (1 + which) * C + h * HD + c;
-            cp_async_16((which ? vs : ks) + r * HLD + c, src, ok);
+            const T* src = qkv + (size_t)(start + (ok ? r : 0)) * (3 * C) + h * HD + piece;
+            cp_async_16(ks + r * HLD + piece, src + C, ok);
+            cp_async_16(vs + r * HLD + piece, src + 2 * C, ok);
         }
-        for (unsigned i = threadIdx.x; i < QT * 8; i += THREADS) {
-            const unsigned r = i / 8, c = (i % 8) * 8;
+        if (threadIdx.x < QT * 8) {
+            const unsigned r = threadIdx.x / 8;
             const bool ok = q0 + r < len;
-            const T* src = qkv + (size_t)(start + (ok ? q0 + r : 0)) * (3 * C) + h * HD + c;
-            cp_async_16(qs + r * HLD + c, src, ok);
+            const T* src = qkv + (size_t)(start + (ok ? q0 + r : 0)) * (3 * C) + h * HD + piece;
+            cp_async_16(qs + r * HLD + piece, src, ok);
         }
         cp_async_commit();
         cp_async_wait_all();
@@ -471,47 +585,29 @@ __device__ void attention_phase(const Params& p, unsigned char* smem_base) {
             ll[warp * QT + g + 8] = l_r[1];
         }
         __syncthreads();
-        for (unsigned i = threadIdx.x; i < QT * HD; i += THREADS) {
-            const unsigned r = i / HD, d = i % HD;
+        // Two outputs a thread (a pair of dims), the warps' weights computed once per pair.
+        for (unsigned i = threadIdx.x; i < QT * HD / 2; i += THREADS) {
+            const unsigned r = i / (HD / 2), d = 2 * (i % (HD / 2));
             if (q0 + r >= len) continue;
-            float mt = -INFINITY;
-#pragma unroll
-            for (int w = 0; w < WARPS; ++w) mt = fmaxf(mt, mm[w * QT + r]);
-            float num = 0.f, den = 0.f;
+            float mw[WARPS], mt = -INFINITY;
 #pragma unroll
             for (int w = 0; w < WARPS; ++w) {
-                const float f = exp2f(mm[w * QT + r] - mt);  // 0 for warps without keys
-                num += f * om[(w * QT + r) * OLD + d];
+                mw[w] = mm[w * QT + r];
+                mt = fmaxf(mt, mw[w]);
+            }
+            float n0 = 0.f, n1 = 0.f, den = 0.f;
+#pragma unroll
+            for (int w = 0; w < WARPS; ++w) {
+                const float f = exp2f(mw[w] - mt);  // 0 for warps without keys
+                const float2 ov = *reinterpret_cast<const float2*>(om + (w * QT + r) * OLD + d);
+                n0 += f * ov.x;
+                n1 += f * ov.y;
                 den += f * ll[w * QT + r];
             }
-            attn[(size_t)(start + q0 + r) * C + h * HD + d] = from_f32<T>(num / den);
+            const float inv = 1.0f / den;
+            *reinterpret_cast<uint32_t*>(attn + (size_t)(start + q0 + r) * C + h * HD + d) =
+                pack2<T>(n0 * inv, n1 * inv);
         }
-    }
-}
-
-// x_out = x_out + Σ_p partial[p] + b, two elements a thread.
-template <typename T, int C>
-__device__ void reduce_phase(const Params& p) {
-    T* out = reinterpret_cast<T*>(p.out);
-    const T* b = reinterpret_cast<const T*>(p.fc2_b);
-    const size_t n2 = (size_t)p.rows * C / 2;
-    const size_t plane = (size_t)p.rows * C;
-    for (size_t i = (size_t)blockIdx.x * THREADS + threadIdx.x; i < n2;
-         i += (size_t)gridDim.x * THREADS) {
-        const size_t e = 2 * i;
-        const unsigned col = e % C;
-        float v0 = to_f32(b[col]), v1 = to_f32(b[col + 1]);
-#pragma unroll
-        for (int q = 0; q < FC2_SPLIT; ++q) {
-            const float2 s = __ldcg(reinterpret_cast<const float2*>(p.partial + q * plane + e));
-            v0 += s.x;
-            v1 += s.y;
-        }
-        // x1 was written by other blocks in this launch: read it from L2.
-        const unsigned x1 = __ldcg(reinterpret_cast<const unsigned*>(out + e));
-        v0 += to_f32(reinterpret_cast<const T*>(&x1)[0]);
-        v1 += to_f32(reinterpret_cast<const T*>(&x1)[1]);
-        *reinterpret_cast<uint32_t*>(out + e) = pack2<T>(v0, v1);
     }
 }
 
@@ -523,37 +619,38 @@ __device__ void block_forward(const Params& p) {
     T* qkv = reinterpret_cast<T*>(p.qkv);
     T* attn = reinterpret_cast<T*>(p.attn);
     T* hidden = reinterpret_cast<T*>(p.hidden);
-    const T* qkv_w = reinterpret_cast<const T*>(p.qkv_w);
     const T* proj_w = reinterpret_cast<const T*>(p.proj_w);
     const T* fc1_w = reinterpret_cast<const T*>(p.fc1_w);
-    const T* fc2_w = reinterpret_cast<const T*>(p.fc2_w);
 
-    gemm_phase<T, C, EPI_QKV>(p, smem, x, C, qkv_w, C, 3 * C, reinterpret_cast<const T*>(p.qkv_b),
-                              reinterpret_cast<const T*>(p.ln1_w),
-                              reinterpret_cast<const T*>(p.ln1_b), p.eps1, qkv, false);
+    if (!(p.skip & 1))
+        gemm_phase<T, C, EPI_QKV>(p, smem, x, reinterpret_cast<const T*>(p.qkv_w), 3 * C,
+                                  reinterpret_cast<const T*>(p.qkv_b),
+                                  reinterpret_cast<const T*>(p.ln1_w),
+                                  reinterpret_cast<const T*>(p.ln1_b), p.eps1, qkv, false);
     grid_sync(p.barrier);
-    attention_phase<T, C>(p, smem);
-    bool ready = prefetch_w<T, C>(smem, proj_w, C, C, p.rows);
+    if (!(p.skip & 2)) attention_phase<T, C>(p, smem);
+    bool ready = !(p.skip & 4) && prefetch_w<T, C>(smem, proj_w, C, p.rows);
     grid_sync(p.barrier);
-    gemm_phase<T, C, EPI_PROJ>(p, smem, attn, C, proj_w, C, C, reinterpret_cast<const T*>(p.proj_b),
-                               nullptr, nullptr, 0.f, out, ready);
-    ready = prefetch_w<T, C>(smem, fc1_w, C, 4 * C, p.rows);
+    if (!(p.skip & 4))
+        gemm_phase<T, C, EPI_PROJ>(p, smem, attn, proj_w, C, reinterpret_cast<const T*>(p.proj_b),
+                                   nullptr, nullptr, 0.f, out, ready);
+    ready = !(p.skip & 8) && prefetch_w<T, C>(smem, fc1_w, 4 * C, p.rows);
     grid_sync(p.barrier);
-    gemm_phase<T, C, EPI_FC1>(p, smem, out, C, fc1_w, C, 4 * C, reinterpret_cast<const T*>(p.fc1_b),
-                              reinterpret_cast<const T*>(p.ln2_w),
-                              reinterpret_cast<const T*>(p.ln2_b), p.eps2, hidden, ready);
-    ready = prefetch_w<T, C>(smem, fc2_w, 4 * C, C, p.rows);
+    if (!(p.skip & 8))
+        gemm_phase<T, C, EPI_FC1>(p, smem, out, fc1_w, 4 * C, reinterpret_cast<const T*>(p.fc1_b),
+                                  reinterpret_cast<const T*>(p.ln2_w),
+                                  reinterpret_cast<const T*>(p.ln2_b), p.eps2, hidden, ready);
+    ready = !(p.skip & 16) && prefetch_fc2<T, C>(smem, p);
     grid_sync(p.barrier);
-    gemm_phase<T, C, EPI_FC2>(p, smem, hidden, 4 * C, fc2_w, 4 * C, C, nullptr, nullptr, nullptr,
-                              0.f, nullptr, ready);
-    grid_sync(p.barrier);
-    reduce_phase<T, C>(p);
+    if (!(p.skip & 16)) fc2_phase<T, C>(p, smem, ready);
 }
 
 }  // namespace sb
 
+// Two blocks an SM where the shared memory allows (C <= 384: up to ~77 KB a block), so one
+// block's loads overlap the other's arithmetic.
 #define SMALL_BLOCK_ENTRY(SUFFIX, T, C)                                                            \
-    extern "C" __global__ void __launch_bounds__(sb::THREADS, 1)                                  \
+    extern "C" __global__ void __launch_bounds__(sb::THREADS, C <= 384 ? 2 : 1)                   \
         fastpath_small_block_##SUFFIX##_c##C(const sb::Params p) {                                \
         sb::block_forward<T, C>(p);                                                                \
     }

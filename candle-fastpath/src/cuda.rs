@@ -955,38 +955,52 @@ const SMALL_BLOCK_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/small_bloc
 const SMALL_BLOCK_MODULE: &str = "candle_fastpath_small_block";
 /// Per `crate::SMALL_BLOCK_DIMS` entry, f16 then bf16.
 const SMALL_BLOCK_NAMES: [[&str; 2]; 3] = [
-    ["fastpath_small_block_f16_c192", "fastpath_small_block_bf16_c192"],
-    ["fastpath_small_block_f16_c384", "fastpath_small_block_bf16_c384"],
-    ["fastpath_small_block_f16_c768", "fastpath_small_block_bf16_c768"],
+    [
+        "fastpath_small_block_f16_c192",
+        "fastpath_small_block_bf16_c192",
+    ],
+    [
+        "fastpath_small_block_f16_c384",
+        "fastpath_small_block_bf16_c384",
+    ],
+    [
+        "fastpath_small_block_f16_c768",
+        "fastpath_small_block_bf16_c768",
+    ],
 ];
-/// `sb::THREADS`, `sb::BM`, `sb::BN`, `sb::PAD`, `sb::FC2_SPLIT` in the kernel.
+/// `sb::THREADS`, `sb::BM`, `sb::BN`, `sb::PAD`, `sb::KC2` in the kernel.
 const SB_THREADS: u32 = 256;
 const SB_BM: usize = 32;
 const SB_BN: usize = 64;
 const SB_PAD: usize = 8;
-const SB_FC2_SPLIT: usize = 4;
+const SB_KC2: usize = 192;
 
-/// Dynamic shared memory of the C-wide kernel: the W tile `[BN][C + PAD]`, then the larger of
-/// the A tile `[BM][C + PAD]` and the attention's K, V (`MAX_LEN` rows each) and Q tile (16
-/// rows) of `HD + PAD` elements (the merge buffer reuses that space and is smaller).
-fn small_block_smem_bytes(c: usize) -> usize {
-    let w = SB_BN * (c + SB_PAD) * 2;
-    let a = SB_BM * (c + SB_PAD) * 2;
-    let attn = (2 * crate::SMALL_BLOCK_MAX_LEN + 16) * (64 + SB_PAD) * 2;
-    w + a.max(attn)
+/// Dynamic shared memory of the C-wide kernel for sequences of at most `max_len` tokens: each
+/// phase lays out its own from offset 0, so the largest of the K = C GEMM tiles (W `[BN][C +
+/// PAD]` and A `[BM][C + PAD]`), fc2's two-stage ring of `[BM + BN][KC2 + PAD]` and the
+/// attention's K, V (`max_len` rounded up to 16 rows each) and Q tile (16 rows) of `64 + PAD`
+/// elements, and its merge buffer (`[8][16][68]` f32 and two `[8][16]` f32).
+fn small_block_smem_bytes(c: usize, max_len: usize) -> usize {
+    let gemm = (SB_BN + SB_BM) * (c + SB_PAD) * 2;
+    let fc2 = 2 * (SB_BN + SB_BM) * (SB_KC2 + SB_PAD) * 2;
+    let attn = (2 * max_len.div_ceil(16) * 16 + 16) * (64 + SB_PAD) * 2;
+    let merge = (8 * 16 * 68 + 2 * 8 * 16) * 4;
+    gemm.max(fc2).max(attn).max(merge)
 }
 
-/// `sb::Params`, field for field (20 device pointers, then 3 u32, then 3 f32).
+/// `sb::Params`, field for field (19 device pointers, then 3 u32, 3 f32 and 1 u32).
 #[repr(C)]
 #[derive(Clone, Copy)]
 struct SmallBlockParams {
-    ptrs: [u64; 20],
+    ptrs: [u64; 19],
     rows: u32,
     nseq: u32,
     max_len: u32,
     eps1: f32,
     eps2: f32,
     scale_log2: f32,
+    /// Profiling only (`CANDLE_FASTPATH_SMALL_BLOCK_SKIP`, a bit mask of phases to leave out).
+    skip: u32,
 }
 
 // SAFETY: plain old data laid out as the kernel's `sb::Params`.
@@ -999,7 +1013,8 @@ struct SmallBlockState {
     /// Resident blocks of each kernel on the whole GPU (SMs × blocks per SM), the most a
     /// cooperative launch may have.
     max_grid: Vec<u32>,
-    /// The grid barrier's two words; the kernel leaves them zero after every launch.
+    /// The grid barrier's count (word 0) and generation (word 32, its own L2 line); the
+    /// kernel leaves the count zero after every launch.
     barrier: CudaSlice<u32>,
 }
 
@@ -1013,11 +1028,9 @@ fn small_block_state(
     width: usize,
     bf16: bool,
 ) -> candle_core::Result<(CudaFunction, u32, u64)> {
-    use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES as MAX_SMEM;
     use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT as SMS;
-    let mut states = SMALL_BLOCK_STATE
-        .lock()
-        .unwrap_or_else(|e| e.into_inner());
+    use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES as MAX_SMEM;
+    let mut states = SMALL_BLOCK_STATE.lock().unwrap_or_else(|e| e.into_inner());
     let index = match states.iter().position(|s| s.id == dev.id()) {
         Some(i) => i,
         None => {
@@ -1030,7 +1043,7 @@ fn small_block_state(
             let mut funcs = Vec::new();
             let mut max_grid = Vec::new();
             for (names, c) in SMALL_BLOCK_NAMES.iter().zip(crate::SMALL_BLOCK_DIMS) {
-                let smem = small_block_smem_bytes(c);
+                let smem = small_block_smem_bytes(c, crate::SMALL_BLOCK_MAX_LEN);
                 let mut pair = Vec::new();
                 let mut grid = u32::MAX;
                 for name in names {
@@ -1052,7 +1065,7 @@ fn small_block_state(
                 funcs.push([f16, bf16]);
                 max_grid.push(grid);
             }
-            let barrier = dev.alloc_zeros::<u32>(2)?;
+            let barrier = dev.alloc_zeros::<u32>(64)?;
             states.push(SmallBlockState {
                 id: dev.id(),
                 funcs,
@@ -1097,7 +1110,9 @@ impl SmallBlockOp<'_> {
         let width = crate::SMALL_BLOCK_DIMS
             .iter()
             .position(|&d| d == c)
-            .ok_or_else(|| candle_core::Error::Msg(format!("small_block: no kernel for C = {c}")))?;
+            .ok_or_else(|| {
+                candle_core::Error::Msg(format!("small_block: no kernel for C = {c}"))
+            })?;
         let dims = lx.shape().dims();
         if dims.len() != 2 || dims[1] != c || !lx.is_contiguous() {
             return Err(not_contiguous("small_block x", lx));
@@ -1111,7 +1126,7 @@ impl SmallBlockOp<'_> {
         // Device addresses of everything the kernel reads or writes; the guards keep cudarc's
         // stream ordering (when its event tracking is on) until the launch is queued.
         let size = std::mem::size_of::<T>();
-        let mut ptrs = [0u64; 20];
+        let mut ptrs = [0u64; 19];
         let xs = x.as_cuda_slice::<T>()?.slice(lx.start_offset()..);
         let cus = cu.as_cuda_slice::<u32>()?.slice(lcu.start_offset()..);
         let (x_ptr, _gx) = xs.device_ptr(&stream);
@@ -1122,27 +1137,33 @@ impl SmallBlockOp<'_> {
         let qkv = unsafe { dev.alloc::<T>(rows * 3 * c)? };
         let attn = unsafe { dev.alloc::<T>(rows * c)? };
         let hidden = unsafe { dev.alloc::<T>(rows * 4 * c)? };
-        let partial = unsafe { dev.alloc::<f32>(SB_FC2_SPLIT * rows * c)? };
         // The guards of every device pointer live until the launch is queued.
         {
             let (out_ptr, _go) = out.device_ptr(&stream);
             let (qkv_ptr, _gq) = qkv.device_ptr(&stream);
             let (attn_ptr, _ga) = attn.device_ptr(&stream);
             let (hidden_ptr, _gh) = hidden.device_ptr(&stream);
-            let (partial_ptr, _gp) = partial.device_ptr(&stream);
             let tensors: [&Tensor; 12] = [
                 w.norm1.weight(),
                 w.norm1.bias(),
                 w.qkv.weight(),
-                w.qkv.bias().ok_or_else(|| candle_core::Error::Msg("small_block: qkv bias".into()))?,
+                w.qkv
+                    .bias()
+                    .ok_or_else(|| candle_core::Error::Msg("small_block: qkv bias".into()))?,
                 w.proj.weight(),
-                w.proj.bias().ok_or_else(|| candle_core::Error::Msg("small_block: proj bias".into()))?,
+                w.proj
+                    .bias()
+                    .ok_or_else(|| candle_core::Error::Msg("small_block: proj bias".into()))?,
                 w.norm2.weight(),
                 w.norm2.bias(),
                 w.fc1.weight(),
-                w.fc1.bias().ok_or_else(|| candle_core::Error::Msg("small_block: fc1 bias".into()))?,
+                w.fc1
+                    .bias()
+                    .ok_or_else(|| candle_core::Error::Msg("small_block: fc1 bias".into()))?,
                 w.fc2.weight(),
-                w.fc2.bias().ok_or_else(|| candle_core::Error::Msg("small_block: fc2 bias".into()))?,
+                w.fc2
+                    .bias()
+                    .ok_or_else(|| candle_core::Error::Msg("small_block: fc2 bias".into()))?,
             ];
             let guards: Vec<_> = tensors.iter().map(|t| t.storage_and_layout()).collect();
             let mut views = Vec::with_capacity(12);
@@ -1173,11 +1194,10 @@ impl SmallBlockOp<'_> {
             ptrs[15] = qkv_ptr;
             ptrs[16] = attn_ptr;
             ptrs[17] = hidden_ptr;
-            ptrs[18] = partial_ptr;
             let (func, max_grid, barrier) = small_block_state(dev, width, T::DTYPE == DType::BF16)?;
-            ptrs[19] = barrier;
-            // Work units of the widest phase (fc1's tiles, fc2's split tiles, or attention's
-            // (sequence, head, 16-query) units): more blocks would only wait at the barriers.
+            ptrs[18] = barrier;
+            // Work units of the widest phase (fc1's tiles or attention's (sequence, head,
+            // 16-query) units): more blocks would only wait at the barriers.
             let row_tiles = rows.div_ceil(SB_BM);
             let units = (row_tiles * 4 * c / SB_BN)
                 .max(nseq * self.max_len.div_ceil(16) * (c / 64))
@@ -1191,11 +1211,17 @@ impl SmallBlockOp<'_> {
                 eps1: w.norm1.eps() as f32,
                 eps2: w.norm2.eps() as f32,
                 scale_log2: w.scale * std::f32::consts::LOG2_E,
+                skip: {
+                    static SKIP: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
+                    crate::switches::read_once(&SKIP, "CANDLE_FASTPATH_SMALL_BLOCK_SKIP", |v| {
+                        v.and_then(|s| s.parse().ok()).unwrap_or(0)
+                    })
+                },
             };
             let cfg = LaunchConfig {
                 grid_dim: (grid, 1, 1),
                 block_dim: (SB_THREADS, 1, 1),
-                shared_mem_bytes: small_block_smem_bytes(c) as u32,
+                shared_mem_bytes: small_block_smem_bytes(c, self.max_len) as u32,
             };
             let mut builder = stream.launch_builder(&func);
             builder.arg(&params);
@@ -1205,16 +1231,17 @@ impl SmallBlockOp<'_> {
             // resident. `CANDLE_FASTPATH_SMALL_BLOCK_LAUNCH=plain` launches it the ordinary way (as
             // CUTLASS's stream-K GEMMs, which also wait on other CTAs, are launched).
             static PLAIN: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-            let plain = crate::switches::read_once(&PLAIN, "CANDLE_FASTPATH_SMALL_BLOCK_LAUNCH", |v| {
-                v == Some("plain")
-            });
+            let plain =
+                crate::switches::read_once(&PLAIN, "CANDLE_FASTPATH_SMALL_BLOCK_LAUNCH", |v| {
+                    v == Some("plain")
+                });
             if plain {
                 unsafe { builder.launch(cfg) }.map_err(candle_core::Error::wrap)?;
             } else {
                 unsafe { builder.launch_cooperative(cfg) }.map_err(candle_core::Error::wrap)?;
             }
         }
-        drop((qkv, attn, hidden, partial));
+        drop((qkv, attn, hidden));
         Ok((
             CudaStorage::wrap_cuda_slice(out, dev.clone()),
             Shape::from((rows, c)),
@@ -1254,4 +1281,15 @@ impl candle_core::CustomOp2 for SmallBlockOp<'_> {
             .into()),
         }
     }
+}
+
+/// Whether candle's stream on `dev` is being captured into a CUDA graph right now.
+pub(crate) fn stream_is_capturing(dev: &CudaDevice) -> bool {
+    use candle_core::cuda_backend::cudarc::driver::sys;
+    let stream = dev.cuda_stream();
+    let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+    // SAFETY: a query on a live stream into a local.
+    let r = unsafe { sys::cuStreamIsCapturing(stream.cu_stream(), &mut status) };
+    r == sys::CUresult::CUDA_SUCCESS
+        && status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE
 }

@@ -16,6 +16,9 @@
 //! - [`retain_freed_memory`] and [`PeakMemory`]: the CUDA memory pool candle allocates from,
 //!   kept cached across synchronisations, and its high-water mark; [`track_buffer_events`]:
 //!   cudarc's per-buffer events, which a single-stream program can skip.
+//! - [`small_block`]: a whole pre-norm ViT block (LayerNorms, qkv, attention over packed
+//!   sequences, proj, MLP, residuals) in one cooperative launch, for batch-1 token counts where
+//!   launching the block's ~8 kernels one by one costs more host time than the GPU work.
 //! - [`CapturedForward`] (CUDA; elsewhere `capture` returns an error): captures a whole forward (any closure of candle ops) into a CUDA
 //!   graph once and replays it, so a call costs one graph launch instead of hundreds of kernel
 //!   launches through candle's generic op path.
@@ -69,6 +72,6 @@ pub use norm::{layer_norm, LayerNorm};
 pub use patch::patchify;
 pub use pool::{retain_freed_memory, track_buffer_events, PeakMemory};
 pub use small_block::{
-    small_block, small_block_applies, small_block_max_rows, BlockWeights, SMALL_BLOCK_DIMS,
-    SMALL_BLOCK_HEAD_DIM, SMALL_BLOCK_MAX_LEN,
+    small_block, small_block_applies, small_block_max_rows, small_block_mode, BlockWeights,
+    SmallBlockMode, SMALL_BLOCK_DIMS, SMALL_BLOCK_HEAD_DIM, SMALL_BLOCK_MAX_LEN,
 };

@@ -1,19 +1,22 @@
 //! [`small_block`]: one pre-norm ViT block (timm's `Block`: `x + proj(attn(LN1(x)))`, then
-//! `+ fc2(GELU(fc1(LN2(x))))`) in one CUDA launch, for the token counts of a ViT at batch 1–2.
+//! `+ fc2(GELU(fc1(LN2(x))))`) in one CUDA launch, for the token counts of a ViT at batch 1.
 //!
-//! At those sizes a block run as its ~8 kernels (two LayerNorms, four GEMMs, attention, GELU)
-//! costs 3–9 µs per kernel, nearly all of it each kernel's ramp-up, one chain of memory
-//! latencies and drain; the arithmetic is well under a microsecond. The fused kernel keeps one
-//! block per SM for the whole transformer block, separates its phases with grid-wide barriers,
-//! folds the LayerNorms into the GEMM tiles that read those rows anyway and the GELU into fc1,
-//! and requests each phase's first weight tile before the barrier into it
-//! (`kernels/small_block.cu` describes the phases).
+//! Run as its ~8 kernels (two LayerNorms, four GEMMs, attention, GELU), a block at batch 1
+//! costs ~9–12 µs of host time per kernel through candle's op path when launched one by one.
+//! The fused kernel keeps 1–2 blocks per SM for the whole transformer block, separates its
+//! phases with grid-wide barriers, folds the LayerNorms into the GEMM tiles that read those
+//! rows anyway and the GELU into fc1 (`kernels/small_block.cu` describes the phases): one
+//! launch per block. Its GPU time is longer than the separate kernels' (each phase becomes one
+//! SM's serial chain: ~45 µs per DeiT-S block against ~31 µs), so it pays off only where the
+//! host is in the loop: [`small_block_applies`] takes it for eager forwards of C ≤ 384 and not
+//! inside a CUDA-graph capture (docs/BENCHMARKS.md, lever 40: eager batch-1 DeiT-T/S forwards
+//! 1.4–3.2× faster, graph replays unchanged).
 //!
 //! The attention runs per sequence of a packed batch given as `cu_seqlens` (FlashAttention's
 //! varlen convention, as candle-ragged's batches hold it), so a packed token-pruned batch runs
 //! through it as well as a dense one. There is no CPU kernel: a caller runs the block's own
 //! layers there (and wherever [`small_block_applies`] says no); the results agree to the
-//! rounding of the storage type (the GELU and the fc2 sum are rounded once here, twice there).
+//! rounding of the storage type (the GELU is rounded once here, twice there).
 
 use candle_core::{DType, Tensor};
 
@@ -47,8 +50,7 @@ pub struct BlockWeights<'a> {
 }
 
 /// Rows at most this many take the fused block (`CANDLE_FASTPATH_SMALL_BLOCK_ROWS`, default
-/// 256: a DeiT at batch 1; `0` turns it off). Above about one GEMM tile per SM per phase the
-/// GEMMs of cuBLASLt win.
+/// 256: a DeiT at batch 1; `0` turns it off).
 pub fn small_block_max_rows() -> usize {
     static ROWS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     crate::switches::read_once(&ROWS, "CANDLE_FASTPATH_SMALL_BLOCK_ROWS", |v| {
@@ -56,14 +58,40 @@ pub fn small_block_max_rows() -> usize {
     })
 }
 
-/// Whether [`small_block`] runs `x` (`[rows, C]`) with these weights and sequences of at most
-/// `max_len` tokens on this build and device: CUDA (the `cuda` feature), f16 or bf16, C in
-/// [`SMALL_BLOCK_DIMS`] with 64-wide heads, `1 ≤ max_len ≤` [`SMALL_BLOCK_MAX_LEN`] and
-/// `rows ≤` [`small_block_max_rows`]. Everything else about the inputs is checked by
-/// [`small_block`] itself, with an error.
+/// Where [`small_block_applies`] says yes (`CANDLE_FASTPATH_SMALL_BLOCK`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SmallBlockMode {
+    /// The default: C ≤ 384 (DeiT-T/S) and only while candle's stream is not being captured
+    /// into a CUDA graph. Launched one by one, a block's ~8 kernels cost more host time than
+    /// the fused kernel costs GPU time; inside a graph the host is out of the loop and the
+    /// separate kernels are faster (docs/BENCHMARKS.md, lever 40).
+    Eager,
+    /// Every width, in graphs too (`=always`; for A/B measurements).
+    Always,
+    /// Never (`=0`).
+    Off,
+}
+
+/// The mode `CANDLE_FASTPATH_SMALL_BLOCK` selects (read once): unset or `eager`, `always`, `0`.
+pub fn small_block_mode() -> SmallBlockMode {
+    static MODE: std::sync::OnceLock<SmallBlockMode> = std::sync::OnceLock::new();
+    crate::switches::read_once(&MODE, "CANDLE_FASTPATH_SMALL_BLOCK", |v| match v {
+        Some("always") => SmallBlockMode::Always,
+        Some("0") | Some("off") => SmallBlockMode::Off,
+        _ => SmallBlockMode::Eager,
+    })
+}
+
+/// Whether [`small_block`] should run `x` (`[rows, C]`) with these weights and sequences of at
+/// most `max_len` tokens: CUDA (the `cuda` feature), f16 or bf16, C in [`SMALL_BLOCK_DIMS`] with
+/// 64-wide heads, `1 ≤ max_len ≤` [`SMALL_BLOCK_MAX_LEN`], `rows ≤` [`small_block_max_rows`],
+/// and what [`small_block_mode`] allows (by default C ≤ 384 outside CUDA-graph capture).
+/// Everything else about the inputs is checked by [`small_block`] itself, with an error.
 pub fn small_block_applies(x: &Tensor, max_len: usize, w: &BlockWeights) -> bool {
     let c = w.norm1.weight().elem_count();
-    cfg!(feature = "cuda")
+    let mode = small_block_mode();
+    let shape_ok = cfg!(feature = "cuda")
+        && mode != SmallBlockMode::Off
         && x.device().is_cuda()
         && matches!(x.dtype(), DType::F16 | DType::BF16)
         && x.rank() == 2
@@ -71,7 +99,21 @@ pub fn small_block_applies(x: &Tensor, max_len: usize, w: &BlockWeights) -> bool
         && SMALL_BLOCK_DIMS.contains(&c)
         && w.heads * SMALL_BLOCK_HEAD_DIM == c
         && (1..=SMALL_BLOCK_MAX_LEN).contains(&max_len)
-        && (1..=small_block_max_rows()).contains(&x.dim(0).unwrap_or(0))
+        && (1..=small_block_max_rows()).contains(&x.dim(0).unwrap_or(0));
+    shape_ok && (mode == SmallBlockMode::Always || (c <= 384 && !capturing(x)))
+}
+
+#[cfg(feature = "cuda")]
+fn capturing(x: &Tensor) -> bool {
+    match x.device() {
+        candle_core::Device::Cuda(dev) => crate::cuda::stream_is_capturing(dev),
+        _ => false,
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+fn capturing(_: &Tensor) -> bool {
+    false
 }
 
 /// One ViT block over the packed tokens `x` (`[rows, C]`, f16 / bf16, CUDA) of the sequences
@@ -189,6 +231,9 @@ fn run(x: &Tensor, cu_seqlens: &Tensor, max_len: usize, w: &BlockWeights) -> Res
 fn run(x: &Tensor, _: &Tensor, _: usize, _: &BlockWeights) -> Result<Tensor> {
     Err(FastpathError::NotCuda {
         op: OP,
-        device: format!("{:?} (built without the cuda feature)", x.device().location()),
+        device: format!(
+            "{:?} (built without the cuda feature)",
+            x.device().location()
+        ),
     })
 }

@@ -16,7 +16,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
 for stage in $stages; do
   case $stage in
   tests)
-    for t in "$bin"/test-attention "$bin"/test-pack "$bin"/test-select "$bin"/test-select_rule "$bin"/test-select_bounded "$bin"/test-sequence_mean "$bin"/test-linear "$bin"/test-head "$bin"/test-norm "$bin"/test-patch "$bin"/test-embed "$bin"/test-graph; do
+    for t in "$bin"/test-attention "$bin"/test-pack "$bin"/test-select "$bin"/test-select_rule "$bin"/test-select_bounded "$bin"/test-sequence_mean "$bin"/test-linear "$bin"/test-head "$bin"/test-norm "$bin"/test-patch "$bin"/test-embed "$bin"/test-small_block "$bin"/test-graph; do
       if "$t" --test-threads=1 >> "$out/tests.log" 2>&1; then note "PASS $(basename "$t")"; else note "FAIL $(basename "$t")"; status=1; fi
     done
     # The CUTLASS fc1 takes only large problems by default: run the Linear tests again with every
@@ -32,7 +32,7 @@ for stage in $stages; do
     ;;
   sanitizer)
     # memcheck over every GPU test; racecheck (much slower) over the kernels' shapes that matter.
-    for t in "$bin"/test-attention "$bin"/test-pack "$bin"/test-select "$bin"/test-select_rule "$bin"/test-select_bounded "$bin"/test-sequence_mean "$bin"/test-linear "$bin"/test-head "$bin"/test-norm "$bin"/test-patch "$bin"/test-embed; do
+    for t in "$bin"/test-attention "$bin"/test-pack "$bin"/test-select "$bin"/test-select_rule "$bin"/test-select_bounded "$bin"/test-sequence_mean "$bin"/test-linear "$bin"/test-head "$bin"/test-norm "$bin"/test-patch "$bin"/test-embed "$bin"/test-small_block; do
       [[ -x $t ]] || continue
       if compute-sanitizer --tool memcheck --error-exitcode 9 "$t" --test-threads=1 >> "$out/sanitizer.log" 2>&1; then
         note "memcheck clean $(basename "$t")"; else note "memcheck FAIL $(basename "$t")"; status=1; fi
@@ -52,6 +52,8 @@ for stage in $stages; do
       note "racecheck clean select_bounded"; else note "racecheck FAIL select_bounded"; status=1; fi
     if compute-sanitizer --tool racecheck --error-exitcode 9 "$bin"/test-sequence_mean --test-threads=1 >> "$out/sanitizer.log" 2>&1; then
       note "racecheck clean sequence_mean"; else note "racecheck FAIL sequence_mean"; status=1; fi
+    if compute-sanitizer --tool racecheck --error-exitcode 9 "$bin"/test-small_block --test-threads=1 repeated >> "$out/sanitizer.log" 2>&1; then
+      note "racecheck clean small_block"; else note "racecheck FAIL small_block"; status=1; fi
     grep -E "ERROR SUMMARY|RACECHECK SUMMARY|Invalid|Race" "$out/sanitizer.log" | sort | uniq -c | head -20
     ;;
   parity)
