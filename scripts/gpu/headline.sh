@@ -12,6 +12,7 @@
 #   checks  test-attention (default kernels and CANDLE_RAGGED_RESIDENT=k64), memcheck over its
 #           odd-length / key-part / resident-and-tiled tests, paths at DeiT-S and DeiT-B (batch 32)
 #   f16 / bf16 / f32   bench --dtype <it> --batch 1,8,64,256 --reps 10, T/S/B, every pruner
+#           (step limits 170 / 90 / F32_LIMIT, default 160 s: give f32 ~420 s in a call of its own)
 #   peers   scripts/peers/timm_deit.py (eager, CUDA graph, compile reduce-overhead), f16
 #   max     the same with --compile max for MAX_MODELS (deit-base) at MAX_BATCH (256)
 # Merge afterwards: scripts/bench_tables.py reads the f16 / bf16 / f32 JSON together.
@@ -38,7 +39,7 @@ has f16 && bench f16 170
 has peers && step peers 200 env PYTHONUNBUFFERED=1 python3 scripts/peers/timm_deit.py --out "$out/h100-peers.json" --models $models --batch 1,8,64,256 --reps 20 --budget-s 150 > "$out/peers.log" 2>&1
 has max && step max 200 env PYTHONUNBUFFERED=1 python3 scripts/peers/timm_deit.py --out "$out/peers-max-autotune.json" --models "${MAX_MODELS:-deit-base}" --batch "${MAX_BATCH:-256}" --compile max > "$out/peers-max-autotune.log" 2>&1
 has bf16 && bench bf16 90
-has f32 && bench f32 160
+has f32 && bench f32 "${F32_LIMIT:-160}"
 # The device tool returns at most 8 files: the JSON and headline.log as they are, the logs packed.
 pack headline-logs.tgz 'e2e-*.log' 'peers*.log'
 cat "$L"
