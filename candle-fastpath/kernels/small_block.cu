@@ -9,7 +9,7 @@
 // blocks per SM, separated by grid-wide barriers (an arrival counter in L2, ~2 µs each), the
 // LayerNorms inside the GEMM tiles that read their rows anyway, the GELU in fc1's epilogue,
 // and each phase's first weight tile requested before the barrier that precedes it (weights
-// never depend on the previous phase). Measured (docs/BENCHMARKS.md, lever 40): ~57 µs per
+// never depend on the previous phase). Measured (docs/BENCHMARKS.md, lever 40): ~50 µs per
 // DeiT-S block under ncu, longer than the separate kernels in a CUDA graph (each phase is one
 // SM's serial chain of loads, reductions and mma steps), shorter than their eager launches.
 //
@@ -19,7 +19,8 @@
 //                   memory, the keys split over the 8 warps (online softmax each), merged
 //   3. proj:        x_out = x + attn W_projᵀ + b
 //   4. LN2 + fc1:   hidden = GELU(LN2(x_out) W_fc1ᵀ + b)
-//   5. fc2:         x_out = x_out + hidden W_fc2ᵀ + b, K = 4C streamed in chunks through a ring
+//   5. fc2:         x_out = x_out + hidden W_fc2ᵀ + b: for C <= 384 16 × 32 tiles with the whole
+//                   K = 4C loaded at once and split over the 8 warps; wider, K streamed in chunks
 // The K = C units load their A tile [BM, C] and W tile [BN, C] whole (one cp.async wave) and
 // multiply with mma.sync m16n8k16 (f32 accumulation); bias, residual and LayerNorm parameters
 // are requested before the tile arrives.
@@ -427,6 +428,90 @@ __device__ void fc2_phase(const Params& p, unsigned char* smem, bool w_ready) {
     }
 }
 
+// fc2 for C <= 384, split over the block's warps: a unit is a [BM2 = 16] × [BN2 = 32] output
+// tile with its whole K = 4C loaded in one cp.async wave (A [16][4C + PAD], W [32][4C + PAD]:
+// 74 KB at C = 192, 148 KB at 384); warp w multiplies K slice [w·K/8, (w+1)·K/8) and the eight
+// partial tiles are summed through shared memory (fixed order) before the epilogue. One load
+// latency a unit instead of one per K chunk.
+constexpr int BM2 = 16;
+constexpr int BN2 = 32;
+
+template <int C>
+constexpr int fc2_split_smem() { return (BM2 + BN2) * (4 * C + PAD) * 2; }
+
+template <typename T, int C>
+__device__ __forceinline__ void fc2_split_load_w(unsigned char* smem, const Params& p, unsigned n0) {
+    T* ws = reinterpret_cast<T*>(smem) + BM2 * (4 * C + PAD);
+    load_rows<T, 4 * C, 4 * C + PAD>(ws, reinterpret_cast<const T*>(p.fc2_w) + (size_t)n0 * 4 * C,
+                                     4 * C, BN2, 0, BN2);
+}
+
+template <typename T, int C>
+__device__ void fc2_split_phase(const Params& p, unsigned char* smem, bool w_ready) {
+    constexpr int K = 4 * C, LDS = K + PAD, KS = K / WARPS;
+    T* as = reinterpret_cast<T*>(smem);
+    T* ws = as + BM2 * LDS;
+    float* red = reinterpret_cast<float*>(smem);  // [WARPS][BM2][BN2], after the mma
+    const unsigned nt = C / BN2;
+    const unsigned units = ((p.rows + BM2 - 1) / BM2) * nt;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    const T* bias = reinterpret_cast<const T*>(p.fc2_b);
+    T* out = reinterpret_cast<T*>(p.out);
+    bool first = true;
+    for (unsigned u = blockIdx.x; u < units; u += gridDim.x) {
+        const unsigned n0 = (u % nt) * BN2, m0 = (u / nt) * BM2;
+        __syncthreads();  // the previous unit's reduction is read
+        if (!(first && w_ready)) fc2_split_load_w<T, C>(smem, p, n0);
+        load_rows<T, K, LDS>(as, reinterpret_cast<const T*>(p.hidden), K, BM2, m0, p.rows);
+        cp_async_commit();
+        first = false;
+        // Two outputs a thread: (row i / 16, cols 2 (i % 16)), its bias and residual pairs.
+        const unsigned orow = threadIdx.x / (BN2 / 2), ocol = 2 * (threadIdx.x % (BN2 / 2));
+        const uint32_t bpair = __ldg(reinterpret_cast<const unsigned*>(bias + n0 + ocol));
+        uint32_t rpair = 0u;
+        if (m0 + orow < p.rows)
+            rpair = __ldcg(reinterpret_cast<const unsigned*>(out + (size_t)(m0 + orow) * C + n0 + ocol));
+        cp_async_wait_all();
+        __syncthreads();
+        float acc[4][4] = {};
+        const T* arow = as + (lane % 16) * LDS + (lane / 16) * 8 + warp * KS;
+        const T* wrow = ws + ((lane / 16) * 8 + lane % 8) * LDS + ((lane / 8) % 2) * 8 + warp * KS;
+#pragma unroll
+        for (int kk = 0; kk < KS; kk += 16) {
+            uint32_t a[4], b0[4], b1[4];
+            ldmatrix_x4(a, arow + kk);
+            ldmatrix_x4(b0, wrow + kk);             // outputs 0-15
+            ldmatrix_x4(b1, wrow + 16 * LDS + kk);  // outputs 16-31
+            mma(acc[0], a, b0[0], b0[1], T());
+            mma(acc[1], a, b0[2], b0[3], T());
+            mma(acc[2], a, b1[0], b1[1], T());
+            mma(acc[3], a, b1[2], b1[3], T());
+        }
+        __syncthreads();  // every warp is done with A and W: the reduction buffer reuses A
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+                *reinterpret_cast<float2*>(red + (warp * BM2 + g + 8 * h) * BN2 + j * 8 + 2 * t) =
+                    make_float2(acc[j][2 * h], acc[j][2 * h + 1]);
+        __syncthreads();
+        if (m0 + orow < p.rows) {
+            const T* bp = reinterpret_cast<const T*>(&bpair);
+            const T* rp = reinterpret_cast<const T*>(&rpair);
+            float v0 = to_f32(bp[0]) + to_f32(rp[0]), v1 = to_f32(bp[1]) + to_f32(rp[1]);
+            float s0 = 0.f, s1 = 0.f;
+#pragma unroll
+            for (int w = 0; w < WARPS; ++w) {
+                const float2 pr = *reinterpret_cast<const float2*>(red + (w * BM2 + orow) * BN2 + ocol);
+                s0 += pr.x;
+                s1 += pr.y;
+            }
+            *reinterpret_cast<uint32_t*>(out + (size_t)(m0 + orow) * C + n0 + ocol) =
+                pack2<T>(s0 + v0, s1 + v1);
+        }
+    }
+}
+
 // Requests the W tile of this block's first unit of the next K = C phase before the barrier
 // into it (weights never depend on the phase before). Returns whether it did.
 template <typename T, int C>
@@ -441,9 +526,17 @@ __device__ __forceinline__ bool prefetch_w(unsigned char* smem, const T* w, unsi
     return true;
 }
 
-// The same for fc2's first chunk.
+// The same for fc2's first unit: its whole W tile (C <= 384), or its first chunk.
 template <typename T, int C>
 __device__ __forceinline__ bool prefetch_fc2(unsigned char* smem, const Params& p) {
+    if constexpr (C <= 384) {
+        const unsigned units = ((p.rows + BM2 - 1) / BM2) * (C / BN2);
+        if (blockIdx.x >= units) return false;
+        __syncthreads();
+        fc2_split_load_w<T, C>(smem, p, (blockIdx.x % (C / BN2)) * BN2);
+        cp_async_commit();
+        return true;
+    }
     const unsigned units = ((p.rows + BM - 1) / BM) * (C / BN);
     if (blockIdx.x >= units) return false;
     __syncthreads();
@@ -642,15 +735,18 @@ __device__ void block_forward(const Params& p) {
                                   reinterpret_cast<const T*>(p.ln2_b), p.eps2, hidden, ready);
     ready = !(p.skip & 16) && prefetch_fc2<T, C>(smem, p);
     grid_sync(p.barrier);
-    if (!(p.skip & 16)) fc2_phase<T, C>(p, smem, ready);
+    if (!(p.skip & 16)) {
+        if constexpr (C <= 384)
+            fc2_split_phase<T, C>(p, smem, ready);
+        else
+            fc2_phase<T, C>(p, smem, ready);
+    }
 }
 
 }  // namespace sb
 
-// Two blocks an SM where the shared memory allows (C <= 384: up to ~77 KB a block), so one
-// block's loads overlap the other's arithmetic.
 #define SMALL_BLOCK_ENTRY(SUFFIX, T, C)                                                            \
-    extern "C" __global__ void __launch_bounds__(sb::THREADS, C <= 384 ? 2 : 1)                   \
+    extern "C" __global__ void __launch_bounds__(sb::THREADS, 1)                                  \
         fastpath_small_block_##SUFFIX##_c##C(const sb::Params p) {                                \
         sb::block_forward<T, C>(p);                                                                \
     }

@@ -977,12 +977,18 @@ const SB_KC2: usize = 192;
 
 /// Dynamic shared memory of the C-wide kernel for sequences of at most `max_len` tokens: each
 /// phase lays out its own from offset 0, so the largest of the K = C GEMM tiles (W `[BN][C +
-/// PAD]` and A `[BM][C + PAD]`), fc2's two-stage ring of `[BM + BN][KC2 + PAD]` and the
+/// PAD]` and A `[BM][C + PAD]`), fc2's tiles (C ≤ 384: `[16 + 32][4C + PAD]`, its whole K;
+/// wider: a two-stage ring of `[BM + BN][KC2 + PAD]`) and the
 /// attention's K, V (`max_len` rounded up to 16 rows each) and Q tile (16 rows) of `64 + PAD`
 /// elements, and its merge buffer (`[8][16][68]` f32 and two `[8][16]` f32).
 fn small_block_smem_bytes(c: usize, max_len: usize) -> usize {
     let gemm = (SB_BN + SB_BM) * (c + SB_PAD) * 2;
-    let fc2 = 2 * (SB_BN + SB_BM) * (SB_KC2 + SB_PAD) * 2;
+    // C <= 384: a 16 × 32 output tile with its whole K = 4C; wider: the two-stage K ring.
+    let fc2 = if c <= 384 {
+        (16 + 32) * (4 * c + SB_PAD) * 2
+    } else {
+        2 * (SB_BN + SB_BM) * (SB_KC2 + SB_PAD) * 2
+    };
     let attn = (2 * max_len.div_ceil(16) * 16 + 16) * (64 + SB_PAD) * 2;
     let merge = (8 * 16 * 68 + 2 * 8 * 16) * 4;
     gemm.max(fc2).max(attn).max(merge)
@@ -1196,10 +1202,11 @@ impl SmallBlockOp<'_> {
             ptrs[17] = hidden_ptr;
             let (func, max_grid, barrier) = small_block_state(dev, width, T::DTYPE == DType::BF16)?;
             ptrs[18] = barrier;
-            // Work units of the widest phase (fc1's tiles or attention's (sequence, head,
-            // 16-query) units): more blocks would only wait at the barriers.
+            // Work units of the widest phase (fc1's tiles, fc2's 16 × 32 tiles or attention's
+            // (sequence, head, 16-query) units): more blocks would only wait at the barriers.
             let row_tiles = rows.div_ceil(SB_BM);
             let units = (row_tiles * 4 * c / SB_BN)
+                .max(rows.div_ceil(16) * c / 32)
                 .max(nseq * self.max_len.div_ceil(16) * (c / 64))
                 .max(1);
             let grid = (units as u32).min(max_grid);

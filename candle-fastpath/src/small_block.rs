@@ -3,14 +3,14 @@
 //!
 //! Run as its ~8 kernels (two LayerNorms, four GEMMs, attention, GELU), a block at batch 1
 //! costs ~9–12 µs of host time per kernel through candle's op path when launched one by one.
-//! The fused kernel keeps 1–2 blocks per SM for the whole transformer block, separates its
+//! The fused kernel keeps one block per SM for the whole transformer block, separates its
 //! phases with grid-wide barriers, folds the LayerNorms into the GEMM tiles that read those
 //! rows anyway and the GELU into fc1 (`kernels/small_block.cu` describes the phases): one
 //! launch per block. Its GPU time is longer than the separate kernels' (each phase becomes one
-//! SM's serial chain: ~45 µs per DeiT-S block against ~31 µs), so it pays off only where the
-//! host is in the loop: [`small_block_applies`] takes it for eager forwards of C ≤ 384 and not
-//! inside a CUDA-graph capture (docs/BENCHMARKS.md, lever 40: eager batch-1 DeiT-T/S forwards
-//! 1.4–3.2× faster, graph replays unchanged).
+//! SM's serial chain: ~50 µs per DeiT-S block under ncu against ~31 µs), so it pays off only
+//! where the host is in the loop: [`small_block_applies`] takes it for eager forwards of
+//! C ≤ 384 and not inside a CUDA-graph capture (docs/BENCHMARKS.md, lever 40: eager batch-1
+//! DeiT-T/S forwards 1.3–3.1× faster, graph replays unchanged).
 //!
 //! The attention runs per sequence of a packed batch given as `cu_seqlens` (FlashAttention's
 //! varlen convention, as candle-ragged's batches hold it), so a packed token-pruned batch runs
