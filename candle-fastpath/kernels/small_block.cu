@@ -715,11 +715,18 @@ __device__ void block_forward(const Params& p) {
     const T* proj_w = reinterpret_cast<const T*>(p.proj_w);
     const T* fc1_w = reinterpret_cast<const T*>(p.fc1_w);
 
+    // Weights never depend on the kernel before: request this block's first qkv weight tile,
+    // then wait for that kernel (a no-op unless launched with programmatic dependent launch,
+    // where this kernel may start while the previous block's fc2 is still running).
+    const bool qkv_ready = !(p.skip & 1) && prefetch_w<T, C>(smem, reinterpret_cast<const T*>(p.qkv_w), 3 * C, p.rows);
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
     if (!(p.skip & 1))
         gemm_phase<T, C, EPI_QKV>(p, smem, x, reinterpret_cast<const T*>(p.qkv_w), 3 * C,
                                   reinterpret_cast<const T*>(p.qkv_b),
                                   reinterpret_cast<const T*>(p.ln1_w),
-                                  reinterpret_cast<const T*>(p.ln1_b), p.eps1, qkv, false);
+                                  reinterpret_cast<const T*>(p.ln1_b), p.eps1, qkv, qkv_ready);
     grid_sync(p.barrier);
     if (!(p.skip & 2)) attention_phase<T, C>(p, smem);
     bool ready = !(p.skip & 4) && prefetch_w<T, C>(smem, proj_w, C, p.rows);
@@ -735,6 +742,10 @@ __device__ void block_forward(const Params& p) {
                                   reinterpret_cast<const T*>(p.ln2_b), p.eps2, hidden, ready);
     ready = !(p.skip & 16) && prefetch_fc2<T, C>(smem, p);
     grid_sync(p.barrier);
+#if __CUDA_ARCH__ >= 900
+    // The next kernel may be scheduled now (its blocks only prefetch weights until we exit).
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
     if (!(p.skip & 16)) {
         if constexpr (C <= 384)
             fc2_split_phase<T, C>(p, smem, ready);

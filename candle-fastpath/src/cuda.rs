@@ -1230,22 +1230,23 @@ impl SmallBlockOp<'_> {
                 block_dim: (SB_THREADS, 1, 1),
                 shared_mem_bytes: small_block_smem_bytes(c, self.max_len) as u32,
             };
-            let mut builder = stream.launch_builder(&func);
-            builder.arg(&params);
-            // SAFETY: shapes, strides and alignment checked above and by the caller. The grid is at
-            // most what the GPU holds at once; the cooperative launch also makes the driver refuse
-            // rather than oversubscribe, so the barriers cannot wait for blocks that are not
-            // resident. `CANDLE_FASTPATH_SMALL_BLOCK_LAUNCH=plain` launches it the ordinary way (as
-            // CUTLASS's stream-K GEMMs, which also wait on other CTAs, are launched).
-            static PLAIN: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-            let plain =
-                crate::switches::read_once(&PLAIN, "CANDLE_FASTPATH_SMALL_BLOCK_LAUNCH", |v| {
-                    v == Some("plain")
-                });
-            if plain {
-                unsafe { builder.launch(cfg) }.map_err(candle_core::Error::wrap)?;
-            } else {
-                unsafe { builder.launch_cooperative(cfg) }.map_err(candle_core::Error::wrap)?;
+            // SAFETY (all three): shapes, strides and alignment checked above and by the
+            // caller; the grid is at most what the GPU holds at once, so every block becomes
+            // resident and the barriers cannot wait for blocks that never run.
+            match small_block_launch() {
+                SmallBlockLaunch::Cooperative => {
+                    // The driver refuses rather than oversubscribes.
+                    let mut builder = stream.launch_builder(&func);
+                    builder.arg(&params);
+                    unsafe { builder.launch_cooperative(cfg) }.map_err(candle_core::Error::wrap)?;
+                }
+                SmallBlockLaunch::Plain => {
+                    let mut builder = stream.launch_builder(&func);
+                    builder.arg(&params);
+                    unsafe { builder.launch(cfg) }.map_err(candle_core::Error::wrap)?;
+                }
+                SmallBlockLaunch::Pdl => unsafe { launch_pdl(&stream, &func, cfg, &params) }
+                    .map_err(candle_core::Error::wrap)?,
             }
         }
         drop((qkv, attn, hidden));
@@ -1288,6 +1289,65 @@ impl candle_core::CustomOp2 for SmallBlockOp<'_> {
             .into()),
         }
     }
+}
+
+/// How the fused block is launched (`CANDLE_FASTPATH_SMALL_BLOCK_LAUNCH`): `cooperative`
+/// (the default), `plain` (an ordinary launch, as CUTLASS's stream-K GEMMs, which also wait on
+/// other CTAs, are launched), or `pdl` (ordinary, with programmatic dependent launch: the kernel
+/// may start while the previous one finishes; it requests its first weight tile and then waits
+/// in `griddepcontrol.wait` before touching anything another kernel wrote).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum SmallBlockLaunch {
+    Cooperative,
+    Plain,
+    Pdl,
+}
+
+fn small_block_launch() -> SmallBlockLaunch {
+    static MODE: std::sync::OnceLock<SmallBlockLaunch> = std::sync::OnceLock::new();
+    crate::switches::read_once(&MODE, "CANDLE_FASTPATH_SMALL_BLOCK_LAUNCH", |v| match v {
+        Some("plain") => SmallBlockLaunch::Plain,
+        Some("pdl") => SmallBlockLaunch::Pdl,
+        _ => SmallBlockLaunch::Cooperative,
+    })
+}
+
+/// `cuLaunchKernelEx` with the programmatic-stream-serialization attribute and the kernel's one
+/// parameter, `params`.
+///
+/// # Safety
+/// `func` must be a small-block kernel and `params` valid for it under `cfg`.
+unsafe fn launch_pdl(
+    stream: &std::sync::Arc<candle_core::cuda_backend::cudarc::driver::CudaStream>,
+    func: &CudaFunction,
+    cfg: LaunchConfig,
+    params: &SmallBlockParams,
+) -> Result<(), candle_core::cuda_backend::cudarc::driver::DriverError> {
+    use candle_core::cuda_backend::cudarc::driver::sys;
+    stream.context().bind_to_thread()?;
+    let mut args: [*mut c_void; 1] = [params as *const SmallBlockParams as *mut c_void];
+    let mut attr: sys::CUlaunchAttribute = std::mem::zeroed();
+    attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+    attr.value.programmaticStreamSerializationAllowed = 1;
+    let config = sys::CUlaunchConfig {
+        gridDimX: cfg.grid_dim.0,
+        gridDimY: cfg.grid_dim.1,
+        gridDimZ: cfg.grid_dim.2,
+        blockDimX: cfg.block_dim.0,
+        blockDimY: cfg.block_dim.1,
+        blockDimZ: cfg.block_dim.2,
+        sharedMemBytes: cfg.shared_mem_bytes,
+        hStream: stream.cu_stream(),
+        attrs: &mut attr,
+        numAttrs: 1,
+    };
+    sys::cuLaunchKernelEx(
+        &config,
+        func.cu_function(),
+        args.as_mut_ptr(),
+        std::ptr::null_mut(),
+    )
+    .result()
 }
 
 /// Whether candle's stream on `dev` is being captured into a CUDA graph right now.
