@@ -30,9 +30,10 @@
 // f32 sums (as cuBLASLt's epilogue and the CUTLASS fc1 do), the GELU in its x·Φ(x) form.
 //
 // The host guarantees: C = 64 · heads ∈ {192, 384, 768}; MLP width 4C; head_dim 64;
-// max_len <= MAX_LEN; cu_seqlens non-decreasing with cu_seqlens[nseq] <= rows and every length
-// at most max_len (empty sequences produce nothing; offsets are clamped to rows and lengths to
-// max_len, so a wrong cu_seqlens gives wrong numbers, never an access out of bounds);
+// max_len <= 256 (SMALL_BLOCK_MAX_LEN, which sizes the shared memory); cu_seqlens
+// non-decreasing with cu_seqlens[nseq] <= rows and every length at most max_len (empty
+// sequences produce nothing; offsets are clamped to rows and lengths to max_len, so a wrong
+// cu_seqlens gives wrong numbers, never an access out of bounds);
 // 16-byte aligned operands; the grid co-resident (a cooperative launch); the barrier words
 // zero before the first launch (the kernel leaves them zero: the last block to arrive resets
 // the count before it releases the others). Rows not covered by a sequence get an undefined
@@ -54,7 +55,6 @@ constexpr int HD = 64;        // head dim
 constexpr int HLD = HD + PAD; // shared row length of K, V, Q
 constexpr int QT = 16;        // queries per attention unit
 constexpr int KC = 16;        // keys per chunk
-constexpr int MAX_LEN = 256;  // longest sequence (the K/V staging size)
 constexpr int OLD = HD + 4;   // f32 row length of the merge buffer
 
 __device__ __forceinline__ float to_f32(__half x) { return __half2float(x); }
@@ -162,7 +162,7 @@ struct Params {
     unsigned* barrier;   // 33 words (count at [0], generation at [32]); count zero between launches
     unsigned rows;
     unsigned nseq;
-    unsigned max_len;    // bound on every sequence's length (<= MAX_LEN)
+    unsigned max_len;    // bound on every sequence's length (<= 256)
     float eps1;
     float eps2;
     float scale_log2;    // softmax scale · log2(e)
@@ -435,9 +435,6 @@ __device__ void fc2_phase(const Params& p, unsigned char* smem, bool w_ready) {
 // latency a unit instead of one per K chunk.
 constexpr int BM2 = 16;
 constexpr int BN2 = 32;
-
-template <int C>
-constexpr int fc2_split_smem() { return (BM2 + BN2) * (4 * C + PAD) * 2; }
 
 template <typename T, int C>
 __device__ __forceinline__ void fc2_split_load_w(unsigned char* smem, const Params& p, unsigned n0) {

@@ -1137,6 +1137,10 @@ impl SmallBlockOp<'_> {
         let cus = cu.as_cuda_slice::<u32>()?.slice(lcu.start_offset()..);
         let (x_ptr, _gx) = xs.device_ptr(&stream);
         let (cu_ptr, _gcu) = cus.device_ptr(&stream);
+        // Before anything is allocated: the kernel moves x in 16-byte pieces.
+        if x_ptr % 16 != 0 {
+            candle_core::bail!("small_block: x is not 16-byte aligned");
+        }
         // SAFETY: every element of `out` and of the scratch buffers the kernel reads is written
         // by an earlier phase of the same launch (rows outside every sequence: see small_block).
         let out = unsafe { dev.alloc::<T>(rows * c)? };
@@ -1188,11 +1192,6 @@ impl SmallBlockOp<'_> {
                 let (p, g) = v.device_ptr(&stream);
                 ptrs[2 + i] = p;
                 weight_guards.push(g);
-            }
-            for (what, p) in [("x", x_ptr)] {
-                if p % 16 != 0 {
-                    candle_core::bail!("small_block: {what} is not 16-byte aligned");
-                }
             }
             ptrs[0] = x_ptr;
             ptrs[1] = out_ptr;
