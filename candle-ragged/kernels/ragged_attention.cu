@@ -139,6 +139,34 @@ __device__ __forceinline__ void begin_rows(RowState<D> &st, const T *qh, long lo
     st.l0 = st.l1 = 0.f;
 }
 
+// Folds the warp's chunk maxima into the running maxima of rows g and g + 8 (the four threads of
+// a quad hold one row between them) and returns the factors the old l and O are scaled by.
+template <int D>
+__device__ __forceinline__ float2 raise_max(RowState<D> &st, float tmax0, float tmax1) {
+    tmax0 = fmaxf(tmax0, __shfl_xor_sync(0xffffffff, tmax0, 1));
+    tmax0 = fmaxf(tmax0, __shfl_xor_sync(0xffffffff, tmax0, 2));
+    tmax1 = fmaxf(tmax1, __shfl_xor_sync(0xffffffff, tmax1, 1));
+    tmax1 = fmaxf(tmax1, __shfl_xor_sync(0xffffffff, tmax1, 2));
+    const float new_m0 = fmaxf(st.m0, tmax0);
+    const float new_m1 = fmaxf(st.m1, tmax1);
+    const float2 alpha = make_float2(exp2f(st.m0 - new_m0), exp2f(st.m1 - new_m1));
+    st.m0 = new_m0;
+    st.m1 = new_m1;
+    return alpha;
+}
+
+// O of rows g and g + 8 times their factors.
+template <int D>
+__device__ __forceinline__ void scale_o(RowState<D> &st, float2 alpha) {
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i) {
+        st.acc_o[i][0] *= alpha.x;
+        st.acc_o[i][1] *= alpha.x;
+        st.acc_o[i][2] *= alpha.y;
+        st.acc_o[i][3] *= alpha.y;
+    }
+}
+
 // How far (log2 units) a score may pass the running maximum before a LAZY attend_chunk rescales
 // O and l: P <= 2^8 = 256, far inside f16's and bf16's range.
 constexpr float RESCALE_SLACK = 8.f;
@@ -225,25 +253,10 @@ __device__ __forceinline__ void attend_chunk(RowState<D> &st, const T *kt, const
         // where registers are short (the 80-register form: 1.03-1.06x) and costs ~2 % in the
         // 96-register one, which keeps the eager form below (the results of before, bit for bit).
         if (__any_sync(0xffffffff, tmax0 > st.m0 + RESCALE_SLACK || tmax1 > st.m1 + RESCALE_SLACK)) {
-            tmax0 = fmaxf(tmax0, __shfl_xor_sync(0xffffffff, tmax0, 1));
-            tmax0 = fmaxf(tmax0, __shfl_xor_sync(0xffffffff, tmax0, 2));
-            tmax1 = fmaxf(tmax1, __shfl_xor_sync(0xffffffff, tmax1, 1));
-            tmax1 = fmaxf(tmax1, __shfl_xor_sync(0xffffffff, tmax1, 2));
-            const float new_m0 = fmaxf(st.m0, tmax0);
-            const float new_m1 = fmaxf(st.m1, tmax1);
-            const float alpha0 = exp2f(st.m0 - new_m0);
-            const float alpha1 = exp2f(st.m1 - new_m1);
-            st.m0 = new_m0;
-            st.m1 = new_m1;
-            st.l0 *= alpha0;
-            st.l1 *= alpha1;
-#pragma unroll
-            for (int i = 0; i < NT_O; ++i) {
-                st.acc_o[i][0] *= alpha0;
-                st.acc_o[i][1] *= alpha0;
-                st.acc_o[i][2] *= alpha1;
-                st.acc_o[i][3] *= alpha1;
-            }
+            const float2 alpha = raise_max(st, tmax0, tmax1);
+            st.l0 *= alpha.x;
+            st.l1 *= alpha.y;
+            scale_o(st, alpha);
         }
 #pragma unroll
         for (int nt = 0; nt < NT_S; ++nt) {
@@ -260,18 +273,9 @@ __device__ __forceinline__ void attend_chunk(RowState<D> &st, const T *kt, const
         st.l0 += sum0;
         st.l1 += sum1;
     } else {
-        // The four threads of a quad hold one row between them.
-        tmax0 = fmaxf(tmax0, __shfl_xor_sync(0xffffffff, tmax0, 1));
-        tmax0 = fmaxf(tmax0, __shfl_xor_sync(0xffffffff, tmax0, 2));
-        tmax1 = fmaxf(tmax1, __shfl_xor_sync(0xffffffff, tmax1, 1));
-        tmax1 = fmaxf(tmax1, __shfl_xor_sync(0xffffffff, tmax1, 2));
         // Every chunk holds at least one valid key, so the new maxima are finite.
-        const float new_m0 = fmaxf(st.m0, tmax0);
-        const float new_m1 = fmaxf(st.m1, tmax1);
-        const float alpha0 = exp2f(st.m0 - new_m0);
-        const float alpha1 = exp2f(st.m1 - new_m1);
-        st.m0 = new_m0;
-        st.m1 = new_m1;
+        const float2 alpha = raise_max(st, tmax0, tmax1);
+        const float new_m0 = st.m0, new_m1 = st.m1;
 
 #pragma unroll
         for (int nt = 0; nt < NT_S; ++nt) {
@@ -286,15 +290,9 @@ __device__ __forceinline__ void attend_chunk(RowState<D> &st, const T *kt, const
             pa[nt / 2][(nt % 2) * 2 + 0] = Pack2<T>::from_floats(p0, p1);
             pa[nt / 2][(nt % 2) * 2 + 1] = Pack2<T>::from_floats(p2, p3);
         }
-        st.l0 = st.l0 * alpha0 + sum0;
-        st.l1 = st.l1 * alpha1 + sum1;
-#pragma unroll
-        for (int i = 0; i < NT_O; ++i) {
-            st.acc_o[i][0] *= alpha0;
-            st.acc_o[i][1] *= alpha0;
-            st.acc_o[i][2] *= alpha1;
-            st.acc_o[i][3] *= alpha1;
-        }
+        st.l0 = st.l0 * alpha.x + sum0;
+        st.l1 = st.l1 * alpha.y + sum1;
+        scale_o(st, alpha);
 
     }
 
