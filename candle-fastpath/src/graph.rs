@@ -27,19 +27,22 @@ use candle_core::{CpuStorage, CudaStorage, DType, Device, Layout, Tensor};
 
 use crate::error::{FastpathError, Result};
 
-/// A captured forward: `run(x)` = `forward(x)` for every `x` shaped like the example.
+/// A captured forward: `run(x)` = `forward(x)` for every `x` shaped like the example; or, through
+/// [`Self::capture_many`], several inputs and outputs (a forward that continues from tensors an
+/// earlier one produced).
 pub struct CapturedForward {
     graph: CudaGraph,
     device: CudaDevice,
-    input: Tensor,
-    output: Tensor,
+    inputs: Vec<Tensor>,
+    outputs: Vec<Tensor>,
 }
 
 impl std::fmt::Debug for CapturedForward {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let shapes = |ts: &[Tensor]| ts.iter().map(|t| t.shape().clone()).collect::<Vec<_>>();
         f.debug_struct("CapturedForward")
-            .field("input", &self.input.shape())
-            .field("output", &self.output.shape())
+            .field("inputs", &shapes(&self.inputs))
+            .field("outputs", &shapes(&self.outputs))
             .finish()
     }
 }
@@ -58,27 +61,78 @@ impl CapturedForward {
     where
         F: Fn(&Tensor) -> candle_core::Result<Tensor>,
     {
-        let Device::Cuda(device) = example.device() else {
+        Self::capture_many(std::slice::from_ref(example), |xs| {
+            Ok(vec![forward(&xs[0])?])
+        })
+    }
+
+    /// [`Self::capture`] for a forward of several inputs and outputs.
+    ///
+    /// * `examples` - one tensor per input, each of the shape and dtype (any, u32 included) that
+    ///   later replays give in its place, all on one CUDA device; at least one.
+    /// * `forward` - gets the graph's own input buffers, in `examples`' order, and returns the
+    ///   outputs (at least one); it must not read back to the host.
+    pub fn capture_many<F>(examples: &[Tensor], forward: F) -> Result<Self>
+    where
+        F: Fn(&[Tensor]) -> candle_core::Result<Vec<Tensor>>,
+    {
+        let first = examples.first().ok_or_else(|| {
+            FastpathError::Graph("capture: a forward needs at least one input".into())
+        })?;
+        let Device::Cuda(device) = first.device() else {
             return Err(FastpathError::NotCuda {
                 op: "CapturedForward::capture",
-                device: format!("{:?}", example.device().location()),
+                device: format!("{:?}", first.device().location()),
             });
         };
         let device = device.clone();
+        for x in examples {
+            if !x.device().same_device(first.device()) {
+                return Err(FastpathError::DeviceMismatch {
+                    op: "CapturedForward::capture",
+                    what: "example",
+                    expected: format!("{:?}", first.device().location()),
+                    found: format!("{:?}", x.device().location()),
+                });
+            }
+        }
         // SAFETY: candle issues all work of a device on its one stream, so the cross-stream
         // events cudarc records per buffer carry no ordering that the stream does not already.
         unsafe { device.disable_event_tracking() };
         let _htod_cache = device.enable_cuda_graph_htod_cache();
         // Fresh buffers owned by the graph's user: nobody else holds their storage.
-        let input = example.contiguous()?.copy()?;
-        let output = forward(&input)?.contiguous()?.copy()?;
+        let inputs = examples
+            .iter()
+            .map(|x| x.contiguous()?.copy())
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        let outputs = forward(&inputs)?
+            .iter()
+            .map(|y| y.contiguous()?.copy())
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        if outputs.is_empty() {
+            return Err(FastpathError::Graph(
+                "capture: the forward returned no output".into(),
+            ));
+        }
         device.synchronize()?;
 
         let stream = device.cuda_stream();
         stream
             .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
             .map_err(|e| graph_err("begin capture", e))?;
-        let captured = forward(&input).and_then(|y| output.inplace_op2(&y, &CopyInto));
+        let captured = forward(&inputs).and_then(|ys| {
+            if ys.len() != outputs.len() {
+                candle_core::bail!(
+                    "capture: the forward returned {} outputs, {} in its warm-up",
+                    ys.len(),
+                    outputs.len()
+                );
+            }
+            for (o, y) in outputs.iter().zip(&ys) {
+                o.inplace_op2(y, &CopyInto)?;
+            }
+            Ok(())
+        });
         // Always end the capture, so that a failed forward leaves the stream usable.
         let graph = stream.end_capture(sys::CUgraphInstantiate_flags(0));
         captured?;
@@ -89,8 +143,8 @@ impl CapturedForward {
         Ok(Self {
             graph,
             device,
-            input,
-            output,
+            inputs,
+            outputs,
         })
     }
 
@@ -99,37 +153,60 @@ impl CapturedForward {
     /// returned value). Does not wait on the GPU.
     pub fn run(&self, input: &Tensor) -> Result<Tensor> {
         self.replay(input)?;
-        Ok(self.output.copy()?)
+        Ok(self.outputs[0].copy()?)
     }
 
     /// Replays the graph on `input` without copying the output: the result is then in
     /// [`Self::output`] until the next replay. For benchmarks and callers that consume the output
     /// before the next call.
     pub fn replay(&self, input: &Tensor) -> Result<()> {
-        if input.shape() != self.input.shape() || input.dtype() != self.input.dtype() {
-            return Err(FastpathError::ShapeMismatch {
-                op: "CapturedForward::run",
-                what: "input",
-                expected: self.input.shape().clone(),
-                found: input.shape().clone(),
-            });
+        self.replay_many(&[input])
+    }
+
+    /// Replays a graph of several inputs: each copied into its buffer (same shape and dtype as
+    /// its example), then one launch; the results are in [`Self::outputs`] until the next replay.
+    pub fn replay_many(&self, inputs: &[&Tensor]) -> Result<()> {
+        if inputs.len() != self.inputs.len() {
+            return Err(FastpathError::Graph(format!(
+                "replay: {} inputs given, the graph was captured with {}",
+                inputs.len(),
+                self.inputs.len()
+            )));
         }
-        if !input.device().same_device(self.input.device()) {
-            return Err(FastpathError::DeviceMismatch {
-                op: "CapturedForward::run",
-                what: "input",
-                expected: format!("{:?}", self.input.device().location()),
-                found: format!("{:?}", input.device().location()),
-            });
+        for (buffer, input) in self.inputs.iter().zip(inputs) {
+            if input.shape() != buffer.shape() || input.dtype() != buffer.dtype() {
+                return Err(FastpathError::ShapeMismatch {
+                    op: "CapturedForward::run",
+                    what: "input",
+                    expected: buffer.shape().clone(),
+                    found: input.shape().clone(),
+                });
+            }
+            if !input.device().same_device(buffer.device()) {
+                return Err(FastpathError::DeviceMismatch {
+                    op: "CapturedForward::run",
+                    what: "input",
+                    expected: format!("{:?}", buffer.device().location()),
+                    found: format!("{:?}", input.device().location()),
+                });
+            }
         }
-        self.input.inplace_op2(&input.contiguous()?, &CopyInto)?;
+        for (buffer, input) in self.inputs.iter().zip(inputs) {
+            buffer.inplace_op2(&input.contiguous()?, &CopyInto)?;
+        }
         self.graph.launch().map_err(|e| graph_err("launch", e))?;
         Ok(())
     }
 
-    /// The buffer the graph writes its output into (overwritten by every replay).
+    /// The buffer the graph writes its (first) output into (overwritten by every replay).
     pub fn output(&self) -> &Tensor {
-        &self.output
+        &self.outputs[0]
+    }
+
+    /// The buffers the graph writes its outputs into, in the forward's order (overwritten by
+    /// every replay).
+    pub fn outputs(&self) -> &[Tensor] {
+        &self.outputs
     }
 
     pub fn device(&self) -> &CudaDevice {

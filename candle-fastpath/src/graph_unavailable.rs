@@ -26,6 +26,20 @@ impl CapturedForward {
         })
     }
 
+    /// Always an error, as [`Self::capture`].
+    pub fn capture_many<F>(examples: &[Tensor], _forward: F) -> Result<Self>
+    where
+        F: Fn(&[Tensor]) -> candle_core::Result<Vec<Tensor>>,
+    {
+        Err(FastpathError::NotCuda {
+            op: "CapturedForward::capture",
+            device: format!(
+                "{:?} (built without the `cuda` feature)",
+                examples.first().map(|x| x.device().location())
+            ),
+        })
+    }
+
     pub fn run(&self, _input: &Tensor) -> Result<Tensor> {
         match self.never {}
     }
@@ -34,7 +48,15 @@ impl CapturedForward {
         match self.never {}
     }
 
+    pub fn replay_many(&self, _inputs: &[&Tensor]) -> Result<()> {
+        match self.never {}
+    }
+
     pub fn output(&self) -> &Tensor {
+        match self.never {}
+    }
+
+    pub fn outputs(&self) -> &[Tensor] {
         match self.never {}
     }
 }

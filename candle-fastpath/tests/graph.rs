@@ -103,3 +103,47 @@ fn a_forward_that_reads_back_fails_the_capture_cleanly() -> anyhow::Result<()> {
     assert_eq!(y, 64.0);
     Ok(())
 }
+
+/// `capture_many`: two inputs of different dtypes (tokens and u32 row indices) and two outputs;
+/// replays with new inputs equal the eager forward, and a wrong number of inputs is an error.
+#[test]
+fn several_inputs_and_outputs() -> anyhow::Result<()> {
+    let dev = device();
+    let f = |xs: &[Tensor]| -> candle_core::Result<Vec<Tensor>> {
+        let picked = xs[0].index_select(&xs[1], 0)?;
+        Ok(vec![(picked.exp()? * 2.0)?, xs[0].sum_keepdim(1)?])
+    };
+    let examples = [
+        Tensor::zeros((6, 4), DType::F32, &dev)?,
+        Tensor::new(&[0u32, 1, 2], &dev)?,
+    ];
+    let captured = match CapturedForward::capture_many(&examples, f) {
+        Ok(c) => c,
+        Err(e) => {
+            assert!(!dev.is_cuda(), "capture failed on CUDA: {e}");
+            assert!(e.to_string().contains("needs a CUDA device"), "{e}");
+            return Ok(());
+        }
+    };
+    for seed in 0..3u32 {
+        let x = (Tensor::randn(0f32, 1.0, (6, 4), &dev)? + seed as f64)?;
+        let idx = Tensor::new(&[5 - seed, seed, 3], &dev)?;
+        let eager = f(&[x.clone(), idx.clone()])?;
+        captured.replay_many(&[&x, &idx])?;
+        assert_eq!(captured.outputs().len(), 2);
+        for (e, r) in eager.iter().zip(captured.outputs()) {
+            let diff = (e - r)?.abs()?.max_all()?.to_scalar::<f32>()?;
+            assert_eq!(
+                diff, 0.0,
+                "input {seed}: replay differs from eager by {diff}"
+            );
+        }
+    }
+    let e = captured.replay_many(&[&examples[0]]).unwrap_err();
+    assert!(e.to_string().contains("1 inputs given"), "{e}");
+    let e = captured
+        .replay_many(&[&examples[0], &Tensor::new(&[0u32, 1], &dev)?])
+        .unwrap_err();
+    assert!(e.to_string().contains("expected [3]"), "{e}");
+    Ok(())
+}

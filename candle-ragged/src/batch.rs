@@ -189,6 +189,46 @@ impl RaggedBatch {
         Ok(Self::known(cu_seqlens.clone(), offsets, None, 0, max_len))
     }
 
+    /// A batch whose lengths live on the device only, over a `cu_seqlens` tensor (`[batch + 1]`,
+    /// u32) the host does not read: packed tensors of `rows` rows, no sequence longer than
+    /// `max_len`. For a forward captured into a CUDA graph that continues from a batch an earlier
+    /// graph made (its `cu_seqlens` copied into the graph's input buffer, `rows` at least the
+    /// total read back with [`RaggedBatch::read_total`]). Checks the tensor's dtype and shape only.
+    ///
+    /// # Safety
+    /// The kernels index the packed tensors with these offsets unchecked: `cu_seqlens` must start
+    /// at 0, never decrease, end at most at `rows`, and hold no sequence longer than `max_len`
+    /// nor empty, as every `cu_seqlens` this crate writes does.
+    pub unsafe fn from_device_cu_seqlens_unchecked(
+        cu_seqlens: Tensor,
+        rows: usize,
+        max_len: usize,
+    ) -> Result<Self> {
+        if cu_seqlens.dtype() != DType::U32 || cu_seqlens.rank() != 1 || cu_seqlens.dim(0)? < 2 {
+            return Err(RaggedError::CuSeqlensTensor {
+                dtype: cu_seqlens.dtype(),
+                shape: cu_seqlens.shape().clone(),
+            });
+        }
+        let batch_size = cu_seqlens.dim(0)? - 1;
+        Ok(Self::with_device_lengths(
+            cu_seqlens, batch_size, rows, max_len,
+        ))
+    }
+
+    /// The number of packed rows that belong to a sequence, `cu_seqlens[B]`: the host copy, or,
+    /// for a batch whose lengths live on the device only, one u32 read back (a host sync on
+    /// CUDA).
+    pub fn read_total(&self) -> Result<usize> {
+        match &self.offsets {
+            Some(o) => Ok(o[self.batch_size] as usize),
+            None => Ok(self
+                .cu_seqlens
+                .narrow(0, self.batch_size, 1)?
+                .to_vec1::<u32>()?[0] as usize),
+        }
+    }
+
     /// `cu_seqlens`, `[batch + 1]`, u32, on the device of the packed tensors.
     pub fn cu_seqlens(&self) -> &Tensor {
         &self.cu_seqlens

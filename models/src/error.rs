@@ -72,6 +72,9 @@ pub enum ModelError {
 
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
+
+    #[error(transparent)]
+    Fastpath(#[from] candle_fastpath::FastpathError),
 }
 
 /// Errors from decoding and preprocessing one image; each names the file.

@@ -26,6 +26,7 @@ pub mod labels;
 pub mod on_device;
 pub mod preprocess;
 pub mod pruned;
+pub mod two_stage;
 
 pub use attention::{attend, cls_attention, AttentionInputs, KeyPaddingMask};
 pub use checkpoint::{expected_tensors, load_deit, Checkpoint, CheckpointFiles, WeightNaming};
@@ -34,6 +35,7 @@ pub use deit::{Attention, Block, DeiT, Mlp, PatchEmbed};
 pub use error::{ModelError, PreprocessError};
 pub use hub::{fetch, HubSource};
 pub use labels::{class_names, imagenet1k_classes, imagenet1k_index_of_wnid, ImageNetClass};
-pub use on_device::{CapturablePrunedForward, DevicePrunedForward};
+pub use on_device::{CapturablePrunedForward, DevicePrunedForward, PrunedTokens};
 pub use preprocess::{decode_image, Interpolation, PreprocessConfig, Resize};
 pub use pruned::{BlockPruner, ExecutionPath, PruneStage, PrunedForward};
+pub use two_stage::TwoStageGraph;

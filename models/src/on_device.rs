@@ -24,6 +24,9 @@
 //! replays every keep pattern. The per-token ops then run over the capacity's rows, which costs
 //! nothing extra where a matmul takes as long for 140 rows as for 197 (small batches) and, for the
 //! rules that can keep everything, all of pruning's matmul savings at large ones.
+//! [`DeiT::forward_to_first_step`] and [`DeiT::forward_from_step`] cut that forward after its
+//! first step, so that a caller can read that step's total in between and run the rest over that
+//! many rows ([`crate::TwoStageGraph`] replays the two halves as CUDA graphs).
 //!
 //! Same decisions as the host path, ties and NaN scores included, given bit-identical scores
 //! (the rules are one definition, [`candle_ragged::KeepRule`]).
@@ -33,7 +36,7 @@ use candle_ragged::{
     leading_rows, select_by_rule, select_by_rule_bounded, select_top_k_by, unpack, DroppedFusion,
     RaggedBatch, TokenScores,
 };
-use pruners::{EvitFusion, FixedCount, PruneInput, PruneSite, ScoreRecipe};
+use pruners::{EvitFusion, FixedCount, PruneInput, PruneSite, ScoreRecipe, TokenPruner};
 
 use crate::attention::{cls_attention, AttentionInputs};
 use crate::deit::DeiT;
@@ -112,6 +115,95 @@ enum Lengths {
     ReadBack,
     /// Keep them on the device, the packed tokens at a host-bounded capacity (no sync).
     OnDevice,
+}
+
+/// Where [`DeiT::ragged_blocks`] starts.
+#[derive(Debug, Clone, Copy)]
+enum Resume {
+    /// At the start of this block.
+    Block(usize),
+    /// Inside `block`, its pruning step's selection done (at `site`).
+    AfterSelection { block: usize, site: PruneSite },
+}
+
+/// A pruned forward stopped right after its first pruning step's selection
+/// ([`DeiT::forward_to_first_step`]): the selected tokens, packed, and their batch, whose lengths
+/// live on the device; the packed rows are a capacity (rows past the total hold no token).
+#[derive(Debug, Clone)]
+pub struct PrunedTokens {
+    tokens: Tensor,
+    batch: RaggedBatch,
+    block: usize,
+    site: PruneSite,
+}
+
+impl PrunedTokens {
+    /// `[rows, C]`: the selected tokens, packed, then spare rows up to the capacity.
+    pub fn tokens(&self) -> &Tensor {
+        &self.tokens
+    }
+
+    /// The tokens' batch (lengths on the device only).
+    pub fn batch(&self) -> &RaggedBatch {
+        &self.batch
+    }
+
+    /// The block whose pruning step made them.
+    pub fn block(&self) -> usize {
+        self.block
+    }
+
+    /// Reads the step's total (`cu_seqlens[B]`, one u32: a host sync on CUDA) and keeps
+    /// `capacity(total)` rows, clamped to at least the total and at most the rows held: the
+    /// rest of the forward then runs over those rows. Returns the total as well.
+    pub fn fit(&self, capacity: impl FnOnce(usize) -> usize) -> Result<(Self, usize), ModelError> {
+        let total = self.batch.read_total()?;
+        let rows = capacity(total).clamp(total, self.batch.total_tokens());
+        Ok((self.with_rows(rows)?, total))
+    }
+
+    /// The first `rows` packed rows (at least the total, which the caller has read) over the
+    /// same lengths.
+    fn with_rows(&self, rows: usize) -> Result<Self, ModelError> {
+        // SAFETY: the `cu_seqlens` is this batch's, written by a selection kernel (valid offsets,
+        // no sequence longer than `max_len`), and `rows` is at least its total (`fit` clamps).
+        let batch = unsafe {
+            RaggedBatch::from_device_cu_seqlens_unchecked(
+                self.batch.cu_seqlens().clone(),
+                rows,
+                self.batch.max_len(),
+            )?
+        };
+        Ok(Self {
+            tokens: self.tokens.narrow(0, 0, rows)?,
+            batch,
+            block: self.block,
+            site: self.site,
+        })
+    }
+
+    /// The same step over other buffers: `tokens` (`[rows, C]`) and `cu_seqlens` (`[B + 1]`,
+    /// u32), as a captured graph's input buffers are.
+    ///
+    /// # Safety
+    /// `cu_seqlens` must hold, whenever a kernel reads it, offsets as valid as this step's (from
+    /// 0, non-decreasing, no sequence empty or longer than [`RaggedBatch::max_len`]) whose total
+    /// is at most `tokens`' rows.
+    pub(crate) unsafe fn over(
+        &self,
+        tokens: Tensor,
+        cu_seqlens: Tensor,
+    ) -> Result<Self, ModelError> {
+        let rows = tokens.dim(0)?;
+        let batch =
+            RaggedBatch::from_device_cu_seqlens_unchecked(cu_seqlens, rows, self.batch.max_len())?;
+        Ok(Self {
+            tokens,
+            batch,
+            block: self.block,
+            site: self.site,
+        })
+    }
 }
 
 fn fusion_of(f: Option<EvitFusion>) -> Option<DroppedFusion> {
@@ -332,70 +424,49 @@ impl DeiT {
         order: &[&BlockPruner],
         lengths_mode: Lengths,
     ) -> Result<(Tensor, Vec<RaggedBatch>), ModelError> {
-        let num_prefix = self.config.num_prefix_tokens();
+        let (x, batch) = self.embed_packed(pixels)?;
+        self.ragged_blocks(x, batch, Resume::Block(0), order, lengths_mode)
+    }
+
+    /// The embedded tokens packed, `[B·N, C]`, and their batch (every image N tokens).
+    fn embed_packed(&self, pixels: &Tensor) -> Result<(Tensor, RaggedBatch), ModelError> {
         let x = self.embed(pixels)?;
         let (b, n, c) = x.dims3()?;
-        let mut x = x.reshape((b * n, c))?;
-        let mut batch = RaggedBatch::from_lengths(&vec![n; b], x.device())?;
+        let x = x.reshape((b * n, c))?;
+        let batch = RaggedBatch::from_lengths(&vec![n; b], x.device())?;
+        Ok((x, batch))
+    }
+
+    /// Blocks from `resume` on over packed tokens, each pruning step of `order` past it a
+    /// selection by rule, then the head: the logits and each step's batch.
+    fn ragged_blocks(
+        &self,
+        mut x: Tensor,
+        mut batch: RaggedBatch,
+        resume: Resume,
+        order: &[&BlockPruner],
+        lengths_mode: Lengths,
+    ) -> Result<(Tensor, Vec<RaggedBatch>), ModelError> {
+        let num_prefix = self.config.num_prefix_tokens();
+        let first = match resume {
+            Resume::Block(i) => i,
+            Resume::AfterSelection { block, site } => {
+                let inputs = AttentionInputs::Ragged { batch: &batch };
+                x = self.blocks[block].rest_after(site, &x, &inputs)?;
+                block + 1
+            }
+        };
         let mut batches = Vec::with_capacity(order.len());
-        let mut steps = order.iter().peekable();
-        for (i, block) in self.blocks.iter().enumerate() {
+        let mut steps = order.iter().filter(|(blk, _)| *blk >= first).peekable();
+        for (i, block) in self.blocks.iter().enumerate().skip(first) {
             let inputs = AttentionInputs::Ragged { batch: &batch };
             let Some((_, pruner)) = steps.next_if(|(blk, _)| *blk == i) else {
                 x = block.forward_with(&x, &inputs)?;
                 continue;
             };
             let site = pruner.site();
-            let (heads, scale) = (block.attn.heads, block.attn.scale as f32);
-            let (tokens, qkv) = block.tokens_at(site, &x, &inputs)?;
-            let given;
-            let computed = computed_scores(pruner.score_recipe(), site, qkv.as_ref(), heads, scale);
-            let packed = match computed {
-                Some(_) => None,
-                None => pruner.packed_scores(&tokens, &batch, num_prefix)?,
-            };
-            let scores = match (computed, packed) {
-                (Some(s), _) => s,
-                // `[total]` packed scores (DynamicViT's predictor) to `[B, max_len]`.
-                (None, Some(packed)) => {
-                    given = unpack(&packed.unsqueeze(1)?, &batch, batch.max_len())?.squeeze(2)?;
-                    TokenScores::Given(&given)
-                }
-                (None, None) if site == PruneSite::BeforeBlock => {
-                    if !batch.lengths_on_host() {
-                        return Err(ModelError::InvalidPruning(format!(
-                            "{}: custom scores need each image's length on the host, which a \
-                             capturable forward does not read after an earlier step",
-                            pruner.kind()
-                        )));
-                    }
-                    // The pruner's own scores over the image-shaped tokens (zeros past each
-                    // image's length), `[B, max_len]`.
-                    let image = unpack(&tokens, &batch, batch.max_len())?;
-                    let lengths = batch.lengths()?;
-                    let input = PruneInput::new(&image, num_prefix).with_lengths(&lengths);
-                    given = pruner.scores(&input)?.to_dtype(DType::F32)?;
-                    TokenScores::Given(&given)
-                }
-                (None, None) => {
-                    return Err(ModelError::InvalidPruning(format!(
-                        "{}: custom scores after attention need the host path (forward_pruned) \
-                         when counts vary",
-                        pruner.kind()
-                    )))
-                }
-            };
-            let rule = pruner.keep_rule().ok_or_else(|| {
-                ModelError::InvalidPruning(format!("{}: no keep rule", pruner.kind()))
-            })?;
-            let select = match lengths_mode {
-                Lengths::ReadBack => select_by_rule,
-                Lengths::OnDevice => select_by_rule_bounded,
-            };
-            let fusion = fusion_of(pruner.fusion());
-            let (next, next_batch) = select(&tokens, &batch, scores, num_prefix, rule, fusion)?;
-            x = next;
-            batch = next_batch;
+            (x, batch) =
+                self.select_step(i, pruner.as_ref(), &x, &batch, num_prefix, lengths_mode)?;
             batches.push(batch.clone());
             let inputs = AttentionInputs::Ragged { batch: &batch };
             x = block.rest_after(site, &x, &inputs)?;
@@ -404,5 +475,141 @@ impl DeiT {
         let prefix = leading_rows(&x, &batch, num_prefix)?;
         let logits = self.forward_head(&self.norm.forward(&prefix)?)?;
         Ok((logits, batches))
+    }
+
+    /// Block `block`'s pruning step by rule on packed tokens `x`: the block up to the step's site,
+    /// the scores, the selection. The selected tokens and their batch (the rest of the block is
+    /// the caller's).
+    fn select_step(
+        &self,
+        block: usize,
+        pruner: &dyn TokenPruner,
+        x: &Tensor,
+        batch: &RaggedBatch,
+        num_prefix: usize,
+        lengths_mode: Lengths,
+    ) -> Result<(Tensor, RaggedBatch), ModelError> {
+        let block = &self.blocks[block];
+        let inputs = AttentionInputs::Ragged { batch };
+        let site = pruner.site();
+        let (heads, scale) = (block.attn.heads, block.attn.scale as f32);
+        let (tokens, qkv) = block.tokens_at(site, x, &inputs)?;
+        let given;
+        let computed = computed_scores(pruner.score_recipe(), site, qkv.as_ref(), heads, scale);
+        let packed = match computed {
+            Some(_) => None,
+            None => pruner.packed_scores(&tokens, batch, num_prefix)?,
+        };
+        let scores = match (computed, packed) {
+            (Some(s), _) => s,
+            // `[total]` packed scores (DynamicViT's predictor) to `[B, max_len]`.
+            (None, Some(packed)) => {
+                given = unpack(&packed.unsqueeze(1)?, batch, batch.max_len())?.squeeze(2)?;
+                TokenScores::Given(&given)
+            }
+            (None, None) if site == PruneSite::BeforeBlock => {
+                if !batch.lengths_on_host() {
+                    return Err(ModelError::InvalidPruning(format!(
+                        "{}: custom scores need each image's length on the host, which a \
+                         capturable forward does not read after an earlier step",
+                        pruner.kind()
+                    )));
+                }
+                // The pruner's own scores over the image-shaped tokens (zeros past each
+                // image's length), `[B, max_len]`.
+                let image = unpack(&tokens, batch, batch.max_len())?;
+                let lengths = batch.lengths()?;
+                let input = PruneInput::new(&image, num_prefix).with_lengths(&lengths);
+                given = pruner.scores(&input)?.to_dtype(DType::F32)?;
+                TokenScores::Given(&given)
+            }
+            (None, None) => {
+                return Err(ModelError::InvalidPruning(format!(
+                    "{}: custom scores after attention need the host path (forward_pruned) \
+                     when counts vary",
+                    pruner.kind()
+                )))
+            }
+        };
+        let rule = pruner.keep_rule().ok_or_else(|| {
+            ModelError::InvalidPruning(format!("{}: no keep rule", pruner.kind()))
+        })?;
+        let select = match lengths_mode {
+            Lengths::ReadBack => select_by_rule,
+            Lengths::OnDevice => select_by_rule_bounded,
+        };
+        let fusion = fusion_of(pruner.fusion());
+        Ok(select(&tokens, batch, scores, num_prefix, rule, fusion)?)
+    }
+
+    /// The capturable forward ([`DeiT::forward_pruned_capturable`]'s bounded selections, no host
+    /// sync) from the pixels up to the first pruning step's selection: the selected tokens at
+    /// the step's capacity, for [`DeiT::forward_from_step`] to continue. Splitting the forward
+    /// there lets a caller read the step's total ([`PrunedTokens::fit`], one u32) and run the
+    /// rest over that many rows (rounded up) instead of the capacity: a threshold rule's capacity
+    /// is every token. An error for a schedule without a pruning step, and as
+    /// [`DeiT::forward_pruned_capturable`] for pruners the device path cannot run.
+    pub fn forward_to_first_step(
+        &self,
+        pixels: &Tensor,
+        pruners: &[BlockPruner],
+    ) -> Result<PrunedTokens, ModelError> {
+        let order = self.device_order(pruners)?;
+        let Some((block, pruner)) = order.first().copied() else {
+            return Err(ModelError::InvalidPruning(
+                "forward_to_first_step: the schedule has no pruning step".into(),
+            ));
+        };
+        let block = *block;
+        let num_prefix = self.config.num_prefix_tokens();
+        let (mut x, batch) = self.embed_packed(pixels)?;
+        for b in &self.blocks[..block] {
+            x = b.forward_with(&x, &AttentionInputs::Ragged { batch: &batch })?;
+        }
+        let (tokens, batch) = self.select_step(
+            block,
+            pruner.as_ref(),
+            &x,
+            &batch,
+            num_prefix,
+            Lengths::OnDevice,
+        )?;
+        Ok(PrunedTokens {
+            tokens,
+            batch,
+            block,
+            site: pruner.site(),
+        })
+    }
+
+    /// Continues [`DeiT::forward_to_first_step`]: the rest of the step's block, the later blocks
+    /// and steps (bounded selections, no host sync), the head. `[B, num_classes]` logits, the
+    /// same as [`DeiT::forward_pruned_capturable`]'s (matmuls over fewer rows may round
+    /// differently on CUDA).
+    pub fn forward_from_step(
+        &self,
+        step: &PrunedTokens,
+        pruners: &[BlockPruner],
+    ) -> Result<Tensor, ModelError> {
+        let order = self.device_order(pruners)?;
+        if order.first().map(|(blk, _)| *blk) != Some(step.block) {
+            return Err(ModelError::InvalidPruning(format!(
+                "forward_from_step: the tokens come from a step at block {}, the schedule's \
+                 first step is not there",
+                step.block
+            )));
+        }
+        let resume = Resume::AfterSelection {
+            block: step.block,
+            site: step.site,
+        };
+        let (logits, _) = self.ragged_blocks(
+            step.tokens.clone(),
+            step.batch.clone(),
+            resume,
+            &order,
+            Lengths::OnDevice,
+        )?;
+        Ok(logits)
     }
 }

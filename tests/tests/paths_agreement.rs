@@ -860,7 +860,83 @@ fn check_capturable(
             out.kept_tokens().unwrap().last(),
         );
     }
-    d
+    let ds = check_two_stage(what, m, pixels, pruners, host, &out.logits);
+    d.max(ds)
+}
+
+/// The capturable forward cut after its first step ([`DeiT::forward_to_first_step`], the
+/// step's total read back, [`DeiT::forward_from_step`] over exactly that many rows and over a
+/// few spare rows more): the first step's total is the host's, and the logits agree with the
+/// capturable forward's within the f32 tolerance. On CUDA, the same through
+/// [`models::TwoStageGraph`], replayed for another input first. Returns the max |Δlogit|.
+fn check_two_stage(
+    what: &str,
+    m: &DeiT,
+    pixels: &Tensor,
+    pruners: &Pruners,
+    host: &PrunedForward,
+    capturable: &Tensor,
+) -> f32 {
+    let want: Vec<Vec<f32>> = capturable.to_dtype(DType::F32).unwrap().to_vec2().unwrap();
+    let tol = tolerance(DType::F32, &want);
+    let step = m.forward_to_first_step(pixels, pruners).unwrap();
+    let host_total: usize = host.kept_tokens()[0].iter().sum();
+    let mut worst = 0f32;
+    for spare in [0, 7] {
+        let (fitted, total) = step.fit(|t| t + spare).unwrap();
+        assert_eq!(
+            total, host_total,
+            "{what}: first step's total, two-stage vs host"
+        );
+        let rows = fitted.tokens().dim(0).unwrap();
+        assert_eq!(
+            rows,
+            (total + spare).min(step.tokens().dim(0).unwrap()),
+            "{what}: rows kept after the read"
+        );
+        let got = m.forward_from_step(&fitted, pruners).unwrap();
+        let got: Vec<Vec<f32>> = got.to_dtype(DType::F32).unwrap().to_vec2().unwrap();
+        worst = worst.max(assert_logits_agree(
+            &format!("{what} two-stage over {rows} rows"),
+            &got,
+            &want,
+            tol,
+        ));
+    }
+    if pixels.device().is_cuda() {
+        let graphs = models::TwoStageGraph::capture(m, pixels, pruners).unwrap();
+        let other = (pixels * 0.5).unwrap();
+        let replayed_other = graphs.run(&other).unwrap();
+        let replayed = graphs.run(pixels).unwrap();
+        let got: Vec<Vec<f32>> = replayed.to_dtype(DType::F32).unwrap().to_vec2().unwrap();
+        worst = worst.max(assert_logits_agree(
+            &format!("{what} two-stage graphs"),
+            &got,
+            &want,
+            tol,
+        ));
+        let eager_other: Vec<Vec<f32>> = m
+            .forward_pruned_capturable(&other, pruners)
+            .unwrap()
+            .logits
+            .to_dtype(DType::F32)
+            .unwrap()
+            .to_vec2()
+            .unwrap();
+        let got_other: Vec<Vec<f32>> = replayed_other
+            .to_dtype(DType::F32)
+            .unwrap()
+            .to_vec2()
+            .unwrap();
+        worst = worst.max(assert_logits_agree(
+            &format!("{what} two-stage graphs, another input"),
+            &got_other,
+            &eager_other,
+            tolerance(DType::F32, &eager_other),
+        ));
+        assert!(graphs.captured_buckets() >= 1, "{what}: no second graph");
+    }
+    worst
 }
 
 /// Device-side decisions give the host-decided ragged forward's kept tokens and logits, for
@@ -1004,4 +1080,37 @@ fn published_sizes_padded_equals_ragged() {
             }
         }
     }
+}
+
+/// The two-stage split refuses what it cannot continue: a schedule without a pruning step, and
+/// tokens from a step the schedule does not start with.
+#[test]
+fn two_stage_split_errors() {
+    let dev = Device::Cpu;
+    let cfg = small_cfg(false);
+    let m = model(&cfg, DType::F32, &dev, 41);
+    let pixels = varied_pixels(3, &cfg, 4, &dev);
+    let e = m.forward_to_first_step(&pixels, &[]).unwrap_err();
+    assert!(e.to_string().contains("no pruning step"), "{e}");
+    let s = schedule(&BLOCKS, |st| {
+        small_config(
+            PrunerKind::ThresholdL2,
+            Mode::Adaptive,
+            st,
+            cfg.num_patches(),
+        )
+    });
+    let pruners = build(&m, &s, &dev);
+    let step = m.forward_to_first_step(&pixels, &pruners).unwrap();
+    let later = schedule(&BLOCKS[1..], |st| {
+        small_config(
+            PrunerKind::ThresholdL2,
+            Mode::Adaptive,
+            st,
+            cfg.num_patches(),
+        )
+    });
+    let later = build(&m, &later, &dev);
+    let e = m.forward_from_step(&step, &later).unwrap_err();
+    assert!(e.to_string().contains("first step is not there"), "{e}");
 }
