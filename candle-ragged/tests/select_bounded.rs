@@ -264,3 +264,58 @@ fn bad_input_is_refused() {
     assert!(select_by_rule_bounded(&x, &batch, TokenScores::RowL2Norm, 4, rule, None).is_err());
     assert!(leading_rows(&short, &b2, 1).is_err());
 }
+
+/// `read_total` reads `cu_seqlens[B]` of a bounded batch (and gives an exact batch's total
+/// without a read); a batch rebuilt over the same `cu_seqlens` with exactly that many rows
+/// gives the ops the same results as the capacity-sized one; the unchecked constructor still
+/// refuses a `cu_seqlens` of the wrong dtype or rank.
+#[test]
+fn fitted_to_the_read_total() {
+    let dev = device();
+    let mut r = rng(91);
+    let lengths = [9usize, 2, 17, 5];
+    let batch = RaggedBatch::from_lengths(&lengths, &dev).unwrap();
+    let total: usize = lengths.iter().sum();
+    assert_eq!(batch.read_total().unwrap(), total);
+    let c = 64;
+    let x = Tensor::from_slice(&randn(&mut r, total * c, 1.0), (total, c), &dev).unwrap();
+    let rule = KeepRule::AtLeastMeanTimes(1.0);
+    let (y, bounded) =
+        select_by_rule_bounded(&x, &batch, TokenScores::RowL2Norm, 1, rule, None).unwrap();
+    let kept: usize = bounded.lengths().unwrap().iter().sum();
+    assert_eq!(bounded.read_total().unwrap(), kept);
+    assert!(
+        kept < bounded.total_tokens(),
+        "the rule should drop some rows"
+    );
+    // SAFETY: the bounded batch's own cu_seqlens, with rows = its total.
+    let fitted = unsafe {
+        RaggedBatch::from_device_cu_seqlens_unchecked(
+            bounded.cu_seqlens().clone(),
+            kept,
+            bounded.max_len(),
+        )
+    }
+    .unwrap();
+    assert_eq!(fitted.batch_size(), lengths.len());
+    assert_eq!(fitted.total_tokens(), kept);
+    let y_fit = y.narrow(0, 0, kept).unwrap();
+    let (h, d) = (1, 64);
+    let qkv = |t: &Tensor| t.reshape((t.dim(0).unwrap(), h, d)).unwrap();
+    let a = ragged_attention(&qkv(&y), &qkv(&y), &qkv(&y), &bounded, 0.125).unwrap();
+    let b = ragged_attention(&qkv(&y_fit), &qkv(&y_fit), &qkv(&y_fit), &fitted, 0.125).unwrap();
+    let a = host(&a.narrow(0, 0, kept).unwrap());
+    let b = host(&b);
+    assert_eq!(a, b, "attention over the fitted batch");
+    let m1 = host(&sequence_mean(&y, &bounded, 1).unwrap());
+    let m2 = host(&sequence_mean(&y_fit, &fitted, 1).unwrap());
+    assert_eq!(m1, m2, "sequence means over the fitted batch");
+    for bad in [
+        Tensor::zeros(5, DType::F32, &dev).unwrap(),
+        Tensor::zeros((1, 5), DType::U32, &dev).unwrap(),
+        Tensor::zeros(1, DType::U32, &dev).unwrap(),
+    ] {
+        let e = unsafe { RaggedBatch::from_device_cu_seqlens_unchecked(bad, 4, 4) }.unwrap_err();
+        assert!(e.to_string().contains("cu_seqlens"), "{e}");
+    }
+}

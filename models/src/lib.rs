@@ -26,7 +26,7 @@ pub mod labels;
 pub mod on_device;
 pub mod preprocess;
 pub mod pruned;
-pub mod two_stage;
+pub mod staged;
 
 pub use attention::{attend, cls_attention, AttentionInputs, KeyPaddingMask};
 pub use checkpoint::{expected_tensors, load_deit, Checkpoint, CheckpointFiles, WeightNaming};
@@ -38,4 +38,4 @@ pub use labels::{class_names, imagenet1k_classes, imagenet1k_index_of_wnid, Imag
 pub use on_device::{CapturablePrunedForward, DevicePrunedForward, PrunedTokens};
 pub use preprocess::{decode_image, Interpolation, PreprocessConfig, Resize};
 pub use pruned::{BlockPruner, ExecutionPath, PruneStage, PrunedForward};
-pub use two_stage::TwoStageGraph;
+pub use staged::{Reads, StagedGraph};

@@ -26,7 +26,8 @@
 //! rules that can keep everything, all of pruning's matmul savings at large ones.
 //! [`DeiT::forward_to_first_step`] and [`DeiT::forward_from_step`] cut that forward after its
 //! first step, so that a caller can read that step's total in between and run the rest over that
-//! many rows ([`crate::TwoStageGraph`] replays the two halves as CUDA graphs).
+//! many rows; [`DeiT::forward_to_next_step`] cuts the same way at the next step
+//! ([`crate::StagedGraph`] replays the parts as CUDA graphs).
 //!
 //! Same decisions as the host path, ties and NaN scores included, given bit-identical scores
 //! (the rules are one definition, [`candle_ragged::KeepRule`]).
@@ -582,23 +583,18 @@ impl DeiT {
         })
     }
 
-    /// Continues [`DeiT::forward_to_first_step`]: the rest of the step's block, the later blocks
-    /// and steps (bounded selections, no host sync), the head. `[B, num_classes]` logits, the
-    /// same as [`DeiT::forward_pruned_capturable`]'s (matmuls over fewer rows may round
-    /// differently on CUDA).
+    /// Continues from a pruning step's selected tokens ([`DeiT::forward_to_first_step`] or
+    /// [`DeiT::forward_to_next_step`], fitted or not): the rest of the step's block, the later
+    /// blocks and steps (bounded selections, no host sync), the head. `[B, num_classes]` logits,
+    /// the same as [`DeiT::forward_pruned_capturable`]'s (matmuls over fewer rows may round
+    /// differently on CUDA). An error when `pruners` has no step at the tokens' block.
     pub fn forward_from_step(
         &self,
         step: &PrunedTokens,
         pruners: &[BlockPruner],
     ) -> Result<Tensor, ModelError> {
         let order = self.device_order(pruners)?;
-        if order.first().map(|(blk, _)| *blk) != Some(step.block) {
-            return Err(ModelError::InvalidPruning(format!(
-                "forward_from_step: the tokens come from a step at block {}, the schedule's \
-                 first step is not there",
-                step.block
-            )));
-        }
+        self.step_position(step, &order, "forward_from_step")?;
         let resume = Resume::AfterSelection {
             block: step.block,
             site: step.site,
@@ -611,5 +607,64 @@ impl DeiT {
             Lengths::OnDevice,
         )?;
         Ok(logits)
+    }
+
+    /// Continues from a pruning step's selected tokens up to and including the next step's
+    /// selection (bounded, no host sync): the rest of the step's block, the blocks before the
+    /// next step, its selection. An error when `pruners` has no step at the tokens' block or none
+    /// after it.
+    pub fn forward_to_next_step(
+        &self,
+        step: &PrunedTokens,
+        pruners: &[BlockPruner],
+    ) -> Result<PrunedTokens, ModelError> {
+        let order = self.device_order(pruners)?;
+        let at = self.step_position(step, &order, "forward_to_next_step")?;
+        let Some((next, pruner)) = order.get(at + 1).copied() else {
+            return Err(ModelError::InvalidPruning(format!(
+                "forward_to_next_step: the schedule has no step after block {}",
+                step.block
+            )));
+        };
+        let next = *next;
+        let inputs = AttentionInputs::Ragged { batch: &step.batch };
+        let mut x = self.blocks[step.block].rest_after(step.site, &step.tokens, &inputs)?;
+        for b in &self.blocks[step.block + 1..next] {
+            x = b.forward_with(&x, &inputs)?;
+        }
+        let num_prefix = self.config.num_prefix_tokens();
+        let (tokens, batch) = self.select_step(
+            next,
+            pruner.as_ref(),
+            &x,
+            &step.batch,
+            num_prefix,
+            Lengths::OnDevice,
+        )?;
+        Ok(PrunedTokens {
+            tokens,
+            batch,
+            block: next,
+            site: pruner.site(),
+        })
+    }
+
+    /// Where in `order` the step that made `step`'s tokens is.
+    fn step_position(
+        &self,
+        step: &PrunedTokens,
+        order: &[&BlockPruner],
+        op: &str,
+    ) -> Result<usize, ModelError> {
+        order
+            .iter()
+            .position(|(blk, _)| *blk == step.block)
+            .ok_or_else(|| {
+                ModelError::InvalidPruning(format!(
+                    "{op}: the tokens come from a step at block {}, which the schedule does not \
+                     have",
+                    step.block
+                ))
+            })
     }
 }

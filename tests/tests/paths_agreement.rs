@@ -866,9 +866,11 @@ fn check_capturable(
 
 /// The capturable forward cut after its first step ([`DeiT::forward_to_first_step`], the
 /// step's total read back, [`DeiT::forward_from_step`] over exactly that many rows and over a
-/// few spare rows more): the first step's total is the host's, and the logits agree with the
+/// few spare rows more), and cut after every step ([`DeiT::forward_to_next_step`], each step
+/// fitted to its total): each step's total is the host's, and the logits agree with the
 /// capturable forward's within the f32 tolerance. On CUDA, the same through
-/// [`models::TwoStageGraph`], replayed for another input first. Returns the max |Δlogit|.
+/// [`models::StagedGraph`] (both [`models::Reads`]), replayed for another input first. Returns
+/// the max |Δlogit|.
 fn check_two_stage(
     what: &str,
     m: &DeiT,
@@ -879,14 +881,14 @@ fn check_two_stage(
 ) -> f32 {
     let want: Vec<Vec<f32>> = capturable.to_dtype(DType::F32).unwrap().to_vec2().unwrap();
     let tol = tolerance(DType::F32, &want);
+    let host_totals: Vec<usize> = host.kept_tokens().iter().map(|k| k.iter().sum()).collect();
     let step = m.forward_to_first_step(pixels, pruners).unwrap();
-    let host_total: usize = host.kept_tokens()[0].iter().sum();
     let mut worst = 0f32;
     for spare in [0, 7] {
         let (fitted, total) = step.fit(|t| t + spare).unwrap();
         assert_eq!(
-            total, host_total,
-            "{what}: first step's total, two-stage vs host"
+            total, host_totals[0],
+            "{what}: first step's total, split vs host"
         );
         let rows = fitted.tokens().dim(0).unwrap();
         assert_eq!(
@@ -903,18 +905,31 @@ fn check_two_stage(
             tol,
         ));
     }
+    // Cut after every step, each fitted to exactly its total.
+    let (mut fitted, _) = step.fit(|t| t).unwrap();
+    for (k, &host_total) in host_totals.iter().enumerate().skip(1) {
+        let next = m.forward_to_next_step(&fitted, pruners).unwrap();
+        assert_eq!(
+            next.block(),
+            step_blocks(pruners)[k],
+            "{what}: step {k}'s block"
+        );
+        let (f, total) = next.fit(|t| t).unwrap();
+        assert_eq!(total, host_total, "{what}: step {k}'s total, split vs host");
+        fitted = f;
+    }
+    let e = m.forward_to_next_step(&fitted, pruners).unwrap_err();
+    assert!(e.to_string().contains("no step after block"), "{e}");
+    let got = m.forward_from_step(&fitted, pruners).unwrap();
+    let got: Vec<Vec<f32>> = got.to_dtype(DType::F32).unwrap().to_vec2().unwrap();
+    worst = worst.max(assert_logits_agree(
+        &format!("{what} split after every step"),
+        &got,
+        &want,
+        tol,
+    ));
     if pixels.device().is_cuda() {
-        let graphs = models::TwoStageGraph::capture(m, pixels, pruners).unwrap();
         let other = (pixels * 0.5).unwrap();
-        let replayed_other = graphs.run(&other).unwrap();
-        let replayed = graphs.run(pixels).unwrap();
-        let got: Vec<Vec<f32>> = replayed.to_dtype(DType::F32).unwrap().to_vec2().unwrap();
-        worst = worst.max(assert_logits_agree(
-            &format!("{what} two-stage graphs"),
-            &got,
-            &want,
-            tol,
-        ));
         let eager_other: Vec<Vec<f32>> = m
             .forward_pruned_capturable(&other, pruners)
             .unwrap()
@@ -923,20 +938,48 @@ fn check_two_stage(
             .unwrap()
             .to_vec2()
             .unwrap();
-        let got_other: Vec<Vec<f32>> = replayed_other
-            .to_dtype(DType::F32)
-            .unwrap()
-            .to_vec2()
-            .unwrap();
-        worst = worst.max(assert_logits_agree(
-            &format!("{what} two-stage graphs, another input"),
-            &got_other,
-            &eager_other,
-            tolerance(DType::F32, &eager_other),
-        ));
-        assert!(graphs.captured_buckets() >= 1, "{what}: no second graph");
+        for reads in [models::Reads::First, models::Reads::EveryStep] {
+            let graphs = models::StagedGraph::capture(m, pixels, pruners, reads).unwrap();
+            let replayed_other = graphs.run(&other).unwrap();
+            let replayed = graphs.run(pixels).unwrap();
+            let got: Vec<Vec<f32>> = replayed.to_dtype(DType::F32).unwrap().to_vec2().unwrap();
+            worst = worst.max(assert_logits_agree(
+                &format!("{what} staged graphs {reads:?}"),
+                &got,
+                &want,
+                tol,
+            ));
+            let got_other: Vec<Vec<f32>> = replayed_other
+                .to_dtype(DType::F32)
+                .unwrap()
+                .to_vec2()
+                .unwrap();
+            worst = worst.max(assert_logits_agree(
+                &format!("{what} staged graphs {reads:?}, another input"),
+                &got_other,
+                &eager_other,
+                tolerance(DType::F32, &eager_other),
+            ));
+            let stages = if reads == models::Reads::First {
+                1
+            } else {
+                host_totals.len()
+            };
+            assert!(
+                graphs.captured_graphs() >= stages,
+                "{what}: {} graphs after the first for {stages} stages",
+                graphs.captured_graphs()
+            );
+        }
     }
     worst
+}
+
+/// The blocks of a schedule's pruning steps, in order.
+fn step_blocks(pruners: &Pruners) -> Vec<usize> {
+    let mut b: Vec<usize> = pruners.iter().map(|(blk, _)| *blk).collect();
+    b.sort_unstable();
+    b
 }
 
 /// Device-side decisions give the host-decided ragged forward's kept tokens and logits, for
@@ -1112,5 +1155,8 @@ fn two_stage_split_errors() {
     });
     let later = build(&m, &later, &dev);
     let e = m.forward_from_step(&step, &later).unwrap_err();
-    assert!(e.to_string().contains("first step is not there"), "{e}");
+    assert!(
+        e.to_string().contains("which the schedule does not have"),
+        "{e}"
+    );
 }

@@ -19,7 +19,7 @@ use candle_core::{DType, Device, Tensor};
 use candle_fastpath::{CapturedForward, PeakMemory};
 use clap::Parser;
 use models::{
-    expected_tensors, Checkpoint, DeiT, DeiTConfig, ExecutionPath, TwoStageGraph, WeightNaming,
+    expected_tensors, Checkpoint, DeiT, DeiTConfig, ExecutionPath, Reads, StagedGraph, WeightNaming,
 };
 use pruners::{Mode, PrunerSpec, PruningSchedule};
 use serde::Serialize;
@@ -117,9 +117,10 @@ struct Row {
     cuda_graph: bool,
     /// Where pruning decisions were made: "host" (scores read back and decided on the CPU, per
     /// step), "device" (a kernel decides: no host sync for fixed-ratio pruners, one read of
-    /// the new lengths per step otherwise; as a CUDA graph, no read at all) or "two-stage" (a
+    /// the new lengths per step otherwise; as a CUDA graph, no read at all), "two-stage" (a
     /// kernel decides; two CUDA graphs with one read of the first step's total between them,
-    /// `models::TwoStageGraph`).
+    /// `models::StagedGraph` with `Reads::First`) or "staged" (the same with a read after every
+    /// step, `Reads::EveryStep`).
     decisions: String,
     /// Most device memory in use at once during the timed runs (weights and inputs included);
     /// null on the CPU.
@@ -389,16 +390,21 @@ fn main() -> ExitCode {
                                 rows.push((latency, kept, peak, true, "device"));
                             }
                             if graphable && !fixed {
-                                // Counts from the scores: two graphs with one read of the first
+                                // Counts from the scores: CUDA graphs with a read of one
                                 // step's total between them, the rest over that many rows.
-                                let staged = TwoStageGraph::capture(&model, &pixels, &pruners)?;
-                                let run = || -> Result<f64> {
-                                    staged.replay(&pixels)?;
-                                    Ok(kept)
-                                };
-                                let (latency, _, peak) =
-                                    time(&device, args.warmup, args.reps, run)?;
-                                rows.push((latency, kept, peak, true, "two-stage"));
+                                for (reads, name) in
+                                    [(Reads::First, "two-stage"), (Reads::EveryStep, "staged")]
+                                {
+                                    let staged =
+                                        StagedGraph::capture(&model, &pixels, &pruners, reads)?;
+                                    let run = || -> Result<f64> {
+                                        staged.replay(&pixels)?;
+                                        Ok(kept)
+                                    };
+                                    let (latency, _, peak) =
+                                        time(&device, args.warmup, args.reps, run)?;
+                                    rows.push((latency, kept, peak, true, name));
+                                }
                             }
                         }
                         for (latency, kept, peak_mem_mb, cuda_graph, decisions) in rows {
@@ -423,7 +429,7 @@ fn main() -> ExitCode {
                             eprintln!(
                             "{:<12} {:<5} b={:<3} {:<13} {:<8} {:<6}{}{} {:>9.1} img/s {:>9.3} ms  tokens {:.1}  peak {:.0} MiB",
                             row.model, row.dtype, batch, row.pruner, row.mode, row.path,
-                            match decisions { "device" => "+dev", "two-stage" => "+2st", _ => "    " },
+                            match decisions { "device" => "+dev", "two-stage" => "+2st", "staged" => "+stg", _ => "    " },
                             if cuda_graph { "+graph" } else { "      " },
                             row.img_s, row.latency_ms, kept, peak_mem_mb.unwrap_or(0.0)
                         );
