@@ -127,9 +127,10 @@ enum Resume {
     AfterSelection { block: usize, site: PruneSite },
 }
 
-/// A pruned forward stopped right after its first pruning step's selection
-/// ([`DeiT::forward_to_first_step`]): the selected tokens, packed, and their batch, whose lengths
-/// live on the device; the packed rows are a capacity (rows past the total hold no token).
+/// A pruned forward stopped right after a pruning step's selection
+/// ([`DeiT::forward_to_first_step`], [`DeiT::forward_to_next_step`]): the selected tokens,
+/// packed, and their batch, whose lengths live on the device; the packed rows are a capacity
+/// (rows past the total hold no token). [`DeiT::forward_from_step`] finishes the forward.
 #[derive(Debug, Clone)]
 pub struct PrunedTokens {
     tokens: Tensor,
