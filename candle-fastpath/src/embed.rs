@@ -76,14 +76,7 @@ pub fn embed_tokens(patches: &Tensor, prefix: Option<&Tensor>, pos: &Tensor) -> 
                 found: t.dtype(),
             });
         }
-        if !t.device().same_device(patches.device()) {
-            return Err(FastpathError::DeviceMismatch {
-                op: OP,
-                what,
-                expected: format!("{:?}", patches.device().location()),
-                found: format!("{:?}", t.device().location()),
-            });
-        }
+        FastpathError::check_same_device(OP, what, t.device(), patches.device())?;
     }
     #[cfg(feature = "cuda")]
     if patches.device().is_cuda()

@@ -55,6 +55,26 @@ pub enum FastpathError {
     Pool { what: String, code: String },
 }
 
+impl FastpathError {
+    /// `Err(DeviceMismatch)` unless `found` is on `expected`'s device.
+    pub(crate) fn check_same_device(
+        op: &'static str,
+        what: &'static str,
+        found: &candle_core::Device,
+        expected: &candle_core::Device,
+    ) -> Result<()> {
+        if found.same_device(expected) {
+            return Ok(());
+        }
+        Err(FastpathError::DeviceMismatch {
+            op,
+            what,
+            expected: format!("{:?}", expected.location()),
+            found: format!("{:?}", found.location()),
+        })
+    }
+}
+
 impl From<FastpathError> for candle_core::Error {
     fn from(e: FastpathError) -> Self {
         match e {

@@ -87,14 +87,12 @@ impl CapturedForward {
         };
         let device = device.clone();
         for x in examples {
-            if !x.device().same_device(first.device()) {
-                return Err(FastpathError::DeviceMismatch {
-                    op: "CapturedForward::capture",
-                    what: "example",
-                    expected: format!("{:?}", first.device().location()),
-                    found: format!("{:?}", x.device().location()),
-                });
-            }
+            FastpathError::check_same_device(
+                "CapturedForward::capture",
+                "example",
+                x.device(),
+                first.device(),
+            )?;
         }
         // SAFETY: candle issues all work of a device on its one stream, so the cross-stream
         // events cudarc records per buffer carry no ordering that the stream does not already.
@@ -182,14 +180,12 @@ impl CapturedForward {
                     found: input.shape().clone(),
                 });
             }
-            if !input.device().same_device(buffer.device()) {
-                return Err(FastpathError::DeviceMismatch {
-                    op: "CapturedForward::run",
-                    what: "input",
-                    expected: format!("{:?}", buffer.device().location()),
-                    found: format!("{:?}", input.device().location()),
-                });
-            }
+            FastpathError::check_same_device(
+                "CapturedForward::run",
+                "input",
+                input.device(),
+                buffer.device(),
+            )?;
         }
         for (buffer, input) in self.inputs.iter().zip(inputs) {
             buffer.inplace_op2(&input.contiguous()?, &CopyInto)?;

@@ -235,13 +235,5 @@ pub(crate) fn check_like(
             found: t.dtype(),
         });
     }
-    if !t.device().same_device(weight.device()) {
-        return Err(FastpathError::DeviceMismatch {
-            op,
-            what,
-            expected: format!("{:?}", weight.device().location()),
-            found: format!("{:?}", t.device().location()),
-        });
-    }
-    Ok(())
+    FastpathError::check_same_device(op, what, t.device(), weight.device())
 }

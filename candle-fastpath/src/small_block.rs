@@ -200,14 +200,7 @@ pub fn small_block(
             cu_seqlens.dtype()
         ))));
     }
-    if !cu_seqlens.device().same_device(x.device()) {
-        return Err(FastpathError::DeviceMismatch {
-            op: OP,
-            what: "cu_seqlens",
-            expected: format!("{:?}", x.device().location()),
-            found: format!("{:?}", cu_seqlens.device().location()),
-        });
-    }
+    FastpathError::check_same_device(OP, "cu_seqlens", cu_seqlens.device(), x.device())?;
     run(x, cu_seqlens, max_len, w)
 }
 
