@@ -26,6 +26,21 @@ fn forward(
     candle_nn::ops::softmax_last_dim(&y.mean(1)?)
 }
 
+/// The capture on CUDA; elsewhere `None`, after checking that the error says why.
+fn captured_or_cpu_error(
+    captured: candle_fastpath::Result<CapturedForward>,
+    dev: &candle_core::Device,
+) -> Option<CapturedForward> {
+    match captured {
+        Ok(c) => Some(c),
+        Err(e) => {
+            assert!(!dev.is_cuda(), "capture failed on CUDA: {e}");
+            assert!(e.to_string().contains("needs a CUDA device"), "{e}");
+            None
+        }
+    }
+}
+
 #[test]
 fn replay_equals_eager() -> anyhow::Result<()> {
     let dev = device();
@@ -41,13 +56,9 @@ fn replay_equals_eager() -> anyhow::Result<()> {
         let scale = Tensor::randn(1f32, 0.1, (1, 1, 32), &dev)?.to_dtype(dtype)?;
         let f = |x: &Tensor| forward(x, &fc1, &fc2, &scale);
         let example = Tensor::zeros((3, 5, 16), dtype, &dev)?;
-        let captured = match CapturedForward::capture(&example, f) {
-            Ok(c) => c,
-            Err(e) => {
-                assert!(!dev.is_cuda(), "capture failed on CUDA: {e}");
-                assert!(e.to_string().contains("needs a CUDA device"), "{e}");
-                return Ok(());
-            }
+        let Some(captured) = captured_or_cpu_error(CapturedForward::capture(&example, f), &dev)
+        else {
+            return Ok(());
         };
         let mut outputs = Vec::new();
         for seed in 0..3 {
@@ -117,13 +128,9 @@ fn several_inputs_and_outputs() -> anyhow::Result<()> {
         Tensor::zeros((6, 4), DType::F32, &dev)?,
         Tensor::new(&[0u32, 1, 2], &dev)?,
     ];
-    let captured = match CapturedForward::capture_many(&examples, f) {
-        Ok(c) => c,
-        Err(e) => {
-            assert!(!dev.is_cuda(), "capture failed on CUDA: {e}");
-            assert!(e.to_string().contains("needs a CUDA device"), "{e}");
-            return Ok(());
-        }
+    let Some(captured) = captured_or_cpu_error(CapturedForward::capture_many(&examples, f), &dev)
+    else {
+        return Ok(());
     };
     for seed in 0..3u32 {
         let x = (Tensor::randn(0f32, 1.0, (6, 4), &dev)? + seed as f64)?;

@@ -173,12 +173,7 @@ impl RaggedBatch {
     /// A batch from an existing `cu_seqlens` tensor (`[batch + 1]`, u32). Reads it back to the host
     /// once to validate it (starts at 0, never decreases, no empty sequence).
     pub fn from_cu_seqlens(cu_seqlens: &Tensor) -> Result<Self> {
-        if cu_seqlens.dtype() != DType::U32 || cu_seqlens.rank() != 1 || cu_seqlens.dim(0)? < 2 {
-            return Err(RaggedError::CuSeqlensTensor {
-                dtype: cu_seqlens.dtype(),
-                shape: cu_seqlens.shape().clone(),
-            });
-        }
+        check_cu_seqlens_tensor(cu_seqlens)?;
         let offsets = cu_seqlens.to_vec1::<u32>()?;
         validate_offsets(&offsets, false)?;
         let max_len = offsets
@@ -204,12 +199,7 @@ impl RaggedBatch {
         rows: usize,
         max_len: usize,
     ) -> Result<Self> {
-        if cu_seqlens.dtype() != DType::U32 || cu_seqlens.rank() != 1 || cu_seqlens.dim(0)? < 2 {
-            return Err(RaggedError::CuSeqlensTensor {
-                dtype: cu_seqlens.dtype(),
-                shape: cu_seqlens.shape().clone(),
-            });
-        }
+        check_cu_seqlens_tensor(&cu_seqlens)?;
         let batch_size = cu_seqlens.dim(0)? - 1;
         Ok(Self::with_device_lengths(
             cu_seqlens, batch_size, rows, max_len,
@@ -327,6 +317,17 @@ impl RaggedBatch {
             max_len: self.max_len,
         })
     }
+}
+
+/// A `cu_seqlens` tensor's dtype and shape: rank-1 u32 with at least 2 entries (one sequence).
+fn check_cu_seqlens_tensor(cu_seqlens: &Tensor) -> Result<()> {
+    if cu_seqlens.dtype() != DType::U32 || cu_seqlens.rank() != 1 || cu_seqlens.dim(0)? < 2 {
+        return Err(RaggedError::CuSeqlensTensor {
+            dtype: cu_seqlens.dtype(),
+            shape: cu_seqlens.shape().clone(),
+        });
+    }
+    Ok(())
 }
 
 fn offsets_from_lengths(lengths: &[usize], allow_empty: bool) -> Result<Vec<u32>> {

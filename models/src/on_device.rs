@@ -562,20 +562,27 @@ impl DeiT {
                 "forward_to_first_step: the schedule has no pruning step".into(),
             ));
         };
-        let block = *block;
-        let num_prefix = self.config.num_prefix_tokens();
-        let (mut x, batch) = self.embed_packed(pixels)?;
-        for b in &self.blocks[..block] {
-            x = b.forward_with(&x, &AttentionInputs::Ragged { batch: &batch })?;
+        let (x, batch) = self.embed_packed(pixels)?;
+        self.blocks_then_select(x, &batch, 0, *block, pruner.as_ref())
+    }
+
+    /// Blocks `from..block` on packed tokens `x` (over `batch`), then `block`'s pruning step's
+    /// selection (bounded, no host sync).
+    fn blocks_then_select(
+        &self,
+        mut x: Tensor,
+        batch: &RaggedBatch,
+        from: usize,
+        block: usize,
+        pruner: &dyn TokenPruner,
+    ) -> Result<PrunedTokens, ModelError> {
+        let inputs = AttentionInputs::Ragged { batch };
+        for b in &self.blocks[from..block] {
+            x = b.forward_with(&x, &inputs)?;
         }
-        let (tokens, batch) = self.select_step(
-            block,
-            pruner.as_ref(),
-            &x,
-            &batch,
-            num_prefix,
-            Lengths::OnDevice,
-        )?;
+        let num_prefix = self.config.num_prefix_tokens();
+        let (tokens, batch) =
+            self.select_step(block, pruner, &x, batch, num_prefix, Lengths::OnDevice)?;
         Ok(PrunedTokens {
             tokens,
             batch,
@@ -627,27 +634,9 @@ impl DeiT {
                 step.block
             )));
         };
-        let next = *next;
         let inputs = AttentionInputs::Ragged { batch: &step.batch };
-        let mut x = self.blocks[step.block].rest_after(step.site, &step.tokens, &inputs)?;
-        for b in &self.blocks[step.block + 1..next] {
-            x = b.forward_with(&x, &inputs)?;
-        }
-        let num_prefix = self.config.num_prefix_tokens();
-        let (tokens, batch) = self.select_step(
-            next,
-            pruner.as_ref(),
-            &x,
-            &step.batch,
-            num_prefix,
-            Lengths::OnDevice,
-        )?;
-        Ok(PrunedTokens {
-            tokens,
-            batch,
-            block: next,
-            site: pruner.site(),
-        })
+        let x = self.blocks[step.block].rest_after(step.site, &step.tokens, &inputs)?;
+        self.blocks_then_select(x, &step.batch, step.block + 1, *next, pruner.as_ref())
     }
 
     /// Where in `order` the step that made `step`'s tokens is.

@@ -31,6 +31,16 @@ use crate::pruned::BlockPruner;
 /// at most that many rows more than its total.
 const BUCKETS: usize = 32;
 
+/// `total` rounded up to a multiple of `bucket_rows`: the rows a stage runs over.
+fn bucket_of(total: usize, bucket_rows: usize) -> usize {
+    total.div_ceil(bucket_rows) * bucket_rows
+}
+
+/// A step's output as a graph returns it: [tokens, cu_seqlens].
+fn step_outputs(t: &PrunedTokens) -> Vec<Tensor> {
+    vec![t.tokens().clone(), t.batch().cu_seqlens().clone()]
+}
+
 /// One stage's captured graphs, by the rows of their input.
 type StageGraphs = Vec<(usize, Rc<CapturedForward>)>;
 
@@ -89,7 +99,7 @@ impl<'a> StagedGraph<'a> {
         };
         let mut steps = vec![step.clone()];
         while steps.len() < stages {
-            let (fitted, _) = step.fit(|t| t.div_ceil(bucket_rows) * bucket_rows)?;
+            let (fitted, _) = step.fit(|t| bucket_of(t, bucket_rows))?;
             step = model.forward_to_next_step(&fitted, pruners)?;
             steps.push(step.clone());
         }
@@ -97,7 +107,7 @@ impl<'a> StagedGraph<'a> {
             let t = model
                 .forward_to_first_step(&xs[0], pruners)
                 .map_err(candle_core::Error::wrap)?;
-            Ok(vec![t.tokens().clone(), t.batch().cu_seqlens().clone()])
+            Ok(step_outputs(&t))
         })?;
         Ok(Self {
             model,
@@ -124,8 +134,7 @@ impl<'a> StagedGraph<'a> {
             // SAFETY: the previous graph's output buffers, which it has just written: a
             // selection's packed tokens at its capacity and its valid `cu_seqlens`.
             let step = unsafe { template.over(tokens.clone(), cu_seqlens.clone())? };
-            let bucket = self.bucket_rows;
-            let (fitted, _total) = step.fit(|total| total.div_ceil(bucket) * bucket)?;
+            let (fitted, _total) = step.fit(|total| bucket_of(total, self.bucket_rows))?;
             let rows = fitted.tokens().dim(0)?;
             let graph = self.graph(stage, rows, &fitted, cu_seqlens)?;
             graph.replay_many(&[fitted.tokens(), cu_seqlens])?;
@@ -175,10 +184,7 @@ impl<'a> StagedGraph<'a> {
                 let next = model
                     .forward_to_next_step(&t, pruners)
                     .map_err(candle_core::Error::wrap)?;
-                Ok(vec![
-                    next.tokens().clone(),
-                    next.batch().cu_seqlens().clone(),
-                ])
+                Ok(step_outputs(&next))
             }
         })?;
         let graph = Rc::new(graph);

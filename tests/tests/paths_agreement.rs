@@ -1135,25 +1135,21 @@ fn two_stage_split_errors() {
     let pixels = varied_pixels(3, &cfg, 4, &dev);
     let e = m.forward_to_first_step(&pixels, &[]).unwrap_err();
     assert!(e.to_string().contains("no pruning step"), "{e}");
-    let s = schedule(&BLOCKS, |st| {
-        small_config(
-            PrunerKind::ThresholdL2,
-            Mode::Adaptive,
-            st,
-            cfg.num_patches(),
-        )
-    });
-    let pruners = build(&m, &s, &dev);
+    // Threshold-L2 adaptive at `blocks`.
+    let tl2 = |blocks: &[usize]| {
+        let s = schedule(blocks, |st| {
+            small_config(
+                PrunerKind::ThresholdL2,
+                Mode::Adaptive,
+                st,
+                cfg.num_patches(),
+            )
+        });
+        build(&m, &s, &dev)
+    };
+    let pruners = tl2(&BLOCKS);
     let step = m.forward_to_first_step(&pixels, &pruners).unwrap();
-    let later = schedule(&BLOCKS[1..], |st| {
-        small_config(
-            PrunerKind::ThresholdL2,
-            Mode::Adaptive,
-            st,
-            cfg.num_patches(),
-        )
-    });
-    let later = build(&m, &later, &dev);
+    let later = tl2(&BLOCKS[1..]);
     let e = m.forward_from_step(&step, &later).unwrap_err();
     assert!(
         e.to_string().contains("which the schedule does not have"),
