@@ -6,6 +6,8 @@ use std::process::Command;
 fn main() {
     println!("cargo:rerun-if-changed=build.rs");
     println!("cargo:rerun-if-changed=kernels/ragged_attention.cu");
+    println!("cargo:rerun-if-changed=kernels/ragged_attention_sm90.cu");
+    println!("cargo::rustc-check-cfg=cfg(ragged_wgmma)");
     println!("cargo:rerun-if-env-changed=CUDA_COMPUTE_CAP");
     println!("cargo:rerun-if-env-changed=CUDA_HOME");
     println!("cargo:rerun-if-env-changed=NVCC");
@@ -46,5 +48,28 @@ fn main() {
         });
     if !status.success() {
         panic!("nvcc failed to compile kernels/ragged_attention.cu ({status})");
+    }
+    // The warpgroup-MMA kernel exists only for compute_90a (Hopper); cfg(ragged_wgmma) tells
+    // src/cuda.rs that its PTX is there.
+    if cap >= 90 {
+        let out =
+            PathBuf::from(std::env::var("OUT_DIR").unwrap()).join("ragged_attention_sm90.ptx");
+        let status = Command::new(&nvcc)
+            .args([
+                "--ptx",
+                "-O3",
+                "-std=c++17",
+                "--use_fast_math",
+                "-arch=compute_90a",
+            ])
+            .arg("-o")
+            .arg(&out)
+            .arg("kernels/ragged_attention_sm90.cu")
+            .status()
+            .unwrap_or_else(|e| panic!("cannot run nvcc ({}): {e}", nvcc.display()));
+        if !status.success() {
+            panic!("nvcc failed to compile kernels/ragged_attention_sm90.cu ({status})");
+        }
+        println!("cargo:rustc-cfg=ragged_wgmma");
     }
 }

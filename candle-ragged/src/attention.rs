@@ -42,6 +42,8 @@ pub struct RaggedAttention<'a> {
 /// wave of warps (one image), four or eight warps share each query tile's keys and merge their
 /// softmax states. All give the same results up to f32 summation order.
 /// `CANDLE_RAGGED_ATTENTION=tiled` in the environment (read once per device) forces the tiled one,
+/// `=wgmma1` a Hopper warpgroup-MMA kernel for f16 / bf16, head_dim 64, up to 256 tokens (built
+/// with `CUDA_COMPUTE_CAP` >= 90, used on compute capability 9.0 only),
 /// `CANDLE_RAGGED_KEY_PARTS=1` keeps one warp per query tile and `=4` at most four; all for A/B
 /// measurements.
 pub fn ragged_attention(

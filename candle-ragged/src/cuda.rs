@@ -15,6 +15,21 @@ use std::sync::{Arc, Mutex};
 const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/ragged_attention.ptx"));
 const MODULE: &str = "candle_ragged";
 
+/// The warpgroup-MMA attention kernels (kernels/ragged_attention_sm90.cu, compute_90a), when
+/// build.rs compiled them (CUDA_COMPUTE_CAP >= 90).
+#[cfg(ragged_wgmma)]
+const PTX_SM90: Option<&str> = Some(include_str!(concat!(
+    env!("OUT_DIR"),
+    "/ragged_attention_sm90.ptx"
+)));
+#[cfg(not(ragged_wgmma))]
+const PTX_SM90: Option<&str> = None;
+const MODULE_SM90: &str = "candle_ragged_sm90";
+/// By [dtype - 1]; head_dim 64 only, one warpgroup per block.
+const WGMMA_NAMES: [&str; 2] = ["ragged_attn_wg1_f16_d64", "ragged_attn_wg1_bf16_d64"];
+/// Longest sequence of the wgmma kernel (WG_MAX_LEN there).
+const WGMMA_MAX_LEN: usize = 256;
+
 /// The resident kernel (whole K / V of a (sequence, head) in shared memory, no barrier in the key
 /// loop) for f16 / bf16 and head_dim 32 / 64, by [dtype - 1][head_dim index].
 const RESIDENT_NAMES: [[&str; 2]; 2] = [
@@ -103,6 +118,9 @@ struct Kernels {
     sm_count: usize,
     /// `CANDLE_RAGGED_ATTENTION=tiled` turns the resident kernel off (for A/B measurements).
     resident_enabled: bool,
+    /// The wgmma kernel (lever 46; at parity with the resident one, so an A/B arm), by
+    /// [dtype - 1], on compute capability 9.0 with `CANDLE_RAGGED_ATTENTION=wgmma1`.
+    wgmma: Option<Vec<CudaFunction>>,
     /// Most key parts per query tile (`CANDLE_RAGGED_KEY_PARTS`, for A/B: 1 turns them off, 4
     /// keeps lever 16's rule; default 8).
     max_key_parts: usize,
@@ -175,7 +193,36 @@ fn kernels(dev: &CudaDevice) -> Result<Arc<Kernels>> {
         .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
         .w()?
         .max(1) as usize;
-    let resident_enabled = std::env::var("CANDLE_RAGGED_ATTENTION").as_deref() != Ok("tiled");
+    let attention_env = std::env::var("CANDLE_RAGGED_ATTENTION");
+    let resident_enabled = attention_env.as_deref() != Ok("tiled");
+    let ctx = dev.cuda_stream().context().clone();
+    let cc = (
+        ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)
+            .w()?,
+        ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)
+            .w()?,
+    );
+    let wgmma = match PTX_SM90 {
+        Some(ptx) if cc == (9, 0) && attention_env.as_deref() == Ok("wgmma1") => {
+            let fs: Vec<CudaFunction> = WGMMA_NAMES
+                .iter()
+                .map(|n| {
+                    Ok(dev
+                        .get_or_load_custom_func(n, MODULE_SM90, ptx)?
+                        .into_cuda_function())
+                })
+                .collect::<Result<_>>()?;
+            for f in &fs {
+                f.set_attribute(
+                    sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    wgmma_smem_bytes(WGMMA_MAX_LEN) as i32,
+                )
+                .w()?;
+            }
+            Some(fs)
+        }
+        _ => None,
+    };
     let max_key_parts = match std::env::var("CANDLE_RAGGED_KEY_PARTS").as_deref() {
         Ok("1") => 1,
         Ok("4") => KEY_PARTS,
@@ -200,6 +247,7 @@ fn kernels(dev: &CudaDevice) -> Result<Arc<Kernels>> {
         resident,
         sm_count,
         resident_enabled,
+        wgmma,
         max_key_parts,
         select: SELECT_NAMES
             .iter()
@@ -339,7 +387,20 @@ pub(crate) fn attention(
     let (v_tok, v_head) = strides(lv);
     let heads_i = heads as i32;
     let scale_log2 = softmax_scale * std::f32::consts::LOG2_E;
-    let (func, cfg) = if resident {
+    let wgmma = match &k.wgmma {
+        Some(fs) if dtype_index > 0 && dim == 64 && batch.max_len() <= WGMMA_MAX_LEN => {
+            Some(&fs[dtype_index - 1])
+        }
+        _ => None,
+    };
+    let (func, cfg) = if let Some(func) = wgmma {
+        let cfg = LaunchConfig {
+            grid_dim: (1, heads as u32, batch.batch_size() as u32),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: wgmma_smem_bytes(batch.max_len()) as u32,
+        };
+        (func, cfg)
+    } else if resident {
         // The launch shape (blocks, warps, key parts, shared memory): crate::resident_plan.
         let plan = resident_plan(
             batch.batch_size(),
@@ -394,6 +455,12 @@ pub(crate) fn attention(
         _ => launch!(half::bf16, BF16),
     };
     Ok((storage, shape))
+}
+
+/// Dynamic shared memory of the wgmma kernel for sequences up to `max_len`: K and V in 64-key
+/// chunks of 8 KB each, plus the slack to align them to 1024 bytes (the swizzle's period).
+fn wgmma_smem_bytes(max_len: usize) -> usize {
+    2 * max_len.div_ceil(64) * 64 * 128 + 1024
 }
 
 fn zero_len_storage(dev: &CudaDevice, dtype: DType) -> Result<CudaStorage> {

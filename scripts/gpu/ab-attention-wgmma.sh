@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Lever 46 on the GPU machine, from the repo root: the warpgroup-MMA attention kernel
+# (kernels/ragged_attention_sm90.cu, CANDLE_RAGGED_ATTENTION=wgmma1) against the resident
+# mma.sync kernel (any other value, e.g. "res"), one binary (needs .gpu/{bench-attention,test-attention}.xz; bench for e2e).
+# STAGES (default "checks attn ncu"):
+#   checks  test-attention on the wgmma arm (outputs NaN-poisoned; lengths 1..256 reach the new
+#           kernel, longer ones the tiled one), memcheck and racecheck of a subset on wgmma1
+#   attn    bench-attention, heads 6/12, batch 8/64/256, keep 1.0/0.7/0.5, f16 and bf16, arms
+#           interleaved, twice; per-row GPU-time ratios
+#   ncu     the kernel of each arm, 12 heads, batch 256, keep 1.0 and 0.7, f16
+#   e2e     bench dense / Threshold-L2 fixed, T/S/B, batch 64/256, f16, per arm, twice
+set -u
+stages=${STAGES:-checks attn ncu}
+. scripts/gpu/lib.sh
+unpack bench bench-attention test-attention
+C="$out/wgmma.txt"
+nvidia-smi --query-gpu=name --format=csv,noheader >> "$C"
+ARMS=${ARMS:-res wgmma1}
+if has checks; then
+  for a in $ARMS; do
+    [ "$a" = res ] && continue
+    echo "== test-attention (CANDLE_RAGGED_ATTENTION=$a)" >> "$C"
+    CANDLE_RAGGED_ATTENTION=$a timeout 300 $B/test-attention --test-threads=1 2>&1 | grep -E -A3 "test result|panicked|FAIL|worst" | head -40 >> "$C"
+  done
+  echo "== memcheck / racecheck test-attention (wgmma1)" >> "$C"
+  CANDLE_RAGGED_ATTENTION=wgmma1 timeout 300 compute-sanitizer --tool memcheck --error-exitcode 9 $B/test-attention --test-threads=1 odd_lengths mixed_lengths 2>&1 | grep -E "ERROR SUMMARY|test result|=====" | head -20 >> "$C"
+  CANDLE_RAGGED_ATTENTION=wgmma1 timeout 300 compute-sanitizer --tool racecheck --error-exitcode 9 $B/test-attention --test-threads=1 mixed_lengths 2>&1 | grep -E "RACECHECK SUMMARY|ERROR SUMMARY|test result|=====" | head -20 >> "$C"
+fi
+attn_run() { CANDLE_RAGGED_ATTENTION=$1 $B/bench-attention --heads 6,12 --batch 8,64,256 --keep 1.0,0.7,0.5 --dtype f16,bf16 --host-calls 200 --gpu-reps 100 --out "$2"; }
+has attn && ab_rounds attn attn_run --attn
+if has ncu; then
+  for a in $ARMS; do
+    for keep in 1.0 0.7; do
+      echo "== ncu attention, CANDLE_RAGGED_ATTENTION=$a, 12 heads, batch 256, keep $keep, f16" >> "$C"
+      CANDLE_RAGGED_ATTENTION=$a ncu --kernel-name regex:ragged_attn --launch-skip 20 --launch-count 1 \
+        --metrics gpu__time_duration.sum,launch__registers_per_thread,sm__warps_active.avg.pct_of_peak_sustained_active,smsp__issue_active.avg.pct_of_peak_sustained_active,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active,launch__occupancy_limit_shared_mem,launch__occupancy_limit_registers \
+        $B/bench-attention --heads 12 --batch 256 --keep $keep --dtype f16 --host-calls 10 --gpu-reps 3 --out /tmp/x.json 2>/dev/null \
+        | grep -E "gpu__time|registers|warps_active|issue_active|dram__|gmma|occupancy" >> "$C"
+    done
+  done
+fi
+e2e_run() { CANDLE_RAGGED_ATTENTION=$1 $B/bench --device cuda --models deit-tiny,deit-small,deit-base --dtype f16 --batch 64,256 --pruners none,threshold-l2-fixed --paths ragged --reps 10 --out "$2"; }
+has e2e && ab_rounds e2e e2e_run
+pack wgmma-json.tgz 'attn-*.json' 'e2e-*.json'
+cat "$C"
