@@ -13,13 +13,17 @@
 // instead of 64 + 64 per warp.
 //
 // Status (lever 46, H100): correct (test-attention, memcheck, racecheck) and at parity with the
-// resident kernel, not faster: 0.97-1.16x its time at batch 64/256, 0.6-0.9x at batch 8 with
-// keep >= 0.7 (one block per (sequence, head) walks its query tiles one after another). ncu at
-// 12 heads, batch 256: DRAM 41-48 % of peak, 18-24 % active warps, as the resident kernel: a
-// block's K / V loads overlap only other blocks' work. So it is an A/B arm
-// (CANDLE_RAGGED_ATTENTION=wgmma1), the base for a kernel that streams K / V through a ring of
-// chunk buffers while two warpgroups each hold two query tiles (loads of chunk c + 2 in flight
-// during chunk c), or a persistent one that prefetches the next (sequence, head).
+// resident kernel, not faster: 0.97-1.19x its time at batch 64/256, 0.56-1.03x at batch 8 (slower
+// at keep >= 0.7: one block per (sequence, head) walks its query tiles one after another). ncu at
+// 12 heads, batch 256: DRAM 42-48 % of peak, 18-24 % active warps, issue slots 50-54 % busy (the
+// resident kernel: the same DRAM, 27 % warps, 47 %). Taking the mask and the scale multiply out
+// of full chunks cut issue from 56-58 % without moving the time; a persistent form streaming K /
+// V through a ring of chunk buffers across pairs (lever 47: four warpgroups, one block per SM,
+// a barrier per chunk) was 0.56-0.80x. So the bound is each warpgroup's serial chain per chunk
+// (S, wait, softmax, P V, wait) at these few warps, not MMA instructions, issue or load
+// overlap alone; an A/B arm (CANDLE_RAGGED_ATTENTION=wgmma1) and the base for a kernel with two
+// independent chains per warpgroup (FlashAttention-3's ping-pong: one tile's softmax while the
+// other's MMAs run, S(c + 1) issued before softmax(c)).
 //
 // Grid (1, heads, batch), WGS warpgroups per block. A block stages K and V of its
 // (sequence, head) in shared memory once, in 64-key chunks (one cp.async group each, rows past
@@ -236,24 +240,55 @@ __device__ __forceinline__ void attn_wgmma_kernel(const T *__restrict__ q, const
             // softmax, P V and the stores below instead of stalling the next tile's first MMA.
             if (c == chunks - 1 && it + 1 < iters) load_q(qa, qh, q_tok, (tile + WGS) * 64 + warp * 16 + g, len, t);
 
-            // Online softmax in log2 units (scaled first: the scale may be negative); keys past
-            // the sequence's end are -inf.
+            // Online softmax in log2 units. A full chunk (every key real) needs no mask: the row
+            // extremum of the raw scores (max for a positive scale, min for a negative one) times
+            // the scale is the scaled maximum, and the scale rides in exp2's FMA. The last,
+            // partial chunk scales first and masks keys past the end with -inf.
             const int valid = len - c * CHUNK;
-            float mx0 = -INFINITY, mx1 = -INFINITY;
+            float mx0, mx1;
+            const bool full = valid >= CHUNK;  // uniform over the block
+            if (full) {
+                float e0 = s[0], e1 = s[2];
+                if (scale_log2 >= 0.f) {
 #pragma unroll
-            for (int j = 0; j < 8; ++j) {
-                const int col = j * 8 + t * 2;
+                    for (int j = 0; j < 8; ++j) {
+                        e0 = fmaxf(e0, fmaxf(s[4 * j + 0], s[4 * j + 1]));
+                        e1 = fmaxf(e1, fmaxf(s[4 * j + 2], s[4 * j + 3]));
+                    }
+                    e0 = fmaxf(e0, __shfl_xor_sync(0xffffffff, e0, 1));
+                    e0 = fmaxf(e0, __shfl_xor_sync(0xffffffff, e0, 2));
+                    e1 = fmaxf(e1, __shfl_xor_sync(0xffffffff, e1, 1));
+                    e1 = fmaxf(e1, __shfl_xor_sync(0xffffffff, e1, 2));
+                } else {
 #pragma unroll
-                for (int e = 0; e < 4; ++e) s[4 * j + e] *= scale_log2;
-                if (col >= valid) s[4 * j + 0] = s[4 * j + 2] = -INFINITY;
-                if (col + 1 >= valid) s[4 * j + 1] = s[4 * j + 3] = -INFINITY;
-                mx0 = fmaxf(mx0, fmaxf(s[4 * j + 0], s[4 * j + 1]));
-                mx1 = fmaxf(mx1, fmaxf(s[4 * j + 2], s[4 * j + 3]));
+                    for (int j = 0; j < 8; ++j) {
+                        e0 = fminf(e0, fminf(s[4 * j + 0], s[4 * j + 1]));
+                        e1 = fminf(e1, fminf(s[4 * j + 2], s[4 * j + 3]));
+                    }
+                    e0 = fminf(e0, __shfl_xor_sync(0xffffffff, e0, 1));
+                    e0 = fminf(e0, __shfl_xor_sync(0xffffffff, e0, 2));
+                    e1 = fminf(e1, __shfl_xor_sync(0xffffffff, e1, 1));
+                    e1 = fminf(e1, __shfl_xor_sync(0xffffffff, e1, 2));
+                }
+                mx0 = e0 * scale_log2;
+                mx1 = e1 * scale_log2;
+            } else {
+                mx0 = mx1 = -INFINITY;
+#pragma unroll
+                for (int j = 0; j < 8; ++j) {
+                    const int col = j * 8 + t * 2;
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) s[4 * j + e] *= scale_log2;
+                    if (col >= valid) s[4 * j + 0] = s[4 * j + 2] = -INFINITY;
+                    if (col + 1 >= valid) s[4 * j + 1] = s[4 * j + 3] = -INFINITY;
+                    mx0 = fmaxf(mx0, fmaxf(s[4 * j + 0], s[4 * j + 1]));
+                    mx1 = fmaxf(mx1, fmaxf(s[4 * j + 2], s[4 * j + 3]));
+                }
+                mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffff, mx0, 1));
+                mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffff, mx0, 2));
+                mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffff, mx1, 1));
+                mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffff, mx1, 2));
             }
-            mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffff, mx0, 1));
-            mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffff, mx0, 2));
-            mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffff, mx1, 1));
-            mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffff, mx1, 2));
             const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
             const float a0 = exp2f(m0 - n0), a1 = exp2f(m1 - n1);
             m0 = n0;
@@ -261,10 +296,12 @@ __device__ __forceinline__ void attn_wgmma_kernel(const T *__restrict__ q, const
             float sum0 = 0.f, sum1 = 0.f;
 #pragma unroll
             for (int j = 0; j < 8; ++j) {
-                s[4 * j + 0] = exp2f(s[4 * j + 0] - n0);
-                s[4 * j + 1] = exp2f(s[4 * j + 1] - n0);
-                s[4 * j + 2] = exp2f(s[4 * j + 2] - n1);
-                s[4 * j + 3] = exp2f(s[4 * j + 3] - n1);
+                // Full chunks hold raw scores, the partial one scaled scores.
+                const float k = full ? scale_log2 : 1.f;
+                s[4 * j + 0] = exp2f(fmaf(s[4 * j + 0], k, -n0));
+                s[4 * j + 1] = exp2f(fmaf(s[4 * j + 1], k, -n0));
+                s[4 * j + 2] = exp2f(fmaf(s[4 * j + 2], k, -n1));
+                s[4 * j + 3] = exp2f(fmaf(s[4 * j + 3], k, -n1));
                 sum0 += s[4 * j + 0] + s[4 * j + 1];
                 sum1 += s[4 * j + 2] + s[4 * j + 3];
             }
