@@ -155,7 +155,12 @@ fn build(model: &DeiT, s: &PruningSchedule, dev: &Device) -> Pruners {
 // ---------------------------------------------------------------------------------------------
 
 fn logits(f: &PrunedForward) -> Vec<Vec<f32>> {
-    f.logits.to_dtype(DType::F32).unwrap().to_vec2().unwrap()
+    f32_rows(&f.logits)
+}
+
+/// A `[B, classes]` logits tensor of any dtype as f32 rows.
+fn f32_rows(t: &Tensor) -> Vec<Vec<f32>> {
+    t.to_dtype(DType::F32).unwrap().to_vec2().unwrap()
 }
 
 fn argmax(row: &[f32]) -> usize {
@@ -769,7 +774,7 @@ fn check_on_device(
     );
     let eager = on_device.logits;
     let want = logits(host);
-    let got: Vec<Vec<f32>> = eager.to_dtype(DType::F32).unwrap().to_vec2().unwrap();
+    let got = f32_rows(&eager);
     let d = assert_logits_agree(
         &format!("{what} on device"),
         &got,
@@ -828,7 +833,7 @@ fn check_capturable(
         host.kept_tokens(),
         "{what}: kept tokens per stage, capturable vs host decisions"
     );
-    let got: Vec<Vec<f32>> = out.logits.to_dtype(DType::F32).unwrap().to_vec2().unwrap();
+    let got = f32_rows(&out.logits);
     let d = assert_logits_agree(
         &format!("{what} capturable"),
         &got,
@@ -879,7 +884,7 @@ fn check_two_stage(
     host: &PrunedForward,
     capturable: &Tensor,
 ) -> f32 {
-    let want: Vec<Vec<f32>> = capturable.to_dtype(DType::F32).unwrap().to_vec2().unwrap();
+    let want = f32_rows(capturable);
     let tol = tolerance(DType::F32, &want);
     let host_totals: Vec<usize> = host.kept_tokens().iter().map(|k| k.iter().sum()).collect();
     let step = m.forward_to_first_step(pixels, pruners).unwrap();
@@ -897,7 +902,7 @@ fn check_two_stage(
             "{what}: rows kept after the read"
         );
         let got = m.forward_from_step(&fitted, pruners).unwrap();
-        let got: Vec<Vec<f32>> = got.to_dtype(DType::F32).unwrap().to_vec2().unwrap();
+        let got = f32_rows(&got);
         worst = worst.max(assert_logits_agree(
             &format!("{what} two-stage over {rows} rows"),
             &got,
@@ -921,7 +926,7 @@ fn check_two_stage(
     let e = m.forward_to_next_step(&fitted, pruners).unwrap_err();
     assert!(e.to_string().contains("no step after block"), "{e}");
     let got = m.forward_from_step(&fitted, pruners).unwrap();
-    let got: Vec<Vec<f32>> = got.to_dtype(DType::F32).unwrap().to_vec2().unwrap();
+    let got = f32_rows(&got);
     worst = worst.max(assert_logits_agree(
         &format!("{what} split after every step"),
         &got,
@@ -930,30 +935,19 @@ fn check_two_stage(
     ));
     if pixels.device().is_cuda() {
         let other = (pixels * 0.5).unwrap();
-        let eager_other: Vec<Vec<f32>> = m
-            .forward_pruned_capturable(&other, pruners)
-            .unwrap()
-            .logits
-            .to_dtype(DType::F32)
-            .unwrap()
-            .to_vec2()
-            .unwrap();
+        let eager_other = f32_rows(&m.forward_pruned_capturable(&other, pruners).unwrap().logits);
         for reads in [models::Reads::First, models::Reads::EveryStep] {
             let graphs = models::StagedGraph::capture(m, pixels, pruners, reads).unwrap();
             let replayed_other = graphs.run(&other).unwrap();
             let replayed = graphs.run(pixels).unwrap();
-            let got: Vec<Vec<f32>> = replayed.to_dtype(DType::F32).unwrap().to_vec2().unwrap();
+            let got = f32_rows(&replayed);
             worst = worst.max(assert_logits_agree(
                 &format!("{what} staged graphs {reads:?}"),
                 &got,
                 &want,
                 tol,
             ));
-            let got_other: Vec<Vec<f32>> = replayed_other
-                .to_dtype(DType::F32)
-                .unwrap()
-                .to_vec2()
-                .unwrap();
+            let got_other = f32_rows(&replayed_other);
             worst = worst.max(assert_logits_agree(
                 &format!("{what} staged graphs {reads:?}, another input"),
                 &got_other,
