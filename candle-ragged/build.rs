@@ -7,6 +7,7 @@ fn main() {
     println!("cargo:rerun-if-changed=build.rs");
     println!("cargo:rerun-if-changed=kernels/ragged_attention.cu");
     println!("cargo:rerun-if-changed=kernels/ragged_attention_sm90.cu");
+    println!("cargo:rerun-if-changed=kernels/attention_common.cuh");
     println!("cargo::rustc-check-cfg=cfg(ragged_wgmma)");
     println!("cargo:rerun-if-env-changed=CUDA_COMPUTE_CAP");
     println!("cargo:rerun-if-env-changed=CUDA_HOME");
@@ -32,13 +33,24 @@ fn main() {
                 Err(_) => PathBuf::from("nvcc"),
             }
         });
-    let out = PathBuf::from(std::env::var("OUT_DIR").unwrap()).join("ragged_attention.ptx");
-    let status = Command::new(&nvcc)
+    compile_ptx(&nvcc, &format!("compute_{cap}"), "ragged_attention");
+    // The warpgroup-MMA kernel exists only for compute_90a (Hopper); cfg(ragged_wgmma) tells
+    // src/cuda.rs that its PTX is there.
+    if cap >= 90 {
+        compile_ptx(&nvcc, "compute_90a", "ragged_attention_sm90");
+        println!("cargo:rustc-cfg=ragged_wgmma");
+    }
+}
+
+/// `kernels/NAME.cu` to `$OUT_DIR/NAME.ptx` for the virtual architecture `arch`.
+fn compile_ptx(nvcc: &PathBuf, arch: &str, name: &str) {
+    let out = PathBuf::from(std::env::var("OUT_DIR").unwrap()).join(format!("{name}.ptx"));
+    let status = Command::new(nvcc)
         .args(["--ptx", "-O3", "-std=c++17", "--use_fast_math"])
-        .arg(format!("-arch=compute_{cap}"))
+        .arg(format!("-arch={arch}"))
         .arg("-o")
         .arg(&out)
-        .arg("kernels/ragged_attention.cu")
+        .arg(format!("kernels/{name}.cu"))
         .status()
         .unwrap_or_else(|e| {
             panic!(
@@ -47,29 +59,6 @@ fn main() {
             )
         });
     if !status.success() {
-        panic!("nvcc failed to compile kernels/ragged_attention.cu ({status})");
-    }
-    // The warpgroup-MMA kernel exists only for compute_90a (Hopper); cfg(ragged_wgmma) tells
-    // src/cuda.rs that its PTX is there.
-    if cap >= 90 {
-        let out =
-            PathBuf::from(std::env::var("OUT_DIR").unwrap()).join("ragged_attention_sm90.ptx");
-        let status = Command::new(&nvcc)
-            .args([
-                "--ptx",
-                "-O3",
-                "-std=c++17",
-                "--use_fast_math",
-                "-arch=compute_90a",
-            ])
-            .arg("-o")
-            .arg(&out)
-            .arg("kernels/ragged_attention_sm90.cu")
-            .status()
-            .unwrap_or_else(|e| panic!("cannot run nvcc ({}): {e}", nvcc.display()));
-        if !status.success() {
-            panic!("nvcc failed to compile kernels/ragged_attention_sm90.cu ({status})");
-        }
-        println!("cargo:rustc-cfg=ragged_wgmma");
+        panic!("nvcc failed to compile kernels/{name}.cu ({status})");
     }
 }

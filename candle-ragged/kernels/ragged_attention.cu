@@ -21,24 +21,12 @@
 #include <cuda_fp16.h>
 #include <stdint.h>
 
+#include "attention_common.cuh"
+
 #define QUERIES_PER_BLOCK 64
 #define WARPS 4
 
 namespace {
-
-template <typename T> struct Pack2;
-template <> struct Pack2<__half> {
-    static __device__ __forceinline__ uint32_t from_floats(float a, float b) {
-        __half2 h = __floats2half2_rn(a, b);
-        return *reinterpret_cast<uint32_t *>(&h);
-    }
-};
-template <> struct Pack2<__nv_bfloat16> {
-    static __device__ __forceinline__ uint32_t from_floats(float a, float b) {
-        __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
-        return *reinterpret_cast<uint32_t *>(&h);
-    }
-};
 
 // D (16x8, f32) += A (16x16, row) * B (16x8, col)
 template <typename T>
@@ -60,15 +48,10 @@ __device__ __forceinline__ void mma_16816<__nv_bfloat16>(float (&d)[4], const ui
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-__device__ __forceinline__ uint32_t smem_addr(const void *p) {
-    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
 // 16-byte global -> shared copy; src_bytes == 0 writes zeros and reads nothing.
 __device__ __forceinline__ void cp_async_16(void *dst, const void *src, int src_bytes) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(src_bytes));
 }
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
 // Four 8x8 b16 matrices from shared memory, transposed: the B operands of two m16n8k16 products.

@@ -38,6 +38,8 @@
 #include <cuda_fp16.h>
 #include <stdint.h>
 
+#include "attention_common.cuh"
+
 #define WG_MAX_LEN 256
 
 namespace {
@@ -47,26 +49,9 @@ constexpr int CHUNK = 64;            // keys per online-softmax step
 constexpr int ROW_BYTES = D * 2;     // one key row: one 128-byte swizzle row
 constexpr int CHUNK_BYTES = CHUNK * ROW_BYTES;
 
-template <typename T> struct Pack2;
-template <> struct Pack2<__half> {
-    static __device__ __forceinline__ uint32_t from_floats(float a, float b) {
-        __half2 h = __floats2half2_rn(a, b);
-        return *reinterpret_cast<uint32_t *>(&h);
-    }
-};
-template <> struct Pack2<__nv_bfloat16> {
-    static __device__ __forceinline__ uint32_t from_floats(float a, float b) {
-        __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
-        return *reinterpret_cast<uint32_t *>(&h);
-    }
-};
-
-__device__ __forceinline__ uint32_t smem_u32(const void *p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
-
 __device__ __forceinline__ void cp_async_16(uint32_t dst, const void *src, int src_bytes) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
 }
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
 
 // Waits until at most `pending` (0..3) of this thread's cp.async groups are still in flight.
@@ -149,6 +134,25 @@ template <> struct Mma<__nv_bfloat16> {
     }
 };
 
+template <bool MAX> __device__ __forceinline__ float extremum(float a, float b) { return MAX ? fmaxf(a, b) : fminf(a, b); }
+
+// The max (MAX) or min of rows g and g + 8 of a chunk's 64 x 64 accumulator tile (this thread's
+// 16 values of each, then its quad's), every thread of the quad getting both.
+template <bool MAX> __device__ __forceinline__ float2 row_extrema(const float (&s)[32]) {
+    float e0 = s[0], e1 = s[2];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        e0 = extremum<MAX>(e0, extremum<MAX>(s[4 * j + 0], s[4 * j + 1]));
+        e1 = extremum<MAX>(e1, extremum<MAX>(s[4 * j + 2], s[4 * j + 3]));
+    }
+#pragma unroll
+    for (int lanes = 1; lanes <= 2; lanes *= 2) {
+        e0 = extremum<MAX>(e0, __shfl_xor_sync(0xffffffff, e0, lanes));
+        e1 = extremum<MAX>(e1, __shfl_xor_sync(0xffffffff, e1, lanes));
+    }
+    return make_float2(e0, e1);
+}
+
 // Rows row0 and row0 + 8 of Q (one warp's share of a 64-row tile) as the A fragments of four
 // k-steps; rows past the end are zero.
 template <typename T>
@@ -177,7 +181,7 @@ __device__ __forceinline__ void attn_wgmma_kernel(const T *__restrict__ q, const
     const int chunks = (len + CHUNK - 1) / CHUNK;
 
     // K then V, each chunks x 8 KB, from the first 1024-byte boundary of the dynamic buffer.
-    const uint32_t raw = smem_u32(smem_raw);
+    const uint32_t raw = smem_addr(smem_raw);
     const uint32_t ks = (raw + 1023u) & ~1023u;
     const uint32_t vs = ks + chunks * CHUNK_BYTES;
 
@@ -245,35 +249,12 @@ __device__ __forceinline__ void attn_wgmma_kernel(const T *__restrict__ q, const
             // the scale is the scaled maximum, and the scale rides in exp2's FMA. The last,
             // partial chunk scales first and masks keys past the end with -inf.
             const int valid = len - c * CHUNK;
-            float mx0, mx1;
             const bool full = valid >= CHUNK;  // uniform over the block
+            float2 mx;
             if (full) {
-                float e0 = s[0], e1 = s[2];
-                if (scale_log2 >= 0.f) {
-#pragma unroll
-                    for (int j = 0; j < 8; ++j) {
-                        e0 = fmaxf(e0, fmaxf(s[4 * j + 0], s[4 * j + 1]));
-                        e1 = fmaxf(e1, fmaxf(s[4 * j + 2], s[4 * j + 3]));
-                    }
-                    e0 = fmaxf(e0, __shfl_xor_sync(0xffffffff, e0, 1));
-                    e0 = fmaxf(e0, __shfl_xor_sync(0xffffffff, e0, 2));
-                    e1 = fmaxf(e1, __shfl_xor_sync(0xffffffff, e1, 1));
-                    e1 = fmaxf(e1, __shfl_xor_sync(0xffffffff, e1, 2));
-                } else {
-#pragma unroll
-                    for (int j = 0; j < 8; ++j) {
-                        e0 = fminf(e0, fminf(s[4 * j + 0], s[4 * j + 1]));
-                        e1 = fminf(e1, fminf(s[4 * j + 2], s[4 * j + 3]));
-                    }
-                    e0 = fminf(e0, __shfl_xor_sync(0xffffffff, e0, 1));
-                    e0 = fminf(e0, __shfl_xor_sync(0xffffffff, e0, 2));
-                    e1 = fminf(e1, __shfl_xor_sync(0xffffffff, e1, 1));
-                    e1 = fminf(e1, __shfl_xor_sync(0xffffffff, e1, 2));
-                }
-                mx0 = e0 * scale_log2;
-                mx1 = e1 * scale_log2;
+                const float2 e = scale_log2 >= 0.f ? row_extrema<true>(s) : row_extrema<false>(s);
+                mx = make_float2(e.x * scale_log2, e.y * scale_log2);
             } else {
-                mx0 = mx1 = -INFINITY;
 #pragma unroll
                 for (int j = 0; j < 8; ++j) {
                     const int col = j * 8 + t * 2;
@@ -281,15 +262,10 @@ __device__ __forceinline__ void attn_wgmma_kernel(const T *__restrict__ q, const
                     for (int e = 0; e < 4; ++e) s[4 * j + e] *= scale_log2;
                     if (col >= valid) s[4 * j + 0] = s[4 * j + 2] = -INFINITY;
                     if (col + 1 >= valid) s[4 * j + 1] = s[4 * j + 3] = -INFINITY;
-                    mx0 = fmaxf(mx0, fmaxf(s[4 * j + 0], s[4 * j + 1]));
-                    mx1 = fmaxf(mx1, fmaxf(s[4 * j + 2], s[4 * j + 3]));
                 }
-                mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffff, mx0, 1));
-                mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffff, mx0, 2));
-                mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffff, mx1, 1));
-                mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffff, mx1, 2));
+                mx = row_extrema<true>(s);
             }
-            const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
+            const float n0 = fmaxf(m0, mx.x), n1 = fmaxf(m1, mx.y);
             const float a0 = exp2f(m0 - n0), a1 = exp2f(m1 - n1);
             m0 = n0;
             m1 = n1;

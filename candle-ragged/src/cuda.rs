@@ -195,15 +195,12 @@ fn kernels(dev: &CudaDevice) -> Result<Arc<Kernels>> {
         .max(1) as usize;
     let attention_env = std::env::var("CANDLE_RAGGED_ATTENTION");
     let resident_enabled = attention_env.as_deref() != Ok("tiled");
-    let ctx = dev.cuda_stream().context().clone();
-    let cc = (
-        ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)
-            .w()?,
-        ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)
-            .w()?,
-    );
     let wgmma = match PTX_SM90 {
-        Some(ptx) if cc == (9, 0) && attention_env.as_deref() == Ok("wgmma1") => {
+        // compute_90a PTX loads on compute capability 9.0 only; the attributes are read only
+        // when the arm is asked for.
+        Some(ptx)
+            if attention_env.as_deref() == Ok("wgmma1") && compute_capability(dev)? == (9, 0) =>
+        {
             let fs: Vec<CudaFunction> = WGMMA_NAMES
                 .iter()
                 .map(|n| {
@@ -455,6 +452,17 @@ pub(crate) fn attention(
         _ => launch!(half::bf16, BF16),
     };
     Ok((storage, shape))
+}
+
+/// The device's compute capability (major, minor).
+fn compute_capability(dev: &CudaDevice) -> Result<(i32, i32)> {
+    let ctx = dev.cuda_stream().context().clone();
+    Ok((
+        ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)
+            .w()?,
+        ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)
+            .w()?,
+    ))
 }
 
 /// Dynamic shared memory of the wgmma kernel for sequences up to `max_len`: K and V in 64-key
