@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# Lever 46 on the GPU machine, from the repo root: the warpgroup-MMA attention kernel
-# (kernels/ragged_attention_sm90.cu, CANDLE_RAGGED_ATTENTION=wgmma1) against the resident
+# Levers 46 / 48 on the GPU machine, from the repo root: the warpgroup-MMA attention kernels
+# (kernels/ragged_attention_sm90.cu, CANDLE_RAGGED_ATTENTION=wgmma1 / wgmma2) against the resident
 # mma.sync kernel (any other value, e.g. "res"), one binary (needs .gpu/{bench-attention,test-attention}.xz; bench for e2e).
 # STAGES (default "checks attn ncu"):
-#   checks  test-attention on the wgmma arm (outputs NaN-poisoned; lengths 1..256 reach the new
-#           kernel, longer ones the tiled one), memcheck and racecheck of a subset on wgmma1
+#   checks  test-attention on each wgmma arm (outputs NaN-poisoned; lengths 1..256 reach the new
+#           kernel, longer ones the tiled one), memcheck and racecheck of a subset on each
 #   attn    bench-attention, heads 6/12, batch 8/64/256, keep 1.0/0.7/0.5, f16 and bf16, arms
 #           interleaved, twice; per-row GPU-time ratios
 #   ncu     the kernel of each arm, 12 heads, batch 256, keep 1.0 and 0.7, f16
+#   stalls  each arm's stall reasons under ncu (12 heads, batch 256, keep 0.7, f16)
+#   source  each arm's per-SASS-instruction stall samples (ncu source page, CSV, packed)
 #   e2e     bench dense / Threshold-L2 fixed, T/S/B, batch 64/256, f16, per arm, twice
 set -u
 stages=${STAGES:-checks attn ncu}
@@ -22,9 +24,12 @@ if has checks; then
     echo "== test-attention (CANDLE_RAGGED_ATTENTION=$a)" >> "$C"
     CANDLE_RAGGED_ATTENTION=$a timeout 300 $B/test-attention --test-threads=1 2>&1 | grep -E -A3 "test result|panicked|FAIL|worst" | head -40 >> "$C"
   done
-  echo "== memcheck / racecheck test-attention (wgmma1)" >> "$C"
-  CANDLE_RAGGED_ATTENTION=wgmma1 timeout 300 compute-sanitizer --tool memcheck --error-exitcode 9 $B/test-attention --test-threads=1 odd_lengths mixed_lengths 2>&1 | grep -E "ERROR SUMMARY|test result|=====" | head -20 >> "$C"
-  CANDLE_RAGGED_ATTENTION=wgmma1 timeout 300 compute-sanitizer --tool racecheck --error-exitcode 9 $B/test-attention --test-threads=1 mixed_lengths 2>&1 | grep -E "RACECHECK SUMMARY|ERROR SUMMARY|test result|=====" | head -20 >> "$C"
+  for a in $ARMS; do
+    [ "$a" = res ] && continue
+    echo "== memcheck / racecheck test-attention ($a)" >> "$C"
+    CANDLE_RAGGED_ATTENTION=$a timeout 300 compute-sanitizer --tool memcheck --error-exitcode 9 $B/test-attention --test-threads=1 odd_lengths mixed_lengths 2>&1 | grep -E "ERROR SUMMARY|test result|=====" | head -20 >> "$C"
+    CANDLE_RAGGED_ATTENTION=$a timeout 300 compute-sanitizer --tool racecheck --error-exitcode 9 $B/test-attention --test-threads=1 mixed_lengths 2>&1 | grep -E "RACECHECK SUMMARY|ERROR SUMMARY|test result|=====" | head -20 >> "$C"
+  done
 fi
 attn_run() { CANDLE_RAGGED_ATTENTION=$1 $B/bench-attention --heads 6,12 --batch 8,64,256 --keep 1.0,0.7,0.5 --dtype f16,bf16 --host-calls 200 --gpu-reps 100 --out "$2"; }
 has attn && ab_rounds attn attn_run --attn
@@ -39,7 +44,28 @@ if has ncu; then
     done
   done
 fi
+if has stalls; then
+  # Where each arm's warps wait: stall reasons per issued instruction (12 heads, batch 256, keep 0.7).
+  for a in $ARMS; do
+    echo "== ncu stalls, CANDLE_RAGGED_ATTENTION=$a, 12 heads, batch 256, keep 0.7, f16 (warps stalled per issue, > 0.05)" >> "$C"
+    CANDLE_RAGGED_ATTENTION=$a ncu --kernel-name regex:ragged_attn --launch-skip 20 --launch-count 1 \
+      --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active.ratio,smsp__issue_active.avg.pct_of_peak_sustained_active,gpu__time_duration.sum" \
+      $B/bench-attention --heads 12 --batch 256 --keep 0.7 --dtype f16 --host-calls 10 --gpu-reps 3 --out /tmp/x.json 2>/dev/null \
+      | awk '/gpu__time|issue_active/ {print; next} /stalled/ {v=$NF; gsub(",", "", v); if (v + 0 > 0.05) print}' >> "$C"
+  done
+fi
+if has source; then
+  # Per-SASS-instruction warp-state samples of each arm's kernel (12 heads, batch 256, keep 0.7,
+  # f16), as CSV for reading off where the stalls sit.
+  for a in $ARMS; do
+    CANDLE_RAGGED_ATTENTION=$a ncu --kernel-name regex:ragged_attn --launch-skip 20 --launch-count 1 \
+      --section SourceCounters --section WarpStateStats --page source --print-source sass --csv \
+      $B/bench-attention --heads 12 --batch 256 --keep 0.7 --dtype f16 --host-calls 10 --gpu-reps 3 --out /tmp/x.json \
+      > "$out/source-$a.csv" 2> "$out/source-$a.err"
+    echo "== ncu source page, $a: rc=$? $(wc -l < "$out/source-$a.csv") lines" >> "$C"
+  done
+fi
 e2e_run() { CANDLE_RAGGED_ATTENTION=$1 $B/bench --device cuda --models deit-tiny,deit-small,deit-base --dtype f16 --batch 64,256 --pruners none,threshold-l2-fixed --paths ragged --reps 10 --out "$2"; }
 has e2e && ab_rounds e2e e2e_run
-pack wgmma-json.tgz 'attn-*.json' 'e2e-*.json'
+pack wgmma-json.tgz 'attn-*.json' 'e2e-*.json' 'source-*'
 cat "$C"
