@@ -5,8 +5,8 @@
 # STAGES (default "checks attn ncu"):
 #   checks  test-attention on each wgmma arm (outputs NaN-poisoned; lengths 1..256 reach the new
 #           kernel, longer ones the tiled one), memcheck and racecheck of a subset on each
-#   attn    bench-attention, heads 6/12, batch 8/64/256, keep 1.0/0.7/0.5, f16 and bf16, arms
-#           interleaved, twice; per-row GPU-time ratios
+#   attn    bench-attention, heads 6/12, batch 8/64/256, keep 1.0/0.7/0.5, f16 and bf16 (ATTN_HEADS,
+#           ATTN_BATCH, ATTN_DTYPE override), arms interleaved, twice; per-row GPU-time ratios
 #   ncu     the kernel of each arm, 12 heads, batch 256, keep 1.0 and 0.7, f16
 #   stalls  each arm's stall reasons under ncu (12 heads, batch 256, keep 0.7, f16)
 #   source  each arm's per-SASS-instruction stall samples (ncu source page, CSV, packed)
@@ -31,7 +31,14 @@ if has checks; then
     CANDLE_RAGGED_ATTENTION=$a timeout 300 compute-sanitizer --tool racecheck --error-exitcode 9 $B/test-attention --test-threads=1 mixed_lengths 2>&1 | grep -E "RACECHECK SUMMARY|ERROR SUMMARY|test result|=====" | head -20 >> "$C"
   done
 fi
-attn_run() { CANDLE_RAGGED_ATTENTION=$1 $B/bench-attention --heads 6,12 --batch 8,64,256 --keep 1.0,0.7,0.5 --dtype f16,bf16 --host-calls 200 --gpu-reps 100 --out "$2"; }
+# An arm is a CANDLE_RAGGED_ATTENTION value, with ":hm" for q / k / v in the head-major layout
+# (bench-attention --qkv-layout head-major) instead of views of the fused qkv projection.
+attn_run() {
+  local layout=fused
+  [[ $1 == *:hm ]] && layout=head-major
+  CANDLE_RAGGED_ATTENTION=${1%%:*} $B/bench-attention --heads "${ATTN_HEADS:-6,12}" --batch "${ATTN_BATCH:-8,64,256}" \
+    --keep 1.0,0.7,0.5 --dtype "${ATTN_DTYPE:-f16,bf16}" --qkv-layout $layout --host-calls 200 --gpu-reps 100 --out "$2"
+}
 has attn && ab_rounds attn attn_run --attn
 if has ncu; then
   for a in $ARMS; do

@@ -54,6 +54,12 @@ struct Args {
     /// event wait and record per operand, no events created per output allocation.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     event_tracking: bool,
+    /// Where q, k and v live: `fused` (views of one `[total, 3, heads, head_dim]` tensor, what a
+    /// fused qkv projection gives: a (sequence, head)'s rows are 128-byte pieces 3 · heads ·
+    /// head_dim elements apart) or `head-major` (views of `[3, heads, total, head_dim]`: each
+    /// (sequence, head)'s rows contiguous). Same values either way.
+    #[arg(long, default_value = "fused")]
+    qkv_layout: QkvLayout,
     /// Text recorded as the command in the JSON (defaults to this process's arguments).
     #[arg(long)]
     command: Option<String>,
@@ -83,11 +89,20 @@ struct Report {
     command: String,
     /// `--event-tracking`.
     event_tracking: bool,
+    /// `--qkv-layout`.
+    qkv_layout: QkvLayout,
     hbm_tbps: f64,
     host_calls: usize,
     gpu_reps: usize,
     candle_affine: Row,
     rows: Vec<Row>,
+}
+
+#[derive(clap::ValueEnum, Clone, Copy, Debug, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "kebab-case")]
+enum QkvLayout {
+    Fused,
+    HeadMajor,
 }
 
 /// splitmix64: reproducible lengths without pulling in an RNG crate.
@@ -331,7 +346,15 @@ fn run(args: Args) -> Result<()> {
                     let qkv =
                         Tensor::randn(0f32, 1.0, (total, 3 * heads * d), &dev)?.to_dtype(dtype)?;
                     let qkv4 = qkv.reshape((total, 3, heads, d))?;
-                    let (q, k, v) = (qkv4.i((.., 0))?, qkv4.i((.., 1))?, qkv4.i((.., 2))?);
+                    let (q, k, v) = match args.qkv_layout {
+                        QkvLayout::Fused => (qkv4.i((.., 0))?, qkv4.i((.., 1))?, qkv4.i((.., 2))?),
+                        QkvLayout::HeadMajor => {
+                            // [3, heads, total, d] contiguous, viewed back as [total, heads, d].
+                            let hm = qkv4.permute((1, 2, 0, 3))?.contiguous()?;
+                            let view = |j: usize| hm.i(j).and_then(|t| t.transpose(0, 1));
+                            (view(0)?, view(1)?, view(2)?)
+                        }
+                    };
                     let mask: Vec<f32> = lengths
                         .iter()
                         .flat_map(|&len| {
@@ -409,6 +432,7 @@ fn run(args: Args) -> Result<()> {
         gpu,
         command,
         event_tracking: args.event_tracking,
+        qkv_layout: args.qkv_layout,
         hbm_tbps: args.hbm_tbps,
         host_calls: args.host_calls,
         gpu_reps: args.gpu_reps,
