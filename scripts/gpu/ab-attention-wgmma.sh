@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Levers 46 / 48 on the GPU machine, from the repo root: the warpgroup-MMA attention kernels
-# (kernels/ragged_attention_sm90.cu, CANDLE_RAGGED_ATTENTION=wgmma1 / wgmma2) against the resident
-# mma.sync kernel (any other value, e.g. "res"), one binary (needs .gpu/{bench-attention,test-attention}.xz; bench for e2e).
+# Levers 46 / 48 on the GPU machine, from the repo root: the warpgroup-MMA attention kernel
+# (kernels/ragged_attention_sm90.cu, CANDLE_RAGGED_ATTENTION=wgmma1) against the resident mma.sync
+# kernel (any other value, e.g. "res"), one binary (needs .gpu/{bench-attention,test-attention}.xz;
+# bench for e2e). Lever 48's arms (wgmma2 and the experiment kernels iox, io1x, iopx, cmpx, ...)
+# exist only with docs/benchmarks/history/lever48-wgmma-pipelined-and-io-only.patch applied.
 # STAGES (default "checks attn ncu"):
 #   checks  test-attention on each wgmma arm (outputs NaN-poisoned; lengths 1..256 reach the new
 #           kernel, longer ones the tiled one), memcheck and racecheck of a subset on each
