@@ -25,14 +25,19 @@ if has checks; then
     [ "$a" = res ] && continue
     echo "== test-attention (CANDLE_RAGGED_ATTENTION=$a)" >> "$C"
     CANDLE_RAGGED_ATTENTION=$a timeout 300 $B/test-attention --test-threads=1 2>&1 | grep -E -A3 "test result|panicked|FAIL|worst" | head -40 >> "$C"
-  done
-  for a in $ARMS; do
-    [ "$a" = res ] && continue
     echo "== memcheck / racecheck test-attention ($a)" >> "$C"
     CANDLE_RAGGED_ATTENTION=$a timeout 300 compute-sanitizer --tool memcheck --error-exitcode 9 $B/test-attention --test-threads=1 odd_lengths mixed_lengths 2>&1 | grep -E "ERROR SUMMARY|test result|=====" | head -20 >> "$C"
     CANDLE_RAGGED_ATTENTION=$a timeout 300 compute-sanitizer --tool racecheck --error-exitcode 9 $B/test-attention --test-threads=1 mixed_lengths 2>&1 | grep -E "RACECHECK SUMMARY|ERROR SUMMARY|test result|=====" | head -20 >> "$C"
   done
 fi
+# ncu_attn ARM KEEP NCU-ARGS...: ncu over one ragged_attn launch of ARM (after 20 warm-up
+# launches) at 12 heads, batch 256, keep KEEP, f16; ncu's report on stdout.
+ncu_attn() {
+  local arm=$1 keep=$2
+  shift 2
+  CANDLE_RAGGED_ATTENTION=$arm ncu --kernel-name regex:ragged_attn --launch-skip 20 --launch-count 1 "$@" \
+    $B/bench-attention --heads 12 --batch 256 --keep "$keep" --dtype f16 --host-calls 10 --gpu-reps 3 --out /tmp/x.json
+}
 # An arm is a CANDLE_RAGGED_ATTENTION value, with ":hm" for q / k / v in the head-major layout
 # (bench-attention --qkv-layout head-major) instead of views of the fused qkv projection.
 attn_run() {
@@ -46,9 +51,8 @@ if has ncu; then
   for a in $ARMS; do
     for keep in 1.0 0.7; do
       echo "== ncu attention, CANDLE_RAGGED_ATTENTION=$a, 12 heads, batch 256, keep $keep, f16" >> "$C"
-      CANDLE_RAGGED_ATTENTION=$a ncu --kernel-name regex:ragged_attn --launch-skip 20 --launch-count 1 \
-        --metrics gpu__time_duration.sum,launch__registers_per_thread,sm__warps_active.avg.pct_of_peak_sustained_active,smsp__issue_active.avg.pct_of_peak_sustained_active,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active,launch__occupancy_limit_shared_mem,launch__occupancy_limit_registers \
-        $B/bench-attention --heads 12 --batch 256 --keep $keep --dtype f16 --host-calls 10 --gpu-reps 3 --out /tmp/x.json 2>/dev/null \
+      ncu_attn "$a" "$keep" \
+        --metrics gpu__time_duration.sum,launch__registers_per_thread,sm__warps_active.avg.pct_of_peak_sustained_active,smsp__issue_active.avg.pct_of_peak_sustained_active,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active,launch__occupancy_limit_shared_mem,launch__occupancy_limit_registers 2>/dev/null \
         | grep -E "gpu__time|registers|warps_active|issue_active|dram__|gmma|occupancy" >> "$C"
     done
   done
@@ -57,9 +61,8 @@ if has stalls; then
   # Where each arm's warps wait: stall reasons per issued instruction (12 heads, batch 256, keep 0.7).
   for a in $ARMS; do
     echo "== ncu stalls, CANDLE_RAGGED_ATTENTION=$a, 12 heads, batch 256, keep 0.7, f16 (warps stalled per issue, > 0.05)" >> "$C"
-    CANDLE_RAGGED_ATTENTION=$a ncu --kernel-name regex:ragged_attn --launch-skip 20 --launch-count 1 \
-      --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active.ratio,smsp__issue_active.avg.pct_of_peak_sustained_active,gpu__time_duration.sum" \
-      $B/bench-attention --heads 12 --batch 256 --keep 0.7 --dtype f16 --host-calls 10 --gpu-reps 3 --out /tmp/x.json 2>/dev/null \
+    ncu_attn "$a" 0.7 \
+      --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active.ratio,smsp__issue_active.avg.pct_of_peak_sustained_active,gpu__time_duration.sum" 2>/dev/null \
       | awk '/gpu__time|issue_active/ {print; next} /stalled/ {v=$NF; gsub(",", "", v); if (v + 0 > 0.05) print}' >> "$C"
   done
 fi
@@ -67,9 +70,7 @@ if has source; then
   # Per-SASS-instruction warp-state samples of each arm's kernel (12 heads, batch 256, keep 0.7,
   # f16), as CSV for reading off where the stalls sit.
   for a in $ARMS; do
-    CANDLE_RAGGED_ATTENTION=$a ncu --kernel-name regex:ragged_attn --launch-skip 20 --launch-count 1 \
-      --section SourceCounters --section WarpStateStats --page source --print-source sass --csv \
-      $B/bench-attention --heads 12 --batch 256 --keep 0.7 --dtype f16 --host-calls 10 --gpu-reps 3 --out /tmp/x.json \
+    ncu_attn "$a" 0.7 --section SourceCounters --section WarpStateStats --page source --print-source sass --csv \
       > "$out/source-$a.csv" 2> "$out/source-$a.err"
     echo "== ncu source page, $a: rc=$? $(wc -l < "$out/source-$a.csv") lines" >> "$C"
   done
