@@ -33,6 +33,12 @@
 // of O += P V (V as an N-major B). The first tile starts on chunk 0 while later chunks land.
 // Two warpgroups per block (same code, WGS = 2) measured 0.74-1.09x the resident kernel (two
 // blocks per SM by registers): not built.
+//
+// Levers 48-49 (docs/BENCHMARKS.md; code in docs/benchmarks/history/lever49-wgmma-pool.patch, not
+// kept): this kernel pipelined as FlashAttention-3 does (no change), and persistent kernels with
+// one block per SM whose consumer warpgroups own whole (sequence, head) pairs and share a pool of
+// K / V slots, the next pairs loading while others compute. All correct; the best (3 warpgroups,
+// no spills) ran 0.90x the resident kernel at f16 12 heads 256 keep 0.7, 1.00x at keep 1.0.
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>

@@ -3,7 +3,9 @@
 # (kernels/ragged_attention_sm90.cu, CANDLE_RAGGED_ATTENTION=wgmma1) against the resident mma.sync
 # kernel (any other value, e.g. "res"), one binary (needs .gpu/{bench-attention,test-attention}.xz;
 # bench for e2e). Lever 48's arms (wgmma2 and the experiment kernels iox, io1x, iopx, cmpx, ...)
-# exist only with docs/benchmarks/history/lever48-wgmma-pipelined-and-io-only.patch applied.
+# exist only with docs/benchmarks/history/lever48-wgmma-pipelined-and-io-only.patch applied, and
+# lever 49's (wgmma5 with its hang fixed, the slot-pool kernels wgmma6-9) with
+# docs/benchmarks/history/lever49-wgmma-pool.patch (both levers' arms; apply one or the other).
 # STAGES (default "checks attn ncu"):
 #   checks  test-attention on each wgmma arm (outputs NaN-poisoned; lengths 1..256 reach the new
 #           kernel, longer ones the tiled one), memcheck and racecheck of a subset on each

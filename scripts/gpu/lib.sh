@@ -45,11 +45,16 @@ ab_rounds() {
 
 # pack ARCHIVE PATTERN...: the files of $out matching the patterns, packed into $out/ARCHIVE and
 # removed (the device tool returns at most 8 files). Patterns that match nothing are skipped; with
-# no file at all nothing is written.
+# no file at all nothing is written. An ARCHIVE already there (a script run twice in one device
+# call) is unpacked first and its files packed again with the new ones, not overwritten.
 pack() {
-  local archive=$1 files
+  local archive=$1 files old=""
   shift
-  files=$(cd "$out" && for p in "$@"; do compgen -G "$p"; done)
+  if [ -f "$out/$archive" ]; then
+    old=$(cd "$out" && tar tzf "$archive" && tar xzf "$archive" && rm -f "$archive")
+  fi
+  # shellcheck disable=SC2086  # file names from $out: no spaces
+  files=$( (cd "$out" && for p in "$@"; do compgen -G "$p"; done; printf '%s\n' $old) | sort -u | grep -v '^$')
   [ -n "$files" ] || return 0
   # shellcheck disable=SC2086  # file names from $out: no spaces
   (cd "$out" && tar czf "$archive" $files && rm -f $files)
