@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Lever 51 on the GPU machine: select_top_k's ranks counted with each patch's comparisons split
+# over the block's spare threads (count_ranks) and the kept rows' slots from a block-wide
+# exclusive sum, against the binary before it (one thread per patch walking every other patch,
+# then every kept patch before it). Two binaries, one call, from the repo root:
+#   .gpu/bench.xz            bench with docs/benchmarks/history/lever51-select-rank.patch applied
+#                            (not kept: no gain, docs/BENCHMARKS.md)
+#   .gpu-prev/bench-prev.xz  bench built from the commit before the change
+# plus .gpu/{test-select,test-select_rule,test-select_bounded,test-paths_agreement}.xz.
+# STAGES (default "checks ncu ab"):
+#   checks  test-select, test-select_rule, test-select_bounded; memcheck and racecheck of
+#           test-select; paths at DeiT-S (batch 32, every pruner, three dtypes)
+#   ncu     the selection kernels alone, prev vs new: DeiT-S f16 batch 1 and 8, Threshold-L2 and
+#           EViT fixed, device decisions, caches and clocks left alone
+#   ab      bench T/S/B, batch 1/8, f16, dense, Threshold-L2 and EViT fixed, ragged path, prev /
+#           new interleaved, twice; per-row prev/new ratios
+set -u
+stages=${STAGES:-checks ncu ab}
+. scripts/gpu/lib.sh
+unpack bench test-select test-select_rule test-select_bounded test-paths_agreement
+xz -dc .gpu-prev/bench-prev.xz > $B/bench-prev; chmod +x $B/bench-prev
+C="$out/select-rank.txt"
+nvidia-smi --query-gpu=name --format=csv,noheader >> "$C"
+if has checks; then
+  for t in select select_rule select_bounded; do
+    echo "== test-$t" >> "$C"; timeout 300 $B/test-$t --test-threads=1 2>&1 | grep -E "test result|panicked" >> "$C"
+  done
+  echo "== memcheck / racecheck test-select" >> "$C"
+  timeout 300 compute-sanitizer --tool memcheck --error-exitcode 9 $B/test-select --test-threads=1 2>&1 | grep -E "ERROR SUMMARY|test result" >> "$C"
+  timeout 300 compute-sanitizer --tool racecheck --error-exitcode 9 $B/test-select --test-threads=1 2>&1 | grep -E "RACECHECK SUMMARY|ERROR SUMMARY|test result" >> "$C"
+  echo "== paths deit-small" >> "$C"
+  PATHS_DEVICE=cuda PATHS_MODELS=deit-small PATHS_BATCH=32 timeout 300 $B/test-paths_agreement --ignored --test-threads=1 > /tmp/paths.log 2>&1; echo "paths rc=$?" >> "$C"
+  grep -E "test result" /tmp/paths.log | tail -1 >> "$C"
+fi
+if has ncu; then
+  for a in prev new; do
+    bin=$B/bench; [ $a = prev ] && bin=$B/bench-prev
+    for b in 1 8; do
+      for p in threshold-l2-fixed evit-fixed; do
+        CANDLE_FASTPATH_SMALL_BLOCK=0 ncu --cache-control none --clock-control none -k 'regex:select|cls_probs' --metrics gpu__time_duration.sum --csv --print-units base \
+          $bin --device cuda --models deit-small --dtype f16 --batch $b --pruners $p --paths ragged --reps 1 --warmup 1 --cuda-graph false --out /tmp/x.json > /tmp/ncu.csv 2>/dev/null
+        python3 scripts/gpu/ncu_kernels.py /tmp/ncu.csv "$a $p DeiT-S batch $b f16 (selection kernels)" >> "$C"
+      done
+    done
+  done
+fi
+if has ab; then
+  for r in 1 2; do
+    for a in prev new; do
+      bin=$B/bench; [ $a = prev ] && bin=$B/bench-prev
+      $bin --device cuda --models deit-tiny,deit-small,deit-base --dtype f16 --batch 1,8 --pruners none,threshold-l2-fixed,evit-fixed --paths ragged --reps 10 --out "$out/sel-$a-$r.json" > /dev/null 2>&1
+      echo "bench $a round $r rc=$?" >> "$C"
+    done
+  done
+  python3 scripts/gpu/ab_ratios.py "$out/sel" prev new >> "$C"
+fi
+pack sel-json.tgz 'sel-*.json'
+cat "$C"

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Where a batch-1 forward's time goes, kernel by kernel, as a CUDA-graph replay runs it: ncu over
+# an eager DeiT forward with the one-kernel block off (CANDLE_FASTPATH_SMALL_BLOCK=0, so the
+# kernels are the graph's), caches and clocks left alone (--cache-control none --clock-control
+# none: warm, boost clocks, like a replay); then the per-SASS-instruction stall samples of the
+# attention kernel at that shape. Needs .gpu/{bench,bench-attention}.xz; repo root.
+#   MODELS="deit-small" scripts/gpu/ncu-batch1.sh
+set -u
+. scripts/gpu/lib.sh
+unpack bench bench-attention
+C="$out/ncu-batch1.txt"
+nvidia-smi --query-gpu=name --format=csv,noheader >> "$C"
+for m in ${MODELS:-deit-small}; do
+  CANDLE_FASTPATH_SMALL_BLOCK=0 ncu --cache-control none --clock-control none --metrics gpu__time_duration.sum --csv --print-units base \
+    $B/bench --device cuda --models $m --dtype f16 --batch 1 --pruners none --paths ragged --reps 1 --warmup 1 --cuda-graph false --out /tmp/x.json > /tmp/ncu.csv 2>/dev/null
+  python3 scripts/gpu/ncu_kernels.py /tmp/ncu.csv "$m dense batch 1 f16, separate kernels, warm, boost clocks" >> "$C"
+done
+heads=${ATTN_HEADS:-6}
+ncu --cache-control none --clock-control none --kernel-name regex:ragged_attn --launch-skip 20 --launch-count 1 \
+  --section SourceCounters --section WarpStateStats --section LaunchStats --section SpeedOfLight --page source --print-source sass --csv \
+  $B/bench-attention --heads $heads --batch 1 --keep 1.0 --dtype f16 --host-calls 10 --gpu-reps 3 --out /tmp/y.json > "$out/source-attn-b1.csv" 2> "$out/source-attn-b1.err"
+echo "== ncu source page, attention heads $heads batch 1 keep 1.0 f16: rc=$? $(wc -l < "$out/source-attn-b1.csv") lines" >> "$C"
+ncu --cache-control none --clock-control none --kernel-name regex:ragged_attn --launch-skip 20 --launch-count 1 \
+  --metrics gpu__time_duration.sum,launch__grid_size,launch__block_size,launch__registers_per_thread,sm__warps_active.avg.pct_of_peak_sustained_active,smsp__issue_active.avg.pct_of_peak_sustained_active,sm__cycles_active.avg,gpc__cycles_elapsed.max \
+  $B/bench-attention --heads $heads --batch 1 --keep 1.0 --dtype f16 --host-calls 10 --gpu-reps 3 --out /tmp/y.json 2>/dev/null | grep -E "gpu__time|launch__|warps_active|issue_active|cycles" >> "$C"
+pack ncu-batch1.tgz 'source-attn-b1.*'
+cat "$C"
