@@ -14,7 +14,7 @@ set -u
 stages=${STAGES:-checks ab ncu}
 . scripts/gpu/lib.sh
 unpack bench test-norm test-paths_agreement
-xz -dc .gpu-prev/bench-prev.xz > $B/bench-prev; chmod +x $B/bench-prev
+unpack_prev bench || exit 1
 C="$out/layer-norm.txt"
 nvidia-smi --query-gpu=name --format=csv,noheader >> "$C"
 if has checks; then
@@ -25,19 +25,12 @@ if has checks; then
   PATHS_DEVICE=cuda PATHS_MODELS=deit-small PATHS_BATCH=32 timeout 300 $B/test-paths_agreement --ignored --test-threads=1 > /tmp/paths.log 2>&1; echo "paths rc=$?" >> "$C"
   grep -E "test result" /tmp/paths.log | tail -1 >> "$C"
 fi
-if has ab; then
-  for r in 1 2; do
-    for a in prev new; do
-      bin=$B/bench; [ $a = prev ] && bin=$B/bench-prev
-      $bin --device cuda --models deit-tiny,deit-small,deit-base --dtype f16 --batch "${AB_BATCH:-1,8,64}" --pruners none,threshold-l2-fixed --paths ragged --reps 10 --out "$out/ln-$a-$r.json" > /dev/null 2>&1
-      echo "bench $a round $r rc=$?" >> "$C"
-    done
-  done
-  python3 scripts/gpu/ab_ratios.py "$out/ln" prev new >> "$C"
-fi
+ln_run() { $(prev_or_new "$1" bench) --device cuda --models deit-tiny,deit-small,deit-base --dtype f16 --batch "${AB_BATCH:-1,8,64}" --pruners none,threshold-l2-fixed --paths ragged --reps 10 --out "$2"; }
+ARMS="prev new"
+has ab && ab_rounds ln ln_run
 if has ncu; then
   for a in prev new; do
-    bin=$B/bench; [ $a = prev ] && bin=$B/bench-prev
+    bin=$(prev_or_new $a bench)
     for b in 1 64; do
       ncu -k regex:layer_norm --metrics gpu__time_duration.sum --csv --print-units base $bin --device cuda --models deit-small --dtype f16 --batch $b --pruners none --paths ragged --reps 1 --warmup 1 --cuda-graph false --out /tmp/x.json > /tmp/ncu.csv 2>/dev/null
       python3 scripts/gpu/ncu_kernels.py /tmp/ncu.csv "$a DeiT-S dense batch $b f16 (LayerNorm kernels only)" >> "$C"

@@ -25,7 +25,7 @@ set -u
 stages=${STAGES:-checks attn ncu}
 . scripts/gpu/lib.sh
 unpack
-for p in bench-prev bench-attention-prev; do xz -dc .gpu-prev/$p.xz > $B/$p && chmod +x $B/$p; done
+unpack_prev bench bench-attention || exit 1
 C="$out/levers-27-28.txt"
 nvidia-smi --query-gpu=name --format=csv,noheader >> "$C"
 if has checks; then

@@ -18,8 +18,7 @@ set -u
 stages=${STAGES:-checks attn ncu e2e}
 . scripts/gpu/lib.sh
 unpack bench bench-attention test-attention test-paths_agreement
-xz -dc .gpu-prev/bench-prev.xz > $B/bench-prev; chmod +x $B/bench-prev
-xz -dc .gpu-prev/bench-attention-prev.xz > $B/bench-attention-prev; chmod +x $B/bench-attention-prev
+unpack_prev bench bench-attention || exit 1
 C="$out/merge.txt"
 nvidia-smi --query-gpu=name --format=csv,noheader >> "$C"
 if has checks; then
@@ -32,17 +31,15 @@ if has checks; then
   PATHS_DEVICE=cuda PATHS_MODELS=deit-small PATHS_BATCH=32 timeout 300 $B/test-paths_agreement --ignored --test-threads=1 > /tmp/paths.log 2>&1; echo "paths rc=$?" >> "$C"
   grep -E "test result" /tmp/paths.log | tail -1 >> "$C"
 fi
-attn_bin() { [ "$1" = prev ] && echo $B/bench-attention-prev || echo $B/bench-attention; }
-e2e_bin() { [ "$1" = prev ] && echo $B/bench-prev || echo $B/bench; }
-attn_run() { $(attn_bin "$1") --heads 3,6,12 --batch 1,8 --keep 1.0,0.7 --dtype f16,bf16 --host-calls 200 --gpu-reps 100 --out "$2"; }
-e2e_run() { $(e2e_bin "$1") --device cuda --models deit-tiny,deit-small,deit-base --dtype f16 --batch 1,8 --pruners none,threshold-l2-fixed --paths ragged --reps 10 --out "$2"; }
+attn_run() { $(prev_or_new "$1" bench-attention) --heads 3,6,12 --batch 1,8 --keep 1.0,0.7 --dtype f16,bf16 --host-calls 200 --gpu-reps 100 --out "$2"; }
+e2e_run() { $(prev_or_new "$1" bench) --device cuda --models deit-tiny,deit-small,deit-base --dtype f16 --batch 1,8 --pruners none,threshold-l2-fixed --paths ragged --reps 10 --out "$2"; }
 ARMS="prev new"
 has attn && ab_rounds attn attn_run --attn
 if has ncu; then
   for a in prev new; do
     echo "== ncu attention $a, 6 heads, batch 1, keep 1.0, f16" >> "$C"
     ncu --cache-control none --clock-control none --kernel-name regex:ragged_attn --launch-skip 20 --launch-count 5 --metrics gpu__time_duration.sum,launch__grid_size,launch__block_size,sm__cycles_active.avg \
-      $(attn_bin $a) --heads 6 --batch 1 --keep 1.0 --dtype f16 --host-calls 10 --gpu-reps 3 --out /tmp/y.json 2>/dev/null | grep -E "gpu__time|launch__|cycles" >> "$C"
+      $(prev_or_new $a bench-attention) --heads 6 --batch 1 --keep 1.0 --dtype f16 --host-calls 10 --gpu-reps 3 --out /tmp/y.json 2>/dev/null | grep -E "gpu__time|launch__|cycles" >> "$C"
   done
 fi
 has e2e && ab_rounds e2e e2e_run

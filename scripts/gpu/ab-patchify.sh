@@ -14,7 +14,7 @@ set -u
 stages=${STAGES:-checks ab ncu}
 . scripts/gpu/lib.sh
 unpack bench test-patch test-linear test-paths_agreement
-xz -dc .gpu-prev/bench-prev.xz > $B/bench-prev; chmod +x $B/bench-prev
+unpack_prev bench || exit 1
 C="$out/patchify.txt"
 nvidia-smi --query-gpu=name --format=csv,noheader >> "$C"
 if has checks; then

@@ -18,7 +18,7 @@ set -u
 stages=${STAGES:-checks ncu ab}
 . scripts/gpu/lib.sh
 unpack bench test-select test-select_rule test-select_bounded test-paths_agreement
-xz -dc .gpu-prev/bench-prev.xz > $B/bench-prev; chmod +x $B/bench-prev
+unpack_prev bench || exit 1
 C="$out/select-rank.txt"
 nvidia-smi --query-gpu=name --format=csv,noheader >> "$C"
 if has checks; then
@@ -34,7 +34,7 @@ if has checks; then
 fi
 if has ncu; then
   for a in prev new; do
-    bin=$B/bench; [ $a = prev ] && bin=$B/bench-prev
+    bin=$(prev_or_new $a bench)
     for b in 1 8; do
       for p in threshold-l2-fixed evit-fixed; do
         CANDLE_FASTPATH_SMALL_BLOCK=0 ncu --cache-control none --clock-control none -k 'regex:select|cls_probs' --metrics gpu__time_duration.sum --csv --print-units base \
@@ -44,15 +44,8 @@ if has ncu; then
     done
   done
 fi
-if has ab; then
-  for r in 1 2; do
-    for a in prev new; do
-      bin=$B/bench; [ $a = prev ] && bin=$B/bench-prev
-      $bin --device cuda --models deit-tiny,deit-small,deit-base --dtype f16 --batch 1,8 --pruners none,threshold-l2-fixed,evit-fixed --paths ragged --reps 10 --out "$out/sel-$a-$r.json" > /dev/null 2>&1
-      echo "bench $a round $r rc=$?" >> "$C"
-    done
-  done
-  python3 scripts/gpu/ab_ratios.py "$out/sel" prev new >> "$C"
-fi
+sel_run() { $(prev_or_new "$1" bench) --device cuda --models deit-tiny,deit-small,deit-base --dtype f16 --batch 1,8 --pruners none,threshold-l2-fixed,evit-fixed --paths ragged --reps 10 --out "$2"; }
+ARMS="prev new"
+has ab && ab_rounds sel sel_run
 pack sel-json.tgz 'sel-*.json'
 cat "$C"

@@ -20,6 +20,18 @@ unpack() {
   done
 }
 
+# unpack_prev NAME...: .gpu-prev/NAME-prev.xz (a binary built from the commit before a change,
+# for two-binary A/B scripts) into $B/NAME-prev, executable; a missing one is an error.
+unpack_prev() {
+  local name
+  for name in "$@"; do
+    xz -dc ".gpu-prev/$name-prev.xz" > "$B/$name-prev" && chmod +x "$B/$name-prev" || return 1
+  done
+}
+
+# prev_or_new ARM NAME: $B/NAME-prev for ARM "prev", else $B/NAME (two-binary A/B arms).
+prev_or_new() { if [ "$1" = prev ]; then echo "$B/$2-prev"; else echo "$B/$2"; fi; }
+
 # step NAME LIMIT CMD...: CMD under `timeout LIMIT`, then "NAME rc=<status> <seconds> s" appended
 # to the script's log $L.
 step() { local name=$1 limit=$2; shift 2; local t0=$SECONDS
