@@ -21,9 +21,7 @@ if has checks; then
   echo "== test-norm" >> "$C"; $B/test-norm --test-threads=1 2>&1 | grep -E "test result|panicked" >> "$C"
   echo "== memcheck test-norm" >> "$C"
   compute-sanitizer --tool memcheck --error-exitcode 9 $B/test-norm --test-threads=1 2>&1 | grep -E "ERROR SUMMARY|test result" >> "$C"
-  echo "== paths deit-small" >> "$C"
-  PATHS_DEVICE=cuda PATHS_MODELS=deit-small PATHS_BATCH=32 timeout 300 $B/test-paths_agreement --ignored --test-threads=1 > /tmp/paths.log 2>&1; echo "paths rc=$?" >> "$C"
-  grep -E "test result" /tmp/paths.log | tail -1 >> "$C"
+  paths_check deit-small 32 300
 fi
 ln_run() { $(prev_or_new "$1" bench) --device cuda --models deit-tiny,deit-small,deit-base --dtype f16 --batch "${AB_BATCH:-1,8,64}" --pruners none,threshold-l2-fixed --paths ragged --reps 10 --out "$2"; }
 ARMS="prev new"

@@ -27,9 +27,7 @@ if has checks; then
   echo "== memcheck / racecheck test-attention (key parts, odd lengths)" >> "$C"
   timeout 300 compute-sanitizer --tool memcheck --error-exitcode 9 $B/test-attention --test-threads=1 key_parts odd_lengths 2>&1 | grep -E "ERROR SUMMARY|test result" >> "$C"
   timeout 300 compute-sanitizer --tool racecheck --error-exitcode 9 $B/test-attention --test-threads=1 key_parts 2>&1 | grep -E "RACECHECK SUMMARY|ERROR SUMMARY|test result" >> "$C"
-  echo "== paths deit-small" >> "$C"
-  PATHS_DEVICE=cuda PATHS_MODELS=deit-small PATHS_BATCH=32 timeout 300 $B/test-paths_agreement --ignored --test-threads=1 > /tmp/paths.log 2>&1; echo "paths rc=$?" >> "$C"
-  grep -E "test result" /tmp/paths.log | tail -1 >> "$C"
+  paths_check deit-small 32 300
 fi
 attn_run() { $(prev_or_new "$1" bench-attention) --heads 3,6,12 --batch 1,8 --keep 1.0,0.7 --dtype f16,bf16 --host-calls 200 --gpu-reps 100 --out "$2"; }
 e2e_run() { $(prev_or_new "$1" bench) --device cuda --models deit-tiny,deit-small,deit-base --dtype f16 --batch 1,8 --pruners none,threshold-l2-fixed --paths ragged --reps 10 --out "$2"; }

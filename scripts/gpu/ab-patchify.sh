@@ -22,9 +22,7 @@ if has checks; then
   echo "== memcheck test-patch" >> "$C"
   compute-sanitizer --tool memcheck --error-exitcode 9 $B/test-patch --test-threads=1 2>&1 | grep -E "ERROR SUMMARY|test result" >> "$C"
   echo "== test-linear (defaults)" >> "$C"; $B/test-linear --test-threads=1 2>&1 | grep -E "test result|panicked" >> "$C"
-  echo "== paths deit-small" >> "$C"
-  PATHS_DEVICE=cuda PATHS_MODELS=deit-small PATHS_BATCH=32 $B/test-paths_agreement --ignored --test-threads=1 > /tmp/paths.log 2>&1; echo "paths rc=$?" >> "$C"
-  grep -E "test result" /tmp/paths.log | tail -1 >> "$C"
+  paths_check deit-small 32
 fi
 if has ab; then
   for r in 1 2; do

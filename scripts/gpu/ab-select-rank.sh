@@ -28,9 +28,7 @@ if has checks; then
   echo "== memcheck / racecheck test-select" >> "$C"
   timeout 300 compute-sanitizer --tool memcheck --error-exitcode 9 $B/test-select --test-threads=1 2>&1 | grep -E "ERROR SUMMARY|test result" >> "$C"
   timeout 300 compute-sanitizer --tool racecheck --error-exitcode 9 $B/test-select --test-threads=1 2>&1 | grep -E "RACECHECK SUMMARY|ERROR SUMMARY|test result" >> "$C"
-  echo "== paths deit-small" >> "$C"
-  PATHS_DEVICE=cuda PATHS_MODELS=deit-small PATHS_BATCH=32 timeout 300 $B/test-paths_agreement --ignored --test-threads=1 > /tmp/paths.log 2>&1; echo "paths rc=$?" >> "$C"
-  grep -E "test result" /tmp/paths.log | tail -1 >> "$C"
+  paths_check deit-small 32 300
 fi
 if has ncu; then
   for a in prev new; do

@@ -32,6 +32,16 @@ unpack_prev() {
 # prev_or_new ARM NAME: $B/NAME-prev for ARM "prev", else $B/NAME (two-binary A/B arms).
 prev_or_new() { if [ "$1" = prev ]; then echo "$B/$2-prev"; else echo "$B/$2"; fi; }
 
+# paths_check MODELS BATCH [LIMIT]: the full-size path-agreement test (test-paths_agreement
+# --ignored) on CUDA for MODELS at BATCH, under `timeout LIMIT` (0 or absent: none); appends
+# "== paths MODELS", its exit status and its result line to the script's log $C.
+paths_check() {
+  echo "== paths $1" >> "$C"
+  PATHS_DEVICE=cuda PATHS_MODELS=$1 PATHS_BATCH=$2 timeout "${3:-0}" $B/test-paths_agreement --ignored --test-threads=1 > /tmp/paths.log 2>&1
+  echo "paths rc=$?" >> "$C"
+  grep -E "test result" /tmp/paths.log | tail -1 >> "$C"
+}
+
 # step NAME LIMIT CMD...: CMD under `timeout LIMIT`, then "NAME rc=<status> <seconds> s" appended
 # to the script's log $L.
 step() { local name=$1 limit=$2; shift 2; local t0=$SECONDS
