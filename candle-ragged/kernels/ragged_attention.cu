@@ -335,7 +335,8 @@ template <typename T, int D>
 __device__ __forceinline__ void attn_mma_kernel(const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v,
                                                 T *__restrict__ o, const uint32_t *__restrict__ cu_seqlens,
                                                 long long q_tok, long long q_head, long long k_tok, long long k_head,
-                                                long long v_tok, long long v_head, int heads, float scale_log2) {
+                                                long long v_tok, long long v_head, int heads, float scale_log2,
+                                                int uniform_len) {
     using C = TileCfg<D>;
     constexpr int KEYS = C::KEYS;
 
@@ -344,8 +345,8 @@ __device__ __forceinline__ void attn_mma_kernel(const T *__restrict__ q, const T
 
     const int b = blockIdx.z;
     const int h = blockIdx.y;
-    const int start = cu_seqlens[b];
-    const int len = static_cast<int>(cu_seqlens[b + 1]) - start;
+    int start, len;
+    sequence_span(cu_seqlens, uniform_len, b, start, len);
     const int q_block = blockIdx.x * QUERIES_PER_BLOCK;
     if (q_block >= len) return;  // uniform over the block: no barrier is skipped by part of it
 
@@ -413,14 +414,15 @@ template <typename T, int D, int KEYS, bool LAZY>
 __device__ __forceinline__ void attn_resident_kernel(const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v,
                                                      T *__restrict__ o, const uint32_t *__restrict__ cu_seqlens,
                                                      long long q_tok, long long q_head, long long k_tok, long long k_head,
-                                                     long long v_tok, long long v_head, int heads, float scale_log2) {
+                                                     long long v_tok, long long v_head, int heads, float scale_log2,
+                                                int uniform_len) {
     using C = TileCfg<D>;
     extern __shared__ __align__(128) unsigned char resident_smem[];
 
     const int b = blockIdx.z;
     const int h = blockIdx.y;
-    const int start = cu_seqlens[b];
-    const int len = static_cast<int>(cu_seqlens[b + 1]) - start;
+    int start, len;
+    sequence_span(cu_seqlens, uniform_len, b, start, len);
     const int q_tiles = (len + 15) / 16;
     const int warps = blockDim.x / 32;
     const int parts = blockDim.y;
@@ -535,15 +537,16 @@ template <int D>
 __device__ __forceinline__ void attn_f32_kernel(const float *__restrict__ q, const float *__restrict__ k, const float *__restrict__ v,
                                                 float *__restrict__ o, const uint32_t *__restrict__ cu_seqlens,
                                                 long long q_tok, long long q_head, long long k_tok, long long k_head,
-                                                long long v_tok, long long v_head, int heads, float scale_log2) {
+                                                long long v_tok, long long v_head, int heads, float scale_log2,
+                                                int uniform_len) {
     constexpr int KEYS = 32;
     __shared__ float ks[KEYS][D + 1];
     __shared__ float vs[KEYS][D + 1];
 
     const int b = blockIdx.z;
     const int h = blockIdx.y;
-    const int start = cu_seqlens[b];
-    const int len = static_cast<int>(cu_seqlens[b + 1]) - start;
+    int start, len;
+    sequence_span(cu_seqlens, uniform_len, b, start, len);
     const int q_block = blockIdx.x * QUERIES_PER_BLOCK;
     if (q_block >= len) return;
 
@@ -659,8 +662,9 @@ __device__ __forceinline__ void unpack_rows(const VEC *__restrict__ packed, VEC 
 
 #define ATTN_ARGS(T)                                                                                            \
     const T *q, const T *k, const T *v, T *o, const uint32_t *cu_seqlens, long long q_tok, long long q_head,   \
-        long long k_tok, long long k_head, long long v_tok, long long v_head, int heads, float scale_log2
-#define ATTN_PASS q, k, v, o, cu_seqlens, q_tok, q_head, k_tok, k_head, v_tok, v_head, heads, scale_log2
+        long long k_tok, long long k_head, long long v_tok, long long v_head, int heads, float scale_log2, \
+        int uniform_len
+#define ATTN_PASS q, k, v, o, cu_seqlens, q_tok, q_head, k_tok, k_head, v_tok, v_head, heads, scale_log2, uniform_len
 
 #define MMA_ENTRY(NAME, T, D)                                                                     \
     extern "C" __global__ void __launch_bounds__(WARPS * 32) NAME(ATTN_ARGS(T)) {                \

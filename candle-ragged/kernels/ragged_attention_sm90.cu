@@ -178,11 +178,12 @@ template <typename T, int WGS>
 __device__ __forceinline__ void attn_wgmma_kernel(const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v,
                                                   T *__restrict__ o, const uint32_t *__restrict__ cu_seqlens,
                                                   long long q_tok, long long q_head, long long k_tok, long long k_head,
-                                                  long long v_tok, long long v_head, int heads, float scale_log2) {
+                                                  long long v_tok, long long v_head, int heads, float scale_log2,
+                                                  int uniform_len) {
     extern __shared__ __align__(16) uint8_t smem_raw[];
     const int b = blockIdx.z, h = blockIdx.y;
-    const uint32_t start = cu_seqlens[b];
-    const int len = static_cast<int>(cu_seqlens[b + 1] - start);
+    int start, len;
+    sequence_span(cu_seqlens, uniform_len, b, start, len);
     if (len <= 0) return;
     const int chunks = (len + CHUNK - 1) / CHUNK;
 
@@ -338,8 +339,9 @@ __device__ __forceinline__ void attn_wgmma_kernel(const T *__restrict__ q, const
 
 #define WG_ARGS(T)                                                                                              \
     const T *q, const T *k, const T *v, T *o, const uint32_t *cu_seqlens, long long q_tok, long long q_head,   \
-        long long k_tok, long long k_head, long long v_tok, long long v_head, int heads, float scale_log2
-#define WG_PASS q, k, v, o, cu_seqlens, q_tok, q_head, k_tok, k_head, v_tok, v_head, heads, scale_log2
+        long long k_tok, long long k_head, long long v_tok, long long v_head, int heads, float scale_log2, \
+        int uniform_len
+#define WG_PASS q, k, v, o, cu_seqlens, q_tok, q_head, k_tok, k_head, v_tok, v_head, heads, scale_log2, uniform_len
 
 #define WG_ENTRY(NAME, T, WGS, BLOCKS)                                                                  \
     extern "C" __global__ void __launch_bounds__(WGS * 128, BLOCKS) NAME(WG_ARGS(T)) {                 \

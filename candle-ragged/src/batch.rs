@@ -245,6 +245,15 @@ impl RaggedBatch {
         self.offsets.is_some()
     }
 
+    /// The length every sequence has, when the host knows they are all equal and non-zero (a
+    /// dense batch, or one pruned at a fixed ratio). O(1): `max_len` bounds every length, so
+    /// the lengths sum to `batch · max_len` only if each equals it. The attention kernels then
+    /// place sequence `b` at row `b · len` without reading `cu_seqlens`.
+    pub fn uniform_len(&self) -> Option<usize> {
+        (self.offsets.is_some() && self.max_len > 0 && self.rows == self.batch_size * self.max_len)
+            .then_some(self.max_len)
+    }
+
     /// Source positions of the packed rows (`[total]`, u32), when built from kept positions.
     pub fn positions(&self) -> Option<&Tensor> {
         self.positions.as_ref()
@@ -375,6 +384,24 @@ mod tests {
         assert_eq!(b.cu_seqlens().to_vec1::<u32>().unwrap(), vec![0, 3, 4, 9]);
         assert_eq!((b.batch_size(), b.total_tokens(), b.max_len()), (3, 9, 5));
         assert_eq!(b.lengths().unwrap(), vec![3, 1, 5]);
+    }
+
+    #[test]
+    fn uniform_len_only_when_every_length_is_equal() {
+        let dev = Device::Cpu;
+        let of = |l: &[usize]| RaggedBatch::from_lengths(l, &dev).unwrap().uniform_len();
+        assert_eq!(of(&[3, 3, 3]), Some(3));
+        assert_eq!(of(&[197]), Some(197));
+        assert_eq!(of(&[3, 1, 5]), None);
+        // Same total as two of 3, and as 2 · 4 - 2: neither is uniform.
+        assert_eq!(of(&[2, 4]), None);
+        assert_eq!(of(&[4, 2]), None);
+        let empty = RaggedBatch::from_lengths_allowing_empty(&[0, 0], &dev).unwrap();
+        assert_eq!(empty.uniform_len(), None);
+        let mixed = RaggedBatch::from_lengths_allowing_empty(&[2, 0, 2], &dev).unwrap();
+        assert_eq!(mixed.uniform_len(), None);
+        let kept = RaggedBatch::from_keep_indices(&[vec![0, 2], vec![1, 3]], 4, &dev).unwrap();
+        assert_eq!(kept.uniform_len(), Some(2));
     }
 
     #[test]

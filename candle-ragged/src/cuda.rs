@@ -137,6 +137,10 @@ struct Kernels {
     /// `CANDLE_RAGGED_SPLIT_SCORES=1` always, `=0` never (the decide / select blocks compute them
     /// themselves; same bits either way).
     split_scores: Option<bool>,
+    /// Whether the attention kernels take equal-length sequences' spans from their length
+    /// instead of `cu_seqlens` (lever 54; `CANDLE_RAGGED_UNIFORM_SPANS=0` reads `cu_seqlens`
+    /// always, for A/B runs).
+    uniform_spans: bool,
 }
 
 static LOADED: Mutex<Vec<(DeviceId, Arc<Kernels>)>> = Mutex::new(Vec::new());
@@ -271,6 +275,7 @@ fn kernels(dev: &CudaDevice) -> Result<Arc<Kernels>> {
             Ok("0") => Some(false),
             _ => None,
         },
+        uniform_spans: std::env::var("CANDLE_RAGGED_UNIFORM_SPANS").as_deref() != Ok("0"),
     });
     loaded.push((dev.id(), k.clone()));
     Ok(k)
@@ -384,6 +389,11 @@ pub(crate) fn attention(
     let (v_tok, v_head) = strides(lv);
     let heads_i = heads as i32;
     let scale_log2 = softmax_scale * std::f32::consts::LOG2_E;
+    // 0: the kernels read each sequence's span from cu_seqlens.
+    let uniform_len = match batch.uniform_len() {
+        Some(len) if k.uniform_spans => len as i32,
+        _ => 0,
+    };
     let wgmma = match &k.wgmma {
         Some(fs) if dtype_index > 0 && dim == 64 && batch.max_len() <= WGMMA_MAX_LEN => {
             Some(&fs[dtype_index - 1])
@@ -440,7 +450,7 @@ pub(crate) fn attention(
             let mut b = stream.launch_builder(func);
             b.arg(&q).arg(&kk).arg(&v).arg(&out).arg(&cu);
             b.arg(&q_tok).arg(&q_head).arg(&k_tok).arg(&k_head).arg(&v_tok).arg(&v_head);
-            b.arg(&heads_i).arg(&scale_log2);
+            b.arg(&heads_i).arg(&scale_log2).arg(&uniform_len);
             // SAFETY: argument list matches ATTN_ARGS in kernels/ragged_attention.cu; sizes checked above.
             unsafe { b.launch(cfg) }.w()?;
             CudaStorage { slice: CudaStorageSlice::$variant(out), device: dev.clone() }

@@ -96,6 +96,38 @@ fn odd_lengths_every_dtype() {
     }
 }
 
+/// Batches whose sequences all have one length: the kernels then take each sequence's span from
+/// that length instead of cu_seqlens (lever 54). Every kernel family: resident (f16 / bf16,
+/// head_dim <= 64, up to 256 tokens, with and without key parts), tiled (longer or head_dim 128),
+/// f32; one-token sequences; the fused qkv views.
+#[test]
+fn equal_lengths_every_kernel() {
+    let dev = device();
+    for lengths in [
+        vec![197; 8],
+        vec![64; 3],
+        vec![1; 5],
+        vec![300; 2],
+        vec![577; 2],
+    ] {
+        let batch = RaggedBatch::from_lengths(&lengths, &dev).unwrap();
+        assert_eq!(batch.uniform_len(), Some(lengths[0]));
+    }
+    for (i, dtype) in [DType::F16, DType::BF16, DType::F32]
+        .into_iter()
+        .enumerate()
+    {
+        let seed = 100 + 10 * i as u64;
+        check(&[197; 8], 6, 64, dtype, true, 0.125, seed);
+        check(&[197], 12, 64, dtype, false, 0.125, seed + 1);
+        check(&[64; 3], 3, 64, dtype, false, 0.125, seed + 2);
+        check(&[1; 5], 2, 64, dtype, true, 0.125, seed + 3);
+        check(&[300; 2], 2, 64, dtype, true, 0.125, seed + 4);
+        check(&[65; 4], 2, 32, dtype, false, 0.125, seed + 5);
+        check(&[130; 2], 2, 128, dtype, true, 0.125, seed + 6);
+    }
+}
+
 #[test]
 fn mixed_lengths_in_one_batch() {
     let lengths = [1, 2, 63, 64, 65, 197, 3, 130];
