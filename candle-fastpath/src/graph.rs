@@ -26,6 +26,7 @@ use candle_core::cuda_backend::CudaDevice;
 use candle_core::{CpuStorage, CudaStorage, DType, Device, Layout, Tensor};
 
 use crate::error::{FastpathError, Result};
+use crate::GraphNodes;
 
 /// A captured forward: `run(x)` = `forward(x)` for every `x` shaped like the example; or, through
 /// [`Self::capture_many`], several inputs and outputs (a forward that continues from tensors an
@@ -192,6 +193,60 @@ impl CapturedForward {
         }
         self.graph.launch().map_err(|e| graph_err("launch", e))?;
         Ok(())
+    }
+
+    /// What the captured graph holds, by node type: a diagnostic for where a replay's time can go
+    /// besides its kernels (candle's allocations become memory nodes, its contiguous copies
+    /// memcpy nodes).
+    pub fn nodes(&self) -> Result<GraphNodes> {
+        use sys::CUgraphNodeType as T;
+        let graph = self.graph.cu_graph();
+        let err = |what: &str, r: sys::CUresult| graph_err(what, r);
+        let mut count = 0usize;
+        // SAFETY: the graph is alive (owned by self.graph) and only read here; the node array has
+        // the length the first call reported.
+        let r = unsafe { sys::cuGraphGetNodes(graph, std::ptr::null_mut(), &mut count) };
+        if r != sys::CUresult::CUDA_SUCCESS {
+            return Err(err("cuGraphGetNodes", r));
+        }
+        let mut nodes = vec![std::ptr::null_mut(); count];
+        let r = unsafe { sys::cuGraphGetNodes(graph, nodes.as_mut_ptr(), &mut count) };
+        if r != sys::CUresult::CUDA_SUCCESS {
+            return Err(err("cuGraphGetNodes", r));
+        }
+        let mut out = GraphNodes::default();
+        for &node in &nodes[..count] {
+            let mut kind = T::CU_GRAPH_NODE_TYPE_EMPTY;
+            // SAFETY: `node` belongs to the live graph.
+            let r = unsafe { sys::cuGraphNodeGetType(node, &mut kind) };
+            if r != sys::CUresult::CUDA_SUCCESS {
+                return Err(err("cuGraphNodeGetType", r));
+            }
+            match kind {
+                T::CU_GRAPH_NODE_TYPE_KERNEL => out.kernels += 1,
+                T::CU_GRAPH_NODE_TYPE_MEMCPY => out.memcpy += 1,
+                T::CU_GRAPH_NODE_TYPE_MEMSET => out.memset += 1,
+                T::CU_GRAPH_NODE_TYPE_MEM_ALLOC => out.mem_alloc += 1,
+                T::CU_GRAPH_NODE_TYPE_MEM_FREE => out.mem_free += 1,
+                _ => out.other += 1,
+            }
+        }
+        let mut edges = 0usize;
+        // SAFETY: as above; null arrays ask for the count only.
+        let r = unsafe {
+            sys::cuGraphGetEdges_v2(
+                graph,
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+                &mut edges,
+            )
+        };
+        if r != sys::CUresult::CUDA_SUCCESS {
+            return Err(err("cuGraphGetEdges_v2", r));
+        }
+        out.edges = edges;
+        Ok(out)
     }
 
     /// The buffer the graph writes its (first) output into (overwritten by every replay).

@@ -4,6 +4,7 @@
 use candle_core::Tensor;
 
 use crate::error::{FastpathError, Result};
+use crate::GraphNodes;
 
 /// See the CUDA build's documentation; without CUDA no value of this type can exist.
 #[derive(Debug)]
@@ -53,6 +54,10 @@ impl CapturedForward {
     }
 
     pub fn output(&self) -> &Tensor {
+        match self.never {}
+    }
+
+    pub fn nodes(&self) -> Result<GraphNodes> {
         match self.never {}
     }
 

@@ -53,6 +53,7 @@ mod graph;
 #[cfg(not(feature = "cuda"))]
 #[path = "graph_unavailable.rs"]
 mod graph;
+mod graph_nodes;
 mod head;
 mod linear;
 mod norm;
@@ -66,6 +67,7 @@ mod switches;
 pub use embed::embed_tokens;
 pub use error::{FastpathError, Result};
 pub use graph::CapturedForward;
+pub use graph_nodes::GraphNodes;
 pub use head::{linear_log_prob, HEAD_MAX_CLASSES};
 pub use linear::{linear, linear_no_bias, Epilogue, FusedLinear};
 pub use norm::{layer_norm, LayerNorm};

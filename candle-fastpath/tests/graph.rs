@@ -154,3 +154,55 @@ fn several_inputs_and_outputs() -> anyhow::Result<()> {
     assert!(e.to_string().contains("expected [3]"), "{e}");
     Ok(())
 }
+
+/// The copies around a replay (the input into the graph's buffer, the outputs out of the
+/// forward): sizes that are not whole 16-byte vectors and inputs at odd offsets (misaligned
+/// views) arrive intact, in every float dtype, and a u8 input too.
+#[test]
+fn replay_copies_odd_sizes_and_offsets() -> anyhow::Result<()> {
+    let dev = device();
+    for dtype in [DType::F32, DType::F16, DType::BF16, DType::U8] {
+        for n in [1usize, 7, 1001, 4099] {
+            let f = |x: &Tensor| -> candle_core::Result<Tensor> { Ok(x.clone()) };
+            let example = Tensor::zeros(n, dtype, &dev)?;
+            let Some(captured) = captured_or_cpu_error(CapturedForward::capture(&example, f), &dev)
+            else {
+                return Ok(());
+            };
+            for offset in [0usize, 1, 3, 8] {
+                let big = Tensor::arange(0u32, (n + offset) as u32, &dev)?
+                    .to_dtype(DType::F32)?
+                    .affine(1.0, 0.5)?
+                    .to_dtype(dtype)?;
+                let input = big.narrow(0, offset, n)?;
+                let got = captured.run(&input)?;
+                let want = input.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+                let got = got.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+                assert_eq!(got, want, "{dtype:?} n {n} offset {offset}");
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The node census of a captured graph counts what the forward launched: two candle kernels
+/// (affine, sqr), the copy of the output into the graph's buffer, and a memory node pair per
+/// intermediate the forward allocated and dropped inside the capture; the nodes form a chain.
+#[test]
+fn node_census_counts_the_forward() -> anyhow::Result<()> {
+    let dev = device();
+    let f = |x: &Tensor| -> candle_core::Result<Tensor> { x.affine(2.0, 1.0)?.sqr() };
+    let example = Tensor::zeros(1000, DType::F32, &dev)?;
+    let Some(captured) = captured_or_cpu_error(CapturedForward::capture(&example, f), &dev) else {
+        return Ok(());
+    };
+    let nodes = captured.nodes()?;
+    assert_eq!(nodes.kernels, 2, "{nodes}");
+    assert_eq!(nodes.memcpy, 1, "{nodes}");
+    assert_eq!(nodes.memset + nodes.other, 0, "{nodes}");
+    assert_eq!(nodes.mem_alloc, 2, "{nodes}");
+    assert_eq!(nodes.mem_free, 2, "{nodes}");
+    let total = nodes.kernels + nodes.memcpy + nodes.mem_alloc + nodes.mem_free;
+    assert_eq!(nodes.edges, total - 1, "{nodes}");
+    Ok(())
+}

@@ -96,6 +96,12 @@ struct Args {
     #[arg(long, default_value_t = 0)]
     seed: u64,
 
+    /// For every captured CUDA graph, also print (stderr) its nodes by type and its replays'
+    /// host time to return, host wall clock to a synchronised device and CUDA-event time
+    /// (medians of `--reps`): where a replay's time goes besides its kernels.
+    #[arg(long, default_value_t = false)]
+    graph_anatomy: bool,
+
     /// Output JSON file.
     #[arg(long, default_value = "docs/benchmarks/h100-e2e.json")]
     out: PathBuf,
@@ -298,6 +304,99 @@ fn time(
     Ok((median(times), kept, peak.peak_mb()?))
 }
 
+/// `--graph-anatomy`: one line on `graph` and its replays (see the flag).
+#[cfg(feature = "cuda")]
+fn graph_anatomy(
+    device: &Device,
+    graph: &CapturedForward,
+    pixels: &Tensor,
+    reps: u32,
+    label: &str,
+) -> Result<()> {
+    use candle_core::cuda_backend::cudarc::driver::sys::CUevent_flags;
+    let Device::Cuda(cuda) = device else {
+        return Ok(());
+    };
+    let nodes = graph.nodes()?;
+    let stream = cuda.cuda_stream();
+    let timing = Some(CUevent_flags::CU_EVENT_DEFAULT);
+    let (mut launch, mut wall, mut gpu) = (Vec::new(), Vec::new(), Vec::new());
+    device.synchronize()?;
+    for _ in 0..reps {
+        let t0 = Instant::now();
+        let e0 = stream.record_event(timing)?;
+        graph.replay(pixels)?;
+        let e1 = stream.record_event(timing)?;
+        let t1 = Instant::now();
+        device.synchronize()?;
+        let t2 = Instant::now();
+        launch.push((t1 - t0).as_secs_f64() * 1e6);
+        wall.push((t2 - t0).as_secs_f64() * 1e6);
+        gpu.push(e0.elapsed_ms(&e1)? as f64 * 1e3);
+    }
+    eprintln!(
+        "graph {label}: {nodes}; replay: host {:.1} us to return, {:.1} us wall to a synchronised device, {:.1} us between events (medians of {reps})",
+        median(launch),
+        median(wall),
+        median(gpu)
+    );
+    Ok(())
+}
+
+/// Without CUDA no graph can be captured, so there is nothing to look at.
+#[cfg(not(feature = "cuda"))]
+fn graph_anatomy(
+    _device: &Device,
+    graph: &CapturedForward,
+    _pixels: &Tensor,
+    _reps: u32,
+    _label: &str,
+) -> Result<()> {
+    graph.nodes()?;
+    Ok(())
+}
+
+/// `--graph-anatomy` for the dense forward's three parts, each captured alone: the embedding
+/// (pixels → tokens), the blocks (tokens → tokens) and the head (final norm of the prefix tokens
+/// → logits); each graph also copies its output once.
+fn dense_parts_anatomy(
+    device: &Device,
+    model: &DeiT,
+    pixels: &Tensor,
+    reps: u32,
+    label: &str,
+) -> Result<()> {
+    let embed = CapturedForward::capture(pixels, |x| model.embed(x))?;
+    graph_anatomy(
+        device,
+        &embed,
+        pixels,
+        reps,
+        &format!("{label}, embedding only"),
+    )?;
+    let tokens = model.embed(pixels)?;
+    let (b, n, c) = tokens.dims3()?;
+    let blocks = CapturedForward::capture(&tokens, |x| {
+        let batch = candle_ragged::RaggedBatch::from_lengths(&vec![n; b], x.device())
+            .map_err(candle_core::Error::wrap)?;
+        let inputs = models::AttentionInputs::Ragged { batch: &batch };
+        let mut x = x.reshape((b * n, c))?;
+        for block in &model.blocks {
+            x = block.forward_with(&x, &inputs)?;
+        }
+        x.reshape((b, n, c))
+    })?;
+    let label_blocks = format!("{label}, {} blocks only", model.blocks.len());
+    graph_anatomy(device, &blocks, &tokens, reps, &label_blocks)?;
+    let prefix = model.config.num_prefix_tokens();
+    let head = CapturedForward::capture(&tokens, |x| {
+        let x = x.narrow(1, 0, prefix)?.contiguous()?;
+        model.forward_head(&model.norm.forward(&x)?)
+    })?;
+    graph_anatomy(device, &head, &tokens, reps, &format!("{label}, head only"))?;
+    Ok(())
+}
+
 fn main() -> ExitCode {
     run_main(|| {
         let args = Args::parse();
@@ -340,6 +439,11 @@ fn main() -> ExitCode {
                         let graphable = args.cuda_graph && device.is_cuda();
                         if graphable && v.path == ExecutionPath::Dense {
                             let graph = CapturedForward::capture(&pixels, |x| model.forward(x))?;
+                            if args.graph_anatomy {
+                                let label = format!("{name} {dtype_arg:?} b{batch} dense");
+                                graph_anatomy(&device, &graph, &pixels, args.reps, &label)?;
+                                dense_parts_anatomy(&device, &model, &pixels, args.reps, &label)?;
+                            }
                             let tokens = cfg.seq_len() as f64;
                             let run = || -> Result<f64> {
                                 graph.replay(&pixels)?;
@@ -381,6 +485,14 @@ fn main() -> ExitCode {
                                     }
                                 };
                                 let graph = CapturedForward::capture(&pixels, forward)?;
+                                if args.graph_anatomy {
+                                    let label = format!(
+                                        "{name} {dtype_arg:?} b{batch} {} {} ragged",
+                                        v.spec.kind.map_or("none".into(), |k| k.to_string()),
+                                        v.spec.mode
+                                    );
+                                    graph_anatomy(&device, &graph, &pixels, args.reps, &label)?;
+                                }
                                 let run = || -> Result<f64> {
                                     graph.replay(&pixels)?;
                                     Ok(kept)
