@@ -16,11 +16,12 @@
 use candle_core::{DType, Module, Result, Tensor, D};
 use candle_fastpath::{layer_norm, linear, FusedLinear, LayerNorm};
 use candle_nn::VarBuilder;
-use candle_ragged::RaggedBatch;
+
 use pruners::PruneSite;
 
 use crate::attention::{attend, merge_heads, split_heads, AttentionInputs};
 use crate::config::DeiTConfig;
+use crate::uniform_batches::UniformBatches;
 
 /// Patch embedding: a 16×16 stride-16 conv, computed as one matmul over unfolded patches
 /// (`[B·196, 3·16·16] @ Wᵀ + b`), which is the same arithmetic without im2col overhead.
@@ -280,6 +281,9 @@ pub struct DeiT {
     pub head: FusedLinear,
     /// Distillation head (distilled models only), averaged with `head` at inference.
     pub head_dist: Option<FusedLinear>,
+    /// The batch descriptions of equal-length sequences this model's forwards reuse (dense
+    /// batches, fixed-ratio pruning steps): no `cu_seqlens` upload per forward.
+    pub uniform_batches: UniformBatches,
 }
 
 impl DeiT {
@@ -309,6 +313,7 @@ impl DeiT {
             norm: layer_norm(c, config.ln_eps, vb.pp("norm"))?,
             head: linear(c, config.num_classes, vb.pp("head"))?,
             head_dist,
+            uniform_batches: UniformBatches::default(),
         })
     }
 
@@ -359,7 +364,7 @@ impl DeiT {
             }
             return Ok(x);
         }
-        let batch = RaggedBatch::from_lengths(&vec![n; b], x.device())?;
+        let batch = self.uniform_batches.get(b, n, x.device())?;
         let inputs = AttentionInputs::Ragged { batch: &batch };
         let mut x = x.reshape((b * n, c))?;
         for block in &self.blocks {

@@ -27,6 +27,7 @@ pub mod on_device;
 pub mod preprocess;
 pub mod pruned;
 pub mod staged;
+pub mod uniform_batches;
 
 pub use attention::{attend, cls_attention, AttentionInputs, KeyPaddingMask};
 pub use checkpoint::{expected_tensors, load_deit, Checkpoint, CheckpointFiles, WeightNaming};
@@ -39,3 +40,4 @@ pub use on_device::{CapturablePrunedForward, DevicePrunedForward, PrunedTokens};
 pub use preprocess::{decode_image, Interpolation, PreprocessConfig, Resize};
 pub use pruned::{BlockPruner, ExecutionPath, PruneStage, PrunedForward};
 pub use staged::{Reads, StagedGraph};
+pub use uniform_batches::UniformBatches;

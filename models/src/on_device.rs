@@ -355,7 +355,7 @@ impl DeiT {
         let dev = x.device().clone();
         let mut len = n;
         let mut x = x.reshape((b * n, c))?;
-        let mut batch = RaggedBatch::from_lengths(&vec![n; b], &dev)?;
+        let mut batch = self.uniform_batches.get(b, n, &dev)?;
         let mut kept_tokens = Vec::with_capacity(counts.len());
         let mut steps = order.iter().zip(counts).peekable();
         for (i, block) in self.blocks.iter().enumerate() {
@@ -403,7 +403,7 @@ impl DeiT {
             len = next_len;
             x = next;
             kept_tokens.push(vec![len; b]);
-            batch = RaggedBatch::from_lengths(&vec![len; b], &dev)?;
+            batch = self.uniform_batches.get(b, len, &dev)?;
             let inputs = AttentionInputs::Ragged { batch: &batch };
             x = block.rest_after(site, &x, &inputs)?;
         }
@@ -435,7 +435,7 @@ impl DeiT {
         let x = self.embed(pixels)?;
         let (b, n, c) = x.dims3()?;
         let x = x.reshape((b * n, c))?;
-        let batch = RaggedBatch::from_lengths(&vec![n; b], x.device())?;
+        let batch = self.uniform_batches.get(b, n, x.device())?;
         Ok((x, batch))
     }
 

@@ -363,7 +363,9 @@ impl DeiT {
         let mut tokens = if path == ExecutionPath::Ragged {
             Tokens::Ragged {
                 x: x.reshape((b * n, c))?,
-                batch: RaggedBatch::from_lengths(&vec![n; b], &dev)
+                batch: self
+                    .uniform_batches
+                    .get(b, n, &dev)
                     .map_err(candle_core::Error::from)?,
             }
         } else {

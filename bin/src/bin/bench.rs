@@ -377,7 +377,9 @@ fn dense_parts_anatomy(
     let tokens = model.embed(pixels)?;
     let (b, n, c) = tokens.dims3()?;
     let blocks = CapturedForward::capture(&tokens, |x| {
-        let batch = candle_ragged::RaggedBatch::from_lengths(&vec![n; b], x.device())
+        let batch = model
+            .uniform_batches
+            .get(b, n, x.device())
             .map_err(candle_core::Error::wrap)?;
         let inputs = models::AttentionInputs::Ragged { batch: &batch };
         let mut x = x.reshape((b * n, c))?;
