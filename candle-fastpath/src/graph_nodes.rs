@@ -1,4 +1,5 @@
-//! [`GraphNodes`]: what a captured CUDA graph holds, by node type (`CapturedForward::nodes`).
+//! [`GraphNodes`]: what a captured CUDA graph holds, by node type (`CapturedForward::nodes`), and
+//! [`is_capturing`]: whether a device's stream is being captured right now.
 
 /// A captured graph's nodes by type ([`crate::CapturedForward::nodes`]).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -28,4 +29,15 @@ impl std::fmt::Display for GraphNodes {
             self.edges
         )
     }
+}
+
+/// Whether `device`'s stream is capturing a CUDA graph right now (always false off CUDA). For
+/// caches that must not keep what a capture allocates: such memory belongs to the graph.
+pub fn is_capturing(device: &candle_core::Device) -> bool {
+    #[cfg(feature = "cuda")]
+    if let candle_core::Device::Cuda(dev) = device {
+        return crate::cuda::stream_is_capturing(dev);
+    }
+    let _ = device;
+    false
 }

@@ -67,7 +67,7 @@ mod switches;
 pub use embed::embed_tokens;
 pub use error::{FastpathError, Result};
 pub use graph::CapturedForward;
-pub use graph_nodes::GraphNodes;
+pub use graph_nodes::{is_capturing, GraphNodes};
 pub use head::{linear_log_prob, HEAD_MAX_CLASSES};
 pub use linear::{linear, linear_no_bias, Epilogue, FusedLinear};
 pub use norm::{layer_norm, LayerNorm};

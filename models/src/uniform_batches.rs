@@ -12,12 +12,13 @@ use std::sync::{Arc, Mutex};
 use candle_core::Device;
 use candle_ragged::RaggedBatch;
 
-/// Most shapes kept; past it the cache starts over (a model serving many batch sizes rebuilds
-/// what it uses, it does not grow without bound).
-const CAPACITY: usize = 64;
-
 /// A cache of `RaggedBatch::from_lengths(&vec![len; batch], device)` per (batch, len, device).
 /// Clones share one cache.
+///
+/// Entries are never evicted: a CUDA graph captured from a forward points at the `cu_seqlens` it
+/// was given (without holding the tensor), so an entry must live as long as the model. Each is
+/// a `[batch + 1]` u32 tensor, and a process sees few (batch, length) pairs. A miss while the
+/// device's stream is being captured is built but not kept: its memory belongs to the graph.
 #[derive(Debug, Clone, Default)]
 pub struct UniformBatches {
     entries: Arc<Mutex<Vec<Entry>>>,
@@ -48,8 +49,8 @@ impl UniformBatches {
             return Ok(found.built.clone());
         }
         let built = RaggedBatch::from_lengths(&vec![len; batch], device)?;
-        if entries.len() >= CAPACITY {
-            entries.clear();
+        if candle_fastpath::is_capturing(device) {
+            return Ok(built);
         }
         entries.push(Entry {
             batch,
@@ -84,8 +85,8 @@ mod tests {
         assert_ne!(other.cu_seqlens().id(), a.cu_seqlens().id());
         assert!(cache.get(0, 5, &dev).is_err());
         assert!(cache.get(2, 0, &dev).is_err());
-        // Past the capacity the cache starts over and still answers correctly.
-        for len in 1..=(CAPACITY + 3) {
+        // Many shapes: every one answered correctly, the first still the same tensor.
+        for len in 1..=100 {
             let b = cache.get(2, len, &dev).unwrap();
             assert_eq!(
                 b.host_offsets(),
