@@ -100,20 +100,7 @@ pub fn small_block_applies(x: &Tensor, max_len: usize, w: &BlockWeights) -> bool
         && w.heads * SMALL_BLOCK_HEAD_DIM == c
         && (1..=SMALL_BLOCK_MAX_LEN).contains(&max_len)
         && (1..=small_block_max_rows()).contains(&x.dim(0).unwrap_or(0));
-    shape_ok && (mode == SmallBlockMode::Always || (c <= 384 && !capturing(x)))
-}
-
-#[cfg(feature = "cuda")]
-fn capturing(x: &Tensor) -> bool {
-    match x.device() {
-        candle_core::Device::Cuda(dev) => crate::cuda::stream_is_capturing(dev),
-        _ => false,
-    }
-}
-
-#[cfg(not(feature = "cuda"))]
-fn capturing(_: &Tensor) -> bool {
-    false
+    shape_ok && (mode == SmallBlockMode::Always || (c <= 384 && !crate::is_capturing(x.device())))
 }
 
 /// One ViT block over the packed tokens `x` (`[rows, C]`, f16 / bf16, CUDA) of the sequences

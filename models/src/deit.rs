@@ -16,7 +16,6 @@
 use candle_core::{DType, Module, Result, Tensor, D};
 use candle_fastpath::{layer_norm, linear, FusedLinear, LayerNorm};
 use candle_nn::VarBuilder;
-
 use pruners::PruneSite;
 
 use crate::attention::{attend, merge_heads, split_heads, AttentionInputs};
@@ -353,12 +352,16 @@ impl DeiT {
     /// split/merge copies and the `[B, H, N, N]` scores). Head dims the kernel lacks fall back to
     /// the matmul-softmax-matmul attention.
     pub fn forward_blocks(&self, pixels: &Tensor) -> Result<Tensor> {
-        let x = self.embed(pixels)?;
+        self.blocks_on_tokens(&self.embed(pixels)?)
+    }
+
+    /// [`Self::forward_blocks`] from embedded tokens `[B, N, C]` (the output of [`Self::embed`]).
+    pub fn blocks_on_tokens(&self, x: &Tensor) -> Result<Tensor> {
         let (b, n, c) = x.dims3()?;
         let head_dim = self.config.head_dim();
         if !candle_ragged::SUPPORTED_HEAD_DIMS.contains(&head_dim) || n > candle_ragged::MAX_SEQ_LEN
         {
-            let mut x = x;
+            let mut x = x.clone();
             for block in &self.blocks {
                 x = block.forward(&x)?;
             }
@@ -387,6 +390,14 @@ impl DeiT {
         }
     }
 
+    /// Logits `[B, num_classes]` from the tokens after the blocks `[B, N, C]`: the final norm on
+    /// the class (and distillation) tokens only (the head reads nothing else), then the head.
+    pub fn logits_from_blocks(&self, tokens: &Tensor) -> Result<Tensor> {
+        let prefix = self.config.num_prefix_tokens();
+        let x = tokens.narrow(1, 0, prefix)?.contiguous()?;
+        self.forward_head(&self.norm.forward(&x)?)
+    }
+
     /// Class probabilities `[B, num_classes]` in f32.
     pub fn probabilities(&self, pixels: &Tensor) -> Result<Tensor> {
         let logits = self.forward(pixels)?.to_dtype(DType::F32)?;
@@ -398,8 +409,6 @@ impl Module for DeiT {
     /// Pixels `[B, 3, H, W]` → logits `[B, num_classes]`. The final norm runs on the class (and
     /// distillation) tokens only: the head reads nothing else.
     fn forward(&self, pixels: &Tensor) -> Result<Tensor> {
-        let prefix = self.config.num_prefix_tokens();
-        let x = self.forward_blocks(pixels)?.narrow(1, 0, prefix)?;
-        self.forward_head(&self.norm.forward(&x.contiguous()?)?)
+        self.logits_from_blocks(&self.forward_blocks(pixels)?)
     }
 }

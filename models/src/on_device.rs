@@ -407,12 +407,8 @@ impl DeiT {
             let inputs = AttentionInputs::Ragged { batch: &batch };
             x = block.rest_after(site, &x, &inputs)?;
         }
-        let prefix = x
-            .reshape((b, len, c))?
-            .narrow(1, 0, num_prefix)?
-            .contiguous()?;
         Ok(DevicePrunedForward {
-            logits: self.forward_head(&self.norm.forward(&prefix)?)?,
+            logits: self.logits_from_blocks(&x.reshape((b, len, c))?)?,
             kept_tokens,
         })
     }

@@ -375,26 +375,10 @@ fn dense_parts_anatomy(
         &format!("{label}, embedding only"),
     )?;
     let tokens = model.embed(pixels)?;
-    let (b, n, c) = tokens.dims3()?;
-    let blocks = CapturedForward::capture(&tokens, |x| {
-        let batch = model
-            .uniform_batches
-            .get(b, n, x.device())
-            .map_err(candle_core::Error::wrap)?;
-        let inputs = models::AttentionInputs::Ragged { batch: &batch };
-        let mut x = x.reshape((b * n, c))?;
-        for block in &model.blocks {
-            x = block.forward_with(&x, &inputs)?;
-        }
-        x.reshape((b, n, c))
-    })?;
+    let blocks = CapturedForward::capture(&tokens, |x| model.blocks_on_tokens(x))?;
     let label_blocks = format!("{label}, {} blocks only", model.blocks.len());
     graph_anatomy(device, &blocks, &tokens, reps, &label_blocks)?;
-    let prefix = model.config.num_prefix_tokens();
-    let head = CapturedForward::capture(&tokens, |x| {
-        let x = x.narrow(1, 0, prefix)?.contiguous()?;
-        model.forward_head(&model.norm.forward(&x)?)
-    })?;
+    let head = CapturedForward::capture(&tokens, |x| model.logits_from_blocks(x))?;
     graph_anatomy(device, &head, &tokens, reps, &format!("{label}, head only"))?;
     Ok(())
 }

@@ -6,75 +6,52 @@
 // figures are median replay times (CUDA events) / launches. Run on the GPU from the repo root:
 //   nvcc -O3 -std=c++17 -arch=sm_90a -o /tmp/block_floor scripts/gpu/probes/block_floor.cu -lcublasLt -lcuda
 //   /tmp/block_floor FASTPATH_PTX RAGGED_PTX
-#include <cublasLt.h>
-#include <cuda.h>
 #include <cuda_fp16.h>
-#include <cuda_runtime.h>
 
-#include <algorithm>
 #include <chrono>
-#include <cstdio>
-#include <cstdlib>
 #include <fstream>
-#include <functional>
 #include <sstream>
 #include <string>
-#include <vector>
 
-#define CK(x)                                                                                  \
-    do {                                                                                       \
-        cudaError_t e_ = (x);                                                                  \
-        if (e_ != cudaSuccess) {                                                               \
-            fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-            exit(1);                                                                           \
-        }                                                                                      \
-    } while (0)
-#define CU(x)                                                                      \
-    do {                                                                           \
-        CUresult r_ = (x);                                                         \
-        if (r_ != CUDA_SUCCESS) {                                                  \
-            const char* m_;                                                        \
-            cuGetErrorString(r_, &m_);                                             \
-            fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, m_);         \
-            exit(1);                                                               \
-        }                                                                          \
-    } while (0)
-#define LT(x)                                                                             \
-    do {                                                                                  \
-        cublasStatus_t s_ = (x);                                                          \
-        if (s_ != CUBLAS_STATUS_SUCCESS) {                                                \
-            fprintf(stderr, "%s:%d %s: status %d\n", __FILE__, __LINE__, #x, (int)s_);    \
-            exit(1);                                                                      \
-        }                                                                                 \
-    } while (0)
+#include "probe_common.cuh"
 
 constexpr int NODES = 96, REPS = 200;
 
 static double per_call_us(cudaStream_t s, int calls, const std::function<void()>& launch) {
-    cudaGraph_t g;
-    cudaGraphExec_t ge;
-    CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
-    for (int i = 0; i < calls; ++i) launch();
-    CK(cudaStreamEndCapture(s, &g));
-    CK(cudaGraphInstantiate(&ge, g, 0));
+    return graph_us_per_call(s, calls, REPS, launch);
+}
+
+// Medians (µs) of REPS replays of `ge` on `s` after 20 untimed ones, as the bench times a
+// replay: the host wall clock from before `before()` (the copy into the input buffer, if any) to
+// after the stream's synchronisation, and the CUDA events around them (0 without `events`).
+struct ReplayTimes {
+    double wall, events;
+};
+static ReplayTimes replay_times(cudaStream_t s, cudaGraphExec_t ge, bool events, const std::function<void()>& before) {
     cudaEvent_t e0, e1;
     CK(cudaEventCreate(&e0));
     CK(cudaEventCreate(&e1));
-    for (int i = 0; i < 20; ++i) CK(cudaGraphLaunch(ge, s));
-    std::vector<float> ms;
-    for (int i = 0; i < REPS; ++i) {
-        CK(cudaEventRecord(e0, s));
+    std::vector<double> wall, gpu;
+    for (int i = 0; i < 20 + REPS; ++i) {
+        const auto t0 = std::chrono::steady_clock::now();
+        if (events) CK(cudaEventRecord(e0, s));
+        before();
         CK(cudaGraphLaunch(ge, s));
         CK(cudaEventRecord(e1, s));
-        CK(cudaEventSynchronize(e1));
-        float t;
-        CK(cudaEventElapsedTime(&t, e0, e1));
-        ms.push_back(t);
+        CK(cudaStreamSynchronize(s));
+        const auto t1 = std::chrono::steady_clock::now();
+        float t = 0;
+        if (events) CK(cudaEventElapsedTime(&t, e0, e1));
+        if (i >= 20) {
+            wall.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count());
+            gpu.push_back(1000.0 * t);
+        }
     }
-    std::sort(ms.begin(), ms.end());
-    CK(cudaGraphExecDestroy(ge));
-    CK(cudaGraphDestroy(g));
-    return 1000.0 * ms[ms.size() / 2] / calls;
+    CK(cudaEventDestroy(e0));
+    CK(cudaEventDestroy(e1));
+    std::sort(wall.begin(), wall.end());
+    std::sort(gpu.begin(), gpu.end());
+    return {wall[wall.size() / 2], gpu[gpu.size() / 2]};
 }
 
 static CUmodule load_ptx(const char* path) {
@@ -234,9 +211,6 @@ int main(int argc, char** argv) {
         const size_t pix = 3 * 224 * 224 * 4;
         void* src = dalloc(pix);
         void* dst = dalloc(pix);
-        cudaEvent_t e0, e1;
-        CK(cudaEventCreate(&e0));
-        CK(cudaEventCreate(&e1));
         // Lever 56's copy kernel exists only with its patch applied
         // (docs/benchmarks/history/lever56-copy-kernel.patch); without it that mode is skipped.
         CUfunction copy_kernel = nullptr;
@@ -247,31 +221,15 @@ int main(int argc, char** argv) {
                                "cudaMemcpyAsync D2D + graph launch + sync, no event before the copy"};
         for (int mode = 0; mode < 4; ++mode) {
             if (mode == 2 && !have_copy_kernel) continue;
-            std::vector<double> wall, gpu;
-            for (int i = 0; i < 20 + REPS; ++i) {
-                const auto t0 = std::chrono::steady_clock::now();
-                if (mode != 3) CK(cudaEventRecord(e0, s));
+            const ReplayTimes t = replay_times(s, ge, mode != 3, [&] {
                 if (mode == 1 || mode == 3) CK(cudaMemcpyAsync(dst, src, pix, cudaMemcpyDeviceToDevice, s));
                 if (mode == 2) {
                     void* args[] = {&src, &dst, &pix_bytes};
                     const unsigned blocks = std::min<unsigned long long>((pix + 4095) / 4096, 132 * 8);
                     CU(cuLaunchKernel(copy_kernel, blocks, 1, 1, 256, 1, 1, 0, cs, args, nullptr));
                 }
-                CK(cudaGraphLaunch(ge, s));
-                CK(cudaEventRecord(e1, s));
-                CK(cudaStreamSynchronize(s));
-                const auto t1 = std::chrono::steady_clock::now();
-                float t = 0;
-                if (mode != 3) CK(cudaEventElapsedTime(&t, e0, e1));
-                if (i >= 20) {
-                    wall.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count());
-                    gpu.push_back(1000.0 * t);
-                }
-            }
-            std::sort(wall.begin(), wall.end());
-            std::sort(gpu.begin(), gpu.end());
-            printf("12 blocks, %s: host wall %.1f us, events %.1f us (medians)\n", modes[mode],
-                   wall[wall.size() / 2], gpu[gpu.size() / 2]);
+            });
+            printf("12 blocks, %s: host wall %.1f us, events %.1f us (medians)\n", modes[mode], t.wall, t.events);
         }
     }
     // The same 12 blocks with every intermediate allocated inside the capture by
@@ -349,31 +307,12 @@ int main(int argc, char** argv) {
             }
             CK(cudaGraphInstantiate(&ge, g, 0));
             CK(cudaGraphUpload(ge, s));
-            cudaEvent_t e0, e1;
-            CK(cudaEventCreate(&e0));
-            CK(cudaEventCreate(&e1));
-            std::vector<double> wall, gpu;
-            for (int i = 0; i < 20 + REPS; ++i) {
-                const auto t0 = std::chrono::steady_clock::now();
-                CK(cudaEventRecord(e0, s));
-                CK(cudaGraphLaunch(ge, s));
-                CK(cudaEventRecord(e1, s));
-                CK(cudaStreamSynchronize(s));
-                const auto t1 = std::chrono::steady_clock::now();
-                float t = 0;
-                CK(cudaEventElapsedTime(&t, e0, e1));
-                if (i >= 20) {
-                    wall.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count());
-                    gpu.push_back(1000.0 * t);
-                }
-            }
-            std::sort(wall.begin(), wall.end());
-            std::sort(gpu.begin(), gpu.end());
+            const ReplayTimes t = replay_times(s, ge, true, [] {});
             printf("%s: %zu nodes (kernel %d, memcpy %d, memset %d, mem alloc %d, mem free %d): host wall %.1f us, "
                    "events %.1f us (medians)\n",
                    names[mode], nodes, kinds[cudaGraphNodeTypeKernel], kinds[cudaGraphNodeTypeMemcpy],
                    kinds[cudaGraphNodeTypeMemset], kinds[cudaGraphNodeTypeMemAlloc], kinds[cudaGraphNodeTypeMemFree],
-                   wall[wall.size() / 2], gpu[gpu.size() / 2]);
+                   t.wall, t.events);
             CK(cudaGraphExecDestroy(ge));
             CK(cudaGraphDestroy(g));
         }

@@ -10,32 +10,9 @@
 //     whole, by 16-byte loads or by two 1-D bulk copies (TMA, mbarrier), then one store per tile
 //     element (a GEMM with no arithmetic: its memory chain);
 //   cuBLASLt f16 GEMMs of DeiT-S's four shapes with the bias epilogue, as the model calls them.
-#include <cublasLt.h>
 #include <cuda_fp16.h>
-#include <cuda_runtime.h>
 
-#include <algorithm>
-#include <cstdio>
-#include <cstdlib>
-#include <functional>
-#include <vector>
-
-#define CK(x)                                                                              \
-    do {                                                                                   \
-        cudaError_t e = (x);                                                               \
-        if (e != cudaSuccess) {                                                            \
-            fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e)); \
-            exit(1);                                                                       \
-        }                                                                                  \
-    } while (0)
-#define LT(x)                                                                   \
-    do {                                                                        \
-        cublasStatus_t status_ = (x);                                                 \
-        if (status_ != CUBLAS_STATUS_SUCCESS) {                                       \
-            fprintf(stderr, "%s:%d %s: status %d\n", __FILE__, __LINE__, #x, (int)status_); \
-            exit(1);                                                            \
-        }                                                                       \
-    } while (0)
+#include "probe_common.cuh"
 
 constexpr int NODES = 96, REPS = 200;
 
@@ -119,32 +96,9 @@ __global__ void elementwise(const uint4* x, uint4* y, int vecs) {
     }
 }
 
-// Median ms of REPS replays of a graph of NODES launches made by `launch` on `s`.
+// µs per launch of a graph of NODES launches made by `launch` on `s` (median of REPS replays).
 static double per_node_us(cudaStream_t s, const std::function<void()>& launch) {
-    cudaGraph_t g;
-    cudaGraphExec_t ge;
-    CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
-    for (int i = 0; i < NODES; ++i) launch();
-    CK(cudaStreamEndCapture(s, &g));
-    CK(cudaGraphInstantiate(&ge, g, 0));
-    cudaEvent_t e0, e1;
-    CK(cudaEventCreate(&e0));
-    CK(cudaEventCreate(&e1));
-    for (int i = 0; i < 20; ++i) CK(cudaGraphLaunch(ge, s));
-    std::vector<float> ms;
-    for (int i = 0; i < REPS; ++i) {
-        CK(cudaEventRecord(e0, s));
-        CK(cudaGraphLaunch(ge, s));
-        CK(cudaEventRecord(e1, s));
-        CK(cudaEventSynchronize(e1));
-        float t;
-        CK(cudaEventElapsedTime(&t, e0, e1));
-        ms.push_back(t);
-    }
-    std::sort(ms.begin(), ms.end());
-    CK(cudaGraphExecDestroy(ge));
-    CK(cudaGraphDestroy(g));
-    return 1000.0 * ms[ms.size() / 2] / NODES;
+    return graph_us_per_call(s, NODES, REPS, launch);
 }
 
 struct Gemm {  // y[M, N] = x[M, K] W[N, K]^T + b, f16, f32 accumulation, as candle-fastpath calls it
