@@ -351,3 +351,210 @@ extern "C" __global__ void fastpath_linear_log_prob_bf16(const __nv_bfloat16* x,
                                                          unsigned long long ldx, int D, int K, int cls) {
     linear_log_prob_rows(x, w, b, out, rows, ldx, D, K, cls);
 }
+
+// ---------------------------------------------------------------------------------------------
+// norm_linear: y = LayerNorm(x) Wᵀ + b, optionally followed by the exact GELU (x·Φ(x)), in one
+// launch, for the few-hundred-row problems of a ViT block at batch 1 (lever 58 in
+// docs/BENCHMARKS.md; its standalone probe is scripts/gpu/probes/ln_linear.cu). At batch 1 the
+// LayerNorm and the GELU pass are each a launch of ~1.5–2 µs of latency in a CUDA graph's chain,
+// for a few hundred KB of work; here they cost ~0.5–1 µs inside the GEMM.
+//
+// One CTA per NL_BM × NL_BN output tile, NL_WARPS warps:
+//   1. all threads issue cp.async for the tile's NL_BM input rows (whole: K = C) and its NL_BN
+//      weight rows into shared memory (rows padded by 16 bytes, so ldmatrix rows fall in
+//      distinct banks; rows past M or N are zero-filled), then load the LayerNorm's parameters
+//      and this thread's bias pair;
+//   2. once the input rows have landed, one warp per row normalises them in place with
+//      layer_norm_rows' arithmetic and lane order (the normalised rows are its output bit for
+//      bit), while the weight rows are still arriving;
+//   3. the first NL_BM / 16 · NL_BN / 32 warps run mma.sync m16n8k16 (f32 accumulation) over
+//      K, 16 rows × 32 columns each; the others leave;
+//   4. bias, rounding to the storage type, then (GELU) x·Φ(x) of that rounded value, rounded
+//      again: what cuBLASLt's bias epilogue followed by the GELU pass computes.
+// Many warps matter: the LayerNorm is a dependent chain of shuffles per row, and with 4 warps
+// per CTA it cost +5 µs (the probe's ncu). The host (norm_linear in candle-fastpath) launches it
+// only when the grid fits one wave and C is one of the widths below: at C = 384 and up the
+// kernel's whole-row loads make its GEMM slower than cuBLASLt's (the probe's table).
+constexpr int NL_BM = 16, NL_BN = 128, NL_WARPS = 16;
+
+__device__ __forceinline__ void nl_cp_async16(void* smem, const void* gmem, bool valid) {
+    const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(s), "l"(gmem), "r"(valid ? 16 : 0)
+                 : "memory");
+}
+
+__device__ __forceinline__ void nl_ldmatrix_x4(unsigned* r, const void* p) {
+    const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(p));
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(s));
+}
+
+template <typename T> __device__ __forceinline__ void nl_mma(float* c, const unsigned* a, unsigned b0, unsigned b1);
+template <> __device__ __forceinline__ void nl_mma<__half>(float* c, const unsigned* a, unsigned b0, unsigned b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+template <>
+__device__ __forceinline__ void nl_mma<__nv_bfloat16>(float* c, const unsigned* a, unsigned b0, unsigned b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+template <typename T>
+struct __align__(4) NlPair {
+    T a, b;
+};
+
+// x [M, K], ln_w / ln_b [K], w [N, K], bias [N], y [M, N]; all contiguous and 16-byte aligned,
+// N even (checked on the host). Grid (ceil(N / NL_BN), ceil(M / NL_BM)), NL_WARPS · 32 threads,
+// (NL_BM + NL_BN) · (K + 8) · sizeof(T) bytes of dynamic shared memory.
+template <typename T, int K, bool GELU>
+__device__ void norm_linear_tile(const T* __restrict__ x, const T* __restrict__ ln_w, const T* __restrict__ ln_b,
+                                 const T* __restrict__ w, const T* __restrict__ bias, T* __restrict__ y, int M, int N,
+                                 float eps) {
+    constexpr int THREADS = NL_WARPS * 32, LDS = K + 8, VECS = K / 8, CHUNKS = (VECS + 31) / 32;
+    constexpr int WARPS_N = NL_BN / 32, MMA_WARPS = (NL_BM / 16) * WARPS_N;
+    static_assert(K % 16 == 0 && MMA_WARPS <= NL_WARPS && NL_BM <= NL_WARPS, "tile shape");
+    extern __shared__ __align__(16) unsigned char nl_smem[];
+    T* sa = reinterpret_cast<T*>(nl_smem);
+    T* sb = sa + NL_BM * LDS;
+    const int m0 = blockIdx.y * NL_BM, n0 = blockIdx.x * NL_BN;
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+
+    // 1. Input rows first (the LayerNorm waits on them), then the weight rows.
+    for (int i = tid; i < NL_BM * VECS; i += THREADS) {
+        const int r = i / VECS, c = i % VECS;
+        const bool ok = m0 + r < M;
+        nl_cp_async16(sa + r * LDS + c * 8, x + (size_t)(ok ? m0 + r : 0) * K + c * 8, ok);
+    }
+    asm volatile("cp.async.commit_group;" ::: "memory");
+    for (int i = tid; i < NL_BN * VECS; i += THREADS) {
+        const int r = i / VECS, c = i % VECS;
+        const bool ok = n0 + r < N;
+        nl_cp_async16(sb + r * LDS + c * 8, w + (size_t)(ok ? n0 + r : 0) * K + c * 8, ok);
+    }
+    asm volatile("cp.async.commit_group;" ::: "memory");
+    uint4 wraw[CHUNKS], braw[CHUNKS];
+#pragma unroll
+    for (int t = 0; t < CHUNKS; ++t) {
+        const int c = lane + 32 * t;
+        if (c < VECS) {
+            wraw[t] = reinterpret_cast<const uint4*>(ln_w)[c];
+            braw[t] = reinterpret_cast<const uint4*>(ln_b)[c];
+        }
+    }
+    const int wm = warp / WARPS_N, wn = warp % WARPS_N;
+    float bias_f[4][2];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const int col = n0 + wn * 32 + j * 8 + (lane % 4) * 2;
+        bias_f[j][0] = col < N ? to_f32(bias[col]) : 0.f;
+        bias_f[j][1] = col + 1 < N ? to_f32(bias[col + 1]) : 0.f;
+    }
+    asm volatile("cp.async.wait_group 1;" ::: "memory");
+    __syncthreads();
+
+    // 2. One warp per row (NL_BM <= NL_WARPS): layer_norm_rows' statistics and lane order.
+    if (warp < NL_BM) {
+        uint4* row = reinterpret_cast<uint4*>(sa + warp * LDS);
+        float v[CHUNKS][8];
+        float sum = 0.f;
+#pragma unroll
+        for (int t = 0; t < CHUNKS; ++t) {
+            const int c = lane + 32 * t;
+            if (c < VECS) {
+                const uint4 raw = row[c];
+                const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+                for (int j = 0; j < 8; ++j) {
+                    v[t][j] = to_f32(e[j]);
+                    sum += v[t][j];
+                }
+            }
+        }
+        const float mean = warp_sum(sum) / (float)K;
+        float sq = 0.f;
+#pragma unroll
+        for (int t = 0; t < CHUNKS; ++t) {
+            if (lane + 32 * t < VECS) {
+#pragma unroll
+                for (int j = 0; j < 8; ++j) {
+                    const float d = v[t][j] - mean;
+                    sq += d * d;
+                }
+            }
+        }
+        const float rstd = 1.0f / sqrtf(warp_sum(sq) / (float)K + eps);
+#pragma unroll
+        for (int t = 0; t < CHUNKS; ++t) {
+            const int c = lane + 32 * t;
+            if (c < VECS) {
+                uint4 out;
+                const T* we = reinterpret_cast<const T*>(&wraw[t]);
+                const T* be = reinterpret_cast<const T*>(&braw[t]);
+                T* oe = reinterpret_cast<T*>(&out);
+#pragma unroll
+                for (int j = 0; j < 8; ++j)
+                    oe[j] = from_f32<T>((v[t][j] - mean) * rstd * to_f32(we[j]) + to_f32(be[j]));
+                row[c] = out;
+            }
+        }
+    }
+    asm volatile("cp.async.wait_group 0;" ::: "memory");
+    __syncthreads();
+    if (warp >= MMA_WARPS) return;
+
+    // 3. A 16 × 32 slice of the tile per warp.
+    float acc[4][4] = {};
+    const T* a_base = sa + (wm * 16 + lane % 16) * LDS + (lane / 16) * 8;
+    const T* b_base = sb + (wn * 32 + (lane % 8) + (lane / 16) * 8) * LDS + ((lane / 8) % 2) * 8;
+#pragma unroll 4
+    for (int k0 = 0; k0 < K; k0 += 16) {
+        unsigned a[4], b[8];
+        nl_ldmatrix_x4(a, a_base + k0);
+        nl_ldmatrix_x4(b, b_base + k0);
+        nl_ldmatrix_x4(b + 4, b_base + 16 * LDS + k0);
+        nl_mma<T>(acc[0], a, b[0], b[1]);
+        nl_mma<T>(acc[1], a, b[2], b[3]);
+        nl_mma<T>(acc[2], a, b[4], b[5]);
+        nl_mma<T>(acc[3], a, b[6], b[7]);
+    }
+
+    // 4. Epilogue: pairs of adjacent columns, rows lane / 4 and lane / 4 + 8.
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const int col = n0 + wn * 32 + j * 8 + (lane % 4) * 2;
+        if (col >= N) continue;  // N is even: col < N means the pair is inside
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int row = m0 + wm * 16 + lane / 4 + h * 8;
+            if (row >= M) continue;
+            T o0 = from_f32<T>(acc[j][2 * h] + bias_f[j][0]), o1 = from_f32<T>(acc[j][2 * h + 1] + bias_f[j][1]);
+            if (GELU) {
+                o0 = from_f32<T>(gelu_phi(to_f32(o0)));
+                o1 = from_f32<T>(gelu_phi(to_f32(o1)));
+            }
+            *reinterpret_cast<NlPair<T>*>(y + (size_t)row * N + col) = NlPair<T>{o0, o1};
+        }
+    }
+}
+
+// One entry per storage type, width and epilogue, named as the Rust side's NORM_LINEAR_NAMES
+// table expects.
+#define NORM_LINEAR_ENTRY(SUFFIX, T, K, GELU, TAIL)                                                           \
+    extern "C" __global__ void __launch_bounds__(NL_WARPS * 32)                                               \
+        fastpath_norm_linear_##SUFFIX##_c##K##TAIL(const T* x, const T* ln_w, const T* ln_b, const T* w,     \
+                                                    const T* bias, T* y, int M, int N, float eps) {          \
+        norm_linear_tile<T, K, GELU>(x, ln_w, ln_b, w, bias, y, M, N, eps);                                   \
+    }
+NORM_LINEAR_ENTRY(f16, __half, 192, false, )
+NORM_LINEAR_ENTRY(f16, __half, 192, true, _gelu)
+NORM_LINEAR_ENTRY(bf16, __nv_bfloat16, 192, false, )
+NORM_LINEAR_ENTRY(bf16, __nv_bfloat16, 192, true, _gelu)

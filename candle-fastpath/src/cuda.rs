@@ -53,6 +53,25 @@ const LN_NAMES: [&str; 12] = [
     "fastpath_layer_norm_bf16_c8",
 ];
 
+/// [`NormLinearOp`]'s kernels: per width of [`crate::NORM_LINEAR_DIMS`], then f16 / bf16, then
+/// plain / GELU.
+const NORM_LINEAR_NAMES: [&str; 4] = [
+    "fastpath_norm_linear_f16_c192",
+    "fastpath_norm_linear_f16_c192_gelu",
+    "fastpath_norm_linear_bf16_c192",
+    "fastpath_norm_linear_bf16_c192_gelu",
+];
+/// The kernel's output tile (rows × columns) and threads (kernels/fastpath.cu, NL_*).
+const NL_BM: usize = 16;
+const NL_BN: usize = 128;
+const NL_THREADS: u32 = 512;
+
+/// Dynamic shared memory of a [`NormLinearOp`] launch at width `c`, 16-bit storage: the tile's
+/// input and weight rows, each padded by 8 elements.
+fn norm_linear_smem_bytes(c: usize) -> usize {
+    (NL_BM + NL_BN) * (c + 8) * 2
+}
+
 /// Index into [`LN_NAMES`]: the smallest size class whose `32 · chunks` lanes' worth of 16-byte
 /// vectors hold a row of `vectors`; `CANDLE_FASTPATH_LN_CHUNKS=8` takes the largest for every C
 /// (the single kernel of before, for A/B runs).
@@ -145,8 +164,9 @@ struct DeviceState {
     patchify: Vec<CudaFunction>,
     head: Vec<CudaFunction>,
     embed: Vec<CudaFunction>,
-    /// Streaming multiprocessors, for the CUTLASS kernel's persistent tile scheduler.
-    #[cfg_attr(not(fastpath_cutlass), allow(dead_code))]
+    norm_linear: Vec<CudaFunction>,
+    /// Streaming multiprocessors, for the CUTLASS kernel's persistent tile scheduler and
+    /// [`crate::norm_linear_applies`]'s one-wave rule.
     sm_count: usize,
     /// Compute capability 9.0 exactly: the CUTLASS kernel is sm_90a code (wgmma, TMA), which
     /// runs on Hopper only, not on later GPUs (there fc1 keeps cuBLASLt + the GELU kernel).
@@ -213,6 +233,17 @@ fn new_state(dev: &CudaDevice) -> candle_core::Result<DeviceState> {
         patchify: load(&PATCH_NAMES)?,
         head: load(&HEAD_NAMES)?,
         embed: load(&EMBED_NAMES)?,
+        norm_linear: {
+            use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES as MAX_SMEM;
+            let funcs = load(&NORM_LINEAR_NAMES)?;
+            for (i, f) in funcs.iter().enumerate() {
+                // Past 48 KB of dynamic shared memory a kernel must opt in.
+                let c = crate::NORM_LINEAR_DIMS[i / 4];
+                f.set_attribute(MAX_SMEM, norm_linear_smem_bytes(c) as i32)
+                    .map_err(candle_core::Error::wrap)?;
+            }
+            funcs
+        },
         sm_count: attribute(CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?.max(1) as usize,
         hopper: (
             attribute(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
@@ -705,6 +736,121 @@ impl LayerNormOp {
 }
 
 cuda_only_op3!(LayerNormOp, "fastpath-layer-norm", "layer_norm");
+
+/// Streaming multiprocessors of `dev`: [`crate::norm_linear_applies`] keeps the fused kernel's
+/// grid to one wave of one CTA per SM.
+pub(crate) fn sm_count(dev: &CudaDevice) -> candle_core::Result<usize> {
+    let mut states = STATE.lock().unwrap_or_else(|e| e.into_inner());
+    Ok(device_state(&mut states, dev)?.sm_count)
+}
+
+/// The CustomOp behind [`crate::norm_linear`]: `(x [M, C], W [N, C], bias [N])` →
+/// `LayerNorm(x)·Wᵀ + bias` (then the exact GELU), with the LayerNorm's weight and bias carried
+/// here and read in place. The caller ([`crate::norm_linear_applies`]) decides eligibility;
+/// shapes, strides and alignment are checked again here, cheaply, so a direct use cannot make
+/// the kernel misread memory.
+pub(crate) struct NormLinearOp {
+    pub ln_weight: Tensor,
+    pub ln_bias: Tensor,
+    pub eps: f32,
+    pub gelu: bool,
+}
+
+impl NormLinearOp {
+    fn run<T>(
+        &self,
+        (x, lx): (&CudaStorage, &Layout),
+        (w, lw): (&CudaStorage, &Layout),
+        (b, lb): (&CudaStorage, &Layout),
+    ) -> candle_core::Result<(CudaStorage, Shape)>
+    where
+        T: candle_core::cuda_backend::CudaDType
+            + candle_core::cuda_backend::cudarc::driver::DeviceRepr
+            + candle_core::WithDType,
+    {
+        let dev = &x.device;
+        let size = size_of::<T>();
+        let (m, c) = lx.shape().dims2()?;
+        let (n, c2) = lw.shape().dims2()?;
+        let width = crate::NORM_LINEAR_DIMS.iter().position(|&d| d == c);
+        let bf16 = match T::DTYPE {
+            DType::F16 => false,
+            DType::BF16 => true,
+            _ => candle_core::bail!("norm_linear: the fused kernel is f16 / bf16 only"),
+        };
+        let aligned = |l: &Layout| l.is_contiguous() && (l.start_offset() * size) % 16 == 0;
+        let Some(width) = width else {
+            candle_core::bail!("norm_linear: no fused kernel for C = {c}");
+        };
+        if c2 != c
+            || m == 0
+            || n % 2 != 0
+            || lb.shape().elem_count() != n
+            || !lb.is_contiguous()
+            || !aligned(lx)
+            || !aligned(lw)
+        {
+            candle_core::bail!(
+                "norm_linear: unsupported layout for the fused kernel (x {:?} strides {:?}, weight {:?}, bias {:?})",
+                lx.shape().dims(),
+                lx.stride(),
+                lw.shape().dims(),
+                lb.shape().dims()
+            );
+        }
+        let ln_guards = [&self.ln_weight, &self.ln_bias].map(|t| t.storage_and_layout());
+        let mut ln_views = Vec::with_capacity(2);
+        for (storage, layout) in &ln_guards {
+            let Storage::Cuda(s) = &**storage else {
+                candle_core::bail!(
+                    "norm_linear: the LayerNorm's parameters are not on the CUDA device"
+                );
+            };
+            if !aligned(layout) || layout.shape().elem_count() != c {
+                return Err(not_contiguous("LayerNorm parameter", layout));
+            }
+            ln_views.push(s.as_cuda_slice::<T>()?.slice(layout.start_offset()..));
+        }
+        let xs = x.as_cuda_slice::<T>()?.slice(lx.start_offset()..);
+        let ws = w.as_cuda_slice::<T>()?.slice(lw.start_offset()..);
+        let bs = b.as_cuda_slice::<T>()?.slice(lb.start_offset()..);
+        // SAFETY: every element is written by the kernel: each (row < M, column < N) pair lies in
+        // exactly one tile, whose epilogue stores it.
+        let out = unsafe { dev.alloc::<T>(m * n)? };
+        let func = {
+            let mut states = STATE.lock().unwrap_or_else(|e| e.into_inner());
+            device_state(&mut states, dev)?.norm_linear
+                [width * 4 + 2 * bf16 as usize + self.gelu as usize]
+                .clone()
+        };
+        let cfg = LaunchConfig {
+            grid_dim: (n.div_ceil(NL_BN) as u32, m.div_ceil(NL_BM) as u32, 1),
+            block_dim: (NL_THREADS, 1, 1),
+            shared_mem_bytes: norm_linear_smem_bytes(c) as u32,
+        };
+        let (m32, n32) = (m as i32, n as i32);
+        let stream = dev.cuda_stream();
+        let mut builder = stream.launch_builder(&func);
+        builder.arg(&xs);
+        builder.arg(&ln_views[0]);
+        builder.arg(&ln_views[1]);
+        builder.arg(&ws);
+        builder.arg(&bs);
+        builder.arg(&out);
+        builder.arg(&m32);
+        builder.arg(&n32);
+        builder.arg(&self.eps);
+        // SAFETY: shapes, contiguity and 16-byte alignment checked above; the kernel reads rows
+        // < M of x and < N of W (the rest zero-filled) and writes `out`'s M · N elements only.
+        unsafe { builder.launch(cfg) }.map_err(candle_core::Error::wrap)?;
+        Ok((
+            CudaStorage::wrap_cuda_slice(out, dev.clone()),
+            Shape::from((m, n)),
+        ))
+    }
+}
+
+cuda_only_op3!(NormLinearOp, "fastpath-norm-linear", "norm_linear");
 
 /// [`crate::embed_tokens`] on CUDA: patches `[B, Np, C]`, prefix `[P, C]` (any tensor when
 /// `P = 0`: not read), pos `[P + Np, C]` (contiguous, one dtype; shapes checked by the caller and

@@ -7,7 +7,8 @@
 //!   passes cost more than the matmuls. On the CPU the same layer runs as plain candle ops with
 //!   identical semantics.
 //! - [`LayerNorm`]: torch's LayerNorm as one bandwidth-bound kernel on CUDA (candle-nn's fused op
-//!   on the CPU).
+//!   on the CPU); [`norm_linear`]: a LayerNorm and the Linear (and GELU) after it as one kernel
+//!   where rows are few and narrow (a DeiT-T block at batch 1).
 //! - [`linear_log_prob`]: one class's log-probability under a small linear classifier (a learned
 //!   pruner's keep score) as one kernel.
 //! - [`patchify`]: a ViT's patch rows (im2col of the stride-p patch conv) gathered and cast in
@@ -57,6 +58,7 @@ mod graph_nodes;
 mod head;
 mod linear;
 mod norm;
+mod norm_linear;
 mod patch;
 mod pool;
 mod small_block;
@@ -71,6 +73,9 @@ pub use graph_nodes::{is_capturing, GraphNodes};
 pub use head::{linear_log_prob, HEAD_MAX_CLASSES};
 pub use linear::{linear, linear_no_bias, Epilogue, FusedLinear};
 pub use norm::{layer_norm, LayerNorm};
+pub use norm_linear::{
+    norm_linear, norm_linear_applies, norm_linear_mode, NormLinearMode, NORM_LINEAR_DIMS,
+};
 pub use patch::patchify;
 pub use pool::{retain_freed_memory, track_buffer_events, PeakMemory};
 pub use small_block::{

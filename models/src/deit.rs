@@ -103,16 +103,33 @@ impl Attention {
         residual: &Tensor,
         inputs: &AttentionInputs,
     ) -> Result<(Tensor, Tensor)> {
-        let (heads, qkv) = self.heads_and_qkv(x, inputs)?;
-        Ok((self.proj.forward_residual(&heads, residual)?, qkv))
+        let qkv = self.qkv.forward(x)?;
+        Ok((self.residual_from_qkv(&qkv, residual, inputs)?, qkv))
+    }
+
+    /// `residual + attn` from an already computed qkv projection (`[.., 3C]`; a block computes
+    /// it together with its LayerNorm, `candle_fastpath::norm_linear`).
+    pub fn residual_from_qkv(
+        &self,
+        qkv: &Tensor,
+        residual: &Tensor,
+        inputs: &AttentionInputs,
+    ) -> Result<Tensor> {
+        Ok(self
+            .proj
+            .forward_residual(&self.heads_from_qkv(qkv, inputs)?, residual)?)
     }
 
     /// The attention output before the projection (`[.., C]`, heads merged) and the qkv.
     fn heads_and_qkv(&self, x: &Tensor, inputs: &AttentionInputs) -> Result<(Tensor, Tensor)> {
         let qkv = self.qkv.forward(x)?;
-        let (q, k, v) = split_heads(&qkv, self.heads, inputs)?;
+        Ok((self.heads_from_qkv(&qkv, inputs)?, qkv))
+    }
+
+    fn heads_from_qkv(&self, qkv: &Tensor, inputs: &AttentionInputs) -> Result<Tensor> {
+        let (q, k, v) = split_heads(qkv, self.heads, inputs)?;
         let out = attend(&q, &k, &v, self.scale, inputs)?;
-        Ok((merge_heads(&out, inputs)?, qkv))
+        merge_heads(&out, inputs)
     }
 }
 
@@ -185,13 +202,16 @@ impl Block {
         x: &Tensor,
         inputs: &AttentionInputs,
     ) -> Result<(Tensor, Tensor)> {
-        self.attn
-            .forward_residual_with_qkv(&self.norm1.forward(x)?, x, inputs)
+        // norm1 and qkv as one kernel where that is faster (candle_fastpath::norm_linear).
+        let qkv = candle_fastpath::norm_linear(x, &self.norm1, &self.attn.qkv, false)?;
+        Ok((self.attn.residual_from_qkv(&qkv, x, inputs)?, qkv))
     }
 
-    /// The MLP half: `x + mlp(norm2(x))`; per-token, so any layout works.
+    /// The MLP half: `x + mlp(norm2(x))`; per-token, so any layout works. norm2, fc1 and the
+    /// GELU as one kernel where that is faster (candle_fastpath::norm_linear).
     pub fn mlp_residual(&self, x: &Tensor) -> Result<Tensor> {
-        self.mlp.forward_residual(&self.norm2.forward(x)?, x)
+        let hidden = candle_fastpath::norm_linear(x, &self.norm2, &self.mlp.fc1, true)?;
+        Ok(self.mlp.fc2.forward_residual(&hidden, x)?)
     }
 
     pub fn forward_with(&self, x: &Tensor, inputs: &AttentionInputs) -> Result<Tensor> {

@@ -1,0 +1,164 @@
+//! `norm_linear` (a LayerNorm, the Linear after it and optionally the GELU) against the two steps
+//! it replaces, `FusedLinear` on `LayerNorm`'s output: on fresh random inputs, every dtype, row
+//! counts 1..352 (batch-1 DeiT-T token counts and the tile edges around them), DeiT-T's qkv and
+//! fc1 widths, the output memory poisoned (NaN) before each call. On the CPU (CI) the two must
+//! be identical; built with `cuda` on a GPU machine the f16 / bf16 calls take the fused kernel
+//! (asserted where the rule must take it) and may differ from the two steps only by the GEMM's
+//! summation order, within a rounding of the result.
+
+mod common;
+
+use candle_core::{DType, Device, Tensor};
+use candle_fastpath::{
+    norm_linear, norm_linear_applies, Epilogue, FastpathError, FusedLinear, LayerNorm,
+};
+use common::{device, host, poison, quantize, randn};
+use rand::{rngs::StdRng, SeedableRng};
+
+struct Weights {
+    norm: LayerNorm,
+    linear: FusedLinear,
+}
+
+fn weights(dev: &Device, rng: &mut StdRng, dtype: DType, c: usize, n: usize) -> Weights {
+    let to = |v: Vec<f32>, shape: &[usize]| {
+        Tensor::from_slice(&quantize(&v, dtype), shape, dev)
+            .unwrap()
+            .to_dtype(dtype)
+            .unwrap()
+    };
+    let gamma: Vec<f32> = randn(rng, c, 0.3).iter().map(|g| 1.0 + g).collect();
+    let norm = LayerNorm::new(to(gamma, &[c]), to(randn(rng, c, 0.2), &[c]), 1e-6).unwrap();
+    let linear = FusedLinear::new(
+        to(randn(rng, n * c, 1.0 / (c as f32).sqrt()), &[n, c]),
+        Some(to(randn(rng, n, 0.5), &[n])),
+    )
+    .unwrap();
+    Weights { norm, linear }
+}
+
+/// Rows of a DeiT residual stream: an offset per row and a spread, so the LayerNorm's mean and
+/// variance both matter.
+fn input(dev: &Device, rng: &mut StdRng, dtype: DType, rows: usize, c: usize) -> Tensor {
+    let offsets = randn(rng, rows, 2.0);
+    let v: Vec<f32> = randn(rng, rows * c, 3.0)
+        .iter()
+        .enumerate()
+        .map(|(i, x)| x + offsets[i / c])
+        .collect();
+    Tensor::from_slice(&v, (rows, c), dev)
+        .unwrap()
+        .to_dtype(dtype)
+        .unwrap()
+}
+
+fn two_steps(x: &Tensor, w: &Weights, gelu: bool) -> Tensor {
+    let h = w.norm.forward_checked(x).unwrap();
+    let epilogue = if gelu {
+        Epilogue::Gelu
+    } else {
+        Epilogue::Plain
+    };
+    w.linear.forward_with(&h, epilogue).unwrap()
+}
+
+#[test]
+fn matches_the_two_steps() {
+    let dev = device();
+    let mut rng = StdRng::seed_from_u64(58);
+    let c = 192;
+    for dtype in [DType::F32, DType::F16, DType::BF16] {
+        // DeiT-T's qkv (3C) and fc1 (4C) widths, and one whose last 128-column tile is partial.
+        for n in [3 * c, 4 * c, 136] {
+            let w = weights(&dev, &mut rng, dtype, c, n);
+            for rows in [1, 2, 15, 16, 17, 63, 64, 65, 138, 197, 352] {
+                let x = input(&dev, &mut rng, dtype, rows, c);
+                for gelu in [false, true] {
+                    let want = host(&two_steps(&x, &w, gelu));
+                    let fused_here = norm_linear_applies(&x, &w.norm, &w.linear, gelu);
+                    if dev.is_cuda()
+                        && dtype != DType::F32
+                        && rows.div_ceil(16) * n.div_ceil(128) <= 24
+                    {
+                        // Two dozen tiles fit one wave on any GPU this runs on.
+                        assert!(
+                            fused_here,
+                            "{dtype:?} rows {rows} n {n}: fused kernel expected"
+                        );
+                    }
+                    if !dev.is_cuda() || dtype == DType::F32 {
+                        assert!(!fused_here, "{dtype:?} on {dev:?}: no fused kernel there");
+                    }
+                    poison(&dev, rows * n, dtype);
+                    let y = norm_linear(&x, &w.norm, &w.linear, gelu).unwrap();
+                    assert_eq!(y.dims(), &[rows, n]);
+                    let got = host(&y);
+                    // The fused kernel normalises exactly as the LayerNorm kernel does and rounds
+                    // where the two steps round; its GEMM sums in another order, which can move
+                    // a result across one rounding boundary of the storage type.
+                    let tol = match (fused_here, dtype) {
+                        (false, _) => 0.0,
+                        (true, DType::F16) => 1e-3,
+                        (true, _) => 8e-3,
+                    };
+                    for (i, (g, r)) in got.iter().zip(&want).enumerate() {
+                        assert!(
+                            g.is_finite() && (g - r).abs() <= tol * (1.0 + r.abs()),
+                            "{dtype:?} rows {rows} n {n} gelu {gelu} fused {fused_here}: \
+                             element {i} is {g}, two steps give {r}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn keeps_leading_dims_and_reads_views() {
+    let dev = device();
+    let mut rng = StdRng::seed_from_u64(59);
+    let c = 192;
+    for dtype in [DType::F32, DType::F16] {
+        let w = weights(&dev, &mut rng, dtype, c, 4 * c);
+        // [B, N, C] as the dense path holds tokens, and the same rows as an unaligned view (one
+        // row in, then a narrowing of the columns: not contiguous, so never the fused kernel).
+        let x = input(&dev, &mut rng, dtype, 2 * 197, c)
+            .reshape((2, 197, c))
+            .unwrap();
+        let y = norm_linear(&x, &w.norm, &w.linear, true).unwrap();
+        assert_eq!(y.dims(), &[2, 197, 4 * c]);
+        let flat = two_steps(&x.reshape((2 * 197, c)).unwrap(), &w, true);
+        let tol = if dtype == DType::F32 { 0.0 } else { 1e-3 };
+        for (g, r) in host(&y).iter().zip(host(&flat).iter()) {
+            assert!((g - r).abs() <= tol * (1.0 + r.abs()), "{g} vs {r}");
+        }
+        let wide = input(&dev, &mut rng, dtype, 66, c + 8);
+        let view = wide.narrow(0, 1, 65).unwrap().narrow(1, 8, c).unwrap();
+        assert!(!norm_linear_applies(&view, &w.norm, &w.linear, false));
+        let y = norm_linear(&view, &w.norm, &w.linear, false).unwrap();
+        let want = two_steps(&view.contiguous().unwrap(), &w, false);
+        assert_eq!(host(&y), host(&want));
+    }
+}
+
+#[test]
+fn bad_inputs_are_clear_errors() {
+    let dev = device();
+    let mut rng = StdRng::seed_from_u64(60);
+    let w = weights(&dev, &mut rng, DType::F16, 192, 576);
+    // The Linear's in dim is not the norm's width.
+    let other = weights(&dev, &mut rng, DType::F16, 384, 576);
+    let x = input(&dev, &mut rng, DType::F16, 4, 192);
+    match norm_linear(&x, &w.norm, &other.linear, false) {
+        Err(FastpathError::ShapeMismatch { op, .. }) => assert_eq!(op, "norm_linear"),
+        other => panic!("expected a shape mismatch, got {other:?}"),
+    }
+    // x of another width, another dtype, or no rows.
+    let x384 = input(&dev, &mut rng, DType::F16, 4, 384);
+    assert!(norm_linear(&x384, &w.norm, &w.linear, false).is_err());
+    let x32 = input(&dev, &mut rng, DType::F32, 4, 192);
+    assert!(norm_linear(&x32, &w.norm, &w.linear, true).is_err());
+    let empty = Tensor::zeros((0, 192), DType::F16, &dev).unwrap();
+    assert!(norm_linear(&empty, &w.norm, &w.linear, false).is_err());
+}
