@@ -1,5 +1,6 @@
 //! [`norm_linear`]: `linear(norm(x))`, or its exact GELU, the pair a pre-norm ViT block runs
-//! twice (norm1 → qkv, norm2 → fc1 → GELU), as one kernel where that is faster.
+//! twice (norm1 → qkv, norm2 → fc1 → GELU) and a ViT ends with (final norm → head), as one
+//! kernel where that is faster.
 //!
 //! At batch 1 a block's kernels are each a µs or two of launch and latency around well under a
 //! µs of work, back to back in a CUDA graph; the LayerNorm and the GELU pass are three of its

@@ -413,9 +413,24 @@ impl DeiT {
     /// Logits `[B, num_classes]` from the tokens after the blocks `[B, N, C]`: the final norm on
     /// the class (and distillation) tokens only (the head reads nothing else), then the head.
     pub fn logits_from_blocks(&self, tokens: &Tensor) -> Result<Tensor> {
-        let prefix = self.config.num_prefix_tokens();
-        let x = tokens.narrow(1, 0, prefix)?.contiguous()?;
-        self.forward_head(&self.norm.forward(&x)?)
+        self.logits_from_prefix(&tokens.narrow(1, 0, self.config.num_prefix_tokens())?)
+    }
+
+    /// Logits `[B, num_classes]` from the class (and distillation) tokens after the blocks,
+    /// `[B, P, C]` before the final norm: each head reads its token's rows through
+    /// `candle_fastpath::norm_linear`, which runs the norm inside the head's GEMM where that is
+    /// faster (DeiT-T's width) and the two kernels elsewhere; the same as
+    /// `forward_head(&norm(prefix))`.
+    pub fn logits_from_prefix(&self, prefix: &Tensor) -> Result<Tensor> {
+        let token = |i: usize| prefix.narrow(1, i, 1)?.squeeze(1)?.contiguous();
+        let logits = candle_fastpath::norm_linear(&token(0)?, &self.norm, &self.head, false)?;
+        match &self.head_dist {
+            None => Ok(logits),
+            Some(head_dist) => {
+                let dist = candle_fastpath::norm_linear(&token(1)?, &self.norm, head_dist, false)?;
+                (logits + dist)? / 2.0
+            }
+        }
     }
 
     /// Class probabilities `[B, num_classes]` in f32.

@@ -32,7 +32,7 @@
 //! Same decisions as the host path, ties and NaN scores included, given bit-identical scores
 //! (the rules are one definition, [`candle_ragged::KeepRule`]).
 
-use candle_core::{DType, Module, Tensor};
+use candle_core::{DType, Tensor};
 use candle_ragged::{
     leading_rows, select_by_rule, select_by_rule_bounded, select_top_k_by, unpack, DroppedFusion,
     RaggedBatch, TokenScores,
@@ -471,7 +471,7 @@ impl DeiT {
         }
         // One kernel, no host offsets: the class (and distillation) token of every image.
         let prefix = leading_rows(&x, &batch, num_prefix)?;
-        let logits = self.forward_head(&self.norm.forward(&prefix)?)?;
+        let logits = self.logits_from_prefix(&prefix)?;
         Ok((logits, batches))
     }
 

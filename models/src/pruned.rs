@@ -413,9 +413,8 @@ impl DeiT {
             tokens.set_x(x);
         }
         debug_assert_eq!(Some(tokens.max_len()), tokens.lengths()?.into_iter().max());
-        let prefix = self.norm.forward(&tokens.prefix(num_prefix)?)?;
         Ok(PrunedForward {
-            logits: self.forward_head(&prefix)?,
+            logits: self.logits_from_prefix(&tokens.prefix(num_prefix)?)?,
             stages,
             initial_tokens: n,
         })
