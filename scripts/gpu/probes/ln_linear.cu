@@ -26,6 +26,8 @@
 #include "../../../candle-fastpath/kernels/gelu_phi.cuh"
 #include "probe_common.cuh"
 
+#include <cooperative_groups.h>
+
 constexpr int NODES = 96, REPS = 200;
 
 __device__ __forceinline__ float warp_sum(float v) {
@@ -428,6 +430,242 @@ static void problems(const Ctx& c, int M, bool check) {
     problem<K, 16, 64, 8>(c, M, "16x64w8", check);
 }
 
+// The same kernel with the weight tile shared by a cluster of CM CTAs along M (row tiles that
+// need the same 128 weight rows): each CTA fetches every CM-th weight row by a 1-D bulk copy
+// multicast to the whole cluster, so L2 serves each weight row once per cluster instead of once
+// per CTA; completion is counted on each CTA's own mbarrier. 16 × 128 tiles, 16 warps, N a
+// multiple of 128. Launched with cudaLaunchKernelEx and a cluster dimension of CM along y.
+namespace cg = cooperative_groups;
+template <int K, bool GELU, int CM>
+__global__ void __launch_bounds__(512) ln_linear_mc(const __half* __restrict__ x, const __half* __restrict__ lnw,
+                                                    const __half* __restrict__ lnb, const __half* __restrict__ w,
+                                                    const __half* __restrict__ bias, __half* __restrict__ y, int M,
+                                                    int N, float eps) {
+    constexpr int BM = 16, BN = 128, WARPS = 16, THREADS = 512, WARPS_N = BN / 32;
+    constexpr int LDS = K + 8, VECS = K / 8, CHUNKS = (VECS + 31) / 32;
+    extern __shared__ __align__(16) unsigned char smem[];
+    __shared__ __align__(8) unsigned long long bar;
+    __half* sa = reinterpret_cast<__half*>(smem);
+    __half* sb = sa + BM * LDS;
+    cg::cluster_group cluster = cg::this_cluster();
+    const int rank = (int)cluster.block_rank();
+    const int m0 = blockIdx.y * BM, n0 = blockIdx.x * BN;
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    const unsigned bar_addr = static_cast<unsigned>(__cvta_generic_to_shared(&bar));
+    if (tid == 0) {
+        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar_addr));
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        // Every byte of the weight tile lands here, from this CTA's copies and the others'.
+        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar_addr), "r"(BN * K * 2)
+                     : "memory");
+    }
+    // Every CTA's barrier is initialised and expecting before any copy targets it.
+    cluster.sync();
+    for (int i = rank + CM * tid; i < BN; i += CM * THREADS) {
+        const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(sb + i * LDS));
+        const unsigned short mask = (unsigned short)((1u << CM) - 1);
+        asm volatile(
+            "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster [%0], [%1], %2, [%3], %4;" ::"r"(dst),
+            "l"(w + (size_t)(n0 + i) * K), "r"(K * 2), "r"(bar_addr), "h"(mask)
+            : "memory");
+    }
+    for (int i = tid; i < BM * VECS; i += THREADS) {
+        const int r = i / VECS, c = i % VECS;
+        const bool ok = m0 + r < M;
+        cp_async16(sa + r * LDS + c * 8, x + (size_t)(ok ? m0 + r : 0) * K + c * 8, ok);
+    }
+    asm volatile("cp.async.commit_group;" ::: "memory");
+    uint4 wraw[CHUNKS], braw[CHUNKS];
+#pragma unroll
+    for (int t = 0; t < CHUNKS; ++t) {
+        const int c = lane + 32 * t;
+        if (c < VECS) {
+            wraw[t] = reinterpret_cast<const uint4*>(lnw)[c];
+            braw[t] = reinterpret_cast<const uint4*>(lnb)[c];
+        }
+    }
+    const int wm = warp / WARPS_N, wn = warp % WARPS_N;
+    float bias_f[4][2];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const int col = n0 + wn * 32 + j * 8 + (lane % 4) * 2;
+        bias_f[j][0] = __half2float(bias[col]);
+        bias_f[j][1] = __half2float(bias[col + 1]);
+    }
+    asm volatile("cp.async.wait_group 0;" ::: "memory");
+    __syncthreads();
+    if (warp < BM) {
+        uint4* row = reinterpret_cast<uint4*>(sa + warp * LDS);
+        float v[CHUNKS][8];
+        float sum = 0.f;
+#pragma unroll
+        for (int t = 0; t < CHUNKS; ++t) {
+            const int c = lane + 32 * t;
+            if (c < VECS) {
+                const uint4 raw = row[c];
+                const __half* e = reinterpret_cast<const __half*>(&raw);
+#pragma unroll
+                for (int j = 0; j < 8; ++j) {
+                    v[t][j] = __half2float(e[j]);
+                    sum += v[t][j];
+                }
+            }
+        }
+        const float mean = warp_sum(sum) / (float)K;
+        float sq = 0.f;
+#pragma unroll
+        for (int t = 0; t < CHUNKS; ++t) {
+            if (lane + 32 * t < VECS) {
+#pragma unroll
+                for (int j = 0; j < 8; ++j) {
+                    const float d = v[t][j] - mean;
+                    sq += d * d;
+                }
+            }
+        }
+        const float rstd = 1.0f / sqrtf(warp_sum(sq) / (float)K + eps);
+#pragma unroll
+        for (int t = 0; t < CHUNKS; ++t) {
+            const int c = lane + 32 * t;
+            if (c < VECS) {
+                uint4 out;
+                const __half* we = reinterpret_cast<const __half*>(&wraw[t]);
+                const __half* be = reinterpret_cast<const __half*>(&braw[t]);
+                __half* oe = reinterpret_cast<__half*>(&out);
+#pragma unroll
+                for (int j = 0; j < 8; ++j)
+                    oe[j] = __float2half((v[t][j] - mean) * rstd * __half2float(we[j]) + __half2float(be[j]));
+                row[c] = out;
+            }
+        }
+    }
+    // The weight tile: phase 0 of this CTA's barrier completes once all BN · K · 2 bytes landed.
+    {
+        unsigned done = 0;
+        while (!done) {
+            asm volatile(
+                "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0; selp.u32 %0, 1, 0, p; }"
+                : "=r"(done)
+                : "r"(bar_addr)
+                : "memory");
+        }
+    }
+    __syncthreads();
+    if (warp < (BM / 16) * WARPS_N) {
+        float acc[4][4] = {};
+        const __half* a_base = sa + (wm * 16 + lane % 16) * LDS + (lane / 16) * 8;
+        const __half* b_base = sb + (wn * 32 + (lane % 8) + (lane / 16) * 8) * LDS + ((lane / 8) % 2) * 8;
+#pragma unroll 4
+        for (int k0 = 0; k0 < K; k0 += 16) {
+            unsigned a[4], b[8];
+            ldmatrix_x4(a[0], a[1], a[2], a[3], a_base + k0);
+            ldmatrix_x4(b[0], b[1], b[2], b[3], b_base + k0);
+            ldmatrix_x4(b[4], b[5], b[6], b[7], b_base + 16 * LDS + k0);
+            mma16816(acc[0], a, b[0], b[1]);
+            mma16816(acc[1], a, b[2], b[3]);
+            mma16816(acc[2], a, b[4], b[5]);
+            mma16816(acc[3], a, b[6], b[7]);
+        }
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int col = n0 + wn * 32 + j * 8 + (lane % 4) * 2;
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int row = m0 + wm * 16 + lane / 4 + h * 8;
+                float v0 = acc[j][2 * h] + bias_f[j][0], v1 = acc[j][2 * h + 1] + bias_f[j][1];
+                if (GELU) {
+                    v0 = gelu_phi(__half2float(__float2half(v0)));
+                    v1 = gelu_phi(__half2float(__float2half(v1)));
+                }
+                if (row < M) *reinterpret_cast<__half2*>(y + (size_t)row * N + col) = __floats2half2_rn(v0, v1);
+            }
+        }
+    }
+    // No CTA leaves while a copy it issued may still be landing in another's shared memory.
+    cluster.sync();
+}
+
+template <int K, bool GELU, int CM>
+static void launch_mc(const Ctx& c, const void* x, const void* lnw, const void* lnb, const void* w, const void* b,
+                      void* y, int M, int N) {
+    constexpr int smem = (16 + 128) * (K + 8) * 2;
+    static bool configured = false;
+    if (!configured) {
+        CK(cudaFuncSetAttribute(ln_linear_mc<K, GELU, CM>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+        configured = true;
+    }
+    const int row_tiles = (M + 15) / 16;
+    cudaLaunchConfig_t cfg{};
+    cfg.gridDim = dim3(N / 128, (row_tiles + CM - 1) / CM * CM, 1);
+    cfg.blockDim = dim3(512, 1, 1);
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = c.s;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = 1;
+    attr[0].val.clusterDim.y = CM;
+    attr[0].val.clusterDim.z = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    CK(cudaLaunchKernelEx(&cfg, ln_linear_mc<K, GELU, CM>, (const __half*)x, (const __half*)lnw, (const __half*)lnb,
+                          (const __half*)w, (const __half*)b, (__half*)y, M, N, 1e-6f));
+}
+
+// The multicast kernel against the separate kernels and the plain fused kernel (16 x 128, 16 warps).
+template <int K, int CM>
+static void problem_mc(const Ctx& c, int M) {
+    const int N_qkv = 3 * K, N_fc1 = 4 * K, ci = K == 192 ? 0 : K == 384 ? 1 : 2;
+    void* x = drandom((size_t)M * K, 11, 4.f, 0.3f);
+    void* lnw = drandom(K, 12, 0.4f, 1.f);
+    void* lnb = drandom(K, 13, 0.2f);
+    void* wq = drandom((size_t)N_qkv * K, 14, 0.1f);
+    void* bq = drandom(N_qkv, 15, 0.2f);
+    void* w1 = drandom((size_t)N_fc1 * K, 16, 0.1f);
+    void* b1 = drandom(N_fc1, 17, 0.2f);
+    void* xn = dalloc((size_t)M * K * 2);
+    void* yq = dalloc((size_t)M * N_qkv * 2);
+    void* yq2 = dalloc((size_t)M * N_qkv * 2);
+    void* h = dalloc((size_t)M * N_fc1 * 2);
+    void* h2 = dalloc((size_t)M * N_fc1 * 2);
+    const Gemm gq = make_gemm(c.lt, M, N_qkv, K, wq, bq, c.ws_bytes);
+    const Gemm g1 = make_gemm(c.lt, M, N_fc1, K, w1, b1, c.ws_bytes);
+    auto sep_qkv = [&] {
+        run_ln(c, ci, x, lnw, lnb, xn, M, K);
+        run_gemm(c, gq, xn, yq, nullptr);
+    };
+    auto sep_fc1 = [&] {
+        run_ln(c, ci, x, lnw, lnb, xn, M, K);
+        run_gemm(c, g1, xn, h, nullptr);
+        run_gelu(c, h, (unsigned long long)M * N_fc1);
+    };
+    auto mc_qkv = [&] { launch_mc<K, false, CM>(c, x, lnw, lnb, wq, bq, yq2, M, N_qkv); };
+    auto mc_fc1 = [&] { launch_mc<K, true, CM>(c, x, lnw, lnb, w1, b1, h2, M, N_fc1); };
+    auto fu_qkv = [&] { launch_fused<K, 16, 128, false, 0, 16>(c, x, lnw, lnb, wq, bq, yq2, M, N_qkv); };
+    auto fu_fc1 = [&] { launch_fused<K, 16, 128, true, 0, 16>(c, x, lnw, lnb, w1, b1, h2, M, N_fc1); };
+    CK(cudaMemset(yq2, 0xff, (size_t)M * N_qkv * 2));
+    CK(cudaMemset(h2, 0xff, (size_t)M * N_fc1 * 2));
+    sep_qkv();
+    sep_fc1();
+    mc_qkv();
+    mc_fc1();
+    double rq, r1;
+    const double dq = max_abs_diff(yq2, yq, (size_t)M * N_qkv, &rq);
+    const double d1 = max_abs_diff(h2, h, (size_t)M * N_fc1, &r1);
+    printf("check multicast C %d M %4d cluster %d: qkv max |mc - separate| %.3g; fc1+GELU %.3g\n", K, M, CM, dq, d1);
+    for (int round = 0; round < 2; ++round) {
+        const double s_q = graph_us_per_call(c.s, NODES / 2, REPS, sep_qkv);
+        const double f_q = graph_us_per_call(c.s, NODES, REPS, fu_qkv);
+        const double m_q = graph_us_per_call(c.s, NODES, REPS, mc_qkv);
+        const double s_1 = graph_us_per_call(c.s, NODES / 3, REPS, sep_fc1);
+        const double f_1 = graph_us_per_call(c.s, NODES, REPS, fu_fc1);
+        const double m_1 = graph_us_per_call(c.s, NODES, REPS, mc_fc1);
+        printf("C %d M %4d cluster %d round %d: norm+qkv separate %.2f, fused %.2f, multicast %.2f (%.2fx separate) | "
+               "norm+fc1+GELU separate %.2f, fused %.2f, multicast %.2f (%.2fx)\n",
+               K, M, CM, round, s_q, f_q, m_q, s_q / m_q, s_1, f_1, m_1, s_1 / m_1);
+    }
+    for (void* p : {x, lnw, lnb, wq, bq, w1, b1, xn, yq, yq2, h, h2}) CK(cudaFree(p));
+}
+
 // A DeiT block at batch 1 (C = 192: DeiT-T, 384: DeiT-S): the model's 8 launches against 5 with
 // both norms fused (the attention launch as the resident plan gives it for DeiT-S).
 template <int C>
@@ -537,6 +775,17 @@ int main(int argc, char** argv) {
         launch_fused<384, 32, 64, false, 0>(c, x, lnw, lnb, w, b, y, M, N);
         launch_fused<384, 32, 64, false, 3>(c, x, lnw, lnb, w, b, y, M, N);
         launch_fused<384, 32, 64, false, 4>(c, x, lnw, lnb, w, b, y, M, N);
+        CK(cudaDeviceSynchronize());
+        return 0;
+    }
+    if (getenv("LN_LINEAR_MC_ONLY")) {  // lever 60's question alone: the multicast kernel
+        for (int M : {197, 138}) {
+            problem_mc<384, 2>(c, M);
+            problem_mc<384, 4>(c, M);
+        }
+        problem_mc<192, 2>(c, 197);
+        problem_mc<768, 2>(c, 197);
+        problem_mc<768, 4>(c, 197);
         CK(cudaDeviceSynchronize());
         return 0;
     }
