@@ -16,6 +16,9 @@
 //   /tmp/ln_linear FASTPATH_PTX RAGGED_PTX        (the .ptx files of a cargo build with --features cuda)
 //   ncu --kernel-name regex:ln_linear /tmp/ln_linear FASTPATH_PTX RAGGED_PTX ncu   (one eager launch
 //   of the whole kernel, of loads + store only, and of the LayerNorm without its MMAs)
+//   LN_LINEAR_MC_ONLY=1 /tmp/ln_linear FASTPATH_PTX RAGGED_PTX   (lever 60: ln_linear_mc, the
+//   weight tile multicast across a cluster of row tiles, against the plain kernel and the
+//   separate ones; it assumes N is a multiple of 128)
 #include <cuda_fp16.h>
 
 #include <cmath>
