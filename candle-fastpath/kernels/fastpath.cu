@@ -89,38 +89,22 @@ __device__ __forceinline__ float warp_sum(float v) {
     return v;
 }
 
+// One row normalised by one warp, from its 16-byte chunks `row[lane + 32 t]` (those below
+// `chunks`), the weight and bias chunks of the same lanes already in registers, into
+// `out[lane + 32 t]`. Each lane reads all its chunks before it writes any, so `out` may be `row`
+// (norm_linear normalises rows in place in shared memory: its rows are this kernel's bit for bit).
 template <int LN_MAX_CHUNKS, typename T>
-__device__ void layer_norm_rows(const T* __restrict__ x, const T* __restrict__ w,
-                                const T* __restrict__ b, T* __restrict__ y,
-                                unsigned rows, unsigned C, float eps) {
+__device__ __forceinline__ void layer_norm_warp_row(const uint4* row, uint4* out, const uint4 (&wraw)[LN_MAX_CHUNKS],
+                                                    const uint4 (&braw)[LN_MAX_CHUNKS], unsigned chunks,
+                                                    unsigned C, float eps, unsigned lane) {
     constexpr unsigned VEC = 16 / sizeof(T);
-    const unsigned row = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
-    const unsigned lane = threadIdx.x % 32;
-    if (row >= rows) return;
-    const unsigned chunks = C / VEC;
-    const uint4* xr = reinterpret_cast<const uint4*>(x + (size_t)row * C);
-    // The weight and bias chunks are requested first, beside the row: they do not depend on the
-    // statistics, and loaded after them (where they are used) they cost one more L2 round trip
-    // behind the two reductions, and another after the first chunk's store. At batch 1 a
-    // LayerNorm is all latency (DeiT-S: 25 per forward, ~4 µs each; lever 50).
-    const uint4* wr = reinterpret_cast<const uint4*>(w);
-    const uint4* br = reinterpret_cast<const uint4*>(b);
-    uint4 wraw[LN_MAX_CHUNKS], braw[LN_MAX_CHUNKS];
-#pragma unroll
-    for (int t = 0; t < LN_MAX_CHUNKS; ++t) {
-        const unsigned c = lane + 32 * t;
-        if (c < chunks) {
-            wraw[t] = wr[c];
-            braw[t] = br[c];
-        }
-    }
     float v[LN_MAX_CHUNKS][VEC];
     float sum = 0.f;
 #pragma unroll
     for (int t = 0; t < LN_MAX_CHUNKS; ++t) {
         const unsigned c = lane + 32 * t;
         if (c < chunks) {
-            uint4 raw = xr[c];
+            uint4 raw = row[c];
             const T* e = reinterpret_cast<const T*>(&raw);
 #pragma unroll
             for (unsigned j = 0; j < VEC; ++j) {
@@ -142,22 +126,57 @@ __device__ void layer_norm_rows(const T* __restrict__ x, const T* __restrict__ w
         }
     }
     const float rstd = 1.0f / sqrtf(warp_sum(sq) / (float)C + eps);
-    uint4* yr = reinterpret_cast<uint4*>(y + (size_t)row * C);
 #pragma unroll
     for (int t = 0; t < LN_MAX_CHUNKS; ++t) {
         const unsigned c = lane + 32 * t;
         if (c < chunks) {
-            uint4 out;
+            uint4 o;
             const T* we = reinterpret_cast<const T*>(&wraw[t]);
             const T* be = reinterpret_cast<const T*>(&braw[t]);
-            T* oe = reinterpret_cast<T*>(&out);
+            T* oe = reinterpret_cast<T*>(&o);
 #pragma unroll
             for (unsigned j = 0; j < VEC; ++j) {
                 oe[j] = from_f32<T>((v[t][j] - mean) * rstd * to_f32(we[j]) + to_f32(be[j]));
             }
-            yr[c] = out;
+            out[c] = o;
         }
     }
+}
+
+// This lane's chunks of the LayerNorm's weight and bias (those below `chunks`).
+template <int LN_MAX_CHUNKS>
+__device__ __forceinline__ void layer_norm_params(const void* w, const void* b, uint4 (&wraw)[LN_MAX_CHUNKS],
+                                                  uint4 (&braw)[LN_MAX_CHUNKS], unsigned chunks, unsigned lane) {
+    const uint4* wr = reinterpret_cast<const uint4*>(w);
+    const uint4* br = reinterpret_cast<const uint4*>(b);
+#pragma unroll
+    for (int t = 0; t < LN_MAX_CHUNKS; ++t) {
+        const unsigned c = lane + 32 * t;
+        if (c < chunks) {
+            wraw[t] = wr[c];
+            braw[t] = br[c];
+        }
+    }
+}
+
+template <int LN_MAX_CHUNKS, typename T>
+__device__ void layer_norm_rows(const T* __restrict__ x, const T* __restrict__ w,
+                                const T* __restrict__ b, T* __restrict__ y,
+                                unsigned rows, unsigned C, float eps) {
+    constexpr unsigned VEC = 16 / sizeof(T);
+    const unsigned row = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
+    const unsigned lane = threadIdx.x % 32;
+    if (row >= rows) return;
+    const unsigned chunks = C / VEC;
+    // The weight and bias chunks are requested first, beside the row: they do not depend on the
+    // statistics, and loaded after them (where they are used) they cost one more L2 round trip
+    // behind the two reductions, and another after the first chunk's store. At batch 1 a
+    // LayerNorm is all latency (DeiT-S: 25 per forward, ~4 µs each; lever 50).
+    uint4 wraw[LN_MAX_CHUNKS], braw[LN_MAX_CHUNKS];
+    layer_norm_params<LN_MAX_CHUNKS>(w, b, wraw, braw, chunks, lane);
+    layer_norm_warp_row<LN_MAX_CHUNKS, T>(reinterpret_cast<const uint4*>(x + (size_t)row * C),
+                                          reinterpret_cast<uint4*>(y + (size_t)row * C), wraw, braw, chunks, C,
+                                          eps, lane);
 }
 
 // One entry per size class and storage type, named as the Rust side's LN_NAMES table expects.
@@ -407,6 +426,26 @@ __device__ __forceinline__ void nl_mma<__nv_bfloat16>(float* c, const unsigned* 
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// acc[j] (the m16n8 accumulator of columns 8j..8j+7) += A · Bᵀ for one warp, A the 16 rows at
+// `a` and B the 32 rows at `b` (K elements each, row stride LDS elements, in shared memory).
+template <typename T, int K, int LDS>
+__device__ __forceinline__ void nl_warp_mma_16x32(float (&acc)[4][4], const T* a, const T* b) {
+    const unsigned lane = threadIdx.x % 32;
+    const T* a_base = a + (lane % 16) * LDS + (lane / 16) * 8;
+    const T* b_base = b + ((lane % 8) + (lane / 16) * 8) * LDS + ((lane / 8) % 2) * 8;
+#pragma unroll 4
+    for (int k0 = 0; k0 < K; k0 += 16) {
+        unsigned ra[4], rb[8];
+        nl_ldmatrix_x4(ra, a_base + k0);
+        nl_ldmatrix_x4(rb, b_base + k0);
+        nl_ldmatrix_x4(rb + 4, b_base + 16 * LDS + k0);
+        nl_mma<T>(acc[0], ra, rb[0], rb[1]);
+        nl_mma<T>(acc[1], ra, rb[2], rb[3]);
+        nl_mma<T>(acc[2], ra, rb[4], rb[5]);
+        nl_mma<T>(acc[3], ra, rb[6], rb[7]);
+    }
+}
+
 template <typename T>
 struct __align__(4) NlPair {
     T a, b;
@@ -442,14 +481,7 @@ __device__ void norm_linear_tile(const T* __restrict__ x, const T* __restrict__ 
     }
     asm volatile("cp.async.commit_group;" ::: "memory");
     uint4 wraw[CHUNKS], braw[CHUNKS];
-#pragma unroll
-    for (int t = 0; t < CHUNKS; ++t) {
-        const int c = lane + 32 * t;
-        if (c < VECS) {
-            wraw[t] = reinterpret_cast<const uint4*>(ln_w)[c];
-            braw[t] = reinterpret_cast<const uint4*>(ln_b)[c];
-        }
-    }
+    layer_norm_params<CHUNKS>(ln_w, ln_b, wraw, braw, VECS, lane);
     const int wm = warp / WARPS_N, wn = warp % WARPS_N;
     float bias_f[4][2];
 #pragma unroll
@@ -461,51 +493,10 @@ __device__ void norm_linear_tile(const T* __restrict__ x, const T* __restrict__ 
     asm volatile("cp.async.wait_group 1;" ::: "memory");
     __syncthreads();
 
-    // 2. One warp per row (NL_BM <= NL_WARPS): layer_norm_rows' statistics and lane order.
+    // 2. One warp per row (NL_BM <= NL_WARPS), in place: the LayerNorm kernel's own row code.
     if (warp < NL_BM) {
         uint4* row = reinterpret_cast<uint4*>(sa + warp * LDS);
-        float v[CHUNKS][8];
-        float sum = 0.f;
-#pragma unroll
-        for (int t = 0; t < CHUNKS; ++t) {
-            const int c = lane + 32 * t;
-            if (c < VECS) {
-                const uint4 raw = row[c];
-                const T* e = reinterpret_cast<const T*>(&raw);
-#pragma unroll
-                for (int j = 0; j < 8; ++j) {
-                    v[t][j] = to_f32(e[j]);
-                    sum += v[t][j];
-                }
-            }
-        }
-        const float mean = warp_sum(sum) / (float)K;
-        float sq = 0.f;
-#pragma unroll
-        for (int t = 0; t < CHUNKS; ++t) {
-            if (lane + 32 * t < VECS) {
-#pragma unroll
-                for (int j = 0; j < 8; ++j) {
-                    const float d = v[t][j] - mean;
-                    sq += d * d;
-                }
-            }
-        }
-        const float rstd = 1.0f / sqrtf(warp_sum(sq) / (float)K + eps);
-#pragma unroll
-        for (int t = 0; t < CHUNKS; ++t) {
-            const int c = lane + 32 * t;
-            if (c < VECS) {
-                uint4 out;
-                const T* we = reinterpret_cast<const T*>(&wraw[t]);
-                const T* be = reinterpret_cast<const T*>(&braw[t]);
-                T* oe = reinterpret_cast<T*>(&out);
-#pragma unroll
-                for (int j = 0; j < 8; ++j)
-                    oe[j] = from_f32<T>((v[t][j] - mean) * rstd * to_f32(we[j]) + to_f32(be[j]));
-                row[c] = out;
-            }
-        }
+        layer_norm_warp_row<CHUNKS, T>(row, row, wraw, braw, VECS, K, eps, lane);
     }
     asm volatile("cp.async.wait_group 0;" ::: "memory");
     __syncthreads();
@@ -513,19 +504,7 @@ __device__ void norm_linear_tile(const T* __restrict__ x, const T* __restrict__ 
 
     // 3. A 16 × 32 slice of the tile per warp.
     float acc[4][4] = {};
-    const T* a_base = sa + (wm * 16 + lane % 16) * LDS + (lane / 16) * 8;
-    const T* b_base = sb + (wn * 32 + (lane % 8) + (lane / 16) * 8) * LDS + ((lane / 8) % 2) * 8;
-#pragma unroll 4
-    for (int k0 = 0; k0 < K; k0 += 16) {
-        unsigned a[4], b[8];
-        nl_ldmatrix_x4(a, a_base + k0);
-        nl_ldmatrix_x4(b, b_base + k0);
-        nl_ldmatrix_x4(b + 4, b_base + 16 * LDS + k0);
-        nl_mma<T>(acc[0], a, b[0], b[1]);
-        nl_mma<T>(acc[1], a, b[2], b[3]);
-        nl_mma<T>(acc[2], a, b[4], b[5]);
-        nl_mma<T>(acc[3], a, b[6], b[7]);
-    }
+    nl_warp_mma_16x32<T, K, LDS>(acc, sa + wm * 16 * LDS, sb + wn * 32 * LDS);
 
     // 4. Epilogue: pairs of adjacent columns, rows lane / 4 and lane / 4 + 8.
 #pragma unroll

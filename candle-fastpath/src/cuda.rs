@@ -602,6 +602,13 @@ impl candle_core::CustomOp2 for LinearOp {
     }
 }
 
+/// Whether a tensor with `layout` and `elem_size`-byte elements is contiguous and starts on a
+/// 16-byte boundary (candle's allocations do; views at odd offsets do not): what the kernels that
+/// move whole 16-byte vectors require of every operand they read that way.
+pub(crate) fn contiguous_16b(layout: &Layout, elem_size: usize) -> bool {
+    layout.is_contiguous() && (layout.start_offset() * elem_size) % 16 == 0
+}
+
 /// Whether [`LayerNormOp`] handles these tensors: a supported dtype, C a whole number of 16-byte
 /// vectors and at most `32 · LN_MAX_CHUNKS` of them, and 16-byte aligned starts (candle's
 /// allocations are; views at odd offsets are not). Otherwise the candle-ops path runs.
@@ -613,9 +620,7 @@ pub(crate) fn layer_norm_supported(x: &Tensor, w: &Tensor, b: &Tensor) -> bool {
         && c % vec == 0
         && c / vec <= 32 * LN_MAX_CHUNKS
         && x.rank() >= 1
-        && [x, w, b]
-            .iter()
-            .all(|t| t.is_contiguous() && (t.layout().start_offset() * size) % 16 == 0)
+        && [x, w, b].iter().all(|t| contiguous_16b(t.layout(), size))
 }
 
 /// `CustomOp3` for an op that only exists on CUDA: `cpu_fwd` refuses (the public function runs
@@ -685,7 +690,7 @@ impl LayerNormOp {
         let c = lw.shape().elem_count();
         let n = lx.shape().elem_count();
         let size = std::mem::size_of::<T>();
-        let aligned = |l: &Layout| l.is_contiguous() && (l.start_offset() * size) % 16 == 0;
+        let aligned = |l: &Layout| contiguous_16b(l, size);
         if c == 0
             || n % c != 0
             || c % (16 / size) != 0
@@ -778,7 +783,7 @@ impl NormLinearOp {
             DType::BF16 => true,
             _ => candle_core::bail!("norm_linear: the fused kernel is f16 / bf16 only"),
         };
-        let aligned = |l: &Layout| l.is_contiguous() && (l.start_offset() * size) % 16 == 0;
+        let aligned = |l: &Layout| contiguous_16b(l, size);
         let Some(width) = width else {
             candle_core::bail!("norm_linear: no fused kernel for C = {c}");
         };
@@ -1328,7 +1333,7 @@ impl SmallBlockOp<'_> {
                 let Storage::Cuda(s) = &**storage else {
                     candle_core::bail!("small_block: a weight is not on the CUDA device");
                 };
-                if !layout.is_contiguous() || (layout.start_offset() * size) % 16 != 0 {
+                if !contiguous_16b(layout, size) {
                     return Err(not_contiguous("small_block weight", t.layout()));
                 }
                 views.push(s.as_cuda_slice::<T>()?.slice(layout.start_offset()..));

@@ -121,9 +121,8 @@ pub fn norm_linear_applies(x: &Tensor, norm: &LayerNorm, linear: &FusedLinear, g
         };
         let c = norm.weight().elem_count();
         let n = linear.out_dim();
-        let aligned = |t: &Tensor| {
-            t.is_contiguous() && (t.layout().start_offset() * t.dtype().size_in_bytes()) % 16 == 0
-        };
+        let aligned =
+            |t: &Tensor| crate::cuda::contiguous_16b(t.layout(), t.dtype().size_in_bytes());
         let same = |t: &Tensor| t.dtype() == x.dtype() && t.device().same_device(x.device());
         let eligible = mode != NormLinearMode::Off
             && matches!(

@@ -90,25 +90,14 @@ impl Attention {
 
     /// Attention over tokens laid out as `inputs` says. The two projections are per-token.
     pub fn forward_with(&self, x: &Tensor, inputs: &AttentionInputs) -> Result<Tensor> {
-        let (heads, _) = self.heads_and_qkv(x, inputs)?;
+        let heads = self.heads_from_qkv(&self.qkv.forward(x)?, inputs)?;
         self.proj.forward(&heads)
     }
 
-    /// `residual + attn(x)`, the residual added in the output projection's epilogue; also
-    /// returns the fused qkv projection (`[.., 3C]`, same layout as `x`) for pruners that score
-    /// tokens with this block's attention.
-    pub fn forward_residual_with_qkv(
-        &self,
-        x: &Tensor,
-        residual: &Tensor,
-        inputs: &AttentionInputs,
-    ) -> Result<(Tensor, Tensor)> {
-        let qkv = self.qkv.forward(x)?;
-        Ok((self.residual_from_qkv(&qkv, residual, inputs)?, qkv))
-    }
-
-    /// `residual + attn` from an already computed qkv projection (`[.., 3C]`; a block computes
-    /// it together with its LayerNorm, `candle_fastpath::norm_linear`).
+    /// `residual + attn` from an already computed qkv projection (`[.., 3C]`, same layout as the
+    /// tokens; a block computes it together with its LayerNorm, `candle_fastpath::norm_linear`,
+    /// and hands it on to pruners that score tokens with this block's attention), the residual
+    /// added in the output projection's epilogue.
     pub fn residual_from_qkv(
         &self,
         qkv: &Tensor,
@@ -120,12 +109,7 @@ impl Attention {
             .forward_residual(&self.heads_from_qkv(qkv, inputs)?, residual)?)
     }
 
-    /// The attention output before the projection (`[.., C]`, heads merged) and the qkv.
-    fn heads_and_qkv(&self, x: &Tensor, inputs: &AttentionInputs) -> Result<(Tensor, Tensor)> {
-        let qkv = self.qkv.forward(x)?;
-        Ok((self.heads_from_qkv(&qkv, inputs)?, qkv))
-    }
-
+    /// The attention output before the projection (`[.., C]`, heads merged).
     fn heads_from_qkv(&self, qkv: &Tensor, inputs: &AttentionInputs) -> Result<Tensor> {
         let (q, k, v) = split_heads(qkv, self.heads, inputs)?;
         let out = attend(&q, &k, &v, self.scale, inputs)?;
@@ -152,15 +136,6 @@ impl Mlp {
             fc1: linear(cfg.dim, cfg.mlp_hidden(), vb.pp("fc1"))?,
             fc2: linear(cfg.mlp_hidden(), cfg.dim, vb.pp("fc2"))?,
         })
-    }
-}
-
-impl Mlp {
-    /// `residual + mlp(x)`, the residual added in fc2's epilogue.
-    pub fn forward_residual(&self, x: &Tensor, residual: &Tensor) -> Result<Tensor> {
-        Ok(self
-            .fc2
-            .forward_residual(&self.fc1.forward_gelu(x)?, residual)?)
     }
 }
 

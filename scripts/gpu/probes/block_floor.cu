@@ -9,9 +9,6 @@
 #include <cuda_fp16.h>
 
 #include <chrono>
-#include <fstream>
-#include <sstream>
-#include <string>
 
 #include "probe_common.cuh"
 
@@ -52,61 +49,6 @@ static ReplayTimes replay_times(cudaStream_t s, cudaGraphExec_t ge, bool events,
     std::sort(wall.begin(), wall.end());
     std::sort(gpu.begin(), gpu.end());
     return {wall[wall.size() / 2], gpu[gpu.size() / 2]};
-}
-
-static CUmodule load_ptx(const char* path) {
-    std::ifstream f(path);
-    if (!f) {
-        fprintf(stderr, "cannot read %s\n", path);
-        exit(1);
-    }
-    std::stringstream ss;
-    ss << f.rdbuf();
-    std::string ptx = ss.str();
-    CUmodule m;
-    CU(cuModuleLoadData(&m, ptx.c_str()));
-    return m;
-}
-
-struct Gemm {  // y[M, N] = x[M, K] W[N, K]^T + b (+ r), f16, f32 accumulation
-    cublasLtMatmulDesc_t op;
-    cublasLtMatrixLayout_t lw, lx, ly;
-    cublasLtMatmulAlgo_t algo;
-    const void *w, *b;
-    bool residual;
-};
-
-static void* dalloc(size_t bytes) {
-    void* p;
-    CK(cudaMalloc(&p, bytes));
-    CK(cudaMemset(p, 0, bytes));
-    return p;
-}
-
-static Gemm make_gemm(cublasLtHandle_t lt, int M, int N, int K, bool residual, size_t ws_bytes) {
-    Gemm g{};
-    g.w = dalloc((size_t)N * K * 2);
-    g.b = dalloc((size_t)N * 2);
-    g.residual = residual;
-    LT(cublasLtMatmulDescCreate(&g.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
-    cublasOperation_t t = CUBLAS_OP_T, n = CUBLAS_OP_N;
-    LT(cublasLtMatmulDescSetAttribute(g.op, CUBLASLT_MATMUL_DESC_TRANSA, &t, sizeof(t)));
-    LT(cublasLtMatmulDescSetAttribute(g.op, CUBLASLT_MATMUL_DESC_TRANSB, &n, sizeof(n)));
-    cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_BIAS;
-    LT(cublasLtMatmulDescSetAttribute(g.op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof(epi)));
-    LT(cublasLtMatmulDescSetAttribute(g.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &g.b, sizeof(g.b)));
-    LT(cublasLtMatrixLayoutCreate(&g.lw, CUDA_R_16F, K, N, K));
-    LT(cublasLtMatrixLayoutCreate(&g.lx, CUDA_R_16F, K, M, K));
-    LT(cublasLtMatrixLayoutCreate(&g.ly, CUDA_R_16F, N, M, N));
-    cublasLtMatmulPreference_t pref;
-    LT(cublasLtMatmulPreferenceCreate(&pref));
-    LT(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_bytes, sizeof(ws_bytes)));
-    cublasLtMatmulHeuristicResult_t res;
-    int found = 0;
-    LT(cublasLtMatmulAlgoGetHeuristic(lt, g.op, g.lw, g.lx, g.ly, g.ly, pref, 1, &res, &found));
-    if (!found) exit(1);
-    g.algo = res.algo;
-    return g;
 }
 
 int main(int argc, char** argv) {
@@ -169,32 +111,30 @@ int main(int argc, char** argv) {
     LT(cublasLtCreate(&lt));
     const size_t ws_bytes = 32 << 20;
     void* ws = dalloc(ws_bytes);
-    Gemm g_qkv = make_gemm(lt, M, 3 * C, C, false, ws_bytes), g_proj = make_gemm(lt, M, C, C, true, ws_bytes),
-         g_fc1 = make_gemm(lt, M, 4 * C, C, false, ws_bytes), g_fc2 = make_gemm(lt, M, C, 4 * C, true, ws_bytes);
-    const float one = 1.f, zero = 0.f;
-    // y = x W^T + b (+ r as C with beta 1), into a separate D, as candle-fastpath calls it.
-    auto run_gemm = [&](Gemm& g, const void* in, void* out, const void* res) {
-        LT(cublasLtMatmul(lt, g.op, &one, g.w, g.lw, in, g.lx, res ? &one : &zero, res ? res : out, g.ly, out, g.ly,
-                          &g.algo, ws, ws_bytes, s));
+    // Zeroed weights and biases of each GEMM's shape.
+    auto gemm_of = [&](int N, int K) { return make_gemm(lt, M, N, K, dalloc((size_t)N * K * 2), dalloc(N * 2), ws_bytes); };
+    const Gemm g_qkv = gemm_of(3 * C, C), g_proj = gemm_of(C, C), g_fc1 = gemm_of(4 * C, C), g_fc2 = gemm_of(C, 4 * C);
+    auto gemm = [&](const Gemm& g, const void* in, void* out, const void* res) {
+        run_gemm(lt, g, in, out, res, ws, ws_bytes, s);
     };
     void* x2 = dalloc((size_t)M * C * 2);
     printf("%s; DeiT-S block at batch 1 as graph nodes; us per launch (median of %d replays)\n", p.name, REPS);
     printf("LayerNorm (ours)           %.2f\n", per_call_us(s, NODES, [&] { run_ln(x, xn); }));
-    printf("qkv GEMM                   %.2f\n", per_call_us(s, NODES, [&] { run_gemm(g_qkv, xn, qkv, nullptr); }));
+    printf("qkv GEMM                   %.2f\n", per_call_us(s, NODES, [&] { gemm(g_qkv, xn, qkv, nullptr); }));
     printf("attention (ours, resident) %.2f\n", per_call_us(s, NODES, run_attn));
-    printf("proj GEMM + residual       %.2f\n", per_call_us(s, NODES, [&] { run_gemm(g_proj, o, x2, x); }));
-    printf("fc1 GEMM                   %.2f\n", per_call_us(s, NODES, [&] { run_gemm(g_fc1, xn, h, nullptr); }));
+    printf("proj GEMM + residual       %.2f\n", per_call_us(s, NODES, [&] { gemm(g_proj, o, x2, x); }));
+    printf("fc1 GEMM                   %.2f\n", per_call_us(s, NODES, [&] { gemm(g_fc1, xn, h, nullptr); }));
     printf("GELU (ours, phi)           %.2f\n", per_call_us(s, NODES, run_gelu));
-    printf("fc2 GEMM + residual        %.2f\n", per_call_us(s, NODES, [&] { run_gemm(g_fc2, h, x, x2); }));
+    printf("fc2 GEMM + residual        %.2f\n", per_call_us(s, NODES, [&] { gemm(g_fc2, h, x, x2); }));
     auto block = [&] {
         run_ln(x, xn);
-        run_gemm(g_qkv, xn, qkv, nullptr);
+        gemm(g_qkv, xn, qkv, nullptr);
         run_attn();
-        run_gemm(g_proj, o, x2, x);
+        gemm(g_proj, o, x2, x);
         run_ln(x2, xn);
-        run_gemm(g_fc1, xn, h, nullptr);
+        gemm(g_fc1, xn, h, nullptr);
         run_gelu();
-        run_gemm(g_fc2, h, x, x2);
+        gemm(g_fc2, h, x, x2);
     };
     printf("whole block (8 launches)   %.2f per block, 12 blocks in one graph\n", per_call_us(s, 12, block));
     // The same 12 blocks as the bench times a replay: host wall clock from before the launch to
@@ -260,23 +200,23 @@ int main(int argc, char** argv) {
                 void* xn1 = alloc(act);
                 run_ln(cur, xn1);
                 void* qkv1 = alloc(3 * act);
-                run_gemm(g_qkv, xn1, qkv1, nullptr);
+                gemm(g_qkv, xn1, qkv1, nullptr);
                 CK(cudaFreeAsync(xn1, s));
                 void* o1 = alloc(act);
                 run_attn_on(qkv1, o1);
                 CK(cudaFreeAsync(qkv1, s));
                 void* x21 = alloc(act);
-                run_gemm(g_proj, o1, x21, cur);
+                gemm(g_proj, o1, x21, cur);
                 CK(cudaFreeAsync(o1, s));
                 if (cur != x) CK(cudaFreeAsync(cur, s));
                 void* xn2 = alloc(act);
                 run_ln(x21, xn2);
                 void* h1 = alloc(4 * act);
-                run_gemm(g_fc1, xn2, h1, nullptr);
+                gemm(g_fc1, xn2, h1, nullptr);
                 CK(cudaFreeAsync(xn2, s));
                 run_gelu_on(h1);
                 void* x31 = alloc(act);
-                run_gemm(g_fc2, h1, x31, x21);
+                gemm(g_fc2, h1, x31, x21);
                 CK(cudaFreeAsync(h1, s));
                 CK(cudaFreeAsync(x21, s));
                 cur = x31;

@@ -101,50 +101,16 @@ static double per_node_us(cudaStream_t s, const std::function<void()>& launch) {
     return graph_us_per_call(s, NODES, REPS, launch);
 }
 
-struct Gemm {  // y[M, N] = x[M, K] W[N, K]^T + b, f16, f32 accumulation, as candle-fastpath calls it
-    cublasLtMatmulDesc_t op;
-    cublasLtMatrixLayout_t lw, lx, ly;
-    cublasLtMatmulAlgo_t algo;
-    const __half *x, *w, *b;
-    __half* y;
-    void* ws;
-    size_t ws_bytes;
+// A cuBLASLt GEMM of one shape on zeroed operands of its own: x [M, K], W [N, K], b [N], y [M, N].
+struct GemmCall {
+    Gemm g;
+    void *x, *y;
 };
 
-static Gemm make_gemm(cublasLtHandle_t lt, int M, int N, int K, void* ws, size_t ws_bytes) {
-    Gemm g{};
-    __half *x, *w, *b, *y;
-    CK(cudaMalloc(&x, (size_t)M * K * 2));
-    CK(cudaMalloc(&w, (size_t)N * K * 2));
-    CK(cudaMalloc(&b, (size_t)N * 2));
-    CK(cudaMalloc(&y, (size_t)M * N * 2));
-    CK(cudaMemset(x, 0, (size_t)M * K * 2));
-    CK(cudaMemset(w, 0, (size_t)N * K * 2));
-    CK(cudaMemset(b, 0, (size_t)N * 2));
-    g.x = x, g.w = w, g.b = b, g.y = y, g.ws = ws, g.ws_bytes = ws_bytes;
-    LT(cublasLtMatmulDescCreate(&g.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
-    cublasOperation_t t = CUBLAS_OP_T, n = CUBLAS_OP_N;
-    LT(cublasLtMatmulDescSetAttribute(g.op, CUBLASLT_MATMUL_DESC_TRANSA, &t, sizeof(t)));
-    LT(cublasLtMatmulDescSetAttribute(g.op, CUBLASLT_MATMUL_DESC_TRANSB, &n, sizeof(n)));
-    cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_BIAS;
-    LT(cublasLtMatmulDescSetAttribute(g.op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof(epi)));
-    LT(cublasLtMatmulDescSetAttribute(g.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &g.b, sizeof(g.b)));
-    // Column-major view: y^T (N x M) = W' (K x N)^T x' (K x M).
-    LT(cublasLtMatrixLayoutCreate(&g.lw, CUDA_R_16F, K, N, K));
-    LT(cublasLtMatrixLayoutCreate(&g.lx, CUDA_R_16F, K, M, K));
-    LT(cublasLtMatrixLayoutCreate(&g.ly, CUDA_R_16F, N, M, N));
-    cublasLtMatmulPreference_t pref;
-    LT(cublasLtMatmulPreferenceCreate(&pref));
-    LT(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_bytes, sizeof(ws_bytes)));
-    cublasLtMatmulHeuristicResult_t res;
-    int found = 0;
-    LT(cublasLtMatmulAlgoGetHeuristic(lt, g.op, g.lw, g.lx, g.ly, g.ly, pref, 1, &res, &found));
-    if (!found) {
-        fprintf(stderr, "no cuBLASLt algorithm for %d x %d x %d\n", M, N, K);
-        exit(1);
-    }
-    g.algo = res.algo;
-    return g;
+static GemmCall gemm_call(cublasLtHandle_t lt, int M, int N, int K, size_t ws_bytes) {
+    void* w = dalloc((size_t)N * K * 2);
+    void* b = dalloc((size_t)N * 2);
+    return {make_gemm(lt, M, N, K, w, b, ws_bytes), dalloc((size_t)M * K * 2), dalloc((size_t)M * N * 2)};
 }
 
 int main() {
@@ -191,12 +157,8 @@ int main() {
         const bool fits = smem <= 2 * 64 * C * 2;
         const double ld = fits ? per_node_us(s, [&] { load_tiles_ld<<<grid, 256, smem, s>>>(a, w, out, M, sh.N, sh.K); }) : -1;
         const double bulk = fits ? per_node_us(s, [&] { load_tiles_bulk<<<grid, 256, smem, s>>>(a, w, out, M, sh.N, sh.K); }) : -1;
-        Gemm g = make_gemm(lt, M, sh.N, sh.K, ws, ws_bytes);
-        const float one = 1.f, zero = 0.f;
-        const double gemm = per_node_us(s, [&] {
-            LT(cublasLtMatmul(lt, g.op, &one, g.w, g.lw, g.x, g.lx, &zero, g.y, g.ly, g.y, g.ly, &g.algo, g.ws,
-                              g.ws_bytes, s));
-        });
+        const GemmCall g = gemm_call(lt, M, sh.N, sh.K, ws_bytes);
+        const double gemm = per_node_us(s, [&] { run_gemm(lt, g.g, g.x, g.y, nullptr, ws, ws_bytes, s); });
         printf("%-4s M %d N %4d K %4d (%3d tiles of 64 x 64, %3d KB of operands per tile): load_tiles ld %.2f, bulk %.2f; cuBLASLt %.2f\n",
                sh.name, M, sh.N, sh.K, grid.x * grid.y, smem / 1024, ld, bulk, gemm);
     }
@@ -209,13 +171,9 @@ int main() {
         CK(cudaMalloc(&x, (size_t)M * 4 * C * 2));
         CK(cudaMalloc(&y, (size_t)M * 4 * C * 2));
         const int vecs = M * C / 8;
-        Gemm q = make_gemm(lt, M, 3 * C, C, ws, ws_bytes);
-        Gemm f2 = make_gemm(lt, M, C, 4 * C, ws, ws_bytes);
-        const float one = 1.f, zero = 0.f;
-        auto gemm = [&](Gemm& g) {
-            LT(cublasLtMatmul(lt, g.op, &one, g.w, g.lw, g.x, g.lx, &zero, g.y, g.ly, g.y, g.ly, &g.algo, g.ws,
-                              g.ws_bytes, s));
-        };
+        const GemmCall q = gemm_call(lt, M, 3 * C, C, ws_bytes);
+        const GemmCall f2 = gemm_call(lt, M, C, 4 * C, ws_bytes);
+        auto gemm = [&](const GemmCall& g) { run_gemm(lt, g.g, g.x, g.y, nullptr, ws, ws_bytes, s); };
         auto ew = [&] { elementwise<<<(vecs + 255) / 256, 256, 0, s>>>(x, y, vecs); };
         const double q_alone = per_node_us(s, [&] { gemm(q); });
         const double ew_alone = per_node_us(s, ew);

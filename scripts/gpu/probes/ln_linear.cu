@@ -22,47 +22,15 @@
 #include <cuda_fp16.h>
 
 #include <cmath>
-#include <fstream>
-#include <sstream>
-#include <string>
-
-#include "../../../candle-fastpath/kernels/gelu_phi.cuh"
-#include "probe_common.cuh"
-
 #include <cooperative_groups.h>
+
+// The kernels' shared pieces (cp.async, ldmatrix, mma.sync, the LayerNorm row, the warp's
+// 16 x 32 MMA tile, the GELU) from the model's own kernel file.
+#include "../../../candle-fastpath/kernels/fastpath.cu"
+#include "probe_common.cuh"
 
 constexpr int NODES = 96, REPS = 200;
 
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
-    const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-    const int bytes = valid ? 16 : 0;  // 0: zero-fill (rows past M)
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(s), "l"(gmem), "r"(bytes) : "memory");
-}
-
-__device__ __forceinline__ void ldmatrix_x4(unsigned& r0, unsigned& r1, unsigned& r2, unsigned& r3, const void* p) {
-    const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(p));
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
-                 : "r"(s));
-}
-
-__device__ __forceinline__ void mma16816(float* c, const unsigned* a, unsigned b0, unsigned b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-// y[M, N] = LayerNorm(x)[M, K] W[N, K]^T + b (then GELU when GELU), f16 in and out.
-// K = C is a template parameter (the row lives in shared memory with a 16-byte pad per row, so
-// ldmatrix rows fall in distinct banks); warps tile the output 16 rows x 32 columns each.
 // MODE (cost breakdown of the probe): 0 the kernel; 1 no LayerNorm (raw rows into the MMAs);
 // 2 no MMAs (zeros into the epilogue); 3 neither (loads, bias, store); 4 as 2 with each lane's
 // statistics its own (no shuffle reductions).
@@ -92,25 +60,18 @@ __global__ void __launch_bounds__(ln_linear_threads(BM, BN, LNW))
     for (int i = tid; i < BM * VECS; i += THREADS) {
         const int r = i / VECS, c = i % VECS;
         const bool ok = m0 + r < M;
-        cp_async16(sa + r * LDS + c * 8, x + (size_t)(ok ? m0 + r : 0) * K + c * 8, ok);
+        nl_cp_async16(sa + r * LDS + c * 8, x + (size_t)(ok ? m0 + r : 0) * K + c * 8, ok);
     }
     asm volatile("cp.async.commit_group;" ::: "memory");
     for (int i = tid; i < BN * VECS; i += THREADS) {
         const int r = i / VECS, c = i % VECS;
         const bool ok = n0 + r < N;
-        cp_async16(sb + r * LDS + c * 8, w + (size_t)(ok ? n0 + r : 0) * K + c * 8, ok);
+        nl_cp_async16(sb + r * LDS + c * 8, w + (size_t)(ok ? n0 + r : 0) * K + c * 8, ok);
     }
     asm volatile("cp.async.commit_group;" ::: "memory");
     // LayerNorm parameters of this lane's chunks, and this thread's bias pair, beside the loads.
     uint4 wraw[CHUNKS], braw[CHUNKS];
-#pragma unroll
-    for (int t = 0; t < CHUNKS; ++t) {
-        const int c = lane + 32 * t;
-        if (c < VECS) {
-            wraw[t] = reinterpret_cast<const uint4*>(lnw)[c];
-            braw[t] = reinterpret_cast<const uint4*>(lnb)[c];
-        }
-    }
+    layer_norm_params<CHUNKS>(lnw, lnb, wraw, braw, VECS, lane);
     const int wm = warp / WARPS_N, wn = warp % WARPS_N;
     float bias_f[4][2];
 #pragma unroll
@@ -191,19 +152,7 @@ __global__ void __launch_bounds__(ln_linear_threads(BM, BN, LNW))
     if (warp >= MMA_WARPS) return;
 
     float acc[4][4] = {};
-    const __half* a_base = sa + (wm * 16 + lane % 16) * LDS + (lane / 16) * 8;
-    const __half* b_base = sb + (wn * 32 + (lane % 8) + (lane / 16) * 8) * LDS + ((lane / 8) % 2) * 8;
-#pragma unroll 4
-    for (int k0 = 0; k0 < ((MODE == 2 || MODE == 3 || MODE == 4) ? 0 : K); k0 += 16) {
-        unsigned a[4], b[8];
-        ldmatrix_x4(a[0], a[1], a[2], a[3], a_base + k0);
-        ldmatrix_x4(b[0], b[1], b[2], b[3], b_base + k0);
-        ldmatrix_x4(b[4], b[5], b[6], b[7], b_base + 16 * LDS + k0);
-        mma16816(acc[0], a, b[0], b[1]);
-        mma16816(acc[1], a, b[2], b[3]);
-        mma16816(acc[2], a, b[4], b[5]);
-        mma16816(acc[3], a, b[6], b[7]);
-    }
+    if (MODE != 2 && MODE != 3 && MODE != 4) nl_warp_mma_16x32<__half, K, LDS>(acc, sa + wm * 16 * LDS, sb + wn * 32 * LDS);
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
         const int col = n0 + wn * 32 + j * 8 + (lane % 4) * 2;
@@ -236,64 +185,11 @@ __global__ void fill_random(__half* p, size_t n, unsigned seed, float scale, flo
     }
 }
 
-static CUmodule load_ptx(const char* path) {
-    std::ifstream f(path);
-    if (!f) {
-        fprintf(stderr, "cannot read %s\n", path);
-        exit(1);
-    }
-    std::stringstream ss;
-    ss << f.rdbuf();
-    std::string ptx = ss.str();
-    CUmodule m;
-    CU(cuModuleLoadData(&m, ptx.c_str()));
-    return m;
-}
-
-static void* dalloc(size_t bytes) {
-    void* p;
-    CK(cudaMalloc(&p, bytes));
-    CK(cudaMemset(p, 0, bytes));
-    return p;
-}
-
 static void* drandom(size_t halves, unsigned seed, float scale, float offset = 0.f) {
     void* p = dalloc(halves * 2);
     fill_random<<<256, 256>>>((__half*)p, halves, seed, scale, offset);
     CK(cudaGetLastError());
     return p;
-}
-
-struct Gemm {  // y[M, N] = x[M, K] W[N, K]^T + b (+ r), f16, f32 accumulation, as the model calls it
-    cublasLtMatmulDesc_t op;
-    cublasLtMatrixLayout_t lw, lx, ly;
-    cublasLtMatmulAlgo_t algo;
-    const void *w, *b;
-};
-
-static Gemm make_gemm(cublasLtHandle_t lt, int M, int N, int K, const void* w, const void* b, size_t ws_bytes) {
-    Gemm g{};
-    g.w = w;
-    g.b = b;
-    LT(cublasLtMatmulDescCreate(&g.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
-    cublasOperation_t t = CUBLAS_OP_T, n = CUBLAS_OP_N;
-    LT(cublasLtMatmulDescSetAttribute(g.op, CUBLASLT_MATMUL_DESC_TRANSA, &t, sizeof(t)));
-    LT(cublasLtMatmulDescSetAttribute(g.op, CUBLASLT_MATMUL_DESC_TRANSB, &n, sizeof(n)));
-    cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_BIAS;
-    LT(cublasLtMatmulDescSetAttribute(g.op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof(epi)));
-    LT(cublasLtMatmulDescSetAttribute(g.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &g.b, sizeof(g.b)));
-    LT(cublasLtMatrixLayoutCreate(&g.lw, CUDA_R_16F, K, N, K));
-    LT(cublasLtMatrixLayoutCreate(&g.lx, CUDA_R_16F, K, M, K));
-    LT(cublasLtMatrixLayoutCreate(&g.ly, CUDA_R_16F, N, M, N));
-    cublasLtMatmulPreference_t pref;
-    LT(cublasLtMatmulPreferenceCreate(&pref));
-    LT(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_bytes, sizeof(ws_bytes)));
-    cublasLtMatmulHeuristicResult_t res;
-    int found = 0;
-    LT(cublasLtMatmulAlgoGetHeuristic(lt, g.op, g.lw, g.lx, g.ly, g.ly, pref, 1, &res, &found));
-    if (!found) exit(1);
-    g.algo = res.algo;
-    return g;
 }
 
 struct Ctx {
@@ -335,9 +231,7 @@ static void run_gelu(const Ctx& c, void* h, unsigned long long n) {
 }
 
 static void run_gemm(const Ctx& c, const Gemm& g, const void* in, void* out, const void* res) {
-    const float one = 1.f, zero = 0.f;
-    LT(cublasLtMatmul(c.lt, g.op, &one, g.w, g.lw, in, g.lx, res ? &one : &zero, res ? res : out, g.ly, out, g.ly,
-                      &g.algo, c.ws, c.ws_bytes, c.s));
+    run_gemm(c.lt, g, in, out, res, c.ws, c.ws_bytes, c.s);
 }
 
 static double max_abs_diff(const void* a, const void* b, size_t n, double* max_ref) {
@@ -357,9 +251,13 @@ static double max_abs_diff(const void* a, const void* b, size_t n, double* max_r
 }
 
 // One (C, M) problem pair: norm + qkv, norm + fc1 + GELU, separate and fused in each tiling.
-template <int K, int BM, int BN, int LNW>
-static void problem(const Ctx& c, int M, const char* tiling, bool check) {
-    const int N_qkv = 3 * K, N_fc1 = 4 * K, ci = K == 192 ? 0 : K == 384 ? 1 : 2;
+// One (C, M) problem pair on random data: the rows and LayerNorm parameters, qkv's and fc1's
+// weights, the separate kernels' outputs (yq, h) and a fused kernel's (yq2, h2); the separate
+// chains, and the check of a fused kernel's outputs against theirs.
+template <int K>
+struct Problem {
+    const Ctx& c;
+    const int M, N_qkv = 3 * K, N_fc1 = 4 * K, ci = K == 192 ? 0 : K == 384 ? 1 : 2;
     void* x = drandom((size_t)M * K, 11, 4.f, 0.3f);
     void* lnw = drandom(K, 12, 0.4f, 1.f);
     void* lnb = drandom(K, 13, 0.2f);
@@ -374,18 +272,23 @@ static void problem(const Ctx& c, int M, const char* tiling, bool check) {
     void* h2 = dalloc((size_t)M * N_fc1 * 2);
     const Gemm gq = make_gemm(c.lt, M, N_qkv, K, wq, bq, c.ws_bytes);
     const Gemm g1 = make_gemm(c.lt, M, N_fc1, K, w1, b1, c.ws_bytes);
-    auto sep_qkv = [&] {
+
+    Problem(const Ctx& ctx, int rows) : c(ctx), M(rows) {}
+    ~Problem() {
+        for (void* p : {x, lnw, lnb, wq, bq, w1, b1, xn, yq, yq2, h, h2}) CK(cudaFree(p));
+    }
+    void sep_qkv() const {
         run_ln(c, ci, x, lnw, lnb, xn, M, K);
         run_gemm(c, gq, xn, yq, nullptr);
-    };
-    auto sep_fc1 = [&] {
+    }
+    void sep_fc1() const {
         run_ln(c, ci, x, lnw, lnb, xn, M, K);
         run_gemm(c, g1, xn, h, nullptr);
         run_gelu(c, h, (unsigned long long)M * N_fc1);
-    };
-    auto fused_qkv = [&] { launch_fused<K, BM, BN, false, 0, LNW>(c, x, lnw, lnb, wq, bq, yq2, M, N_qkv); };
-    auto fused_fc1 = [&] { launch_fused<K, BM, BN, true, 0, LNW>(c, x, lnw, lnb, w1, b1, h2, M, N_fc1); };
-    if (check) {
+    }
+    // Poisons the fused outputs, runs both chains and `fused_qkv` / `fused_fc1`, and prints the
+    // largest differences under `label`.
+    void check(const char* label, const std::function<void()>& fused_qkv, const std::function<void()>& fused_fc1) {
         CK(cudaMemset(yq2, 0xff, (size_t)M * N_qkv * 2));  // NaN: every output must be written
         CK(cudaMemset(h2, 0xff, (size_t)M * N_fc1 * 2));
         sep_qkv();
@@ -396,8 +299,19 @@ static void problem(const Ctx& c, int M, const char* tiling, bool check) {
         const double dq = max_abs_diff(yq2, yq, (size_t)M * N_qkv, &rq);
         const double d1 = max_abs_diff(h2, h, (size_t)M * N_fc1, &r1);
         printf("check C %d M %4d %s: qkv max |fused - separate| %.3g (max |separate| %.3g); fc1+GELU %.3g (%.3g)\n",
-               K, M, tiling, dq, rq, d1, r1);
+               K, M, label, dq, rq, d1, r1);
     }
+};
+
+template <int K, int BM, int BN, int LNW>
+static void problem(const Ctx& c, int M, const char* tiling, bool check) {
+    Problem<K> pr(c, M);
+    const int N_qkv = pr.N_qkv, N_fc1 = pr.N_fc1;
+    auto sep_qkv = [&] { pr.sep_qkv(); };
+    auto sep_fc1 = [&] { pr.sep_fc1(); };
+    auto fused_qkv = [&] { launch_fused<K, BM, BN, false, 0, LNW>(c, pr.x, pr.lnw, pr.lnb, pr.wq, pr.bq, pr.yq2, M, N_qkv); };
+    auto fused_fc1 = [&] { launch_fused<K, BM, BN, true, 0, LNW>(c, pr.x, pr.lnw, pr.lnb, pr.w1, pr.b1, pr.h2, M, N_fc1); };
+    if (check) pr.check(tiling, fused_qkv, fused_fc1);
     const double t_sep_q = graph_us_per_call(c.s, NODES / 2, REPS, sep_qkv);
     const double t_fus_q = graph_us_per_call(c.s, NODES, REPS, fused_qkv);
     const double t_sep_1 = graph_us_per_call(c.s, NODES / 3, REPS, sep_fc1);
@@ -406,21 +320,20 @@ static void problem(const Ctx& c, int M, const char* tiling, bool check) {
            K, M, tiling, t_sep_q, t_fus_q, t_sep_q / t_fus_q, t_sep_1, t_fus_1, t_sep_1 / t_fus_1);
     // Where the fused qkv kernel's time goes: without its LayerNorm, without its MMAs, neither.
     const double t_no_ln = graph_us_per_call(c.s, NODES, REPS, [&] {
-        launch_fused<K, BM, BN, false, 1, LNW>(c, x, lnw, lnb, wq, bq, yq2, M, N_qkv);
+        launch_fused<K, BM, BN, false, 1, LNW>(c, pr.x, pr.lnw, pr.lnb, pr.wq, pr.bq, pr.yq2, M, N_qkv);
     });
     const double t_no_mma = graph_us_per_call(c.s, NODES, REPS, [&] {
-        launch_fused<K, BM, BN, false, 2, LNW>(c, x, lnw, lnb, wq, bq, yq2, M, N_qkv);
+        launch_fused<K, BM, BN, false, 2, LNW>(c, pr.x, pr.lnw, pr.lnb, pr.wq, pr.bq, pr.yq2, M, N_qkv);
     });
     const double t_loads = graph_us_per_call(c.s, NODES, REPS, [&] {
-        launch_fused<K, BM, BN, false, 3, LNW>(c, x, lnw, lnb, wq, bq, yq2, M, N_qkv);
+        launch_fused<K, BM, BN, false, 3, LNW>(c, pr.x, pr.lnw, pr.lnb, pr.wq, pr.bq, pr.yq2, M, N_qkv);
     });
     const double t_no_shfl = graph_us_per_call(c.s, NODES, REPS, [&] {
-        launch_fused<K, BM, BN, false, 4, LNW>(c, x, lnw, lnb, wq, bq, yq2, M, N_qkv);
+        launch_fused<K, BM, BN, false, 4, LNW>(c, pr.x, pr.lnw, pr.lnb, pr.wq, pr.bq, pr.yq2, M, N_qkv);
     });
     printf("C %d M %4d %-8s fused qkv breakdown: whole %.2f, no LayerNorm %.2f, no MMA %.2f, loads + store only %.2f, "
            "no MMA and no shuffles %.2f\n",
            K, M, tiling, t_fus_q, t_no_ln, t_no_mma, t_loads, t_no_shfl);
-    for (void* p : {x, lnw, lnb, wq, bq, w1, b1, xn, yq, yq2, h, h2}) CK(cudaFree(p));
 }
 
 template <int K>
@@ -444,7 +357,7 @@ __global__ void __launch_bounds__(512) ln_linear_mc(const __half* __restrict__ x
                                                     const __half* __restrict__ lnb, const __half* __restrict__ w,
                                                     const __half* __restrict__ bias, __half* __restrict__ y, int M,
                                                     int N, float eps) {
-    constexpr int BM = 16, BN = 128, WARPS = 16, THREADS = 512, WARPS_N = BN / 32;
+    constexpr int BM = 16, BN = 128, THREADS = 512, WARPS_N = BN / 32;
     constexpr int LDS = K + 8, VECS = K / 8, CHUNKS = (VECS + 31) / 32;
     extern __shared__ __align__(16) unsigned char smem[];
     __shared__ __align__(8) unsigned long long bar;
@@ -475,18 +388,11 @@ __global__ void __launch_bounds__(512) ln_linear_mc(const __half* __restrict__ x
     for (int i = tid; i < BM * VECS; i += THREADS) {
         const int r = i / VECS, c = i % VECS;
         const bool ok = m0 + r < M;
-        cp_async16(sa + r * LDS + c * 8, x + (size_t)(ok ? m0 + r : 0) * K + c * 8, ok);
+        nl_cp_async16(sa + r * LDS + c * 8, x + (size_t)(ok ? m0 + r : 0) * K + c * 8, ok);
     }
     asm volatile("cp.async.commit_group;" ::: "memory");
     uint4 wraw[CHUNKS], braw[CHUNKS];
-#pragma unroll
-    for (int t = 0; t < CHUNKS; ++t) {
-        const int c = lane + 32 * t;
-        if (c < VECS) {
-            wraw[t] = reinterpret_cast<const uint4*>(lnw)[c];
-            braw[t] = reinterpret_cast<const uint4*>(lnb)[c];
-        }
-    }
+    layer_norm_params<CHUNKS>(lnw, lnb, wraw, braw, VECS, lane);
     const int wm = warp / WARPS_N, wn = warp % WARPS_N;
     float bias_f[4][2];
 #pragma unroll
@@ -497,50 +403,9 @@ __global__ void __launch_bounds__(512) ln_linear_mc(const __half* __restrict__ x
     }
     asm volatile("cp.async.wait_group 0;" ::: "memory");
     __syncthreads();
-    if (warp < BM) {
+    if (warp < BM) {  // one warp per row, in place: the model's LayerNorm row code
         uint4* row = reinterpret_cast<uint4*>(sa + warp * LDS);
-        float v[CHUNKS][8];
-        float sum = 0.f;
-#pragma unroll
-        for (int t = 0; t < CHUNKS; ++t) {
-            const int c = lane + 32 * t;
-            if (c < VECS) {
-                const uint4 raw = row[c];
-                const __half* e = reinterpret_cast<const __half*>(&raw);
-#pragma unroll
-                for (int j = 0; j < 8; ++j) {
-                    v[t][j] = __half2float(e[j]);
-                    sum += v[t][j];
-                }
-            }
-        }
-        const float mean = warp_sum(sum) / (float)K;
-        float sq = 0.f;
-#pragma unroll
-        for (int t = 0; t < CHUNKS; ++t) {
-            if (lane + 32 * t < VECS) {
-#pragma unroll
-                for (int j = 0; j < 8; ++j) {
-                    const float d = v[t][j] - mean;
-                    sq += d * d;
-                }
-            }
-        }
-        const float rstd = 1.0f / sqrtf(warp_sum(sq) / (float)K + eps);
-#pragma unroll
-        for (int t = 0; t < CHUNKS; ++t) {
-            const int c = lane + 32 * t;
-            if (c < VECS) {
-                uint4 out;
-                const __half* we = reinterpret_cast<const __half*>(&wraw[t]);
-                const __half* be = reinterpret_cast<const __half*>(&braw[t]);
-                __half* oe = reinterpret_cast<__half*>(&out);
-#pragma unroll
-                for (int j = 0; j < 8; ++j)
-                    oe[j] = __float2half((v[t][j] - mean) * rstd * __half2float(we[j]) + __half2float(be[j]));
-                row[c] = out;
-            }
-        }
+        layer_norm_warp_row<CHUNKS, __half>(row, row, wraw, braw, VECS, K, eps, lane);
     }
     // The weight tile: phase 0 of this CTA's barrier completes once all BN · K · 2 bytes landed.
     {
@@ -556,19 +421,7 @@ __global__ void __launch_bounds__(512) ln_linear_mc(const __half* __restrict__ x
     __syncthreads();
     if (warp < (BM / 16) * WARPS_N) {
         float acc[4][4] = {};
-        const __half* a_base = sa + (wm * 16 + lane % 16) * LDS + (lane / 16) * 8;
-        const __half* b_base = sb + (wn * 32 + (lane % 8) + (lane / 16) * 8) * LDS + ((lane / 8) % 2) * 8;
-#pragma unroll 4
-        for (int k0 = 0; k0 < K; k0 += 16) {
-            unsigned a[4], b[8];
-            ldmatrix_x4(a[0], a[1], a[2], a[3], a_base + k0);
-            ldmatrix_x4(b[0], b[1], b[2], b[3], b_base + k0);
-            ldmatrix_x4(b[4], b[5], b[6], b[7], b_base + 16 * LDS + k0);
-            mma16816(acc[0], a, b[0], b[1]);
-            mma16816(acc[1], a, b[2], b[3]);
-            mma16816(acc[2], a, b[4], b[5]);
-            mma16816(acc[3], a, b[6], b[7]);
-        }
+        nl_warp_mma_16x32<__half, K, LDS>(acc, sa + wm * 16 * LDS, sb + wn * 32 * LDS);
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
             const int col = n0 + wn * 32 + j * 8 + (lane % 4) * 2;
@@ -617,44 +470,17 @@ static void launch_mc(const Ctx& c, const void* x, const void* lnw, const void* 
 // The multicast kernel against the separate kernels and the plain fused kernel (16 x 128, 16 warps).
 template <int K, int CM>
 static void problem_mc(const Ctx& c, int M) {
-    const int N_qkv = 3 * K, N_fc1 = 4 * K, ci = K == 192 ? 0 : K == 384 ? 1 : 2;
-    void* x = drandom((size_t)M * K, 11, 4.f, 0.3f);
-    void* lnw = drandom(K, 12, 0.4f, 1.f);
-    void* lnb = drandom(K, 13, 0.2f);
-    void* wq = drandom((size_t)N_qkv * K, 14, 0.1f);
-    void* bq = drandom(N_qkv, 15, 0.2f);
-    void* w1 = drandom((size_t)N_fc1 * K, 16, 0.1f);
-    void* b1 = drandom(N_fc1, 17, 0.2f);
-    void* xn = dalloc((size_t)M * K * 2);
-    void* yq = dalloc((size_t)M * N_qkv * 2);
-    void* yq2 = dalloc((size_t)M * N_qkv * 2);
-    void* h = dalloc((size_t)M * N_fc1 * 2);
-    void* h2 = dalloc((size_t)M * N_fc1 * 2);
-    const Gemm gq = make_gemm(c.lt, M, N_qkv, K, wq, bq, c.ws_bytes);
-    const Gemm g1 = make_gemm(c.lt, M, N_fc1, K, w1, b1, c.ws_bytes);
-    auto sep_qkv = [&] {
-        run_ln(c, ci, x, lnw, lnb, xn, M, K);
-        run_gemm(c, gq, xn, yq, nullptr);
-    };
-    auto sep_fc1 = [&] {
-        run_ln(c, ci, x, lnw, lnb, xn, M, K);
-        run_gemm(c, g1, xn, h, nullptr);
-        run_gelu(c, h, (unsigned long long)M * N_fc1);
-    };
-    auto mc_qkv = [&] { launch_mc<K, false, CM>(c, x, lnw, lnb, wq, bq, yq2, M, N_qkv); };
-    auto mc_fc1 = [&] { launch_mc<K, true, CM>(c, x, lnw, lnb, w1, b1, h2, M, N_fc1); };
-    auto fu_qkv = [&] { launch_fused<K, 16, 128, false, 0, 16>(c, x, lnw, lnb, wq, bq, yq2, M, N_qkv); };
-    auto fu_fc1 = [&] { launch_fused<K, 16, 128, true, 0, 16>(c, x, lnw, lnb, w1, b1, h2, M, N_fc1); };
-    CK(cudaMemset(yq2, 0xff, (size_t)M * N_qkv * 2));
-    CK(cudaMemset(h2, 0xff, (size_t)M * N_fc1 * 2));
-    sep_qkv();
-    sep_fc1();
-    mc_qkv();
-    mc_fc1();
-    double rq, r1;
-    const double dq = max_abs_diff(yq2, yq, (size_t)M * N_qkv, &rq);
-    const double d1 = max_abs_diff(h2, h, (size_t)M * N_fc1, &r1);
-    printf("check multicast C %d M %4d cluster %d: qkv max |mc - separate| %.3g; fc1+GELU %.3g\n", K, M, CM, dq, d1);
+    Problem<K> pr(c, M);
+    const int N_qkv = pr.N_qkv, N_fc1 = pr.N_fc1;
+    auto sep_qkv = [&] { pr.sep_qkv(); };
+    auto sep_fc1 = [&] { pr.sep_fc1(); };
+    auto mc_qkv = [&] { launch_mc<K, false, CM>(c, pr.x, pr.lnw, pr.lnb, pr.wq, pr.bq, pr.yq2, M, N_qkv); };
+    auto mc_fc1 = [&] { launch_mc<K, true, CM>(c, pr.x, pr.lnw, pr.lnb, pr.w1, pr.b1, pr.h2, M, N_fc1); };
+    auto fu_qkv = [&] { launch_fused<K, 16, 128, false, 0, 16>(c, pr.x, pr.lnw, pr.lnb, pr.wq, pr.bq, pr.yq2, M, N_qkv); };
+    auto fu_fc1 = [&] { launch_fused<K, 16, 128, true, 0, 16>(c, pr.x, pr.lnw, pr.lnb, pr.w1, pr.b1, pr.h2, M, N_fc1); };
+    char label[32];
+    snprintf(label, sizeof label, "multicast, cluster %d", CM);
+    pr.check(label, mc_qkv, mc_fc1);
     for (int round = 0; round < 2; ++round) {
         const double s_q = graph_us_per_call(c.s, NODES / 2, REPS, sep_qkv);
         const double f_q = graph_us_per_call(c.s, NODES, REPS, fu_qkv);
@@ -666,7 +492,6 @@ static void problem_mc(const Ctx& c, int M) {
                "norm+fc1+GELU separate %.2f, fused %.2f, multicast %.2f (%.2fx)\n",
                K, M, CM, round, s_q, f_q, m_q, s_q / m_q, s_1, f_1, m_1, s_1 / m_1);
     }
-    for (void* p : {x, lnw, lnb, wq, bq, w1, b1, xn, yq, yq2, h, h2}) CK(cudaFree(p));
 }
 
 // A DeiT block at batch 1 (C = 192: DeiT-T, 384: DeiT-S): the model's 8 launches against 5 with

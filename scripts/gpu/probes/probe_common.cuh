@@ -1,5 +1,6 @@
 // Shared by the standalone probes in this folder: error checks that stop the probe with the
-// failing call's text, and the median time of a graph of launches replayed on a stream.
+// failing call's text, the median time of a graph of launches replayed on a stream, zeroed device
+// buffers, PTX modules from the cargo build, and cuBLASLt GEMMs as candle-fastpath calls them.
 #pragma once
 #include <cublasLt.h>
 #include <cuda.h>
@@ -8,7 +9,10 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <fstream>
 #include <functional>
+#include <sstream>
+#include <string>
 #include <vector>
 
 #define CK(x)                                                                                  \
@@ -67,4 +71,73 @@ static double graph_us_per_call(cudaStream_t s, int calls, int reps, const std::
     CK(cudaGraphExecDestroy(ge));
     CK(cudaGraphDestroy(g));
     return 1000.0 * ms[ms.size() / 2] / calls;
+}
+
+// A zeroed device buffer of `bytes`.
+static void* dalloc(size_t bytes) {
+    void* p;
+    CK(cudaMalloc(&p, bytes));
+    CK(cudaMemset(p, 0, bytes));
+    return p;
+}
+
+// The module of a PTX file the cargo build wrote (the driver JITs it, as candle does).
+static CUmodule load_ptx(const char* path) {
+    std::ifstream f(path);
+    if (!f) {
+        fprintf(stderr, "cannot read %s\n", path);
+        exit(1);
+    }
+    std::stringstream ss;
+    ss << f.rdbuf();
+    std::string ptx = ss.str();
+    CUmodule m;
+    CU(cuModuleLoadData(&m, ptx.c_str()));
+    return m;
+}
+
+// y[M, N] = x[M, K] W[N, K]^T + b (+ r), f16 with f32 accumulation and the bias epilogue, as
+// candle-fastpath calls cuBLASLt: its heuristic's first pick for the shape.
+struct Gemm {
+    cublasLtMatmulDesc_t op;
+    cublasLtMatrixLayout_t lw, lx, ly;
+    cublasLtMatmulAlgo_t algo;
+    const void *w, *b;
+};
+
+static Gemm make_gemm(cublasLtHandle_t lt, int M, int N, int K, const void* w, const void* b, size_t ws_bytes) {
+    Gemm g{};
+    g.w = w;
+    g.b = b;
+    LT(cublasLtMatmulDescCreate(&g.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+    cublasOperation_t t = CUBLAS_OP_T, n = CUBLAS_OP_N;
+    LT(cublasLtMatmulDescSetAttribute(g.op, CUBLASLT_MATMUL_DESC_TRANSA, &t, sizeof(t)));
+    LT(cublasLtMatmulDescSetAttribute(g.op, CUBLASLT_MATMUL_DESC_TRANSB, &n, sizeof(n)));
+    cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_BIAS;
+    LT(cublasLtMatmulDescSetAttribute(g.op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof(epi)));
+    LT(cublasLtMatmulDescSetAttribute(g.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &g.b, sizeof(g.b)));
+    // Column-major view: y^T (N x M) = W' (K x N)^T x' (K x M).
+    LT(cublasLtMatrixLayoutCreate(&g.lw, CUDA_R_16F, K, N, K));
+    LT(cublasLtMatrixLayoutCreate(&g.lx, CUDA_R_16F, K, M, K));
+    LT(cublasLtMatrixLayoutCreate(&g.ly, CUDA_R_16F, N, M, N));
+    cublasLtMatmulPreference_t pref;
+    LT(cublasLtMatmulPreferenceCreate(&pref));
+    LT(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_bytes, sizeof(ws_bytes)));
+    cublasLtMatmulHeuristicResult_t res;
+    int found = 0;
+    LT(cublasLtMatmulAlgoGetHeuristic(lt, g.op, g.lw, g.lx, g.ly, g.ly, pref, 1, &res, &found));
+    if (!found) {
+        fprintf(stderr, "no cuBLASLt algorithm for %d x %d x %d\n", M, N, K);
+        exit(1);
+    }
+    g.algo = res.algo;
+    return g;
+}
+
+// y = x W^T + b (+ res, as C with beta 1, when given) on `s`, into a separate y.
+static void run_gemm(cublasLtHandle_t lt, const Gemm& g, const void* x, void* y, const void* res, void* ws,
+                     size_t ws_bytes, cudaStream_t s) {
+    const float one = 1.f, zero = 0.f;
+    LT(cublasLtMatmul(lt, g.op, &one, g.w, g.lw, x, g.lx, res ? &one : &zero, res ? res : y, g.ly, y, g.ly, &g.algo,
+                      ws, ws_bytes, s));
 }
