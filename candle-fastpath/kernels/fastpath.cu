@@ -12,6 +12,8 @@
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 #include <stdint.h>
+#include <cooperative_groups.h>
+namespace cg = cooperative_groups;
 
 #include "gelu_phi.cuh"
 
@@ -451,6 +453,43 @@ struct __align__(4) NlPair {
     T a, b;
 };
 
+// The bias pairs of a warp's 16 × 32 accumulator tile starting at column `col0` (zero past N).
+template <typename T>
+__device__ __forceinline__ void nl_load_bias(float (&bias_f)[4][2], const T* __restrict__ bias, int col0, int N) {
+    const unsigned lane = threadIdx.x % 32;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const int col = col0 + j * 8 + (lane % 4) * 2;
+        bias_f[j][0] = col < N ? to_f32(bias[col]) : 0.f;
+        bias_f[j][1] = col + 1 < N ? to_f32(bias[col + 1]) : 0.f;
+    }
+}
+
+// A warp's 16 × 32 tile (rows row0.., columns col0..) of y [M, N] from its accumulators: bias,
+// rounding to the storage type, then (GELU) x·Φ(x) of that rounded value, rounded again; pairs of
+// adjacent columns, rows lane / 4 and lane / 4 + 8; nothing past M or N.
+template <typename T, bool GELU>
+__device__ __forceinline__ void nl_store_tile(const float (&acc)[4][4], const float (&bias_f)[4][2],
+                                              T* __restrict__ y, int row0, int col0, int M, int N) {
+    const unsigned lane = threadIdx.x % 32;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const int col = col0 + j * 8 + (lane % 4) * 2;
+        if (col >= N) continue;  // N is even: col < N means the pair is inside
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int row = row0 + lane / 4 + h * 8;
+            if (row >= M) continue;
+            T o0 = from_f32<T>(acc[j][2 * h] + bias_f[j][0]), o1 = from_f32<T>(acc[j][2 * h + 1] + bias_f[j][1]);
+            if (GELU) {
+                o0 = from_f32<T>(gelu_phi(to_f32(o0)));
+                o1 = from_f32<T>(gelu_phi(to_f32(o1)));
+            }
+            *reinterpret_cast<NlPair<T>*>(y + (size_t)row * N + col) = NlPair<T>{o0, o1};
+        }
+    }
+}
+
 // x [M, K], ln_w / ln_b [K], w [N, K], bias [N], y [M, N]; all contiguous and 16-byte aligned,
 // N even (checked on the host). Grid (ceil(N / NL_BN), ceil(M / NL_BM)), NL_WARPS · 32 threads,
 // (NL_BM + NL_BN) · (K + 8) · sizeof(T) bytes of dynamic shared memory.
@@ -484,12 +523,7 @@ __device__ void norm_linear_tile(const T* __restrict__ x, const T* __restrict__ 
     layer_norm_params<CHUNKS>(ln_w, ln_b, wraw, braw, VECS, lane);
     const int wm = warp / WARPS_N, wn = warp % WARPS_N;
     float bias_f[4][2];
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-        const int col = n0 + wn * 32 + j * 8 + (lane % 4) * 2;
-        bias_f[j][0] = col < N ? to_f32(bias[col]) : 0.f;
-        bias_f[j][1] = col + 1 < N ? to_f32(bias[col + 1]) : 0.f;
-    }
+    nl_load_bias(bias_f, bias, n0 + wn * 32, N);
     asm volatile("cp.async.wait_group 1;" ::: "memory");
     __syncthreads();
 
@@ -506,23 +540,8 @@ __device__ void norm_linear_tile(const T* __restrict__ x, const T* __restrict__ 
     float acc[4][4] = {};
     nl_warp_mma_16x32<T, K, LDS>(acc, sa + wm * 16 * LDS, sb + wn * 32 * LDS);
 
-    // 4. Epilogue: pairs of adjacent columns, rows lane / 4 and lane / 4 + 8.
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-        const int col = n0 + wn * 32 + j * 8 + (lane % 4) * 2;
-        if (col >= N) continue;  // N is even: col < N means the pair is inside
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int row = m0 + wm * 16 + lane / 4 + h * 8;
-            if (row >= M) continue;
-            T o0 = from_f32<T>(acc[j][2 * h] + bias_f[j][0]), o1 = from_f32<T>(acc[j][2 * h + 1] + bias_f[j][1]);
-            if (GELU) {
-                o0 = from_f32<T>(gelu_phi(to_f32(o0)));
-                o1 = from_f32<T>(gelu_phi(to_f32(o1)));
-            }
-            *reinterpret_cast<NlPair<T>*>(y + (size_t)row * N + col) = NlPair<T>{o0, o1};
-        }
-    }
+    // 4. Epilogue.
+    nl_store_tile<T, GELU>(acc, bias_f, y, m0 + wm * 16, n0 + wn * 32, M, N);
 }
 
 // One entry per storage type, width and epilogue, named as the Rust side's NORM_LINEAR_NAMES
@@ -537,3 +556,164 @@ NORM_LINEAR_ENTRY(f16, __half, 192, false, )
 NORM_LINEAR_ENTRY(f16, __half, 192, true, _gelu)
 NORM_LINEAR_ENTRY(bf16, __nv_bfloat16, 192, false, )
 NORM_LINEAR_ENTRY(bf16, __nv_bfloat16, 192, true, _gelu)
+
+// ---------------------------------------------------------------------------------------------
+// residual_norm_linear: the attention's output projection with its residual, then norm2 → fc1
+// (→ GELU), what a pre-norm block runs between its attention and its fc2:
+//   x1 = r + o·Wpᵀ + bp,   y = LayerNorm(x1)·Wᵀ + b (then x·Φ(x)),
+// in one launch that writes both x1 (fc2's residual) and y (lever 61 in docs/BENCHMARKS.md). At
+// DeiT-T's batch 1 the projection is a launch of ~3 µs in a CUDA graph's chain for a 197 × 192 ×
+// 192 product; here it is a few warps' MMA steps inside norm_linear's kernel.
+//
+// Each CTA computes the 16 × 128 tile of y that norm_linear's would, and needs the whole
+// normalised rows of x1 for it. Rather than every CTA recomputing the rows' projection (loading
+// all of Wp), the RNL_SPLIT CTAs that share a row tile form a thread-block cluster and split it:
+// cluster rank q computes x1's columns [32q, 32q + 32) of the 16 rows (mma.sync, K split over six
+// warps, the partials summed in a fixed order), stores them to global memory and into every cluster CTA's row buffer through
+// distributed shared memory, and after the cluster barrier each CTA goes on exactly as
+// norm_linear_tile (LayerNorm of its rows in place, MMA with its weight tile, epilogue). So the
+// rows normalised are x1 rounded to the storage type, as the separate kernels would read them back.
+// The proj epilogue sums in f32 as cuBLASLt's bias + residual epilogue does ((o·Wpᵀ + r) + bp),
+// rounded once.
+//
+// Constraints (checked by the host, residual_norm_linear in candle-fastpath): C = 32 · RNL_SPLIT
+// (192), ceil(N / NL_BN) = RNL_SPLIT (DeiT-T's fc1: N = 768), compute capability 9.0 (clusters).
+// Grid (RNL_SPLIT, ceil(M / NL_BM)), clusters of RNL_SPLIT along x, NL_WARPS · 32 threads,
+// (2 · NL_BM + NL_BN + 32) · (C + 8) · sizeof(T) + 6 · NL_BM · 32 · 4 bytes of dynamic shared memory.
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
+constexpr int RNL_SPLIT = 6;
+
+template <typename T, int K, bool GELU>
+__device__ void residual_norm_linear_tile(const T* __restrict__ o, const T* __restrict__ wp,
+                                          const T* __restrict__ bp, const T* __restrict__ r,
+                                          const T* __restrict__ ln_w, const T* __restrict__ ln_b,
+                                          const T* __restrict__ w, const T* __restrict__ bias, T* __restrict__ x1,
+                                          T* __restrict__ y, int M, int N, float eps) {
+    constexpr int THREADS = NL_WARPS * 32, LDS = K + 8, VECS = K / 8, CHUNKS = (VECS + 31) / 32;
+    constexpr int WARPS_N = NL_BN / 32, MMA_WARPS = (NL_BM / 16) * WARPS_N, SLICE = K / RNL_SPLIT;
+    // The projection's K is split over RNL_KWARPS warps (a 12-step dependent MMA chain in one
+    // warp cost ~1 µs, the probe's breakdown), then RNL_PAIRS threads sum the partials in a fixed
+    // order, one pair of adjacent x1 elements each.
+    constexpr int RNL_KWARPS = 6, KSLICE = K / RNL_KWARPS, RNL_PAIRS = NL_BM * SLICE / 2;
+    static_assert(K % 16 == 0 && MMA_WARPS <= NL_WARPS && NL_BM <= NL_WARPS && SLICE == 32 && NL_BM == 16 &&
+                      KSLICE % 16 == 0 && RNL_KWARPS <= NL_WARPS && RNL_PAIRS <= THREADS,
+                  "tile shape");
+    extern __shared__ __align__(16) unsigned char nl_smem[];
+    T* sa = reinterpret_cast<T*>(nl_smem);  // NL_BM rows of x1 (filled by the cluster), then normalised
+    T* sb = sa + NL_BM * LDS;                // NL_BN rows of W
+    T* so = sb + NL_BN * LDS;                // NL_BM rows of o
+    T* sp = so + NL_BM * LDS;                // this rank's SLICE rows of Wp
+    // The projection's partial sums, [RNL_KWARPS][NL_BM][SLICE] f32.
+    float* spart = reinterpret_cast<float*>(sp + SLICE * LDS);
+    // The cluster spans the grid's x (RNL_SPLIT CTAs), so a CTA's rank is its blockIdx.x.
+    const int rank = blockIdx.x;
+    const int m0 = blockIdx.y * NL_BM, n0 = blockIdx.x * NL_BN, c0 = rank * SLICE;
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    // A CTA's shared memory may be written by the others only once it is running: every thread
+    // arrives here and waits right before its stores (by then the whole cluster has arrived).
+    asm volatile("barrier.cluster.arrive.relaxed;" ::: "memory");
+
+    // 1. The projection's operands first (o's rows, this rank's Wp rows), then W's rows.
+    for (int i = tid; i < NL_BM * VECS; i += THREADS) {
+        const int rr = i / VECS, c = i % VECS;
+        const bool ok = m0 + rr < M;
+        nl_cp_async16(so + rr * LDS + c * 8, o + (size_t)(ok ? m0 + rr : 0) * K + c * 8, ok);
+    }
+    for (int i = tid; i < SLICE * VECS; i += THREADS) {
+        const int rr = i / VECS, c = i % VECS;
+        nl_cp_async16(sp + rr * LDS + c * 8, wp + (size_t)(c0 + rr) * K + c * 8, true);
+    }
+    asm volatile("cp.async.commit_group;" ::: "memory");
+    for (int i = tid; i < NL_BN * VECS; i += THREADS) {
+        const int rr = i / VECS, c = i % VECS;
+        const bool ok = n0 + rr < N;
+        nl_cp_async16(sb + rr * LDS + c * 8, w + (size_t)(ok ? n0 + rr : 0) * K + c * 8, ok);
+    }
+    asm volatile("cp.async.commit_group;" ::: "memory");
+    uint4 wraw[CHUNKS], braw[CHUNKS];
+    layer_norm_params<CHUNKS>(ln_w, ln_b, wraw, braw, VECS, lane);
+    const int wm = warp / WARPS_N, wn = warp % WARPS_N;
+    float bias_f[4][2];
+    nl_load_bias(bias_f, bias, n0 + wn * 32, N);
+    // The pair of x1 this thread finishes (threads below RNL_PAIRS): its row and column, and
+    // the residual and bias it adds (zero past M).
+    const int prow = tid / (SLICE / 2), pcol = c0 + (tid % (SLICE / 2)) * 2;
+    float res[2] = {0.f, 0.f}, pbias[2] = {0.f, 0.f};
+    if (tid < RNL_PAIRS) {
+        if (m0 + prow < M) {
+            const NlPair<T> p = *reinterpret_cast<const NlPair<T>*>(r + (size_t)(m0 + prow) * K + pcol);
+            res[0] = to_f32(p.a);
+            res[1] = to_f32(p.b);
+        }
+        pbias[0] = to_f32(bp[pcol]);
+        pbias[1] = to_f32(bp[pcol + 1]);
+    }
+    asm volatile("cp.async.wait_group 1;" ::: "memory");
+    __syncthreads();
+
+    // 2. This rank's 16 × 32 slice of o·Wpᵀ, K split over RNL_KWARPS warps into partials.
+    if (warp < RNL_KWARPS) {
+        float acc[4][4] = {};
+        nl_warp_mma_16x32<T, KSLICE, LDS>(acc, so + warp * KSLICE, sp + warp * KSLICE);
+        float* part = spart + warp * NL_BM * SLICE;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int rl = lane / 4 + h * 8, cl = j * 8 + (lane % 4) * 2;
+                *reinterpret_cast<float2*>(part + rl * SLICE + cl) = make_float2(acc[j][2 * h], acc[j][2 * h + 1]);
+            }
+        }
+    }
+    __syncthreads();
+
+    // 3. x1 = (o·Wpᵀ + r) + bp, rounded once, to global memory and to every cluster CTA's rows.
+    asm volatile("barrier.cluster.wait;" ::: "memory");
+    if (tid < RNL_PAIRS) {
+        float2 sum = make_float2(0.f, 0.f);
+#pragma unroll
+        for (int q = 0; q < RNL_KWARPS; ++q) {
+            const float2 v = *reinterpret_cast<const float2*>(spart + (q * NL_BM + prow) * SLICE + (pcol - c0));
+            sum.x += v.x;
+            sum.y += v.y;
+        }
+        const NlPair<T> p{from_f32<T>((sum.x + res[0]) + pbias[0]), from_f32<T>((sum.y + res[1]) + pbias[1])};
+#pragma unroll
+        for (int q = 0; q < RNL_SPLIT; ++q)
+            *reinterpret_cast<NlPair<T>*>(cg::this_cluster().map_shared_rank(sa, q) + prow * LDS + pcol) = p;
+        if (m0 + prow < M) *reinterpret_cast<NlPair<T>*>(x1 + (size_t)(m0 + prow) * K + pcol) = p;
+    }
+    // Every rank's stores into this CTA's rows are visible after the barrier (release / acquire
+    // at cluster scope); after it no CTA touches another's shared memory, so each may exit freely.
+    cg::this_cluster().sync();
+
+    // 4. One warp per row, in place: the LayerNorm kernel's own row code.
+    if (warp < NL_BM) {
+        uint4* row = reinterpret_cast<uint4*>(sa + warp * LDS);
+        layer_norm_warp_row<CHUNKS, T>(row, row, wraw, braw, VECS, K, eps, lane);
+    }
+    asm volatile("cp.async.wait_group 0;" ::: "memory");
+    __syncthreads();
+    if (warp >= MMA_WARPS) return;
+
+    // 5. A 16 × 32 slice of the tile per warp, then the epilogue.
+    float acc[4][4] = {};
+    nl_warp_mma_16x32<T, K, LDS>(acc, sa + wm * 16 * LDS, sb + wn * 32 * LDS);
+    nl_store_tile<T, GELU>(acc, bias_f, y, m0 + wm * 16, n0 + wn * 32, M, N);
+}
+
+// One entry per storage type and epilogue, named as the Rust side's RESIDUAL_NORM_LINEAR_NAMES
+// table expects. Compiled only for compute capability 9.0 and up (clusters); the host loads them
+// only there.
+#define RESIDUAL_NORM_LINEAR_ENTRY(SUFFIX, T, K, GELU, TAIL)                                                 \
+    extern "C" __global__ void __cluster_dims__(RNL_SPLIT, 1, 1) __launch_bounds__(NL_WARPS * 32)           \
+        fastpath_residual_norm_linear_##SUFFIX##_c##K##TAIL(                                                 \
+            const T* o, const T* wp, const T* bp, const T* r, const T* ln_w, const T* ln_b, const T* w,      \
+            const T* bias, T* x1, T* y, int M, int N, float eps) {                                           \
+        residual_norm_linear_tile<T, K, GELU>(o, wp, bp, r, ln_w, ln_b, w, bias, x1, y, M, N, eps);          \
+    }
+RESIDUAL_NORM_LINEAR_ENTRY(f16, __half, 192, false, )
+RESIDUAL_NORM_LINEAR_ENTRY(f16, __half, 192, true, _gelu)
+RESIDUAL_NORM_LINEAR_ENTRY(bf16, __nv_bfloat16, 192, false, )
+RESIDUAL_NORM_LINEAR_ENTRY(bf16, __nv_bfloat16, 192, true, _gelu)
+#endif

@@ -61,6 +61,19 @@ const NORM_LINEAR_NAMES: [&str; 4] = [
     "fastpath_norm_linear_bf16_c192",
     "fastpath_norm_linear_bf16_c192_gelu",
 ];
+/// [`ResidualNormLinearOp`]'s kernels (compute capability 9.0 and up: thread-block clusters):
+/// f16 / bf16, then plain / GELU, at C = [`RNL_DIM`].
+const RESIDUAL_NORM_LINEAR_NAMES: [&str; 4] = [
+    "fastpath_residual_norm_linear_f16_c192",
+    "fastpath_residual_norm_linear_f16_c192_gelu",
+    "fastpath_residual_norm_linear_bf16_c192",
+    "fastpath_residual_norm_linear_bf16_c192_gelu",
+];
+/// The one width [`ResidualNormLinearOp`]'s kernels are built for, and the CTAs of a cluster
+/// (`RNL_SPLIT` in kernels/fastpath.cu: each computes `RNL_DIM / RNL_SPLIT` = 32 of the
+/// projection's columns, and one 128-column tile of the Linear's output).
+pub(crate) const RNL_DIM: usize = 192;
+pub(crate) const RNL_SPLIT: usize = 6;
 /// The kernel's output tile (rows × columns) and threads (kernels/fastpath.cu, NL_*).
 const NL_BM: usize = 16;
 const NL_BN: usize = 128;
@@ -70,6 +83,13 @@ const NL_THREADS: u32 = 512;
 /// input and weight rows, each padded by 8 elements.
 fn norm_linear_smem_bytes(c: usize) -> usize {
     (NL_BM + NL_BN) * (c + 8) * 2
+}
+
+/// Dynamic shared memory of a [`ResidualNormLinearOp`] launch, 16-bit storage: norm_linear's
+/// rows plus the projection's input rows and its 32 weight rows, each padded by 8 elements, and
+/// the projection's f32 partial sums (six K slices of a 16 × 32 tile).
+fn residual_norm_linear_smem_bytes(c: usize) -> usize {
+    (2 * NL_BM + NL_BN + 32) * (c + 8) * 2 + 6 * NL_BM * 32 * 4
 }
 
 /// Index into [`LN_NAMES`]: the smallest size class whose `32 · chunks` lanes' worth of 16-byte
@@ -165,6 +185,8 @@ struct DeviceState {
     head: Vec<CudaFunction>,
     embed: Vec<CudaFunction>,
     norm_linear: Vec<CudaFunction>,
+    /// `None` below compute capability 9.0 or when the PTX was built for an earlier one.
+    residual_norm_linear: Option<Vec<CudaFunction>>,
     /// Streaming multiprocessors, for the CUTLASS kernel's persistent tile scheduler and
     /// [`crate::norm_linear_applies`]'s one-wave rule.
     sm_count: usize,
@@ -243,6 +265,21 @@ fn new_state(dev: &CudaDevice) -> candle_core::Result<DeviceState> {
                     .map_err(candle_core::Error::wrap)?;
             }
             funcs
+        },
+        residual_norm_linear: {
+            use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES as MAX_SMEM;
+            let clusters = attribute(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)? >= 9;
+            // Absent from PTX built for an earlier compute capability: then the op never applies.
+            match load(&RESIDUAL_NORM_LINEAR_NAMES) {
+                Ok(funcs) if clusters => {
+                    for f in &funcs {
+                        f.set_attribute(MAX_SMEM, residual_norm_linear_smem_bytes(RNL_DIM) as i32)
+                            .map_err(candle_core::Error::wrap)?;
+                    }
+                    Some(funcs)
+                }
+                _ => None,
+            }
         },
         sm_count: attribute(CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?.max(1) as usize,
         hopper: (
@@ -856,6 +893,151 @@ impl NormLinearOp {
 }
 
 cuda_only_op3!(NormLinearOp, "fastpath-norm-linear", "norm_linear");
+
+/// Whether `dev` has [`ResidualNormLinearOp`]'s kernels (compute capability 9.0 and up, PTX
+/// built for it).
+pub(crate) fn has_residual_norm_linear(dev: &CudaDevice) -> bool {
+    let mut states = STATE.lock().unwrap_or_else(|e| e.into_inner());
+    device_state(&mut states, dev).is_ok_and(|s| s.residual_norm_linear.is_some())
+}
+
+/// The CustomOp behind [`crate::residual_norm_linear`]: `(o [M, C], r [M, C], W [N, C])` →
+/// `x1 = r + o·Wpᵀ + bp` and `y = LayerNorm(x1)·Wᵀ + b` (then the exact GELU), returned as one
+/// 1-D buffer of `M·C + M·N` elements: x1's rows, then y's (the caller splits it into two
+/// contiguous views). The projection's weight and bias, the LayerNorm's parameters and the
+/// Linear's bias are carried here and read in place. The caller decides eligibility; shapes,
+/// strides and alignment are checked again here, cheaply, so a direct use cannot make the
+/// kernel misread memory.
+pub(crate) struct ResidualNormLinearOp {
+    pub proj_weight: Tensor,
+    pub proj_bias: Tensor,
+    pub ln_weight: Tensor,
+    pub ln_bias: Tensor,
+    pub bias: Tensor,
+    pub eps: f32,
+    pub gelu: bool,
+}
+
+impl ResidualNormLinearOp {
+    fn run<T>(
+        &self,
+        (o, lo): (&CudaStorage, &Layout),
+        (r, lr): (&CudaStorage, &Layout),
+        (w, lw): (&CudaStorage, &Layout),
+    ) -> candle_core::Result<(CudaStorage, Shape)>
+    where
+        T: candle_core::cuda_backend::CudaDType
+            + candle_core::cuda_backend::cudarc::driver::DeviceRepr
+            + candle_core::WithDType,
+    {
+        const WHAT: &str = "residual_norm_linear";
+        let dev = &o.device;
+        let size = size_of::<T>();
+        let (m, c) = lo.shape().dims2()?;
+        let (n, c2) = lw.shape().dims2()?;
+        let bf16 = match T::DTYPE {
+            DType::F16 => false,
+            DType::BF16 => true,
+            _ => candle_core::bail!("{WHAT}: the fused kernel is f16 / bf16 only"),
+        };
+        let aligned = |l: &Layout| contiguous_16b(l, size);
+        if c != RNL_DIM
+            || c2 != c
+            || lr.shape().dims() != [m, c]
+            || m == 0
+            || n % 2 != 0
+            || n.div_ceil(NL_BN) != RNL_SPLIT
+            || !aligned(lo)
+            || !aligned(lr)
+            || !aligned(lw)
+        {
+            candle_core::bail!(
+                "{WHAT}: unsupported layout for the fused kernel (o {:?} strides {:?}, residual {:?} strides {:?}, weight {:?})",
+                lo.shape().dims(),
+                lo.stride(),
+                lr.shape().dims(),
+                lr.stride(),
+                lw.shape().dims()
+            );
+        }
+        // The carried operands: (tensor, elements, needs 16-byte alignment).
+        let carried = [
+            (&self.proj_weight, c * c, true),
+            (&self.proj_bias, c, false),
+            (&self.ln_weight, c, true),
+            (&self.ln_bias, c, true),
+            (&self.bias, n, false),
+        ];
+        let guards = carried.map(|(t, _, _)| t.storage_and_layout());
+        let mut views = Vec::with_capacity(carried.len());
+        for ((storage, layout), (_, count, vector)) in guards.iter().zip(carried) {
+            let Storage::Cuda(s) = &**storage else {
+                candle_core::bail!("{WHAT}: a parameter is not on the CUDA device");
+            };
+            let ok = if vector {
+                aligned(layout)
+            } else {
+                layout.is_contiguous() && (layout.start_offset() * size) % 4 == 0
+            };
+            if !ok || layout.shape().elem_count() != count || s.dtype() != T::DTYPE {
+                return Err(not_contiguous("residual_norm_linear parameter", layout));
+            }
+            views.push(s.as_cuda_slice::<T>()?.slice(layout.start_offset()..));
+        }
+        let os = o.as_cuda_slice::<T>()?.slice(lo.start_offset()..);
+        let rs = r.as_cuda_slice::<T>()?.slice(lr.start_offset()..);
+        let ws = w.as_cuda_slice::<T>()?.slice(lw.start_offset()..);
+        // SAFETY: every element is written by the kernel: x1's (row < M, column < C) by the
+        // cluster rank owning the column's 32-wide slice in the row's tile, y's by its tile.
+        let mut out = unsafe { dev.alloc::<T>(m * c + m * n)? };
+        let (mut x1, mut y) = out.split_at_mut(m * c);
+        let func = {
+            let mut states = STATE.lock().unwrap_or_else(|e| e.into_inner());
+            match &device_state(&mut states, dev)?.residual_norm_linear {
+                Some(funcs) => funcs[2 * bf16 as usize + self.gelu as usize].clone(),
+                None => candle_core::bail!(
+                    "{WHAT}: the fused kernel needs compute capability 9.0 (thread-block clusters)"
+                ),
+            }
+        };
+        let cfg = LaunchConfig {
+            grid_dim: (RNL_SPLIT as u32, m.div_ceil(NL_BM) as u32, 1),
+            block_dim: (NL_THREADS, 1, 1),
+            shared_mem_bytes: residual_norm_linear_smem_bytes(c) as u32,
+        };
+        let (m32, n32) = (m as i32, n as i32);
+        let stream = dev.cuda_stream();
+        let mut builder = stream.launch_builder(&func);
+        builder.arg(&os);
+        builder.arg(&views[0]);
+        builder.arg(&views[1]);
+        builder.arg(&rs);
+        builder.arg(&views[2]);
+        builder.arg(&views[3]);
+        builder.arg(&ws);
+        builder.arg(&views[4]);
+        builder.arg(&mut x1);
+        builder.arg(&mut y);
+        builder.arg(&m32);
+        builder.arg(&n32);
+        builder.arg(&self.eps);
+        // SAFETY: shapes, contiguity and alignment checked above; the kernel reads rows < M of o
+        // and r, the C rows of Wp and rows < N of W (the rest zero-filled), and writes x1's M · C
+        // and y's M · N elements only. Its clusters (RNL_SPLIT along x) are compiled in
+        // (__cluster_dims__): an ordinary launch whose grid's x is the cluster size.
+        unsafe { builder.launch(cfg) }.map_err(candle_core::Error::wrap)?;
+        Ok((
+            CudaStorage::wrap_cuda_slice(out, dev.clone()),
+            Shape::from(m * c + m * n),
+        ))
+    }
+}
+
+cuda_only_op3!(
+    ResidualNormLinearOp,
+    "fastpath-residual-norm-linear",
+    "residual_norm_linear"
+);
 
 /// [`crate::embed_tokens`] on CUDA: patches `[B, Np, C]`, prefix `[P, C]` (any tensor when
 /// `P = 0`: not read), pos `[P + Np, C]` (contiguous, one dtype; shapes checked by the caller and

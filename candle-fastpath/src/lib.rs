@@ -8,7 +8,8 @@
 //!   identical semantics.
 //! - [`LayerNorm`]: torch's LayerNorm as one bandwidth-bound kernel on CUDA (candle-nn's fused op
 //!   on the CPU); [`norm_linear`]: a LayerNorm and the Linear (and GELU) after it as one kernel
-//!   where rows are few and narrow (a DeiT-T block at batch 1).
+//!   where rows are few and narrow (a DeiT-T block at batch 1), and [`residual_norm_linear`]
+//!   the attention's output projection and residual in front of that.
 //! - [`linear_log_prob`]: one class's log-probability under a small linear classifier (a learned
 //!   pruner's keep score) as one kernel.
 //! - [`patchify`]: a ViT's patch rows (im2col of the stride-p patch conv) gathered and cast in
@@ -74,7 +75,8 @@ pub use head::{linear_log_prob, HEAD_MAX_CLASSES};
 pub use linear::{linear, linear_no_bias, Epilogue, FusedLinear};
 pub use norm::{layer_norm, LayerNorm};
 pub use norm_linear::{
-    norm_linear, norm_linear_applies, norm_linear_mode, NormLinearMode, NORM_LINEAR_DIMS,
+    norm_linear, norm_linear_applies, norm_linear_mode, residual_norm_linear,
+    residual_norm_linear_applies, residual_norm_linear_enabled, NormLinearMode, NORM_LINEAR_DIMS,
 };
 pub use patch::patchify;
 pub use pool::{retain_freed_memory, track_buffer_events, PeakMemory};

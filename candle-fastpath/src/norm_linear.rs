@@ -152,3 +152,126 @@ pub fn norm_linear_applies(x: &Tensor, norm: &LayerNorm, linear: &FusedLinear, g
         crate::cuda::sm_count(dev).is_ok_and(|sms| tiles <= sms)
     }
 }
+
+/// Whether [`residual_norm_linear`] may take its fused kernel, from
+/// `CANDLE_FASTPATH_RESIDUAL_NORM_LINEAR` (read once): unset (yes, where [`norm_linear`] would
+/// take its own kernel), `0` (never; for A/B measurements).
+pub fn residual_norm_linear_enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    crate::switches::read_once(&ON, "CANDLE_FASTPATH_RESIDUAL_NORM_LINEAR", |v| {
+        !matches!(v, Some("0") | Some("off"))
+    })
+}
+
+/// A pre-norm block's step from its attention output to its MLP's hidden layer:
+/// `x1 = residual + o·Wpᵀ + bp` (the output projection `proj` and the residual add), then
+/// `norm(x1)·Wᵀ + b` (`linear`), then the exact GELU when `gelu`.
+///
+/// # Arguments
+/// * `o` - `[.., C]`, the attention's output with heads merged.
+/// * `residual` - the block's input, shaped like `o`.
+/// * `proj` - `Wp` `[C, C]` (and its bias `[C]`).
+/// * `norm` - LayerNorm over `C`.
+/// * `linear` - `W` `[N, C]` (and its bias `[N]`).
+///
+/// # Returns
+/// `(x1, y)`: `x1` shaped like `o` (the residual stream after attention, which the block's fc2
+/// adds back) and `y` `[.., N]`, both what
+/// `proj.forward_residual(o, residual)` and [`norm_linear`] on its result return. On CUDA with
+/// compute capability 9.0, where [`residual_norm_linear_applies`] says so, one kernel computes
+/// both (lever 61 in `docs/BENCHMARKS.md`): [`norm_linear`]'s kernel, whose CTAs sharing a row
+/// tile (a thread-block cluster) first compute the rows' projection together. Its GEMMs sum in
+/// another order than cuBLASLt's; everything else rounds where the two steps round. Elsewhere it
+/// is those two steps. Both results are contiguous (views of one buffer on the fused path).
+pub fn residual_norm_linear(
+    o: &Tensor,
+    residual: &Tensor,
+    proj: &FusedLinear,
+    norm: &LayerNorm,
+    linear: &FusedLinear,
+    gelu: bool,
+) -> Result<(Tensor, Tensor)> {
+    #[cfg(feature = "cuda")]
+    if residual_norm_linear_applies(o, residual, proj, norm, linear, gelu) {
+        if let (Some(proj_bias), Some(bias)) = (proj.bias(), linear.bias()) {
+            let c = o.dims().last().copied().unwrap_or(0);
+            let rows = o.elem_count() / c;
+            let n = linear.out_dim();
+            let op = crate::cuda::ResidualNormLinearOp {
+                proj_weight: proj.weight().clone(),
+                proj_bias: proj_bias.clone(),
+                ln_weight: norm.weight().clone(),
+                ln_bias: norm.bias().clone(),
+                bias: bias.clone(),
+                eps: norm.eps() as f32,
+                gelu,
+            };
+            let both = o.reshape((rows, c))?.apply_op3_no_bwd(
+                &residual.reshape((rows, c))?,
+                linear.weight(),
+                &op,
+            )?;
+            let mut y_dims = o.dims().to_vec();
+            if let Some(last) = y_dims.last_mut() {
+                *last = n;
+            }
+            // Narrowing a contiguous 1-D tensor and reshaping it are views, not copies.
+            let x1 = both.narrow(0, 0, rows * c)?.reshape(o.shape())?;
+            let y = both.narrow(0, rows * c, rows * n)?.reshape(y_dims)?;
+            return Ok((x1, y));
+        }
+    }
+    let x1 = proj.forward_residual(o, residual)?;
+    let y = norm_linear(&x1, norm, linear, gelu)?;
+    Ok((x1, y))
+}
+
+/// Whether [`residual_norm_linear`] runs its fused kernel: CUDA with compute capability 9.0 and
+/// the kernels built for it, [`residual_norm_linear_enabled`], `o` and `residual` of one shape,
+/// contiguous and 16-byte aligned, `proj` `[C, C]` with a bias, C = 192 and `linear`'s output
+/// in (640, 768] (the kernel's cluster of six 128-column tiles, each computing 32 of the
+/// projection's columns: DeiT-T's fc1), and whatever [`norm_linear_applies`] requires of the
+/// LayerNorm and `linear` (the same one-wave rule and switch). Anything else takes the two
+/// steps.
+pub fn residual_norm_linear_applies(
+    o: &Tensor,
+    residual: &Tensor,
+    proj: &FusedLinear,
+    norm: &LayerNorm,
+    linear: &FusedLinear,
+    gelu: bool,
+) -> bool {
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (o, residual, proj, norm, linear, gelu);
+        false
+    }
+    #[cfg(feature = "cuda")]
+    {
+        let candle_core::Device::Cuda(dev) = o.device() else {
+            return false;
+        };
+        let c = norm.weight().elem_count();
+        let aligned =
+            |t: &Tensor| crate::cuda::contiguous_16b(t.layout(), t.dtype().size_in_bytes());
+        let proj_ok = proj.in_dim() == c
+            && proj.out_dim() == c
+            && proj.weight().dtype() == o.dtype()
+            && proj.weight().device().same_device(o.device())
+            && aligned(proj.weight())
+            && proj.bias().is_some_and(|b| {
+                b.dtype() == o.dtype() && b.device().same_device(o.device()) && b.is_contiguous()
+            });
+        residual_norm_linear_enabled()
+            && c == crate::cuda::RNL_DIM
+            && linear.out_dim().div_ceil(128) == crate::cuda::RNL_SPLIT
+            && o.shape() == residual.shape()
+            && o.dtype() == residual.dtype()
+            && o.device().same_device(residual.device())
+            && aligned(o)
+            && aligned(residual)
+            && proj_ok
+            && norm_linear_applies(residual, norm, linear, gelu)
+            && crate::cuda::has_residual_norm_linear(dev)
+    }
+}

@@ -4,13 +4,17 @@
 //! fc1 widths, the output memory poisoned (NaN) before each call. On the CPU (CI) the two must
 //! be identical; built with `cuda` on a GPU machine the f16 / bf16 calls take the fused kernel
 //! (asserted where the rule must take it) and may differ from the two steps only by the GEMM's
-//! summation order, within a rounding of the result.
+//! summation order, within a rounding of the result. `residual_norm_linear` (the output
+//! projection and residual in front of norm_linear, a thread-block cluster per row tile on
+//! compute capability 9.0) is checked the same way against `FusedLinear::forward_residual`
+//! followed by the two steps.
 
 mod common;
 
 use candle_core::{DType, Device, Tensor};
 use candle_fastpath::{
-    norm_linear, norm_linear_applies, Epilogue, FastpathError, FusedLinear, LayerNorm,
+    norm_linear, norm_linear_applies, residual_norm_linear, residual_norm_linear_applies, Epilogue,
+    FastpathError, FusedLinear, LayerNorm,
 };
 use common::{device, host, poison, quantize, randn};
 use rand::{rngs::StdRng, SeedableRng};
@@ -161,4 +165,120 @@ fn bad_inputs_are_clear_errors() {
     assert!(norm_linear(&x32, &w.norm, &w.linear, true).is_err());
     let empty = Tensor::zeros((0, 192), DType::F16, &dev).unwrap();
     assert!(norm_linear(&empty, &w.norm, &w.linear, false).is_err());
+}
+
+/// Whether `dev` runs thread-block clusters (compute capability 9.0 and up).
+fn has_clusters(dev: &Device) -> bool {
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(d) = dev {
+        use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR as MAJOR;
+        return d.cuda_stream().context().attribute(MAJOR).unwrap() >= 9;
+    }
+    let _ = dev;
+    false
+}
+
+#[test]
+fn residual_norm_linear_matches_the_steps() {
+    let dev = device();
+    let mut rng = StdRng::seed_from_u64(61);
+    let c = 192;
+    // NORM_LINEAR_TEST_QUICK=1 (for racecheck, which runs each launch thousands of times
+    // slower): f16, DeiT-T's fc1, two row counts.
+    let quick = std::env::var_os("NORM_LINEAR_TEST_QUICK").is_some();
+    let dtypes: &[DType] = if quick {
+        &[DType::F16]
+    } else {
+        &[DType::F32, DType::F16, DType::BF16]
+    };
+    let widths: &[usize] = if quick {
+        &[4 * c]
+    } else {
+        // DeiT-T's fc1 (4C), one whose last tile is partial (still six tiles: fused), and
+        // qkv's 3C (five tiles: never fused).
+        &[4 * c, 4 * c - 32, 3 * c]
+    };
+    let row_counts: &[usize] = if quick {
+        &[17, 197]
+    } else {
+        &[1, 2, 15, 16, 17, 63, 64, 65, 138, 197, 352]
+    };
+    for &dtype in dtypes {
+        let proj = weights(&dev, &mut rng, dtype, c, c).linear;
+        for &n in widths {
+            let w = weights(&dev, &mut rng, dtype, c, n);
+            for &rows in row_counts {
+                // The attention's output (unit scale) and the residual stream.
+                let o = input(&dev, &mut rng, dtype, rows, c)
+                    .affine(0.3, 0.0)
+                    .unwrap();
+                let r = input(&dev, &mut rng, dtype, rows, c);
+                for gelu in [false, true] {
+                    let want_x1 = proj.forward_residual(&o, &r).unwrap();
+                    let want_y = host(&two_steps(&want_x1, &w, gelu));
+                    let want_x1 = host(&want_x1);
+                    let fused_here =
+                        residual_norm_linear_applies(&o, &r, &proj, &w.norm, &w.linear, gelu);
+                    if has_clusters(&dev)
+                        && dtype != DType::F32
+                        && n.div_ceil(128) == 6
+                        && rows.div_ceil(16) * 6 <= 24
+                    {
+                        assert!(
+                            fused_here,
+                            "{dtype:?} rows {rows} n {n}: fused kernel expected"
+                        );
+                    }
+                    if !dev.is_cuda() || dtype == DType::F32 || n.div_ceil(128) != 6 {
+                        assert!(!fused_here, "{dtype:?} n {n} on {dev:?}: no fused kernel");
+                    }
+                    poison(&dev, rows * (c + n), dtype);
+                    let (x1, y) =
+                        residual_norm_linear(&o, &r, &proj, &w.norm, &w.linear, gelu).unwrap();
+                    assert_eq!(x1.dims(), &[rows, c]);
+                    assert_eq!(y.dims(), &[rows, n]);
+                    assert!(x1.is_contiguous() && y.is_contiguous());
+                    // x1: the projection's summation order may move it by one rounding; y then
+                    // sees that through the LayerNorm (a rounding of x1 is ~1e-3 of the row's
+                    // spread in f16), and its own GEMM's order.
+                    let (tol_x1, tol_y) = match (fused_here, dtype) {
+                        (false, _) => (0.0, 0.0),
+                        (true, DType::F16) => (1e-3, 4e-3),
+                        (true, _) => (8e-3, 3e-2),
+                    };
+                    for (what, got, want, tol) in [
+                        ("x1", host(&x1), &want_x1, tol_x1),
+                        ("y", host(&y), &want_y, tol_y),
+                    ] {
+                        for (i, (g, e)) in got.iter().zip(want.iter()).enumerate() {
+                            assert!(
+                                g.is_finite() && (g - e).abs() <= tol * (1.0 + e.abs()),
+                                "{dtype:?} rows {rows} n {n} gelu {gelu} fused {fused_here}: \
+                                 {what} element {i} is {g}, the steps give {e}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn residual_norm_linear_bad_inputs_are_clear_errors() {
+    let dev = device();
+    let mut rng = StdRng::seed_from_u64(62);
+    let proj = weights(&dev, &mut rng, DType::F16, 192, 192).linear;
+    let w = weights(&dev, &mut rng, DType::F16, 192, 768);
+    let o = input(&dev, &mut rng, DType::F16, 4, 192);
+    // A residual of another shape, or dtype; a projection of the wrong width.
+    let r5 = input(&dev, &mut rng, DType::F16, 5, 192);
+    assert!(residual_norm_linear(&o, &r5, &proj, &w.norm, &w.linear, true).is_err());
+    let r32 = input(&dev, &mut rng, DType::F32, 4, 192);
+    assert!(residual_norm_linear(&o, &r32, &proj, &w.norm, &w.linear, true).is_err());
+    let wide = weights(&dev, &mut rng, DType::F16, 192, 384).linear;
+    let r = input(&dev, &mut rng, DType::F16, 4, 192);
+    assert!(residual_norm_linear(&o, &r, &wide, &w.norm, &w.linear, true).is_err());
+    let empty = Tensor::zeros((0, 192), DType::F16, &dev).unwrap();
+    assert!(residual_norm_linear(&empty, &empty, &proj, &w.norm, &w.linear, true).is_err());
 }

@@ -203,7 +203,20 @@ impl Block {
                 )?);
             }
         }
-        self.mlp_residual(&self.attn_residual(x, inputs)?)
+        // norm1 + qkv, the attention, then proj + residual + norm2 + fc1 + GELU and fc2 +
+        // residual: where the kernels apply, four launches (candle_fastpath::norm_linear and
+        // residual_norm_linear) instead of eight.
+        let qkv = candle_fastpath::norm_linear(x, &self.norm1, &self.attn.qkv, false)?;
+        let heads = self.attn.heads_from_qkv(&qkv, inputs)?;
+        let (x1, hidden) = candle_fastpath::residual_norm_linear(
+            &heads,
+            x,
+            &self.attn.proj,
+            &self.norm2,
+            &self.mlp.fc1,
+            true,
+        )?;
+        Ok(self.mlp.fc2.forward_residual(&hidden, &x1)?)
     }
 
     /// This block's weights as [`candle_fastpath::small_block`] reads them.
