@@ -576,55 +576,63 @@ NORM_LINEAR_ENTRY(bf16, __nv_bfloat16, 192, true, _gelu)
 // The proj epilogue sums in f32 as cuBLASLt's bias + residual epilogue does ((o·Wpᵀ + r) + bp),
 // rounded once.
 //
+// The same kernel serves the block's other boundary, fc2 + residual in front of the next block's
+// norm1 + qkv (o is then fc1's GELU output, KF = 4C wide, and the back tiles are 96 columns wide
+// so that six cover qkv's 3C = 576): the second form below.
+//
 // Constraints (checked by the host, residual_norm_linear in candle-fastpath): C = 32 · RNL_SPLIT
-// (192), ceil(N / NL_BN) = RNL_SPLIT (DeiT-T's fc1: N = 768), compute capability 9.0 (clusters).
-// Grid (RNL_SPLIT, ceil(M / NL_BM)), clusters of RNL_SPLIT along x, NL_WARPS · 32 threads,
-// (2 · NL_BM + NL_BN + 32) · (C + 8) · sizeof(T) + 6 · NL_BM · 32 · 4 bytes of dynamic shared memory.
+// (192), ceil(N / BN) = RNL_SPLIT (DeiT-T's fc1, N = 768 with BN = 128; its qkv, N = 576 with
+// BN = 96), compute capability 9.0 (clusters). Grid (RNL_SPLIT, ceil(M / NL_BM)), clusters of
+// RNL_SPLIT along x, NL_WARPS · 32 threads, ((NL_BM + BN) · (C + 8) + (NL_BM + 32) · (KF + 8)) ·
+// sizeof(T) + KW · NL_BM · 32 · 4 bytes of dynamic shared memory.
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
 constexpr int RNL_SPLIT = 6;
 
-template <typename T, int K, bool GELU>
+// K = C (the normalised width); KF the front GEMM's K (C for proj, 4C for fc2), split over KW
+// warps; BN the back GEMM's tile width (RNL_SPLIT tiles cover its N).
+template <typename T, int K, int KF, int KW, int BN, bool GELU>
 __device__ void residual_norm_linear_tile(const T* __restrict__ o, const T* __restrict__ wp,
                                           const T* __restrict__ bp, const T* __restrict__ r,
                                           const T* __restrict__ ln_w, const T* __restrict__ ln_b,
                                           const T* __restrict__ w, const T* __restrict__ bias, T* __restrict__ x1,
                                           T* __restrict__ y, int M, int N, float eps) {
     constexpr int THREADS = NL_WARPS * 32, LDS = K + 8, VECS = K / 8, CHUNKS = (VECS + 31) / 32;
-    constexpr int WARPS_N = NL_BN / 32, MMA_WARPS = (NL_BM / 16) * WARPS_N, SLICE = K / RNL_SPLIT;
-    // The projection's K is split over RNL_KWARPS warps (a 12-step dependent MMA chain in one
-    // warp cost ~1 µs, the probe's breakdown), then RNL_PAIRS threads sum the partials in a fixed
-    // order, one pair of adjacent x1 elements each.
-    constexpr int RNL_KWARPS = 6, KSLICE = K / RNL_KWARPS, RNL_PAIRS = NL_BM * SLICE / 2;
-    static_assert(K % 16 == 0 && MMA_WARPS <= NL_WARPS && NL_BM <= NL_WARPS && SLICE == 32 && NL_BM == 16 &&
-                      KSLICE % 16 == 0 && RNL_KWARPS <= NL_WARPS && RNL_PAIRS <= THREADS,
+    constexpr int LDF = KF + 8, VECF = KF / 8;
+    constexpr int WARPS_N = BN / 32, MMA_WARPS = (NL_BM / 16) * WARPS_N, SLICE = K / RNL_SPLIT;
+    // The front GEMM's K is split over KW warps (a 12-step dependent MMA chain in one warp cost
+    // ~1 µs, the probe's breakdown), then RNL_PAIRS threads sum the partials in a fixed order,
+    // one pair of adjacent x1 elements each.
+    constexpr int KSLICE = KF / KW, RNL_PAIRS = NL_BM * SLICE / 2;
+    static_assert(K % 16 == 0 && BN % 32 == 0 && MMA_WARPS <= NL_WARPS && NL_BM <= NL_WARPS && SLICE == 32 &&
+                      NL_BM == 16 && KF % KW == 0 && KSLICE % 16 == 0 && KW <= NL_WARPS && RNL_PAIRS <= THREADS,
                   "tile shape");
     extern __shared__ __align__(16) unsigned char nl_smem[];
     T* sa = reinterpret_cast<T*>(nl_smem);  // NL_BM rows of x1 (filled by the cluster), then normalised
-    T* sb = sa + NL_BM * LDS;                // NL_BN rows of W
-    T* so = sb + NL_BN * LDS;                // NL_BM rows of o
-    T* sp = so + NL_BM * LDS;                // this rank's SLICE rows of Wp
-    // The projection's partial sums, [RNL_KWARPS][NL_BM][SLICE] f32.
-    float* spart = reinterpret_cast<float*>(sp + SLICE * LDS);
+    T* sb = sa + NL_BM * LDS;                // BN rows of W
+    T* so = sb + BN * LDS;                   // NL_BM rows of o (KF wide)
+    T* sp = so + NL_BM * LDF;                // this rank's SLICE rows of Wp (KF wide)
+    // The front GEMM's partial sums, [KW][NL_BM][SLICE] f32.
+    float* spart = reinterpret_cast<float*>(sp + SLICE * LDF);
     // The cluster spans the grid's x (RNL_SPLIT CTAs), so a CTA's rank is its blockIdx.x.
     const int rank = blockIdx.x;
-    const int m0 = blockIdx.y * NL_BM, n0 = blockIdx.x * NL_BN, c0 = rank * SLICE;
+    const int m0 = blockIdx.y * NL_BM, n0 = blockIdx.x * BN, c0 = rank * SLICE;
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     // A CTA's shared memory may be written by the others only once it is running: every thread
     // arrives here and waits right before its stores (by then the whole cluster has arrived).
     asm volatile("barrier.cluster.arrive.relaxed;" ::: "memory");
 
     // 1. The projection's operands first (o's rows, this rank's Wp rows), then W's rows.
-    for (int i = tid; i < NL_BM * VECS; i += THREADS) {
-        const int rr = i / VECS, c = i % VECS;
+    for (int i = tid; i < NL_BM * VECF; i += THREADS) {
+        const int rr = i / VECF, c = i % VECF;
         const bool ok = m0 + rr < M;
-        nl_cp_async16(so + rr * LDS + c * 8, o + (size_t)(ok ? m0 + rr : 0) * K + c * 8, ok);
+        nl_cp_async16(so + rr * LDF + c * 8, o + (size_t)(ok ? m0 + rr : 0) * KF + c * 8, ok);
     }
-    for (int i = tid; i < SLICE * VECS; i += THREADS) {
-        const int rr = i / VECS, c = i % VECS;
-        nl_cp_async16(sp + rr * LDS + c * 8, wp + (size_t)(c0 + rr) * K + c * 8, true);
+    for (int i = tid; i < SLICE * VECF; i += THREADS) {
+        const int rr = i / VECF, c = i % VECF;
+        nl_cp_async16(sp + rr * LDF + c * 8, wp + (size_t)(c0 + rr) * KF + c * 8, true);
     }
     asm volatile("cp.async.commit_group;" ::: "memory");
-    for (int i = tid; i < NL_BN * VECS; i += THREADS) {
+    for (int i = tid; i < BN * VECS; i += THREADS) {
         const int rr = i / VECS, c = i % VECS;
         const bool ok = n0 + rr < N;
         nl_cp_async16(sb + rr * LDS + c * 8, w + (size_t)(ok ? n0 + rr : 0) * K + c * 8, ok);
@@ -651,10 +659,10 @@ __device__ void residual_norm_linear_tile(const T* __restrict__ o, const T* __re
     asm volatile("cp.async.wait_group 1;" ::: "memory");
     __syncthreads();
 
-    // 2. This rank's 16 × 32 slice of o·Wpᵀ, K split over RNL_KWARPS warps into partials.
-    if (warp < RNL_KWARPS) {
+    // 2. This rank's 16 × 32 slice of o·Wpᵀ, K split over KW warps into partials.
+    if (warp < KW) {
         float acc[4][4] = {};
-        nl_warp_mma_16x32<T, KSLICE, LDS>(acc, so + warp * KSLICE, sp + warp * KSLICE);
+        nl_warp_mma_16x32<T, KSLICE, LDF>(acc, so + warp * KSLICE, sp + warp * KSLICE);
         float* part = spart + warp * NL_BM * SLICE;
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
@@ -672,7 +680,7 @@ __device__ void residual_norm_linear_tile(const T* __restrict__ o, const T* __re
     if (tid < RNL_PAIRS) {
         float2 sum = make_float2(0.f, 0.f);
 #pragma unroll
-        for (int q = 0; q < RNL_KWARPS; ++q) {
+        for (int q = 0; q < KW; ++q) {
             const float2 v = *reinterpret_cast<const float2*>(spart + (q * NL_BM + prow) * SLICE + (pcol - c0));
             sum.x += v.x;
             sum.y += v.y;
@@ -702,18 +710,23 @@ __device__ void residual_norm_linear_tile(const T* __restrict__ o, const T* __re
     nl_store_tile<T, GELU>(acc, bias_f, y, m0 + wm * 16, n0 + wn * 32, M, N);
 }
 
-// One entry per storage type and epilogue, named as the Rust side's RESIDUAL_NORM_LINEAR_NAMES
-// table expects. Compiled only for compute capability 9.0 and up (clusters); the host loads them
-// only there.
-#define RESIDUAL_NORM_LINEAR_ENTRY(SUFFIX, T, K, GELU, TAIL)                                                 \
+// One entry per storage type and form, named as the Rust side's RESIDUAL_NORM_LINEAR_NAMES table
+// expects: _c192 (proj → norm2 → fc1, K = 192 over 6 warps, 128-column tiles) with and without
+// the GELU, and _c192_k768 (fc2 → the next block's norm1 → qkv: K = 768 over 12 warps, 96-column
+// tiles). Compiled only for compute capability 9.0 and up (clusters); the host loads them only
+// there.
+#define RESIDUAL_NORM_LINEAR_ENTRY(SUFFIX, T, K, KF, KW, BN, GELU, TAIL)                                     \
     extern "C" __global__ void __cluster_dims__(RNL_SPLIT, 1, 1) __launch_bounds__(NL_WARPS * 32)           \
         fastpath_residual_norm_linear_##SUFFIX##_c##K##TAIL(                                                 \
             const T* o, const T* wp, const T* bp, const T* r, const T* ln_w, const T* ln_b, const T* w,      \
             const T* bias, T* x1, T* y, int M, int N, float eps) {                                           \
-        residual_norm_linear_tile<T, K, GELU>(o, wp, bp, r, ln_w, ln_b, w, bias, x1, y, M, N, eps);          \
+        residual_norm_linear_tile<T, K, KF, KW, BN, GELU>(o, wp, bp, r, ln_w, ln_b, w, bias, x1, y, M, N,    \
+                                                          eps);                                              \
     }
-RESIDUAL_NORM_LINEAR_ENTRY(f16, __half, 192, false, )
-RESIDUAL_NORM_LINEAR_ENTRY(f16, __half, 192, true, _gelu)
-RESIDUAL_NORM_LINEAR_ENTRY(bf16, __nv_bfloat16, 192, false, )
-RESIDUAL_NORM_LINEAR_ENTRY(bf16, __nv_bfloat16, 192, true, _gelu)
+RESIDUAL_NORM_LINEAR_ENTRY(f16, __half, 192, 192, 6, 128, false, )
+RESIDUAL_NORM_LINEAR_ENTRY(f16, __half, 192, 192, 6, 128, true, _gelu)
+RESIDUAL_NORM_LINEAR_ENTRY(f16, __half, 192, 768, 12, 96, false, _k768)
+RESIDUAL_NORM_LINEAR_ENTRY(bf16, __nv_bfloat16, 192, 192, 6, 128, false, )
+RESIDUAL_NORM_LINEAR_ENTRY(bf16, __nv_bfloat16, 192, 192, 6, 128, true, _gelu)
+RESIDUAL_NORM_LINEAR_ENTRY(bf16, __nv_bfloat16, 192, 768, 12, 96, false, _k768)
 #endif

@@ -62,18 +62,73 @@ const NORM_LINEAR_NAMES: [&str; 4] = [
     "fastpath_norm_linear_bf16_c192_gelu",
 ];
 /// [`ResidualNormLinearOp`]'s kernels (compute capability 9.0 and up: thread-block clusters):
-/// f16 / bf16, then plain / GELU, at C = [`RNL_DIM`].
-const RESIDUAL_NORM_LINEAR_NAMES: [&str; 4] = [
+/// f16 / bf16, then the form: [`RnlForm::Proj`] plain, the same with GELU, [`RnlForm::Fc2`].
+const RESIDUAL_NORM_LINEAR_NAMES: [&str; 6] = [
     "fastpath_residual_norm_linear_f16_c192",
     "fastpath_residual_norm_linear_f16_c192_gelu",
+    "fastpath_residual_norm_linear_f16_c192_k768",
     "fastpath_residual_norm_linear_bf16_c192",
     "fastpath_residual_norm_linear_bf16_c192_gelu",
+    "fastpath_residual_norm_linear_bf16_c192_k768",
 ];
 /// The one width [`ResidualNormLinearOp`]'s kernels are built for, and the CTAs of a cluster
 /// (`RNL_SPLIT` in kernels/fastpath.cu: each computes `RNL_DIM / RNL_SPLIT` = 32 of the
-/// projection's columns, and one 128-column tile of the Linear's output).
+/// front GEMM's columns, and one tile of the back GEMM's output).
 pub(crate) const RNL_DIM: usize = 192;
 pub(crate) const RNL_SPLIT: usize = 6;
+
+/// The two forms of [`ResidualNormLinearOp`]'s kernel: which front GEMM (its K, split over how
+/// many warps) and how wide the back GEMM's tiles are (six of them cover its N).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum RnlForm {
+    /// proj (K = C) → norm2 → fc1 (N ≤ 6 · 128), with or without the GELU.
+    Proj,
+    /// fc2 (K = 4C) → the next block's norm1 → qkv (N ≤ 6 · 96), no GELU.
+    Fc2,
+}
+
+impl RnlForm {
+    /// The form whose shapes these are: the front GEMM's K and the back GEMM's N at width C =
+    /// [`RNL_DIM`] (`None`: no kernel).
+    pub(crate) fn of(front_k: usize, n: usize, gelu: bool) -> Option<Self> {
+        match (
+            front_k,
+            n.div_ceil(Self::Proj.tile_n()),
+            n.div_ceil(Self::Fc2.tile_n()),
+        ) {
+            (RNL_DIM, RNL_SPLIT, _) => Some(Self::Proj),
+            (k, _, RNL_SPLIT) if k == 4 * RNL_DIM && !gelu => Some(Self::Fc2),
+            _ => None,
+        }
+    }
+    pub(crate) fn tile_n(self) -> usize {
+        match self {
+            Self::Proj => 128,
+            Self::Fc2 => 96,
+        }
+    }
+    fn front_k(self) -> usize {
+        match self {
+            Self::Proj => RNL_DIM,
+            Self::Fc2 => 4 * RNL_DIM,
+        }
+    }
+    fn k_warps(self) -> usize {
+        match self {
+            Self::Proj => 6,
+            Self::Fc2 => 12,
+        }
+    }
+    /// Dynamic shared memory of a launch, 16-bit storage: the tile's x1 rows and back-weight rows
+    /// (C wide), the front GEMM's input rows and its 32 weight rows (K wide), each padded by 8
+    /// elements, and the front GEMM's f32 partial sums (a 16 × 32 tile per K warp).
+    fn smem_bytes(self) -> usize {
+        let (c, k) = (RNL_DIM, self.front_k());
+        ((NL_BM + self.tile_n()) * (c + 8) + (NL_BM + 32) * (k + 8)) * 2
+            + self.k_warps() * NL_BM * 32 * 4
+    }
+}
+
 /// The kernel's output tile (rows × columns) and threads (kernels/fastpath.cu, NL_*).
 const NL_BM: usize = 16;
 const NL_BN: usize = 128;
@@ -83,13 +138,6 @@ const NL_THREADS: u32 = 512;
 /// input and weight rows, each padded by 8 elements.
 fn norm_linear_smem_bytes(c: usize) -> usize {
     (NL_BM + NL_BN) * (c + 8) * 2
-}
-
-/// Dynamic shared memory of a [`ResidualNormLinearOp`] launch, 16-bit storage: norm_linear's
-/// rows plus the projection's input rows and its 32 weight rows, each padded by 8 elements, and
-/// the projection's f32 partial sums (six K slices of a 16 × 32 tile).
-fn residual_norm_linear_smem_bytes(c: usize) -> usize {
-    (2 * NL_BM + NL_BN + 32) * (c + 8) * 2 + 6 * NL_BM * 32 * 4
 }
 
 /// Index into [`LN_NAMES`]: the smallest size class whose `32 · chunks` lanes' worth of 16-byte
@@ -272,8 +320,13 @@ fn new_state(dev: &CudaDevice) -> candle_core::Result<DeviceState> {
             // Absent from PTX built for an earlier compute capability: then the op never applies.
             match load(&RESIDUAL_NORM_LINEAR_NAMES) {
                 Ok(funcs) if clusters => {
-                    for f in &funcs {
-                        f.set_attribute(MAX_SMEM, residual_norm_linear_smem_bytes(RNL_DIM) as i32)
+                    for (i, f) in funcs.iter().enumerate() {
+                        let form = if i % 3 == 2 {
+                            RnlForm::Fc2
+                        } else {
+                            RnlForm::Proj
+                        };
+                        f.set_attribute(MAX_SMEM, form.smem_bytes() as i32)
                             .map_err(candle_core::Error::wrap)?;
                     }
                     Some(funcs)
@@ -901,8 +954,9 @@ pub(crate) fn has_residual_norm_linear(dev: &CudaDevice) -> bool {
     device_state(&mut states, dev).is_ok_and(|s| s.residual_norm_linear.is_some())
 }
 
-/// The CustomOp behind [`crate::residual_norm_linear`]: `(o [M, C], r [M, C], W [N, C])` →
-/// `x1 = r + o·Wpᵀ + bp` and `y = LayerNorm(x1)·Wᵀ + b` (then the exact GELU), returned as one
+/// The CustomOp behind [`crate::residual_norm_linear`]: `(o [M, K], r [M, C], W [N, C])` →
+/// `x1 = r + o·Wpᵀ + bp` (`Wp` `[C, K]`, K = C or 4C: [`RnlForm`]) and
+/// `y = LayerNorm(x1)·Wᵀ + b` (then the exact GELU), returned as one
 /// 1-D buffer of `M·C + M·N` elements: x1's rows, then y's (the caller splits it into two
 /// contiguous views). The projection's weight and bias, the LayerNorm's parameters and the
 /// Linear's bias are carried here and read in place. The caller decides eligibility; shapes,
@@ -933,20 +987,20 @@ impl ResidualNormLinearOp {
         const WHAT: &str = "residual_norm_linear";
         let dev = &o.device;
         let size = size_of::<T>();
-        let (m, c) = lo.shape().dims2()?;
-        let (n, c2) = lw.shape().dims2()?;
+        let (m, k) = lo.shape().dims2()?;
+        let (n, c) = lw.shape().dims2()?;
         let bf16 = match T::DTYPE {
             DType::F16 => false,
             DType::BF16 => true,
             _ => candle_core::bail!("{WHAT}: the fused kernel is f16 / bf16 only"),
         };
         let aligned = |l: &Layout| contiguous_16b(l, size);
+        let form = RnlForm::of(k, n, self.gelu);
         if c != RNL_DIM
-            || c2 != c
+            || form.is_none()
             || lr.shape().dims() != [m, c]
             || m == 0
             || n % 2 != 0
-            || n.div_ceil(NL_BN) != RNL_SPLIT
             || !aligned(lo)
             || !aligned(lr)
             || !aligned(lw)
@@ -962,7 +1016,7 @@ impl ResidualNormLinearOp {
         }
         // The carried operands: (tensor, elements, needs 16-byte alignment).
         let carried = [
-            (&self.proj_weight, c * c, true),
+            (&self.proj_weight, c * k, true),
             (&self.proj_bias, c, false),
             (&self.ln_weight, c, true),
             (&self.ln_bias, c, true),
@@ -994,7 +1048,13 @@ impl ResidualNormLinearOp {
         let func = {
             let mut states = STATE.lock().unwrap_or_else(|e| e.into_inner());
             match &device_state(&mut states, dev)?.residual_norm_linear {
-                Some(funcs) => funcs[2 * bf16 as usize + self.gelu as usize].clone(),
+                Some(funcs) => {
+                    let form_index = match form {
+                        Some(RnlForm::Fc2) => 2,
+                        _ => self.gelu as usize,
+                    };
+                    funcs[3 * bf16 as usize + form_index].clone()
+                }
                 None => candle_core::bail!(
                     "{WHAT}: the fused kernel needs compute capability 9.0 (thread-block clusters)"
                 ),
@@ -1003,7 +1063,7 @@ impl ResidualNormLinearOp {
         let cfg = LaunchConfig {
             grid_dim: (RNL_SPLIT as u32, m.div_ceil(NL_BM) as u32, 1),
             block_dim: (NL_THREADS, 1, 1),
-            shared_mem_bytes: residual_norm_linear_smem_bytes(c) as u32,
+            shared_mem_bytes: form.map_or(0, RnlForm::smem_bytes) as u32,
         };
         let (m32, n32) = (m as i32, n as i32);
         let stream = dev.cuda_stream();

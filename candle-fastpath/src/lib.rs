@@ -76,7 +76,8 @@ pub use linear::{linear, linear_no_bias, Epilogue, FusedLinear};
 pub use norm::{layer_norm, LayerNorm};
 pub use norm_linear::{
     norm_linear, norm_linear_applies, norm_linear_mode, residual_norm_linear,
-    residual_norm_linear_applies, residual_norm_linear_enabled, NormLinearMode, NORM_LINEAR_DIMS,
+    residual_norm_linear_applies, residual_norm_linear_forms, NormLinearMode,
+    ResidualNormLinearForms, NORM_LINEAR_DIMS,
 };
 pub use patch::patchify;
 pub use pool::{retain_freed_memory, track_buffer_events, PeakMemory};

@@ -153,36 +153,64 @@ pub fn norm_linear_applies(x: &Tensor, norm: &LayerNorm, linear: &FusedLinear, g
     }
 }
 
-/// Whether [`residual_norm_linear`] may take its fused kernel, from
-/// `CANDLE_FASTPATH_RESIDUAL_NORM_LINEAR` (read once): unset (yes, where [`norm_linear`] would
-/// take its own kernel), `0` (never; for A/B measurements).
-pub fn residual_norm_linear_enabled() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    crate::switches::read_once(&ON, "CANDLE_FASTPATH_RESIDUAL_NORM_LINEAR", |v| {
-        !matches!(v, Some("0") | Some("off"))
-    })
+/// Which of [`residual_norm_linear`]'s two kernel forms may run, from
+/// `CANDLE_FASTPATH_RESIDUAL_NORM_LINEAR` (read once): unset (both, where [`norm_linear`] would
+/// take its own kernel), `proj` (only proj → norm2 → fc1, lever 61 alone), `0` (neither); for
+/// A/B measurements.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ResidualNormLinearForms {
+    /// proj (K = C) → norm2 → fc1.
+    pub proj: bool,
+    /// fc2 (K = 4C) → the next block's norm1 → qkv.
+    pub fc2: bool,
 }
 
-/// A pre-norm block's step from its attention output to its MLP's hidden layer:
-/// `x1 = residual + o·Wpᵀ + bp` (the output projection `proj` and the residual add), then
-/// `norm(x1)·Wᵀ + b` (`linear`), then the exact GELU when `gelu`.
+/// The forms `CANDLE_FASTPATH_RESIDUAL_NORM_LINEAR` allows (read once).
+pub fn residual_norm_linear_forms() -> ResidualNormLinearForms {
+    static FORMS: std::sync::OnceLock<ResidualNormLinearForms> = std::sync::OnceLock::new();
+    crate::switches::read_once(
+        &FORMS,
+        "CANDLE_FASTPATH_RESIDUAL_NORM_LINEAR",
+        |v| match v {
+            Some("0") | Some("off") => ResidualNormLinearForms {
+                proj: false,
+                fc2: false,
+            },
+            Some("proj") => ResidualNormLinearForms {
+                proj: true,
+                fc2: false,
+            },
+            _ => ResidualNormLinearForms {
+                proj: true,
+                fc2: true,
+            },
+        },
+    )
+}
+
+/// A pre-norm block's step across one of its residual adds into the LayerNorm and Linear after
+/// it: `x1 = residual + o·Wpᵀ + bp` (a Linear `proj` and the residual add), then
+/// `norm(x1)·Wᵀ + b` (`linear`), then the exact GELU when `gelu`. Two such steps in a ViT:
+/// the attention's output projection into norm2 → fc1 → GELU, and fc2 into the next block's
+/// norm1 → qkv.
 ///
 /// # Arguments
-/// * `o` - `[.., C]`, the attention's output with heads merged.
-/// * `residual` - the block's input, shaped like `o`.
-/// * `proj` - `Wp` `[C, C]` (and its bias `[C]`).
+/// * `o` - `[.., K]`: the attention's output with heads merged (K = C), or fc1's GELU output
+///   (K = 4C).
+/// * `residual` - `[.., C]`, the same leading dims as `o`.
+/// * `proj` - `Wp` `[C, K]` (and its bias `[C]`).
 /// * `norm` - LayerNorm over `C`.
 /// * `linear` - `W` `[N, C]` (and its bias `[N]`).
 ///
 /// # Returns
-/// `(x1, y)`: `x1` shaped like `o` (the residual stream after attention, which the block's fc2
-/// adds back) and `y` `[.., N]`, both what
-/// `proj.forward_residual(o, residual)` and [`norm_linear`] on its result return. On CUDA with
-/// compute capability 9.0, where [`residual_norm_linear_applies`] says so, one kernel computes
-/// both (lever 61 in `docs/BENCHMARKS.md`): [`norm_linear`]'s kernel, whose CTAs sharing a row
-/// tile (a thread-block cluster) first compute the rows' projection together. Its GEMMs sum in
-/// another order than cuBLASLt's; everything else rounds where the two steps round. Elsewhere it
-/// is those two steps. Both results are contiguous (views of one buffer on the fused path).
+/// `(x1, y)`: `x1` shaped like `residual` (the residual stream after the add, which the next
+/// residual add reads again) and `y` `[.., N]`, both what `proj.forward_residual(o, residual)`
+/// and [`norm_linear`] on its result return. On CUDA with compute capability 9.0, where
+/// [`residual_norm_linear_applies`] says so, one kernel computes both (levers 61 and 62 in
+/// `docs/BENCHMARKS.md`): [`norm_linear`]'s kernel, whose CTAs sharing a row tile (a
+/// thread-block cluster) first compute the rows' x1 together. Its GEMMs sum in another order than
+/// cuBLASLt's; everything else rounds where the two steps round. Elsewhere it is those two
+/// steps. Both results are contiguous (views of one buffer on the fused path).
 pub fn residual_norm_linear(
     o: &Tensor,
     residual: &Tensor,
@@ -194,8 +222,9 @@ pub fn residual_norm_linear(
     #[cfg(feature = "cuda")]
     if residual_norm_linear_applies(o, residual, proj, norm, linear, gelu) {
         if let (Some(proj_bias), Some(bias)) = (proj.bias(), linear.bias()) {
-            let c = o.dims().last().copied().unwrap_or(0);
-            let rows = o.elem_count() / c;
+            let k = proj.in_dim();
+            let c = proj.out_dim();
+            let rows = o.elem_count() / k;
             let n = linear.out_dim();
             let op = crate::cuda::ResidualNormLinearOp {
                 proj_weight: proj.weight().clone(),
@@ -206,17 +235,17 @@ pub fn residual_norm_linear(
                 eps: norm.eps() as f32,
                 gelu,
             };
-            let both = o.reshape((rows, c))?.apply_op3_no_bwd(
+            let both = o.reshape((rows, k))?.apply_op3_no_bwd(
                 &residual.reshape((rows, c))?,
                 linear.weight(),
                 &op,
             )?;
-            let mut y_dims = o.dims().to_vec();
+            let mut y_dims = residual.dims().to_vec();
             if let Some(last) = y_dims.last_mut() {
                 *last = n;
             }
             // Narrowing a contiguous 1-D tensor and reshaping it are views, not copies.
-            let x1 = both.narrow(0, 0, rows * c)?.reshape(o.shape())?;
+            let x1 = both.narrow(0, 0, rows * c)?.reshape(residual.shape())?;
             let y = both.narrow(0, rows * c, rows * n)?.reshape(y_dims)?;
             return Ok((x1, y));
         }
@@ -227,12 +256,14 @@ pub fn residual_norm_linear(
 }
 
 /// Whether [`residual_norm_linear`] runs its fused kernel: CUDA with compute capability 9.0 and
-/// the kernels built for it, [`residual_norm_linear_enabled`], `o` and `residual` of one shape,
-/// contiguous and 16-byte aligned, `proj` `[C, C]` with a bias, C = 192 and `linear`'s output
-/// in (640, 768] (the kernel's cluster of six 128-column tiles, each computing 32 of the
-/// projection's columns: DeiT-T's fc1), and whatever [`norm_linear_applies`] requires of the
-/// LayerNorm and `linear` (the same one-wave rule and switch). Anything else takes the two
-/// steps.
+/// the kernels built for it, C = 192 and one of the kernel's two forms, allowed by
+/// [`residual_norm_linear_forms`] (`proj` `[C, C]` and `linear`'s N in (640, 768], six
+/// 128-column tiles: DeiT-T's proj → fc1; or `proj` `[C, 4C]`, N in (480, 576] and no GELU,
+/// six 96-column tiles: its fc2 → qkv),
+/// `o` and `residual` contiguous and 16-byte aligned with the same rows, `proj` with a bias,
+/// whatever [`norm_linear_applies`] requires of the LayerNorm and `linear` (its switch too), and
+/// a grid (six CTAs per 16 rows) of at most one CTA per SM unless that switch says `always`.
+/// Anything else takes the two steps.
 pub fn residual_norm_linear_applies(
     o: &Tensor,
     residual: &Tensor,
@@ -252,26 +283,39 @@ pub fn residual_norm_linear_applies(
             return false;
         };
         let c = norm.weight().elem_count();
+        let k = proj.in_dim();
         let aligned =
             |t: &Tensor| crate::cuda::contiguous_16b(t.layout(), t.dtype().size_in_bytes());
-        let proj_ok = proj.in_dim() == c
-            && proj.out_dim() == c
+        let proj_ok = proj.out_dim() == c
             && proj.weight().dtype() == o.dtype()
             && proj.weight().device().same_device(o.device())
             && aligned(proj.weight())
             && proj.bias().is_some_and(|b| {
                 b.dtype() == o.dtype() && b.device().same_device(o.device()) && b.is_contiguous()
             });
-        residual_norm_linear_enabled()
+        let rows = residual.elem_count() / c.max(1);
+        let forms = residual_norm_linear_forms();
+        let form_on = match crate::cuda::RnlForm::of(k, linear.out_dim(), gelu) {
+            Some(crate::cuda::RnlForm::Proj) => forms.proj,
+            Some(crate::cuda::RnlForm::Fc2) => forms.fc2,
+            None => false,
+        };
+        let eligible = form_on
             && c == crate::cuda::RNL_DIM
-            && linear.out_dim().div_ceil(128) == crate::cuda::RNL_SPLIT
-            && o.shape() == residual.shape()
+            && o.dims().last() == Some(&k)
+            && o.rank() == residual.rank()
+            && o.dims()[..o.rank() - 1] == residual.dims()[..residual.rank() - 1]
             && o.dtype() == residual.dtype()
             && o.device().same_device(residual.device())
             && aligned(o)
             && aligned(residual)
             && proj_ok
-            && norm_linear_applies(residual, norm, linear, gelu)
-            && crate::cuda::has_residual_norm_linear(dev)
+            && norm_linear_applies(residual, norm, linear, gelu);
+        if !eligible || !crate::cuda::has_residual_norm_linear(dev) {
+            return false;
+        }
+        norm_linear_mode() == NormLinearMode::Always
+            || crate::cuda::sm_count(dev)
+                .is_ok_and(|sms| rows.div_ceil(16) * crate::cuda::RNL_SPLIT <= sms)
     }
 }

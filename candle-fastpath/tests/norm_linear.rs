@@ -184,19 +184,28 @@ fn residual_norm_linear_matches_the_steps() {
     let mut rng = StdRng::seed_from_u64(61);
     let c = 192;
     // NORM_LINEAR_TEST_QUICK=1 (for racecheck, which runs each launch thousands of times
-    // slower): f16, DeiT-T's fc1, two row counts.
+    // slower): f16, DeiT-T's two fused shapes, two row counts.
     let quick = std::env::var_os("NORM_LINEAR_TEST_QUICK").is_some();
     let dtypes: &[DType] = if quick {
         &[DType::F16]
     } else {
         &[DType::F32, DType::F16, DType::BF16]
     };
-    let widths: &[usize] = if quick {
-        &[4 * c]
+    // (the front Linear's K, the back Linear's N): proj (K = C) into fc1 (4C), the same with a
+    // partial last tile (still six 128-column tiles: fused), into qkv's 3C (never: five tiles);
+    // fc2 (K = 4C) into qkv (3C: six 96-column tiles, fused without the GELU), the same with a
+    // partial tile, into 4C (never: eight tiles).
+    let shapes: &[(usize, usize)] = if quick {
+        &[(c, 4 * c), (4 * c, 3 * c)]
     } else {
-        // DeiT-T's fc1 (4C), one whose last tile is partial (still six tiles: fused), and
-        // qkv's 3C (five tiles: never fused).
-        &[4 * c, 4 * c - 32, 3 * c]
+        &[
+            (c, 4 * c),
+            (c, 4 * c - 32),
+            (c, 3 * c),
+            (4 * c, 3 * c),
+            (4 * c, 3 * c - 32),
+            (4 * c, 4 * c),
+        ]
     };
     let row_counts: &[usize] = if quick {
         &[17, 197]
@@ -204,12 +213,15 @@ fn residual_norm_linear_matches_the_steps() {
         &[1, 2, 15, 16, 17, 63, 64, 65, 138, 197, 352]
     };
     for &dtype in dtypes {
-        let proj = weights(&dev, &mut rng, dtype, c, c).linear;
-        for &n in widths {
+        for &(k, n) in shapes {
+            let proj = weights(&dev, &mut rng, dtype, k, c).linear;
             let w = weights(&dev, &mut rng, dtype, c, n);
+            let kernel_shape =
+                (k == c && n.div_ceil(128) == 6) || (k == 4 * c && n.div_ceil(96) == 6);
             for &rows in row_counts {
-                // The attention's output (unit scale) and the residual stream.
-                let o = input(&dev, &mut rng, dtype, rows, c)
+                // The front Linear's input (the attention's output, or fc1's GELU output; unit
+                // scale) and the residual stream.
+                let o = input(&dev, &mut rng, dtype, rows, k)
                     .affine(0.3, 0.0)
                     .unwrap();
                 let r = input(&dev, &mut rng, dtype, rows, c);
@@ -219,18 +231,22 @@ fn residual_norm_linear_matches_the_steps() {
                     let want_x1 = host(&want_x1);
                     let fused_here =
                         residual_norm_linear_applies(&o, &r, &proj, &w.norm, &w.linear, gelu);
+                    let shape_ok = kernel_shape && !(k == 4 * c && gelu);
                     if has_clusters(&dev)
                         && dtype != DType::F32
-                        && n.div_ceil(128) == 6
+                        && shape_ok
                         && rows.div_ceil(16) * 6 <= 24
                     {
                         assert!(
                             fused_here,
-                            "{dtype:?} rows {rows} n {n}: fused kernel expected"
+                            "{dtype:?} rows {rows} k {k} n {n} gelu {gelu}: fused kernel expected"
                         );
                     }
-                    if !dev.is_cuda() || dtype == DType::F32 || n.div_ceil(128) != 6 {
-                        assert!(!fused_here, "{dtype:?} n {n} on {dev:?}: no fused kernel");
+                    if !dev.is_cuda() || dtype == DType::F32 || !shape_ok {
+                        assert!(
+                            !fused_here,
+                            "{dtype:?} k {k} n {n} gelu {gelu} on {dev:?}: no fused kernel"
+                        );
                     }
                     poison(&dev, rows * (c + n), dtype);
                     let (x1, y) =
@@ -253,7 +269,7 @@ fn residual_norm_linear_matches_the_steps() {
                         for (i, (g, e)) in got.iter().zip(want.iter()).enumerate() {
                             assert!(
                                 g.is_finite() && (g - e).abs() <= tol * (1.0 + e.abs()),
-                                "{dtype:?} rows {rows} n {n} gelu {gelu} fused {fused_here}: \
+                                "{dtype:?} rows {rows} k {k} n {n} gelu {gelu} fused {fused_here}: \
                                  {what} element {i} is {g}, the steps give {e}"
                             );
                         }

@@ -190,23 +190,51 @@ impl Block {
     }
 
     pub fn forward_with(&self, x: &Tensor, inputs: &AttentionInputs) -> Result<Tensor> {
+        Ok(self.forward_chained(x, None, None, inputs)?.0)
+    }
+
+    /// [`Self::forward_with`] for a run of blocks over the same tokens: `qkv`, when given, is
+    /// this block's qkv projection of `x` (computed by the block before, see `next`); `next`,
+    /// when given, is the block that runs next on this block's output with the same `inputs`,
+    /// and the call then also returns that block's qkv projection, computed with this block's
+    /// fc2 (`candle_fastpath::residual_norm_linear`: one kernel where it applies, fc2 then
+    /// norm_linear otherwise: the same arithmetic the next block would run). Returns the
+    /// block's output and the next block's qkv (`None` without `next`, or when the next block
+    /// will take the one-launch block and compute its own).
+    pub fn forward_chained(
+        &self,
+        x: &Tensor,
+        qkv: Option<Tensor>,
+        next: Option<&Block>,
+        inputs: &AttentionInputs,
+    ) -> Result<(Tensor, Option<Tensor>)> {
         // Packed tokens few enough for the one-launch block (a DeiT at batch 1 on CUDA, f16 /
         // bf16): the same block as one kernel instead of ~8 (candle_fastpath::small_block).
-        if let AttentionInputs::Ragged { batch } = inputs {
-            let w = self.fused_weights();
-            if candle_fastpath::small_block_applies(x, batch.max_len(), &w) {
-                return Ok(candle_fastpath::small_block(
+        let small = |block: &Block| match inputs {
+            AttentionInputs::Ragged { batch } => {
+                candle_fastpath::small_block_applies(x, batch.max_len(), &block.fused_weights())
+                    .then_some(batch)
+            }
+            _ => None,
+        };
+        if qkv.is_none() {
+            if let Some(batch) = small(self) {
+                let y = candle_fastpath::small_block(
                     x,
                     batch.cu_seqlens(),
                     batch.max_len(),
-                    &w,
-                )?);
+                    &self.fused_weights(),
+                )?;
+                return Ok((y, None));
             }
         }
-        // norm1 + qkv, the attention, then proj + residual + norm2 + fc1 + GELU and fc2 +
-        // residual: where the kernels apply, four launches (candle_fastpath::norm_linear and
-        // residual_norm_linear) instead of eight.
-        let qkv = candle_fastpath::norm_linear(x, &self.norm1, &self.attn.qkv, false)?;
+        // norm1 + qkv, the attention, proj + residual + norm2 + fc1 + GELU, then fc2 + residual
+        // (+ the next block's norm1 + qkv): where the kernels apply, four launches
+        // (candle_fastpath::norm_linear and residual_norm_linear) instead of eight.
+        let qkv = match qkv {
+            Some(qkv) => qkv,
+            None => candle_fastpath::norm_linear(x, &self.norm1, &self.attn.qkv, false)?,
+        };
         let heads = self.attn.heads_from_qkv(&qkv, inputs)?;
         let (x1, hidden) = candle_fastpath::residual_norm_linear(
             &heads,
@@ -216,7 +244,20 @@ impl Block {
             &self.mlp.fc1,
             true,
         )?;
-        Ok(self.mlp.fc2.forward_residual(&hidden, &x1)?)
+        match next.filter(|n| small(n).is_none()) {
+            Some(next) => {
+                let (y, next_qkv) = candle_fastpath::residual_norm_linear(
+                    &hidden,
+                    &x1,
+                    &self.mlp.fc2,
+                    &next.norm1,
+                    &next.attn.qkv,
+                    false,
+                )?;
+                Ok((y, Some(next_qkv)))
+            }
+            None => Ok((self.mlp.fc2.forward_residual(&hidden, &x1)?, None)),
+        }
     }
 
     /// This block's weights as [`candle_fastpath::small_block`] reads them.
@@ -262,6 +303,21 @@ impl Block {
         match site {
             PruneSite::BeforeBlock => self.forward_with(x, inputs),
             PruneSite::AfterAttention => self.mlp_residual(x),
+        }
+    }
+
+    /// [`Self::rest_after`] that, for a step before the block, also computes the `next` block's
+    /// qkv as [`Self::forward_chained`] does (`None` after attention, or without `next`).
+    pub fn rest_after_chained(
+        &self,
+        site: PruneSite,
+        x: &Tensor,
+        next: Option<&Block>,
+        inputs: &AttentionInputs,
+    ) -> Result<(Tensor, Option<Tensor>)> {
+        match site {
+            PruneSite::BeforeBlock => self.forward_chained(x, None, next, inputs),
+            PruneSite::AfterAttention => Ok((self.mlp_residual(x)?, None)),
         }
     }
 }
@@ -378,8 +434,9 @@ impl DeiT {
         let batch = self.uniform_batches.get(b, n, x.device())?;
         let inputs = AttentionInputs::Ragged { batch: &batch };
         let mut x = x.reshape((b * n, c))?;
-        for block in &self.blocks {
-            x = block.forward_with(&x, &inputs)?;
+        let mut qkv = None;
+        for (i, block) in self.blocks.iter().enumerate() {
+            (x, qkv) = block.forward_chained(&x, qkv, self.blocks.get(i + 1), &inputs)?;
         }
         x.reshape((b, n, c))
     }

@@ -358,10 +358,17 @@ impl DeiT {
         let mut batch = self.uniform_batches.get(b, n, &dev)?;
         let mut kept_tokens = Vec::with_capacity(counts.len());
         let mut steps = order.iter().zip(counts).peekable();
+        // The next block's qkv, computed by the block before it when no pruning step lies
+        // between them (Block::forward_chained).
+        let mut next_qkv = None;
         for (i, block) in self.blocks.iter().enumerate() {
             let inputs = AttentionInputs::Ragged { batch: &batch };
             let Some(((_, pruner), count)) = steps.next_if(|((blk, _), _)| *blk == i) else {
-                x = block.forward_with(&x, &inputs)?;
+                let next = self
+                    .blocks
+                    .get(i + 1)
+                    .filter(|_| steps.peek().is_none_or(|((blk, _), _)| *blk != i + 1));
+                (x, next_qkv) = block.forward_chained(&x, next_qkv.take(), next, &inputs)?;
                 continue;
             };
             let site = pruner.site();
@@ -405,7 +412,11 @@ impl DeiT {
             kept_tokens.push(vec![len; b]);
             batch = self.uniform_batches.get(b, len, &dev)?;
             let inputs = AttentionInputs::Ragged { batch: &batch };
-            x = block.rest_after(site, &x, &inputs)?;
+            let next = self
+                .blocks
+                .get(i + 1)
+                .filter(|_| steps.peek().is_none_or(|((blk, _), _)| *blk != i + 1));
+            (x, next_qkv) = block.rest_after_chained(site, &x, next, &inputs)?;
         }
         Ok(DevicePrunedForward {
             logits: self.logits_from_blocks(&x.reshape((b, len, c))?)?,

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Lever 61 on the GPU machine, from the repo root: candle_fastpath::residual_norm_linear (the
-# attention's proj + residual, norm2, fc1 and GELU as one clustered kernel, C = 192, grids of one
-# wave) against proj on cuBLASLt followed by lever 58's norm_linear, one binary
-# (CANDLE_FASTPATH_RESIDUAL_NORM_LINEAR=0 vs the default).
+# Levers 61 and 62 on the GPU machine, from the repo root: candle_fastpath::residual_norm_linear
+# (the attention's proj + residual, norm2, fc1 and GELU as one clustered kernel; fc2 + residual,
+# the next block's norm1 and qkv as another; C = 192, grids of one wave) against cuBLASLt's proj /
+# fc2 followed by lever 58's norm_linear, one binary, arms ARMS (default "0 default":
+# CANDLE_FASTPATH_RESIDUAL_NORM_LINEAR=0 vs the default; lever 62's A/B: ARMS="proj default").
 # Needs .gpu/{bench,test-norm_linear,test-graph,test-paths_agreement}.xz.
 # STAGES (default "checks anatomy e2e"):
 #   checks   test-norm_linear (default rule, and CANDLE_FASTPATH_NORM_LINEAR=always: the fused
@@ -39,8 +40,9 @@ if has checks; then
   paths_check deit-tiny-distilled 1 200
   paths_check deit-small 1 200
 fi
+ARMS=${ARMS:-0 default}
 if has anatomy; then
-  for a in 0 default; do
+  for a in $ARMS; do
     echo "== graph anatomy, CANDLE_FASTPATH_RESIDUAL_NORM_LINEAR=$a" >> "$C"
     CANDLE_FASTPATH_RESIDUAL_NORM_LINEAR=${a#default} timeout 200 $B/bench --device cuda --models deit-tiny --dtype f16 --batch 1 \
       --pruners none,threshold-l2-fixed --paths ragged --reps 100 \
@@ -48,7 +50,6 @@ if has anatomy; then
   done
 fi
 e2e_run() { CANDLE_FASTPATH_RESIDUAL_NORM_LINEAR=${1#default} timeout 280 $B/bench --device cuda --models deit-tiny --dtype f16,bf16 --batch 1,8 --pruners none,threshold-l2-fixed,evit-fixed,threshold-l2-adaptive --paths ragged --reps 20 --out "$2"; }
-ARMS="0 default"
 has e2e && ab_rounds rnl e2e_run
 pack rnl-json.tgz 'rnl-*.json'
 cat "$C"

@@ -17,6 +17,8 @@
 //   rnl_flat  the fused kernel without a cluster: each CTA computes all 192 columns of its rows'
 //             projection (6 warps, the whole Wp through shared memory), nothing shared
 // Checked first: rnl's and rnl_flat's x1 and y against sep's (max |difference| printed).
+// Then the other boundary (fc2 + residual in front of the next block's norm1 + qkv, the kernel's
+// _k768 form) against cuBLASLt's fc2 followed by norm_linear, checked and timed the same way.
 // Run on the GPU from the repo root:
 //   nvcc -O3 -std=c++17 -arch=sm_90a -lineinfo -o /tmp/rnl scripts/gpu/probes/rnl.cu -lcublasLt -lcuda && /tmp/rnl
 //   RNL_CHECK_ONLY=1 compute-sanitizer --tool racecheck /tmp/rnl   (the checks alone: 0 hazards in
@@ -413,6 +415,56 @@ int main() {
                    M, round, mode(rnl_mode<1>), mode(rnl_mode<3>), mode(rnl_mode<4>), mode(rnl_mode<7>));
             printf("M %d round %d: rnl with st.async + mbarrier (MODE 8) %.2f, plain %.2f\n", M, round, mode(rnl_mode<8>),
                    mode(rnl_mode<0>));
+        }
+    }
+    // The block's other boundary: fc2 + residual (K = 768) in front of the next block's norm1 +
+    // qkv (N = 576, 96-column tiles), against cuBLASLt's fc2 then norm_linear.
+    {
+        constexpr int KF = 4 * C, NQ = 3 * C, BNQ = 96, KWQ = 12;
+        const int k768_smem = ((NL_BM + BNQ) * LDS + (NL_BM + 32) * (KF + 8)) * 2 + KWQ * NL_BM * 32 * 4;
+        CK(cudaFuncSetAttribute(fastpath_residual_norm_linear_f16_c192_k768,
+                                cudaFuncAttributeMaxDynamicSharedMemorySize, k768_smem));
+        CK(cudaFuncSetAttribute(fastpath_norm_linear_f16_c192, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                nl_smem));
+        for (int M : {197, 65}) {
+            const float eps = 1e-6f;
+            __half* h = (__half*)drandom((size_t)M * KF, 21, 1.f);
+            __half* r = (__half*)drandom((size_t)M * C, 22, 3.f, 0.5f);
+            __half* w2 = (__half*)drandom((size_t)C * KF, 23, 0.036f);
+            __half* b2 = (__half*)drandom(C, 24, 0.2f);
+            __half* lnw = (__half*)drandom(C, 25, 0.3f, 1.f);
+            __half* lnb = (__half*)drandom(C, 26, 0.2f);
+            __half* wq = (__half*)drandom((size_t)NQ * C, 27, 0.07f);
+            __half* bq = (__half*)drandom(NQ, 28, 0.2f);
+            __half *x2a = (__half*)dalloc((size_t)M * C * 2), *qa = (__half*)dalloc((size_t)M * NQ * 2);
+            __half *x2b = (__half*)dalloc((size_t)M * C * 2), *qb = (__half*)dalloc((size_t)M * NQ * 2);
+            Gemm fc2 = make_gemm(lt, M, C, KF, w2, b2, ws_bytes);
+            const dim3 gq((NQ + NL_BN - 1) / NL_BN, (M + NL_BM - 1) / NL_BM), g6(6, (M + NL_BM - 1) / NL_BM);
+            auto sep = [&] {
+                run_gemm(lt, fc2, h, x2a, r, ws, ws_bytes, s);
+                fastpath_norm_linear_f16_c192<<<gq, NL_WARPS * 32, nl_smem, s>>>(x2a, lnw, lnb, wq, bq, qa, M, NQ, eps);
+            };
+            auto fc2o = [&] { run_gemm(lt, fc2, h, x2a, r, ws, ws_bytes, s); };
+            auto nlq = [&] {
+                fastpath_norm_linear_f16_c192<<<gq, NL_WARPS * 32, nl_smem, s>>>(x2a, lnw, lnb, wq, bq, qa, M, NQ, eps);
+            };
+            auto fused = [&] {
+                fastpath_residual_norm_linear_f16_c192_k768<<<g6, NL_WARPS * 32, k768_smem, s>>>(
+                    h, w2, b2, r, lnw, lnb, wq, bq, x2b, qb, M, NQ, eps);
+            };
+            sep();
+            CK(cudaMemsetAsync(x2b, 0xff, (size_t)M * C * 2, s));
+            CK(cudaMemsetAsync(qb, 0xff, (size_t)M * NQ * 2, s));
+            fused();
+            CK(cudaStreamSynchronize(s));
+            CK(cudaGetLastError());
+            printf("check M %d fc2 -> norm1 + qkv fused: x2 max |diff| %g, qkv %g\n", M,
+                   max_diff(x2a, x2b, (size_t)M * C), max_diff(qa, qb, (size_t)M * NQ));
+            for (int round = 0; round < (check_only ? 0 : 2); ++round) {
+                printf("M %d round %d: fc2 + norm_linear(qkv) %.2f | fc2 %.2f norm_linear(qkv) %.2f | fused %.2f\n", M,
+                       round, graph_us_per_call(s, NODES / 2, REPS, sep), graph_us_per_call(s, NODES, REPS, fc2o),
+                       graph_us_per_call(s, NODES, REPS, nlq), graph_us_per_call(s, NODES, REPS, fused));
+            }
         }
     }
     return 0;
