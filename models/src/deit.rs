@@ -16,6 +16,7 @@
 use candle_core::{DType, Module, Result, Tensor, D};
 use candle_fastpath::{layer_norm, linear, FusedLinear, LayerNorm};
 use candle_nn::VarBuilder;
+use candle_ragged::RaggedBatch;
 use pruners::PruneSite;
 
 use crate::attention::{attend, merge_heads, split_heads, AttentionInputs};
@@ -208,17 +209,8 @@ impl Block {
         next: Option<&Block>,
         inputs: &AttentionInputs,
     ) -> Result<(Tensor, Option<Tensor>)> {
-        // Packed tokens few enough for the one-launch block (a DeiT at batch 1 on CUDA, f16 /
-        // bf16): the same block as one kernel instead of ~8 (candle_fastpath::small_block).
-        let small = |block: &Block| match inputs {
-            AttentionInputs::Ragged { batch } => {
-                candle_fastpath::small_block_applies(x, batch.max_len(), &block.fused_weights())
-                    .then_some(batch)
-            }
-            _ => None,
-        };
         if qkv.is_none() {
-            if let Some(batch) = small(self) {
+            if let Some(batch) = self.small_block_batch(x, inputs) {
                 let y = candle_fastpath::small_block(
                     x,
                     batch.cu_seqlens(),
@@ -244,11 +236,40 @@ impl Block {
             &self.mlp.fc1,
             true,
         )?;
-        match next.filter(|n| small(n).is_none()) {
+        self.fc2_chained(&hidden, &x1, next, inputs)
+    }
+
+    /// The batch of `inputs` when this block runs as one launch on `x` (packed tokens few enough
+    /// for candle_fastpath::small_block: a DeiT at batch 1 on CUDA, f16 / bf16, outside graph
+    /// capture by default), the same block as one kernel instead of ~8.
+    fn small_block_batch<'a>(
+        &self,
+        x: &Tensor,
+        inputs: &AttentionInputs<'a>,
+    ) -> Option<&'a RaggedBatch> {
+        match inputs {
+            AttentionInputs::Ragged { batch } => {
+                candle_fastpath::small_block_applies(x, batch.max_len(), &self.fused_weights())
+                    .then_some(*batch)
+            }
+            _ => None,
+        }
+    }
+
+    /// `x1 + fc2(hidden)`, and with `next` (unless that block will run as one launch and compute
+    /// its own) the next block's qkv of it in the same step.
+    fn fc2_chained(
+        &self,
+        hidden: &Tensor,
+        x1: &Tensor,
+        next: Option<&Block>,
+        inputs: &AttentionInputs,
+    ) -> Result<(Tensor, Option<Tensor>)> {
+        match next.filter(|n| n.small_block_batch(x1, inputs).is_none()) {
             Some(next) => {
                 let (y, next_qkv) = candle_fastpath::residual_norm_linear(
-                    &hidden,
-                    &x1,
+                    hidden,
+                    x1,
                     &self.mlp.fc2,
                     &next.norm1,
                     &next.attn.qkv,
@@ -256,7 +277,7 @@ impl Block {
                 )?;
                 Ok((y, Some(next_qkv)))
             }
-            None => Ok((self.mlp.fc2.forward_residual(&hidden, &x1)?, None)),
+            None => Ok((self.mlp.fc2.forward_residual(hidden, x1)?, None)),
         }
     }
 
@@ -306,8 +327,8 @@ impl Block {
         }
     }
 
-    /// [`Self::rest_after`] that, for a step before the block, also computes the `next` block's
-    /// qkv as [`Self::forward_chained`] does (`None` after attention, or without `next`).
+    /// [`Self::rest_after`] that also computes the `next` block's qkv as
+    /// [`Self::forward_chained`] does (`None` without `next`).
     pub fn rest_after_chained(
         &self,
         site: PruneSite,
@@ -317,7 +338,10 @@ impl Block {
     ) -> Result<(Tensor, Option<Tensor>)> {
         match site {
             PruneSite::BeforeBlock => self.forward_chained(x, None, next, inputs),
-            PruneSite::AfterAttention => Ok((self.mlp_residual(x)?, None)),
+            PruneSite::AfterAttention => {
+                let hidden = candle_fastpath::norm_linear(x, &self.norm2, &self.mlp.fc1, true)?;
+                self.fc2_chained(&hidden, x, next, inputs)
+            }
         }
     }
 }

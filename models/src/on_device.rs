@@ -467,10 +467,17 @@ impl DeiT {
         };
         let mut batches = Vec::with_capacity(order.len());
         let mut steps = order.iter().filter(|(blk, _)| *blk >= first).peekable();
+        // The next block's qkv, computed by the block before it when no pruning step lies
+        // between them (Block::forward_chained).
+        let mut next_qkv = None;
         for (i, block) in self.blocks.iter().enumerate().skip(first) {
             let inputs = AttentionInputs::Ragged { batch: &batch };
             let Some((_, pruner)) = steps.next_if(|(blk, _)| *blk == i) else {
-                x = block.forward_with(&x, &inputs)?;
+                let next = self
+                    .blocks
+                    .get(i + 1)
+                    .filter(|_| steps.peek().is_none_or(|(blk, _)| *blk != i + 1));
+                (x, next_qkv) = block.forward_chained(&x, next_qkv.take(), next, &inputs)?;
                 continue;
             };
             let site = pruner.site();
@@ -478,7 +485,11 @@ impl DeiT {
                 self.select_step(i, pruner.as_ref(), &x, &batch, num_prefix, lengths_mode)?;
             batches.push(batch.clone());
             let inputs = AttentionInputs::Ragged { batch: &batch };
-            x = block.rest_after(site, &x, &inputs)?;
+            let next = self
+                .blocks
+                .get(i + 1)
+                .filter(|_| steps.peek().is_none_or(|(blk, _)| *blk != i + 1));
+            (x, next_qkv) = block.rest_after_chained(site, &x, next, &inputs)?;
         }
         // One kernel, no host offsets: the class (and distillation) token of every image.
         let prefix = leading_rows(&x, &batch, num_prefix)?;
