@@ -958,13 +958,13 @@ pub(crate) fn has_residual_norm_linear(dev: &CudaDevice) -> bool {
 /// `x1 = r + o·Wpᵀ + bp` (`Wp` `[C, K]`, K = C or 4C: [`RnlForm`]) and
 /// `y = LayerNorm(x1)·Wᵀ + b` (then the exact GELU), returned as one
 /// 1-D buffer of `M·C + M·N` elements: x1's rows, then y's (the caller splits it into two
-/// contiguous views). The projection's weight and bias, the LayerNorm's parameters and the
+/// contiguous views). The front Linear's weight and bias, the LayerNorm's parameters and the
 /// Linear's bias are carried here and read in place. The caller decides eligibility; shapes,
 /// strides and alignment are checked again here, cheaply, so a direct use cannot make the
 /// kernel misread memory.
 pub(crate) struct ResidualNormLinearOp {
-    pub proj_weight: Tensor,
-    pub proj_bias: Tensor,
+    pub front_weight: Tensor,
+    pub front_bias: Tensor,
     pub ln_weight: Tensor,
     pub ln_bias: Tensor,
     pub bias: Tensor,
@@ -1016,8 +1016,8 @@ impl ResidualNormLinearOp {
         }
         // The carried operands: (tensor, elements, needs 16-byte alignment).
         let carried = [
-            (&self.proj_weight, c * k, true),
-            (&self.proj_bias, c, false),
+            (&self.front_weight, c * k, true),
+            (&self.front_bias, c, false),
             (&self.ln_weight, c, true),
             (&self.ln_bias, c, true),
             (&self.bias, n, false),

@@ -189,7 +189,7 @@ pub fn residual_norm_linear_forms() -> ResidualNormLinearForms {
 }
 
 /// A pre-norm block's step across one of its residual adds into the LayerNorm and Linear after
-/// it: `x1 = residual + o·Wpᵀ + bp` (a Linear `proj` and the residual add), then
+/// it: `x1 = residual + o·Wpᵀ + bp` (the Linear `front` and the residual add), then
 /// `norm(x1)·Wᵀ + b` (`linear`), then the exact GELU when `gelu`. Two such steps in a ViT:
 /// the attention's output projection into norm2 → fc1 → GELU, and fc2 into the next block's
 /// norm1 → qkv.
@@ -198,13 +198,13 @@ pub fn residual_norm_linear_forms() -> ResidualNormLinearForms {
 /// * `o` - `[.., K]`: the attention's output with heads merged (K = C), or fc1's GELU output
 ///   (K = 4C).
 /// * `residual` - `[.., C]`, the same leading dims as `o`.
-/// * `proj` - `Wp` `[C, K]` (and its bias `[C]`).
+/// * `front` - `Wp` `[C, K]` (and its bias `[C]`): proj, or fc2.
 /// * `norm` - LayerNorm over `C`.
 /// * `linear` - `W` `[N, C]` (and its bias `[N]`).
 ///
 /// # Returns
 /// `(x1, y)`: `x1` shaped like `residual` (the residual stream after the add, which the next
-/// residual add reads again) and `y` `[.., N]`, both what `proj.forward_residual(o, residual)`
+/// residual add reads again) and `y` `[.., N]`, both what `front.forward_residual(o, residual)`
 /// and [`norm_linear`] on its result return. On CUDA with compute capability 9.0, where
 /// [`residual_norm_linear_applies`] says so, one kernel computes both (levers 61 and 62 in
 /// `docs/BENCHMARKS.md`): [`norm_linear`]'s kernel, whose CTAs sharing a row tile (a
@@ -214,21 +214,21 @@ pub fn residual_norm_linear_forms() -> ResidualNormLinearForms {
 pub fn residual_norm_linear(
     o: &Tensor,
     residual: &Tensor,
-    proj: &FusedLinear,
+    front: &FusedLinear,
     norm: &LayerNorm,
     linear: &FusedLinear,
     gelu: bool,
 ) -> Result<(Tensor, Tensor)> {
     #[cfg(feature = "cuda")]
-    if residual_norm_linear_applies(o, residual, proj, norm, linear, gelu) {
-        if let (Some(proj_bias), Some(bias)) = (proj.bias(), linear.bias()) {
-            let k = proj.in_dim();
-            let c = proj.out_dim();
+    if residual_norm_linear_applies(o, residual, front, norm, linear, gelu) {
+        if let (Some(front_bias), Some(bias)) = (front.bias(), linear.bias()) {
+            let k = front.in_dim();
+            let c = front.out_dim();
             let rows = o.elem_count() / k;
             let n = linear.out_dim();
             let op = crate::cuda::ResidualNormLinearOp {
-                proj_weight: proj.weight().clone(),
-                proj_bias: proj_bias.clone(),
+                front_weight: front.weight().clone(),
+                front_bias: front_bias.clone(),
                 ln_weight: norm.weight().clone(),
                 ln_bias: norm.bias().clone(),
                 bias: bias.clone(),
@@ -250,31 +250,31 @@ pub fn residual_norm_linear(
             return Ok((x1, y));
         }
     }
-    let x1 = proj.forward_residual(o, residual)?;
+    let x1 = front.forward_residual(o, residual)?;
     let y = norm_linear(&x1, norm, linear, gelu)?;
     Ok((x1, y))
 }
 
 /// Whether [`residual_norm_linear`] runs its fused kernel: CUDA with compute capability 9.0 and
 /// the kernels built for it, C = 192 and one of the kernel's two forms, allowed by
-/// [`residual_norm_linear_forms`] (`proj` `[C, C]` and `linear`'s N in (640, 768], six
-/// 128-column tiles: DeiT-T's proj → fc1; or `proj` `[C, 4C]`, N in (480, 576] and no GELU,
+/// [`residual_norm_linear_forms`] (`front` `[C, C]` and `linear`'s N in (640, 768], six
+/// 128-column tiles: DeiT-T's proj → fc1; or `front` `[C, 4C]`, N in (480, 576] and no GELU,
 /// six 96-column tiles: its fc2 → qkv),
-/// `o` and `residual` contiguous and 16-byte aligned with the same rows, `proj` with a bias,
+/// `o` and `residual` contiguous and 16-byte aligned with the same rows, `front` with a bias,
 /// whatever [`norm_linear_applies`] requires of the LayerNorm and `linear` (its switch too), and
 /// a grid (six CTAs per 16 rows) of at most one CTA per SM unless that switch says `always`.
 /// Anything else takes the two steps.
 pub fn residual_norm_linear_applies(
     o: &Tensor,
     residual: &Tensor,
-    proj: &FusedLinear,
+    front: &FusedLinear,
     norm: &LayerNorm,
     linear: &FusedLinear,
     gelu: bool,
 ) -> bool {
     #[cfg(not(feature = "cuda"))]
     {
-        let _ = (o, residual, proj, norm, linear, gelu);
+        let _ = (o, residual, front, norm, linear, gelu);
         false
     }
     #[cfg(feature = "cuda")]
@@ -283,14 +283,14 @@ pub fn residual_norm_linear_applies(
             return false;
         };
         let c = norm.weight().elem_count();
-        let k = proj.in_dim();
+        let k = front.in_dim();
         let aligned =
             |t: &Tensor| crate::cuda::contiguous_16b(t.layout(), t.dtype().size_in_bytes());
-        let proj_ok = proj.out_dim() == c
-            && proj.weight().dtype() == o.dtype()
-            && proj.weight().device().same_device(o.device())
-            && aligned(proj.weight())
-            && proj.bias().is_some_and(|b| {
+        let front_ok = front.out_dim() == c
+            && front.weight().dtype() == o.dtype()
+            && front.weight().device().same_device(o.device())
+            && aligned(front.weight())
+            && front.bias().is_some_and(|b| {
                 b.dtype() == o.dtype() && b.device().same_device(o.device()) && b.is_contiguous()
             });
         let rows = residual.elem_count() / c.max(1);
@@ -309,7 +309,7 @@ pub fn residual_norm_linear_applies(
             && o.device().same_device(residual.device())
             && aligned(o)
             && aligned(residual)
-            && proj_ok
+            && front_ok
             && norm_linear_applies(residual, norm, linear, gelu);
         if !eligible || !crate::cuda::has_residual_norm_linear(dev) {
             return false;
