@@ -1150,3 +1150,47 @@ fn two_stage_split_errors() {
         "{e}"
     );
 }
+
+/// `Block::forward_chained`'s contract, on the CPU where every step is the plain two-step
+/// arithmetic: a block given the next one returns its own output unchanged and the next block's
+/// qkv of it (`norm_linear(norm1, qkv)`), and the next block given that qkv returns what it
+/// returns computing its own; without a next block there is no qkv.
+#[test]
+fn chained_blocks_hand_on_the_next_qkv() {
+    let cfg = small_cfg(false);
+    let dev = Device::Cpu;
+    let m = model(&cfg, DType::F32, &dev, 71);
+    let x = m.embed(&varied_pixels(3, &cfg, 72, &dev)).unwrap();
+    let (b, n, c) = x.dims3().unwrap();
+    let mut x = x.reshape((b * n, c)).unwrap();
+    let batch = m.uniform_batches.get(b, n, &dev).unwrap();
+    let inputs = models::AttentionInputs::Ragged { batch: &batch };
+    let mut handed = None;
+    for (i, block) in m.blocks.iter().enumerate() {
+        let next = m.blocks.get(i + 1);
+        let plain = block.forward_with(&x, &inputs).unwrap();
+        let (y, qkv) = block
+            .forward_chained(&x, handed.take(), next, &inputs)
+            .unwrap();
+        assert_eq!(
+            max_abs(&y, &plain),
+            0.0,
+            "block {i}: output changed by chaining"
+        );
+        match (next, &qkv) {
+            (Some(next), Some(qkv)) => {
+                let own =
+                    candle_fastpath::norm_linear(&y, &next.norm1, &next.attn.qkv, false).unwrap();
+                assert_eq!(max_abs(qkv, &own), 0.0, "block {i}: handed-on qkv differs");
+            }
+            (None, None) => {}
+            (next, qkv) => panic!(
+                "block {i}: next block {} but qkv {}",
+                next.is_some(),
+                qkv.is_some()
+            ),
+        }
+        handed = qkv;
+        x = y;
+    }
+}
