@@ -17,6 +17,17 @@ use candle_core::{DType, Module, Result, Tensor, D};
 use candle_fastpath::{layer_norm, linear, FusedLinear, LayerNorm};
 use candle_nn::VarBuilder;
 use candle_ragged::RaggedBatch;
+
+/// Whether a forward over `batch_size` images runs its last block on the prefix rows only past
+/// the attention ([`Block::forward_prefix`]): batches of more than one image (at batch 1 every
+/// kernel is latency, and the two row gathers would cost more than the rows they save), unless
+/// `CANDLE_DEIT_LAST_BLOCK=all` (read once; every row, for A/B measurements).
+pub fn last_block_prefix_only(batch_size: usize) -> bool {
+    static ALL_ROWS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let all = *ALL_ROWS
+        .get_or_init(|| std::env::var("CANDLE_DEIT_LAST_BLOCK").is_ok_and(|v| v.trim() == "all"));
+    batch_size > 1 && !all
+}
 use pruners::PruneSite;
 
 use crate::attention::{attend, merge_heads, split_heads, AttentionInputs};
@@ -239,6 +250,38 @@ impl Block {
         self.fc2_chained(&hidden, &x1, next, inputs)
     }
 
+    /// The block's output at the first `num_prefix` rows of every sequence of `batch` only (the
+    /// class and distillation tokens), `[B, num_prefix, C]`, from packed tokens `x` `[total, C]`:
+    /// what a classifier's head reads after its last block. The attention still runs over every
+    /// row (all keys and values are needed), the projection, residuals and MLP over the prefix
+    /// rows only (three quarters of the block's GEMM work at any batch size; the same
+    /// arithmetic per row). `qkv` as in [`Self::forward_chained`].
+    pub fn forward_prefix(
+        &self,
+        x: &Tensor,
+        qkv: Option<Tensor>,
+        batch: &RaggedBatch,
+        num_prefix: usize,
+    ) -> Result<Tensor> {
+        let inputs = AttentionInputs::Ragged { batch };
+        let qkv = match qkv {
+            Some(qkv) => qkv,
+            None => candle_fastpath::norm_linear(x, &self.norm1, &self.attn.qkv, false)?,
+        };
+        let heads = self.attn.heads_from_qkv(&qkv, &inputs)?;
+        let heads = candle_ragged::leading_rows(&heads, batch, num_prefix)?;
+        let x = candle_ragged::leading_rows(x, batch, num_prefix)?;
+        let (x1, hidden) = candle_fastpath::residual_norm_linear(
+            &heads,
+            &x,
+            &self.attn.proj,
+            &self.norm2,
+            &self.mlp.fc1,
+            true,
+        )?;
+        Ok(self.mlp.fc2.forward_residual(&hidden, &x1)?)
+    }
+
     /// The batch of `inputs` when this block runs as one launch on `x` (packed tokens few enough
     /// for candle_fastpath::small_block: a DeiT at batch 1 on CUDA, f16 / bf16, outside graph
     /// capture by default), the same block as one kernel instead of ~8.
@@ -445,7 +488,23 @@ impl DeiT {
 
     /// [`Self::forward_blocks`] from embedded tokens `[B, N, C]` (the output of [`Self::embed`]).
     pub fn blocks_on_tokens(&self, x: &Tensor) -> Result<Tensor> {
+        self.run_blocks(x, false)
+    }
+
+    /// The prefix tokens (class, and distillation for distilled models) after all blocks,
+    /// `[B, P, C]`, from embedded tokens `[B, N, C]`: what the head reads. For batches of more
+    /// than one image the last block computes only those rows past its attention
+    /// ([`Block::forward_prefix`], [`last_block_prefix_only`]); otherwise they are the first P
+    /// rows of [`Self::blocks_on_tokens`].
+    pub fn prefix_after_blocks(&self, x: &Tensor) -> Result<Tensor> {
+        self.run_blocks(x, last_block_prefix_only(x.dim(0)?))
+    }
+
+    /// The blocks over embedded tokens: every token (`[B, N, C]`), or with `prefix_only` the
+    /// prefix rows (`[B, P, C]`, the last block's MLP half on those rows only).
+    fn run_blocks(&self, x: &Tensor, prefix_only: bool) -> Result<Tensor> {
         let (b, n, c) = x.dims3()?;
+        let p = self.config.num_prefix_tokens();
         let head_dim = self.config.head_dim();
         if !candle_ragged::SUPPORTED_HEAD_DIMS.contains(&head_dim) || n > candle_ragged::MAX_SEQ_LEN
         {
@@ -453,16 +512,29 @@ impl DeiT {
             for block in &self.blocks {
                 x = block.forward(&x)?;
             }
-            return Ok(x);
+            return if prefix_only {
+                x.narrow(1, 0, p)
+            } else {
+                Ok(x)
+            };
         }
         let batch = self.uniform_batches.get(b, n, x.device())?;
         let inputs = AttentionInputs::Ragged { batch: &batch };
         let mut x = x.reshape((b * n, c))?;
         let mut qkv = None;
+        let last = self.blocks.len().saturating_sub(1);
         for (i, block) in self.blocks.iter().enumerate() {
+            if prefix_only && i == last {
+                return block.forward_prefix(&x, qkv, &batch, p);
+            }
             (x, qkv) = block.forward_chained(&x, qkv, self.blocks.get(i + 1), &inputs)?;
         }
-        x.reshape((b, n, c))
+        let x = x.reshape((b, n, c))?;
+        if prefix_only {
+            x.narrow(1, 0, p)
+        } else {
+            Ok(x)
+        }
     }
 
     /// Logits `[B, num_classes]` from final-norm tokens `[B, N, C]`: `head(cls)`, or
@@ -513,6 +585,6 @@ impl Module for DeiT {
     /// Pixels `[B, 3, H, W]` → logits `[B, num_classes]`. The final norm runs on the class (and
     /// distillation) tokens only: the head reads nothing else.
     fn forward(&self, pixels: &Tensor) -> Result<Tensor> {
-        self.logits_from_blocks(&self.forward_blocks(pixels)?)
+        self.logits_from_prefix(&self.prefix_after_blocks(&self.embed(pixels)?)?)
     }
 }

@@ -361,9 +361,19 @@ impl DeiT {
         // The next block's qkv, computed by the block before it when no pruning step lies
         // between them (Block::forward_chained).
         let mut next_qkv = None;
+        let last = self.blocks.len().saturating_sub(1);
+        let prefix_only = crate::deit::last_block_prefix_only(b);
         for (i, block) in self.blocks.iter().enumerate() {
             let inputs = AttentionInputs::Ragged { batch: &batch };
             let Some(((_, pruner), count)) = steps.next_if(|((blk, _), _)| *blk == i) else {
+                if prefix_only && i == last {
+                    // The head reads the prefix rows only (Block::forward_prefix).
+                    let prefix = block.forward_prefix(&x, next_qkv.take(), &batch, num_prefix)?;
+                    return Ok(DevicePrunedForward {
+                        logits: self.logits_from_prefix(&prefix)?,
+                        kept_tokens,
+                    });
+                }
                 let next = self
                     .blocks
                     .get(i + 1)
@@ -470,9 +480,16 @@ impl DeiT {
         // The next block's qkv, computed by the block before it when no pruning step lies
         // between them (Block::forward_chained).
         let mut next_qkv = None;
+        let last = self.blocks.len().saturating_sub(1);
+        let prefix_only = crate::deit::last_block_prefix_only(batch.batch_size());
         for (i, block) in self.blocks.iter().enumerate().skip(first) {
             let inputs = AttentionInputs::Ragged { batch: &batch };
             let Some((_, pruner)) = steps.next_if(|(blk, _)| *blk == i) else {
+                if prefix_only && i == last {
+                    // The head reads the prefix rows only (Block::forward_prefix).
+                    let prefix = block.forward_prefix(&x, next_qkv.take(), &batch, num_prefix)?;
+                    return Ok((self.logits_from_prefix(&prefix)?, batches));
+                }
                 let next = self
                     .blocks
                     .get(i + 1)

@@ -1194,3 +1194,33 @@ fn chained_blocks_hand_on_the_next_qkv() {
         x = y;
     }
 }
+
+/// The prefix-only last block ([`models::Block::forward_prefix`], taken by the dense forward and
+/// the on-device pruned forwards for batches of more than one image) gives the prefix rows every
+/// row's computation gives: class token, and the distillation token of a distilled model.
+#[test]
+fn prefix_only_last_block_equals_the_full_rows() {
+    let dev = Device::Cpu;
+    for distilled in [false, true] {
+        let cfg = small_cfg(distilled);
+        let m = model(&cfg, DType::F32, &dev, 73);
+        let p = cfg.num_prefix_tokens();
+        let x = m.embed(&varied_pixels(3, &cfg, 74, &dev)).unwrap();
+        assert!(models::deit::last_block_prefix_only(3));
+        let prefix = m.prefix_after_blocks(&x).unwrap();
+        let full = m.blocks_on_tokens(&x).unwrap().narrow(1, 0, p).unwrap();
+        assert_eq!(prefix.dims(), full.dims());
+        let d = max_abs(&prefix, &full);
+        assert!(
+            d <= 1e-5,
+            "distilled {distilled}: prefix rows differ by {d}"
+        );
+        // And the logits through the dense forward (Module::forward takes this path).
+        let logits = candle_core::Module::forward(&m, &varied_pixels(3, &cfg, 74, &dev)).unwrap();
+        let want = m
+            .logits_from_blocks(&m.blocks_on_tokens(&x).unwrap())
+            .unwrap();
+        let d = max_abs(&logits, &want);
+        assert!(d <= 1e-5, "distilled {distilled}: logits differ by {d}");
+    }
+}
