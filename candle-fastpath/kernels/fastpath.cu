@@ -568,17 +568,19 @@ NORM_LINEAR_ENTRY(bf16, __nv_bfloat16, 192, true, _gelu)
 // Each CTA computes the 16 × 128 tile of y that norm_linear's would, and needs the whole
 // normalised rows of x1 for it. Rather than every CTA recomputing the rows' projection (loading
 // all of Wp), the RNL_SPLIT CTAs that share a row tile form a thread-block cluster and split it:
-// cluster rank q computes x1's columns [32q, 32q + 32) of the 16 rows (mma.sync, K split over six
-// warps, the partials summed in a fixed order), stores them to global memory and into every cluster CTA's row buffer through
-// distributed shared memory, and after the cluster barrier each CTA goes on exactly as
-// norm_linear_tile (LayerNorm of its rows in place, MMA with its weight tile, epilogue). So the
-// rows normalised are x1 rounded to the storage type, as the separate kernels would read them back.
+// cluster rank q computes x1's columns [32q, 32q + 32) of the 16 rows (mma.sync, K split over
+// several warps, the partials summed in a fixed order), stores them to global memory and, once
+// the whole cluster is running (a cluster arrive at entry, its wait before the stores), into
+// every cluster CTA's row buffer through distributed shared memory; after the cluster barrier
+// each CTA goes on exactly as norm_linear_tile (LayerNorm of its rows in place, MMA with its
+// weight tile, epilogue). So the rows normalised are x1 rounded to the storage type, as the
+// separate kernels would read them back.
 // The proj epilogue sums in f32 as cuBLASLt's bias + residual epilogue does ((o·Wpᵀ + r) + bp),
 // rounded once.
 //
 // The same kernel serves the block's other boundary, fc2 + residual in front of the next block's
 // norm1 + qkv (o is then fc1's GELU output, KF = 4C wide, and the back tiles are 96 columns wide
-// so that six cover qkv's 3C = 576): the second form below.
+// so that six cover qkv's 3C = 576): the second form below (lever 62).
 //
 // Constraints (checked by the host, residual_norm_linear in candle-fastpath): C = 32 · RNL_SPLIT
 // (192), ceil(N / BN) = RNL_SPLIT (DeiT-T's fc1, N = 768 with BN = 128; its qkv, N = 576 with
