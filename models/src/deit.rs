@@ -234,11 +234,7 @@ impl Block {
         // norm1 + qkv, the attention, proj + residual + norm2 + fc1 + GELU, then fc2 + residual
         // (+ the next block's norm1 + qkv): where the kernels apply, four launches
         // (candle_fastpath::norm_linear and residual_norm_linear) instead of eight.
-        let qkv = match qkv {
-            Some(qkv) => qkv,
-            None => candle_fastpath::norm_linear(x, &self.norm1, &self.attn.qkv, false)?,
-        };
-        let heads = self.attn.heads_from_qkv(&qkv, inputs)?;
+        let heads = self.attention_output(x, qkv, inputs)?;
         let (x1, hidden) = candle_fastpath::residual_norm_linear(
             &heads,
             x,
@@ -264,11 +260,7 @@ impl Block {
         num_prefix: usize,
     ) -> Result<Tensor> {
         let inputs = AttentionInputs::Ragged { batch };
-        let qkv = match qkv {
-            Some(qkv) => qkv,
-            None => candle_fastpath::norm_linear(x, &self.norm1, &self.attn.qkv, false)?,
-        };
-        let heads = self.attn.heads_from_qkv(&qkv, &inputs)?;
+        let heads = self.attention_output(x, qkv, &inputs)?;
         let heads = candle_ragged::leading_rows(&heads, batch, num_prefix)?;
         let x = candle_ragged::leading_rows(x, batch, num_prefix)?;
         let (x1, hidden) = candle_fastpath::residual_norm_linear(
@@ -280,6 +272,22 @@ impl Block {
             true,
         )?;
         Ok(self.mlp.fc2.forward_residual(&hidden, &x1)?)
+    }
+
+    /// The attention's output for tokens `x` (heads merged, before the projection), from their
+    /// qkv projection when the block before computed it ([`Self::forward_chained`]), else from
+    /// norm1 + qkv here (`candle_fastpath::norm_linear`).
+    fn attention_output(
+        &self,
+        x: &Tensor,
+        qkv: Option<Tensor>,
+        inputs: &AttentionInputs,
+    ) -> Result<Tensor> {
+        let qkv = match qkv {
+            Some(qkv) => qkv,
+            None => candle_fastpath::norm_linear(x, &self.norm1, &self.attn.qkv, false)?,
+        };
+        self.attn.heads_from_qkv(&qkv, inputs)
     }
 
     /// The batch of `inputs` when this block runs as one launch on `x` (packed tokens few enough

@@ -40,7 +40,7 @@ use candle_ragged::{
 use pruners::{EvitFusion, FixedCount, PruneInput, PruneSite, ScoreRecipe, TokenPruner};
 
 use crate::attention::{cls_attention, AttentionInputs};
-use crate::deit::DeiT;
+use crate::deit::{Block, DeiT};
 use crate::error::ModelError;
 use crate::pruned::BlockPruner;
 
@@ -238,6 +238,13 @@ fn computed_scores<'a>(
 }
 
 impl DeiT {
+    /// The block after block `i` when no pruning step sits at it (`next_step`: the block of the
+    /// next step, if any): the one whose qkv block `i` may compute with its fc2
+    /// ([`Block::forward_chained`]), the tokens being the same for both.
+    fn chainable_next(&self, i: usize, next_step: Option<usize>) -> Option<&Block> {
+        self.blocks.get(i + 1).filter(|_| next_step != Some(i + 1))
+    }
+
     /// Logits `[B, num_classes]` of `pixels` with `pruners` on the packed path, every keep decision
     /// made on the device (see the module docs): with fixed-count pruners no host sync at all (the
     /// call can be captured into a CUDA graph), otherwise one read of `B` lengths per step. Same
@@ -374,10 +381,7 @@ impl DeiT {
                         kept_tokens,
                     });
                 }
-                let next = self
-                    .blocks
-                    .get(i + 1)
-                    .filter(|_| steps.peek().is_none_or(|((blk, _), _)| *blk != i + 1));
+                let next = self.chainable_next(i, steps.peek().map(|((blk, _), _)| *blk));
                 (x, next_qkv) = block.forward_chained(&x, next_qkv.take(), next, &inputs)?;
                 continue;
             };
@@ -422,10 +426,7 @@ impl DeiT {
             kept_tokens.push(vec![len; b]);
             batch = self.uniform_batches.get(b, len, &dev)?;
             let inputs = AttentionInputs::Ragged { batch: &batch };
-            let next = self
-                .blocks
-                .get(i + 1)
-                .filter(|_| steps.peek().is_none_or(|((blk, _), _)| *blk != i + 1));
+            let next = self.chainable_next(i, steps.peek().map(|((blk, _), _)| *blk));
             (x, next_qkv) = block.rest_after_chained(site, &x, next, &inputs)?;
         }
         Ok(DevicePrunedForward {
@@ -490,10 +491,7 @@ impl DeiT {
                     let prefix = block.forward_prefix(&x, next_qkv.take(), &batch, num_prefix)?;
                     return Ok((self.logits_from_prefix(&prefix)?, batches));
                 }
-                let next = self
-                    .blocks
-                    .get(i + 1)
-                    .filter(|_| steps.peek().is_none_or(|(blk, _)| *blk != i + 1));
+                let next = self.chainable_next(i, steps.peek().map(|(blk, _)| *blk));
                 (x, next_qkv) = block.forward_chained(&x, next_qkv.take(), next, &inputs)?;
                 continue;
             };
@@ -502,10 +500,7 @@ impl DeiT {
                 self.select_step(i, pruner.as_ref(), &x, &batch, num_prefix, lengths_mode)?;
             batches.push(batch.clone());
             let inputs = AttentionInputs::Ragged { batch: &batch };
-            let next = self
-                .blocks
-                .get(i + 1)
-                .filter(|_| steps.peek().is_none_or(|(blk, _)| *blk != i + 1));
+            let next = self.chainable_next(i, steps.peek().map(|(blk, _)| *blk));
             (x, next_qkv) = block.rest_after_chained(site, &x, next, &inputs)?;
         }
         // One kernel, no host offsets: the class (and distillation) token of every image.
