@@ -112,45 +112,55 @@ pub fn norm_linear_applies(x: &Tensor, norm: &LayerNorm, linear: &FusedLinear, g
     }
     #[cfg(feature = "cuda")]
     {
-        let mode = norm_linear_mode();
         let candle_core::Device::Cuda(dev) = x.device() else {
             return false;
         };
-        let Some(bias) = linear.bias() else {
-            return false;
-        };
         let c = norm.weight().elem_count();
-        let n = linear.out_dim();
-        let aligned =
-            |t: &Tensor| crate::cuda::contiguous_16b(t.layout(), t.dtype().size_in_bytes());
-        let same = |t: &Tensor| t.dtype() == x.dtype() && t.device().same_device(x.device());
-        let eligible = mode != NormLinearMode::Off
-            && matches!(
-                x.dtype(),
-                candle_core::DType::F16 | candle_core::DType::BF16
+        norm_linear_eligible(x, norm, linear, gelu)
+            && fits_one_wave(
+                dev,
+                (x.elem_count() / c).div_ceil(16) * linear.out_dim().div_ceil(128),
             )
-            && NORM_LINEAR_DIMS.contains(&c)
-            && x.dims().last() == Some(&c)
-            && x.elem_count() > 0
-            && linear.in_dim() == c
-            && n % 2 == 0
-            && [norm.weight(), norm.bias(), linear.weight(), bias]
-                .iter()
-                .all(|t| same(t))
-            && [x, norm.weight(), norm.bias(), linear.weight()]
-                .iter()
-                .all(|t| aligned(t))
-            && bias.is_contiguous()
-            && (!gelu || crate::gelu_form::gelu_form() == crate::gelu_form::GeluForm::Phi);
-        if !eligible {
-            return false;
-        }
-        if mode == NormLinearMode::Always {
-            return true;
-        }
-        let tiles = (x.elem_count() / c).div_ceil(16) * n.div_ceil(128);
-        crate::cuda::sm_count(dev).is_ok_and(|sms| tiles <= sms)
     }
+}
+
+/// [`norm_linear_applies`] but for the grid's size: everything the fused kernel requires of its
+/// operands, and [`norm_linear_mode`] not `Off`.
+#[cfg(feature = "cuda")]
+fn norm_linear_eligible(x: &Tensor, norm: &LayerNorm, linear: &FusedLinear, gelu: bool) -> bool {
+    let Some(bias) = linear.bias() else {
+        return false;
+    };
+    let c = norm.weight().elem_count();
+    let n = linear.out_dim();
+    let aligned = |t: &Tensor| crate::cuda::contiguous_16b(t.layout(), t.dtype().size_in_bytes());
+    let same = |t: &Tensor| t.dtype() == x.dtype() && t.device().same_device(x.device());
+    norm_linear_mode() != NormLinearMode::Off
+        && matches!(
+            x.dtype(),
+            candle_core::DType::F16 | candle_core::DType::BF16
+        )
+        && NORM_LINEAR_DIMS.contains(&c)
+        && x.dims().last() == Some(&c)
+        && x.elem_count() > 0
+        && linear.in_dim() == c
+        && n % 2 == 0
+        && [norm.weight(), norm.bias(), linear.weight(), bias]
+            .iter()
+            .all(|t| same(t))
+        && [x, norm.weight(), norm.bias(), linear.weight()]
+            .iter()
+            .all(|t| aligned(t))
+        && bias.is_contiguous()
+        && (!gelu || crate::gelu_form::gelu_form() == crate::gelu_form::GeluForm::Phi)
+}
+
+/// The grid-size rule of the fused kernels: `tiles` CTAs (one per SM each) fit one wave on `dev`,
+/// or [`norm_linear_mode`] is `Always`.
+#[cfg(feature = "cuda")]
+fn fits_one_wave(dev: &candle_core::cuda_backend::CudaDevice, tiles: usize) -> bool {
+    norm_linear_mode() == NormLinearMode::Always
+        || crate::cuda::sm_count(dev).is_ok_and(|sms| tiles <= sms)
 }
 
 /// Which of [`residual_norm_linear`]'s two kernel forms may run, from
@@ -262,7 +272,7 @@ pub fn residual_norm_linear(
 /// six 96-column tiles: its fc2 → qkv),
 /// `o` and `residual` contiguous and 16-byte aligned with the same rows, `front` with a bias,
 /// whatever [`norm_linear_applies`] requires of the LayerNorm and `linear` (its switch too), and
-/// a grid (six CTAs per 16 rows) of at most one CTA per SM unless that switch says `always`.
+/// its grid (six CTAs per 16 rows) within one wave under the same rule.
 /// Anything else takes the two steps.
 pub fn residual_norm_linear_applies(
     o: &Tensor,
@@ -310,12 +320,10 @@ pub fn residual_norm_linear_applies(
             && aligned(o)
             && aligned(residual)
             && front_ok
-            && norm_linear_applies(residual, norm, linear, gelu);
-        if !eligible || !crate::cuda::has_residual_norm_linear(dev) {
-            return false;
-        }
-        norm_linear_mode() == NormLinearMode::Always
-            || crate::cuda::sm_count(dev)
-                .is_ok_and(|sms| rows.div_ceil(16) * crate::cuda::RNL_SPLIT <= sms)
+            && norm_linear_eligible(residual, norm, linear, gelu);
+        // Its grid is six CTAs per 16 rows, at least norm_linear's ceil(N / 128) for either form.
+        eligible
+            && crate::cuda::has_residual_norm_linear(dev)
+            && fits_one_wave(dev, rows.div_ceil(16) * crate::cuda::RNL_SPLIT)
     }
 }
