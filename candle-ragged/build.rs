@@ -1,5 +1,7 @@
 //! Compiles `kernels/ragged_attention.cu` to PTX with nvcc when the `cuda` feature is on.
-//! The CPU build needs no CUDA at all: without the feature this script does nothing.
+//! The CPU build needs no CUDA at all: without the feature this script does nothing but publish
+//! the kernel folder (`links` metadata `include`, `DEP_CANDLE_RAGGED_INCLUDE` in dependents'
+//! build scripts), so that other crates' kernels can include `attention_warp.cuh`.
 use std::path::PathBuf;
 use std::process::Command;
 
@@ -8,10 +10,13 @@ fn main() {
     println!("cargo:rerun-if-changed=kernels/ragged_attention.cu");
     println!("cargo:rerun-if-changed=kernels/ragged_attention_sm90.cu");
     println!("cargo:rerun-if-changed=kernels/attention_common.cuh");
+    println!("cargo:rerun-if-changed=kernels/attention_warp.cuh");
     println!("cargo::rustc-check-cfg=cfg(ragged_wgmma)");
     println!("cargo:rerun-if-env-changed=CUDA_COMPUTE_CAP");
     println!("cargo:rerun-if-env-changed=CUDA_HOME");
     println!("cargo:rerun-if-env-changed=NVCC");
+    let kernels = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").unwrap()).join("kernels");
+    println!("cargo:include={}", kernels.display());
     if std::env::var_os("CARGO_FEATURE_CUDA").is_none() {
         return;
     }
