@@ -16,6 +16,9 @@
 namespace cg = cooperative_groups;
 
 #include "gelu_phi.cuh"
+// candle-ragged's warp-level attention (its build metadata puts the folder on the include path):
+// attention_residual_norm_linear runs the same online softmax inside its cluster.
+#include "attention_warp.cuh"
 
 struct GeluErf {
     __device__ __forceinline__ float operator()(float x) const {
@@ -590,6 +593,78 @@ NORM_LINEAR_ENTRY(bf16, __nv_bfloat16, 192, true, _gelu)
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
 constexpr int RNL_SPLIT = 6;
 
+// Steps 2-5 of residual_norm_linear_tile below (the front GEMM's slice, x1 into every cluster
+// CTA's rows, the LayerNorm, the back GEMM and its epilogue), once this CTA's `so` rows (the front
+// GEMM's input, KF wide) and `sp` rows (its SLICE rows of Wp) are in shared memory and visible to
+// every thread; W's rows (`sb`) may still be in flight as the newest cp.async group. ENTRY_WAIT:
+// this call waits on the cluster arrive made at kernel entry (else the caller did).
+// attention_residual_norm_linear_tile ends the same way.
+template <typename T, int K, int KF, int KW, int BN, bool GELU, bool ENTRY_WAIT>
+__device__ __forceinline__ void rnl_finish(T* sa, const T* sb, const T* so, const T* sp, float* spart,
+                                           const float (&res)[2], const float (&pbias)[2],
+                                           const uint4 (&wraw)[(K / 8 + 31) / 32],
+                                           const uint4 (&braw)[(K / 8 + 31) / 32], const float (&bias_f)[4][2],
+                                           T* __restrict__ x1, T* __restrict__ y, int M, int N, float eps) {
+    constexpr int LDS = K + 8, VECS = K / 8, CHUNKS = (VECS + 31) / 32, LDF = KF + 8;
+    constexpr int WARPS_N = BN / 32, MMA_WARPS = (NL_BM / 16) * WARPS_N, SLICE = K / RNL_SPLIT;
+    constexpr int KSLICE = KF / KW, RNL_PAIRS = NL_BM * SLICE / 2;
+    const int rank = blockIdx.x;
+    const int m0 = blockIdx.y * NL_BM, n0 = blockIdx.x * BN, c0 = rank * SLICE;
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    const int wm = warp / WARPS_N, wn = warp % WARPS_N;
+    const int prow = tid / (SLICE / 2), pcol = c0 + (tid % (SLICE / 2)) * 2;
+
+    // 2. This rank's 16 × 32 slice of o·Wpᵀ, K split over KW warps into partials.
+    if (warp < KW) {
+        float acc[4][4] = {};
+        nl_warp_mma_16x32<T, KSLICE, LDF>(acc, so + warp * KSLICE, sp + warp * KSLICE);
+        float* part = spart + warp * NL_BM * SLICE;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int rl = lane / 4 + h * 8, cl = j * 8 + (lane % 4) * 2;
+                *reinterpret_cast<float2*>(part + rl * SLICE + cl) = make_float2(acc[j][2 * h], acc[j][2 * h + 1]);
+            }
+        }
+    }
+    __syncthreads();
+
+    // 3. x1 = (o·Wpᵀ + r) + bp, rounded once, to global memory and to every cluster CTA's rows.
+    if (ENTRY_WAIT) asm volatile("barrier.cluster.wait;" ::: "memory");
+    if (tid < RNL_PAIRS) {
+        float2 sum = make_float2(0.f, 0.f);
+#pragma unroll
+        for (int q = 0; q < KW; ++q) {
+            const float2 v = *reinterpret_cast<const float2*>(spart + (q * NL_BM + prow) * SLICE + (pcol - c0));
+            sum.x += v.x;
+            sum.y += v.y;
+        }
+        const NlPair<T> p{from_f32<T>((sum.x + res[0]) + pbias[0]), from_f32<T>((sum.y + res[1]) + pbias[1])};
+#pragma unroll
+        for (int q = 0; q < RNL_SPLIT; ++q)
+            *reinterpret_cast<NlPair<T>*>(cg::this_cluster().map_shared_rank(sa, q) + prow * LDS + pcol) = p;
+        if (m0 + prow < M) *reinterpret_cast<NlPair<T>*>(x1 + (size_t)(m0 + prow) * K + pcol) = p;
+    }
+    // Every rank's stores into this CTA's rows are visible after the barrier (release / acquire
+    // at cluster scope); after it no CTA touches another's shared memory, so each may exit freely.
+    cg::this_cluster().sync();
+
+    // 4. One warp per row, in place: the LayerNorm kernel's own row code.
+    if (warp < NL_BM) {
+        uint4* row = reinterpret_cast<uint4*>(sa + warp * LDS);
+        layer_norm_warp_row<CHUNKS, T>(row, row, wraw, braw, VECS, K, eps, lane);
+    }
+    asm volatile("cp.async.wait_group 0;" ::: "memory");
+    __syncthreads();
+    if (warp >= MMA_WARPS) return;
+
+    // 5. A 16 × 32 slice of the tile per warp, then the epilogue.
+    float acc[4][4] = {};
+    nl_warp_mma_16x32<T, K, LDS>(acc, sa + wm * 16 * LDS, sb + wn * 32 * LDS);
+    nl_store_tile<T, GELU>(acc, bias_f, y, m0 + wm * 16, n0 + wn * 32, M, N);
+}
+
 // K = C (the normalised width); KF the front GEMM's K (C for proj, 4C for fc2), split over KW
 // warps; BN the back GEMM's tile width (RNL_SPLIT tiles cover its N).
 template <typename T, int K, int KF, int KW, int BN, bool GELU>
@@ -642,9 +717,8 @@ __device__ void residual_norm_linear_tile(const T* __restrict__ o, const T* __re
     asm volatile("cp.async.commit_group;" ::: "memory");
     uint4 wraw[CHUNKS], braw[CHUNKS];
     layer_norm_params<CHUNKS>(ln_w, ln_b, wraw, braw, VECS, lane);
-    const int wm = warp / WARPS_N, wn = warp % WARPS_N;
     float bias_f[4][2];
-    nl_load_bias(bias_f, bias, n0 + wn * 32, N);
+    nl_load_bias(bias_f, bias, n0 + warp % WARPS_N * 32, N);
     // The pair of x1 this thread finishes (threads below RNL_PAIRS): its row and column, and
     // the residual and bias it adds (zero past M).
     const int prow = tid / (SLICE / 2), pcol = c0 + (tid % (SLICE / 2)) * 2;
@@ -660,56 +734,7 @@ __device__ void residual_norm_linear_tile(const T* __restrict__ o, const T* __re
     }
     asm volatile("cp.async.wait_group 1;" ::: "memory");
     __syncthreads();
-
-    // 2. This rank's 16 × 32 slice of o·Wpᵀ, K split over KW warps into partials.
-    if (warp < KW) {
-        float acc[4][4] = {};
-        nl_warp_mma_16x32<T, KSLICE, LDF>(acc, so + warp * KSLICE, sp + warp * KSLICE);
-        float* part = spart + warp * NL_BM * SLICE;
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int rl = lane / 4 + h * 8, cl = j * 8 + (lane % 4) * 2;
-                *reinterpret_cast<float2*>(part + rl * SLICE + cl) = make_float2(acc[j][2 * h], acc[j][2 * h + 1]);
-            }
-        }
-    }
-    __syncthreads();
-
-    // 3. x1 = (o·Wpᵀ + r) + bp, rounded once, to global memory and to every cluster CTA's rows.
-    asm volatile("barrier.cluster.wait;" ::: "memory");
-    if (tid < RNL_PAIRS) {
-        float2 sum = make_float2(0.f, 0.f);
-#pragma unroll
-        for (int q = 0; q < KW; ++q) {
-            const float2 v = *reinterpret_cast<const float2*>(spart + (q * NL_BM + prow) * SLICE + (pcol - c0));
-            sum.x += v.x;
-            sum.y += v.y;
-        }
-        const NlPair<T> p{from_f32<T>((sum.x + res[0]) + pbias[0]), from_f32<T>((sum.y + res[1]) + pbias[1])};
-#pragma unroll
-        for (int q = 0; q < RNL_SPLIT; ++q)
-            *reinterpret_cast<NlPair<T>*>(cg::this_cluster().map_shared_rank(sa, q) + prow * LDS + pcol) = p;
-        if (m0 + prow < M) *reinterpret_cast<NlPair<T>*>(x1 + (size_t)(m0 + prow) * K + pcol) = p;
-    }
-    // Every rank's stores into this CTA's rows are visible after the barrier (release / acquire
-    // at cluster scope); after it no CTA touches another's shared memory, so each may exit freely.
-    cg::this_cluster().sync();
-
-    // 4. One warp per row, in place: the LayerNorm kernel's own row code.
-    if (warp < NL_BM) {
-        uint4* row = reinterpret_cast<uint4*>(sa + warp * LDS);
-        layer_norm_warp_row<CHUNKS, T>(row, row, wraw, braw, VECS, K, eps, lane);
-    }
-    asm volatile("cp.async.wait_group 0;" ::: "memory");
-    __syncthreads();
-    if (warp >= MMA_WARPS) return;
-
-    // 5. A 16 × 32 slice of the tile per warp, then the epilogue.
-    float acc[4][4] = {};
-    nl_warp_mma_16x32<T, K, LDS>(acc, sa + wm * 16 * LDS, sb + wn * 32 * LDS);
-    nl_store_tile<T, GELU>(acc, bias_f, y, m0 + wm * 16, n0 + wn * 32, M, N);
+    rnl_finish<T, K, KF, KW, BN, GELU, true>(sa, sb, so, sp, spart, res, pbias, wraw, braw, bias_f, x1, y, M, N, eps);
 }
 
 // One entry per storage type and form, named as the Rust side's RESIDUAL_NORM_LINEAR_NAMES table
@@ -731,4 +756,215 @@ RESIDUAL_NORM_LINEAR_ENTRY(f16, __half, 192, 768, 12, 96, false, _k768)
 RESIDUAL_NORM_LINEAR_ENTRY(bf16, __nv_bfloat16, 192, 192, 6, 128, false, )
 RESIDUAL_NORM_LINEAR_ENTRY(bf16, __nv_bfloat16, 192, 192, 6, 128, true, _gelu)
 RESIDUAL_NORM_LINEAR_ENTRY(bf16, __nv_bfloat16, 192, 768, 12, 96, false, _k768)
+
+// ---------------------------------------------------------------------------------------------
+// attention_residual_norm_linear: the attention itself folded into residual_norm_linear's proj
+// form (lever 64 in docs/BENCHMARKS.md), for one sequence (batch 1) of DeiT-T's width:
+//   o = softmax(q kᵀ · scale) v per head (q, k, v read from the fused qkv projection),
+//   x1 = r + o·Wpᵀ + bp,   y = LayerNorm(x1)·Wᵀ + b (then x·Φ(x)),
+// one launch where the graph ran candle-ragged's attention kernel and then lever 61's. At batch 1
+// the attention is ~5 µs of a CUDA graph's chain for a few MFLOP; inside the cluster it adds
+// ~3.5 µs to the kernel after it (the probe, scripts/gpu/probes/arnl.cu).
+//
+// The RNL_SPLIT = 2 · HEADS CTAs of a row tile's cluster split the attention by head: ranks h and
+// h + HEADS both compute head h for the tile's 16 queries over all keys, with candle-ragged's
+// warp-level online softmax (attention_warp.cuh): K and V of the head staged in shared memory,
+// ARNL_PARTS warps each taking a range of 16-key tiles (attend_keys), then all warps merging the
+// parts' states (each thread one row and two columns, the parts weighed by their maxima in a
+// fixed order). The normalised rows, rounded to the storage type as the attention kernel's
+// output is, go into the attention tile of HEADS cluster CTAs through distributed shared memory
+// (rank h into ranks 0..HEADS-1, rank h + HEADS into the others); after a cluster barrier every
+// CTA holds the whole 16 × C tile where residual_norm_linear_tile loads o, and finishes as that
+// kernel does (rnl_finish).
+//
+// Latency, not bytes, is what matters here, so (the probe's variants):
+//   - the query fragments are loaded (global → registers) before any cp.async is issued: behind
+//     Wp's and W's bytes they arrived last (0.2–0.3 µs);
+//   - K and V are loaded for all M rows without waiting on cu_seqlens (a memory round trip at the
+//     head of the chain, 0.1–0.3 µs); the length masks the keys afterwards, and the rows from
+//     the length to the next multiple of 16, which attend_chunk needs finite, are zeroed when
+//     M is larger (a capacity-sized buffer);
+//   - ranks h and h + HEADS both compute the whole head: splitting its keys between them halves
+//     the K / V bytes but costs a state exchange and one more cluster barrier (0.2–0.6 µs slower);
+//   - with many rows (78 CTAs at 197) issuing Wp's and W's loads only once K and V have landed
+//     saves ~0.3 µs; with few (97 rows and under) it costs as much (the _late entries, which the
+//     host takes from ARNL_LATE_W_ROWS = 128 rows up).
+// Query rows past the sequence give zero rows of o, as rows the attention kernel never writes
+// read in a pool's fresh buffer would not: x1 = r + bp there (nobody reads those rows).
+//
+// Constraints (checked by the host, attention_residual_norm_linear in candle-fastpath): C = 192
+// (three heads of 64), N in (640, 768] (six 128-column tiles), one sequence (cu_seqlens =
+// [0, len], len ≤ M), compute capability 9.0. Grid (RNL_SPLIT, ceil(M / NL_BM)), clusters of
+// RNL_SPLIT along x, NL_WARPS · 32 threads, arnl_smem_bytes(M) bytes of dynamic shared memory
+// (the host's copy: AttentionRnl::smem_bytes).
+constexpr int ARNL_HEAD_DIM = 64, ARNL_PARTS = 8, ARNL_STATE = ARNL_HEAD_DIM / 2 + 4;
+
+template <typename T, int K, int BN, bool GELU, bool LATE_W>
+__device__ void attention_residual_norm_linear_tile(const T* __restrict__ qkv, const uint32_t* __restrict__ cu_seqlens,
+                                                    const T* __restrict__ wp, const T* __restrict__ bp,
+                                                    const T* __restrict__ r, const T* __restrict__ ln_w,
+                                                    const T* __restrict__ ln_b, const T* __restrict__ w,
+                                                    const T* __restrict__ bias, T* __restrict__ x1, T* __restrict__ y,
+                                                    int M, int N, float eps, float scale_log2) {
+    constexpr int D = ARNL_HEAD_DIM, HEADS = K / D, ROW = TileCfg<D>::ROW, PARTS = ARNL_PARTS, STATE = ARNL_STATE;
+    constexpr int THREADS = NL_WARPS * 32, LDS = K + 8, VECS = K / 8, CHUNKS = (VECS + 31) / 32;
+    constexpr int KF = K, KW = 6, LDF = KF + 8, VECF = KF / 8, QKV = 3 * K;
+    constexpr int WARPS_N = BN / 32, SLICE = K / RNL_SPLIT, RNL_PAIRS = NL_BM * SLICE / 2;
+    static_assert(RNL_SPLIT == 2 * HEADS && NL_WARPS == 2 * PARTS && SLICE == 32 && NL_BM == 16 &&
+                      RNL_PAIRS <= THREADS,
+                  "tile shape");
+    extern __shared__ __align__(16) unsigned char nl_smem[];
+    T* sa = reinterpret_cast<T*>(nl_smem);  // NL_BM rows of x1 (filled by the cluster), then normalised
+    T* sb = sa + NL_BM * LDS;                // BN rows of W
+    T* so = sb + BN * LDS;                   // the attention's NL_BM × C tile (filled by the cluster)
+    T* sp = so + NL_BM * LDF;                // this rank's SLICE rows of Wp
+    float* spart = reinterpret_cast<float*>(sp + SLICE * LDF);  // [KW][NL_BM][SLICE]
+    float* sstate = spart + KW * NL_BM * SLICE;                  // [PARTS][STATE][32 lanes]
+    T* ks = reinterpret_cast<T*>(sstate + PARTS * STATE * 32);   // K rows, then V rows, ROW wide
+    const int rank = blockIdx.x, head = rank % HEADS, half = rank / HEADS;
+    const int m0 = blockIdx.y * NL_BM, n0 = blockIdx.x * BN, c0 = rank * SLICE;
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    // As residual_norm_linear_tile: no remote store before the whole cluster runs.
+    asm volatile("barrier.cluster.arrive.relaxed;" ::: "memory");
+
+    // 1. The query fragments, then K and V of this CTA's head (M rows, up to a multiple of 16
+    // zero-filled), Wp's slice, W's rows: three cp.async groups (LATE_W: the last two once K and
+    // V have landed).
+    RowState<D> st;
+    if (warp < PARTS) begin_rows<T, D>(st, qkv + head * D, QKV, m0, M, lane);
+    const int kv_rows = (M + 15) & ~15;
+    T* vs = ks + kv_rows * ROW;
+    for (int i = tid; i < kv_rows * (D / 8); i += THREADS) {
+        const int row = i / (D / 8), c = i % (D / 8);
+        const bool ok = row < M;
+        const T* src = qkv + (size_t)(ok ? row : 0) * QKV + head * D + c * 8;
+        nl_cp_async16(ks + row * ROW + c * 8, src + K, ok);
+        nl_cp_async16(vs + row * ROW + c * 8, src + 2 * K, ok);
+    }
+    asm volatile("cp.async.commit_group;" ::: "memory");
+    auto load_weights = [&] {
+        for (int i = tid; i < SLICE * VECF; i += THREADS) {
+            const int rr = i / VECF, c = i % VECF;
+            nl_cp_async16(sp + rr * LDF + c * 8, wp + (size_t)(c0 + rr) * KF + c * 8, true);
+        }
+        asm volatile("cp.async.commit_group;" ::: "memory");
+        for (int i = tid; i < BN * VECS; i += THREADS) {
+            const int rr = i / VECS, c = i % VECS;
+            const bool ok = n0 + rr < N;
+            nl_cp_async16(sb + rr * LDS + c * 8, w + (size_t)(ok ? n0 + rr : 0) * K + c * 8, ok);
+        }
+        asm volatile("cp.async.commit_group;" ::: "memory");
+    };
+    if (!LATE_W) load_weights();
+    const int len = min(static_cast<int>(cu_seqlens[1]), M);
+    uint4 wraw[CHUNKS], braw[CHUNKS];
+    layer_norm_params<CHUNKS>(ln_w, ln_b, wraw, braw, VECS, lane);
+    float bias_f[4][2];
+    nl_load_bias(bias_f, bias, n0 + warp % WARPS_N * 32, N);
+    const int prow = tid / (SLICE / 2), pcol = c0 + (tid % (SLICE / 2)) * 2;
+    float res[2] = {0.f, 0.f}, pbias[2] = {0.f, 0.f};
+    if (tid < RNL_PAIRS) {
+        if (m0 + prow < M) {
+            const NlPair<T> p = *reinterpret_cast<const NlPair<T>*>(r + (size_t)(m0 + prow) * K + pcol);
+            res[0] = to_f32(p.a);
+            res[1] = to_f32(p.b);
+        }
+        pbias[0] = to_f32(bp[pcol]);
+        pbias[1] = to_f32(bp[pcol + 1]);
+    }
+    if (LATE_W)
+        asm volatile("cp.async.wait_group 0;" ::: "memory");
+    else
+        asm volatile("cp.async.wait_group 2;" ::: "memory");
+    // Rows past the sequence may hold anything; those up to its next multiple of 16 must be
+    // finite (P is exactly 0 there, and 0 · NaN is not). Each thread zeroes the rows it loaded.
+    if (len < M) {
+        for (int i = tid; i < kv_rows * (D / 8); i += THREADS) {
+            const int row = i / (D / 8), c = i % (D / 8);
+            if (row >= len) {
+                *reinterpret_cast<uint4*>(ks + row * ROW + c * 8) = make_uint4(0, 0, 0, 0);
+                *reinterpret_cast<uint4*>(vs + row * ROW + c * 8) = make_uint4(0, 0, 0, 0);
+            }
+        }
+    }
+    __syncthreads();
+    if (LATE_W) load_weights();
+
+    // 2. Warp p < PARTS: the 16 queries over the 16-key tiles [p · kt / PARTS, (p + 1) · kt /
+    // PARTS) of the sequence, its online-softmax state left in shared memory.
+    if (warp < PARTS) {
+        const int kt = (len + 15) / 16;
+        const int key0 = warp * kt / PARTS * 16, key_end = min(len, (warp + 1) * kt / PARTS * 16);
+        if (key0 < key_end) attend_keys<T, D, 32, false>(st, ks, vs, key0, key_end, scale_log2, lane);
+        float* mine = sstate + warp * STATE * 32 + lane;
+#pragma unroll
+        for (int i = 0; i < D / 8; ++i)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) mine[(i * 4 + e) * 32] = st.acc_o[i][e];
+        mine[(D / 2 + 0) * 32] = st.m0;
+        mine[(D / 2 + 1) * 32] = st.m1;
+        mine[(D / 2 + 2) * 32] = st.l0;
+        mine[(D / 2 + 3) * 32] = st.l1;
+    }
+    __syncthreads();
+
+    // 3. The merge: warp g takes accumulators 2g and 2g + 1 of every lane's state (one row, two
+    // adjacent columns), weighs each part by exp2(its maximum - the row's), normalises, and
+    // stores the pair into HEADS cluster CTAs' tiles.
+    {
+        const int hi = warp % 2, i0 = 2 * warp;
+        float m = -INFINITY;
+#pragma unroll
+        for (int p = 0; p < PARTS; ++p) m = fmaxf(m, sstate[(p * STATE + D / 2 + hi) * 32 + lane]);
+        float l = 0.f, o0 = 0.f, o1 = 0.f;
+        if (m != -INFINITY) {  // else no key at all (len 0): zeros below
+#pragma unroll
+            for (int p = 0; p < PARTS; ++p) {
+                const float* s = sstate + p * STATE * 32 + lane;
+                const float wgt = exp2f(s[(D / 2 + hi) * 32] - m);  // 0 for a part without keys
+                l += s[(D / 2 + 2 + hi) * 32] * wgt;
+                o0 += s[i0 * 32] * wgt;
+                o1 += s[(i0 + 1) * 32] * wgt;
+            }
+        }
+        // The four threads of a quad hold the row's partial sums over their columns.
+        l += __shfl_xor_sync(0xffffffff, l, 1);
+        l += __shfl_xor_sync(0xffffffff, l, 2);
+        const int row = lane / 4 + hi * 8, col = head * D + (warp / 2) * 8 + (lane % 4) * 2;
+        const uint32_t pair = m0 + row < len ? Pack2<T>::from_floats(o0 / l, o1 / l) : 0u;
+        asm volatile("barrier.cluster.wait;" ::: "memory");
+#pragma unroll
+        for (int q = 0; q < HEADS; ++q)
+            *reinterpret_cast<uint32_t*>(cg::this_cluster().map_shared_rank(so, half * HEADS + q) + row * LDF + col) =
+                pair;
+    }
+    asm volatile("cp.async.wait_group 1;" ::: "memory");
+    // Every CTA's attention tile complete (and this CTA's Wp rows visible to all its threads).
+    cg::this_cluster().sync();
+    rnl_finish<T, K, KF, KW, BN, GELU, false>(sa, sb, so, sp, spart, res, pbias, wraw, braw, bias_f, x1, y, M, N,
+                                              eps);
+}
+
+// One entry per storage type, with and without the GELU, each with W's loads issued at once or
+// late (_late: once K and V have landed, which the host picks from ARNL_LATE_W_ROWS rows up),
+// named as the Rust side's ATTENTION_RNL_NAMES table expects. Compute capability 9.0 and up
+// only, as above.
+#define ATTENTION_RESIDUAL_NORM_LINEAR_ENTRY(SUFFIX, T, GELU, LATE, TAIL)                                     \
+    extern "C" __global__ void __cluster_dims__(RNL_SPLIT, 1, 1) __launch_bounds__(NL_WARPS * 32)           \
+        fastpath_attention_residual_norm_linear_##SUFFIX##_c192##TAIL(                                       \
+            const T* qkv, const uint32_t* cu_seqlens, const T* wp, const T* bp, const T* r, const T* ln_w,   \
+            const T* ln_b, const T* w, const T* bias, T* x1, T* y, int M, int N, float eps,                  \
+            float scale_log2) {                                                                              \
+        attention_residual_norm_linear_tile<T, 192, 128, GELU, LATE>(qkv, cu_seqlens, wp, bp, r, ln_w, ln_b, \
+                                                                     w, bias, x1, y, M, N, eps, scale_log2); \
+    }
+ATTENTION_RESIDUAL_NORM_LINEAR_ENTRY(f16, __half, false, false, )
+ATTENTION_RESIDUAL_NORM_LINEAR_ENTRY(f16, __half, true, false, _gelu)
+ATTENTION_RESIDUAL_NORM_LINEAR_ENTRY(bf16, __nv_bfloat16, false, false, )
+ATTENTION_RESIDUAL_NORM_LINEAR_ENTRY(bf16, __nv_bfloat16, true, false, _gelu)
+ATTENTION_RESIDUAL_NORM_LINEAR_ENTRY(f16, __half, false, true, _late)
+ATTENTION_RESIDUAL_NORM_LINEAR_ENTRY(f16, __half, true, true, _gelu_late)
+ATTENTION_RESIDUAL_NORM_LINEAR_ENTRY(bf16, __nv_bfloat16, false, true, _late)
+ATTENTION_RESIDUAL_NORM_LINEAR_ENTRY(bf16, __nv_bfloat16, true, true, _gelu_late)
+
 #endif

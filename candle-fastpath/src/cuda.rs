@@ -71,6 +71,37 @@ const RESIDUAL_NORM_LINEAR_NAMES: [&str; 6] = [
     "fastpath_residual_norm_linear_bf16_c192_gelu",
     "fastpath_residual_norm_linear_bf16_c192_k768",
 ];
+/// [`AttentionResidualNormLinearOp`]'s kernels (compute capability 9.0 and up): f16 plain, f16
+/// GELU, bf16 plain, bf16 GELU, then the same four issuing W's loads late
+/// ([`ARNL_LATE_W_ROWS`]).
+const ATTENTION_RNL_NAMES: [&str; 8] = [
+    "fastpath_attention_residual_norm_linear_f16_c192",
+    "fastpath_attention_residual_norm_linear_f16_c192_gelu",
+    "fastpath_attention_residual_norm_linear_bf16_c192",
+    "fastpath_attention_residual_norm_linear_bf16_c192_gelu",
+    "fastpath_attention_residual_norm_linear_f16_c192_late",
+    "fastpath_attention_residual_norm_linear_f16_c192_gelu_late",
+    "fastpath_attention_residual_norm_linear_bf16_c192_late",
+    "fastpath_attention_residual_norm_linear_bf16_c192_gelu_late",
+];
+/// From this many rows [`AttentionResidualNormLinearOp`] takes its `_late` kernels, which issue
+/// the proj and fc1 weights' loads only once K and V have landed: with 78 CTAs (197 rows) those
+/// loads delay K / V's (0.3 µs per launch in the probe, 138 rows too), with 42 (97 rows) and
+/// fewer the late issue costs as much.
+const ARNL_LATE_W_ROWS: usize = 128;
+/// The head width [`AttentionResidualNormLinearOp`]'s kernel is built for (ARNL_HEAD_DIM).
+pub(crate) const ARNL_HEAD_DIM: usize = 64;
+
+/// Dynamic shared memory of an [`AttentionResidualNormLinearOp`] launch over `m` rows (16-bit
+/// storage): the proj form of [`RnlForm::smem_bytes`], then the ARNL_PARTS = 8 warps'
+/// online-softmax states (ARNL_HEAD_DIM / 2 + 4 floats per lane) and the head's K and V rows
+/// (`m` rounded up to 16, ARNL_HEAD_DIM + 8 elements each).
+pub(crate) fn attention_rnl_smem_bytes(m: usize) -> usize {
+    RnlForm::Proj.smem_bytes()
+        + 8 * (ARNL_HEAD_DIM / 2 + 4) * 32 * 4
+        + 2 * m.next_multiple_of(16) * (ARNL_HEAD_DIM + 8) * 2
+}
+
 /// The one width [`ResidualNormLinearOp`]'s kernels are built for, and the CTAs of a cluster
 /// (`RNL_SPLIT` in kernels/fastpath.cu: each computes `RNL_DIM / RNL_SPLIT` = 32 of the
 /// front GEMM's columns, and one tile of the back GEMM's output).
@@ -235,6 +266,9 @@ struct DeviceState {
     norm_linear: Vec<CudaFunction>,
     /// `None` below compute capability 9.0 or when the PTX was built for an earlier one.
     residual_norm_linear: Option<Vec<CudaFunction>>,
+    /// [`AttentionResidualNormLinearOp`]'s kernels and the most dynamic shared memory a block
+    /// may opt into (its K / V rows grow with the sequence); `None` as `residual_norm_linear`.
+    attention_rnl: Option<(Vec<CudaFunction>, usize)>,
     /// Streaming multiprocessors, for the CUTLASS kernel's persistent tile scheduler and
     /// [`crate::norm_linear_applies`]'s one-wave rule.
     sm_count: usize,
@@ -330,6 +364,23 @@ fn new_state(dev: &CudaDevice) -> candle_core::Result<DeviceState> {
                             .map_err(candle_core::Error::wrap)?;
                     }
                     Some(funcs)
+                }
+                _ => None,
+            }
+        },
+        attention_rnl: {
+            use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES as MAX_SMEM;
+            let clusters = attribute(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)? >= 9;
+            let max_smem =
+                attribute(CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?.max(0) as usize;
+            match load(&ATTENTION_RNL_NAMES) {
+                Ok(funcs) if clusters => {
+                    // The opt-in once, at the device's limit; each launch asks for its own size.
+                    for f in &funcs {
+                        f.set_attribute(MAX_SMEM, max_smem as i32)
+                            .map_err(candle_core::Error::wrap)?;
+                    }
+                    Some((funcs, max_smem))
                 }
                 _ => None,
             }
@@ -947,6 +998,37 @@ impl NormLinearOp {
 
 cuda_only_op3!(NormLinearOp, "fastpath-norm-linear", "norm_linear");
 
+/// `T` views (from their start offsets) of parameters an op carries, locked by
+/// `storage_and_layout` in `guards`, after checking each against its `(elements, vector)` spec:
+/// on the CUDA device, dtype `T`, that many elements, contiguous, and 16-byte aligned when
+/// `vector` (the kernel loads it in 16-byte chunks), else 4-byte aligned (pairs).
+fn carried_views<'a, T>(
+    what: &str,
+    guards: &'a [(candle_core::StorageRef<'a>, &'a Layout)],
+    specs: &[(usize, bool)],
+) -> candle_core::Result<Vec<CudaView<'a, T>>>
+where
+    T: candle_core::cuda_backend::CudaDType + candle_core::WithDType,
+{
+    let size = size_of::<T>();
+    let mut views = Vec::with_capacity(guards.len());
+    for ((storage, layout), &(count, vector)) in guards.iter().zip(specs) {
+        let Storage::Cuda(s) = &**storage else {
+            candle_core::bail!("{what}: a parameter is not on the CUDA device");
+        };
+        let ok = if vector {
+            contiguous_16b(layout, size)
+        } else {
+            layout.is_contiguous() && (layout.start_offset() * size) % 4 == 0
+        };
+        if !ok || layout.shape().elem_count() != count || s.dtype() != T::DTYPE {
+            return Err(not_contiguous(&format!("{what} parameter"), layout));
+        }
+        views.push(s.as_cuda_slice::<T>()?.slice(layout.start_offset()..));
+    }
+    Ok(views)
+}
+
 /// Whether `dev` has [`ResidualNormLinearOp`]'s kernels (compute capability 9.0 and up, PTX
 /// built for it).
 pub(crate) fn has_residual_norm_linear(dev: &CudaDevice) -> bool {
@@ -1023,21 +1105,7 @@ impl ResidualNormLinearOp {
             (&self.bias, n, false),
         ];
         let guards = carried.map(|(t, _, _)| t.storage_and_layout());
-        let mut views = Vec::with_capacity(carried.len());
-        for ((storage, layout), (_, count, vector)) in guards.iter().zip(carried) {
-            let Storage::Cuda(s) = &**storage else {
-                candle_core::bail!("{WHAT}: a parameter is not on the CUDA device");
-            };
-            let ok = if vector {
-                aligned(layout)
-            } else {
-                layout.is_contiguous() && (layout.start_offset() * size) % 4 == 0
-            };
-            if !ok || layout.shape().elem_count() != count || s.dtype() != T::DTYPE {
-                return Err(not_contiguous("residual_norm_linear parameter", layout));
-            }
-            views.push(s.as_cuda_slice::<T>()?.slice(layout.start_offset()..));
-        }
+        let views = carried_views::<T>(WHAT, &guards, &carried.map(|(_, n, v)| (n, v)))?;
         let os = o.as_cuda_slice::<T>()?.slice(lo.start_offset()..);
         let rs = r.as_cuda_slice::<T>()?.slice(lr.start_offset()..);
         let ws = w.as_cuda_slice::<T>()?.slice(lw.start_offset()..);
@@ -1097,6 +1165,162 @@ cuda_only_op3!(
     ResidualNormLinearOp,
     "fastpath-residual-norm-linear",
     "residual_norm_linear"
+);
+
+/// Whether `dev` has [`AttentionResidualNormLinearOp`]'s kernels (as
+/// [`has_residual_norm_linear`]) and a launch over `m` rows fits its shared memory.
+pub(crate) fn has_attention_rnl(dev: &CudaDevice, m: usize) -> bool {
+    let mut states = STATE.lock().unwrap_or_else(|e| e.into_inner());
+    device_state(&mut states, dev).is_ok_and(|s| {
+        s.attention_rnl
+            .as_ref()
+            .is_some_and(|(_, max)| attention_rnl_smem_bytes(m) <= *max)
+    })
+}
+
+/// The CustomOp behind [`crate::attention_residual_norm_linear`]: `(qkv [M, 3C], r [M, C],
+/// W [N, C])` with one sequence of `cu_seqlens = [0, len]` (u32, `len ≤ M`, read on the device)
+/// → `o = softmax(q kᵀ · scale) v` per head of [`ARNL_HEAD_DIM`], `x1 = r + o·Wpᵀ + bp` and
+/// `y = LayerNorm(x1)·Wᵀ + b` (then the exact GELU), returned as [`ResidualNormLinearOp`]
+/// returns them (one 1-D buffer, x1's rows then y's). C = [`RNL_DIM`], N of the proj form
+/// ([`RnlForm::Proj`]). Shapes, strides and alignment are checked again here, as there.
+pub(crate) struct AttentionResidualNormLinearOp {
+    pub cu_seqlens: Tensor,
+    pub front_weight: Tensor,
+    pub front_bias: Tensor,
+    pub ln_weight: Tensor,
+    pub ln_bias: Tensor,
+    pub bias: Tensor,
+    pub eps: f32,
+    /// The softmax scale times log2(e) (the kernel's exponentials are exp2).
+    pub scale_log2: f32,
+    pub gelu: bool,
+}
+
+impl AttentionResidualNormLinearOp {
+    fn run<T>(
+        &self,
+        (qkv, lq): (&CudaStorage, &Layout),
+        (r, lr): (&CudaStorage, &Layout),
+        (w, lw): (&CudaStorage, &Layout),
+    ) -> candle_core::Result<(CudaStorage, Shape)>
+    where
+        T: candle_core::cuda_backend::CudaDType
+            + candle_core::cuda_backend::cudarc::driver::DeviceRepr
+            + candle_core::WithDType,
+    {
+        const WHAT: &str = "attention_residual_norm_linear";
+        let dev = &qkv.device;
+        let size = size_of::<T>();
+        let (m, c3) = lq.shape().dims2()?;
+        let (n, c) = lw.shape().dims2()?;
+        let bf16 = match T::DTYPE {
+            DType::F16 => false,
+            DType::BF16 => true,
+            _ => candle_core::bail!("{WHAT}: the fused kernel is f16 / bf16 only"),
+        };
+        let aligned = |l: &Layout| contiguous_16b(l, size);
+        if c != RNL_DIM
+            || c3 != 3 * c
+            || RnlForm::of(c, n, self.gelu) != Some(RnlForm::Proj)
+            || lr.shape().dims() != [m, c]
+            || m == 0
+            || !aligned(lq)
+            || !aligned(lr)
+            || !aligned(lw)
+        {
+            candle_core::bail!(
+                "{WHAT}: unsupported layout for the fused kernel (qkv {:?} strides {:?}, residual {:?} strides {:?}, weight {:?})",
+                lq.shape().dims(),
+                lq.stride(),
+                lr.shape().dims(),
+                lr.stride(),
+                lw.shape().dims()
+            );
+        }
+        let carried = [
+            (&self.front_weight, c * c, true),
+            (&self.front_bias, c, false),
+            (&self.ln_weight, c, true),
+            (&self.ln_bias, c, true),
+            (&self.bias, n, false),
+        ];
+        let guards = carried.map(|(t, _, _)| t.storage_and_layout());
+        let views = carried_views::<T>(WHAT, &guards, &carried.map(|(_, n, v)| (n, v)))?;
+        let (cu_storage, cu_layout) = self.cu_seqlens.storage_and_layout();
+        let Storage::Cuda(cu) = &*cu_storage else {
+            candle_core::bail!("{WHAT}: cu_seqlens is not on the CUDA device");
+        };
+        if cu.dtype() != DType::U32
+            || cu_layout.shape().elem_count() != 2
+            || !cu_layout.is_contiguous()
+        {
+            candle_core::bail!(
+                "{WHAT}: cu_seqlens must be a contiguous u32 [2] (one sequence), got {:?} {:?}",
+                cu.dtype(),
+                cu_layout.shape().dims()
+            );
+        }
+        let cus = cu.as_cuda_slice::<u32>()?.slice(cu_layout.start_offset()..);
+        let qs = qkv.as_cuda_slice::<T>()?.slice(lq.start_offset()..);
+        let rs = r.as_cuda_slice::<T>()?.slice(lr.start_offset()..);
+        let ws = w.as_cuda_slice::<T>()?.slice(lw.start_offset()..);
+        let smem = attention_rnl_smem_bytes(m);
+        // SAFETY: every element is written by the kernel, as ResidualNormLinearOp's.
+        let mut out = unsafe { dev.alloc::<T>(m * c + m * n)? };
+        let (mut x1, mut y) = out.split_at_mut(m * c);
+        let func = {
+            let mut states = STATE.lock().unwrap_or_else(|e| e.into_inner());
+            match &device_state(&mut states, dev)?.attention_rnl {
+                Some((funcs, max_smem)) if smem <= *max_smem => funcs
+                    [4 * (m >= ARNL_LATE_W_ROWS) as usize + 2 * bf16 as usize + self.gelu as usize]
+                    .clone(),
+                Some((_, max_smem)) => candle_core::bail!(
+                    "{WHAT}: {m} rows need {smem} bytes of shared memory, the device allows {max_smem}"
+                ),
+                None => candle_core::bail!(
+                    "{WHAT}: the fused kernel needs compute capability 9.0 (thread-block clusters)"
+                ),
+            }
+        };
+        let cfg = LaunchConfig {
+            grid_dim: (RNL_SPLIT as u32, m.div_ceil(NL_BM) as u32, 1),
+            block_dim: (NL_THREADS, 1, 1),
+            shared_mem_bytes: smem as u32,
+        };
+        let (m32, n32) = (m as i32, n as i32);
+        let stream = dev.cuda_stream();
+        let mut builder = stream.launch_builder(&func);
+        builder.arg(&qs);
+        builder.arg(&cus);
+        builder.arg(&views[0]);
+        builder.arg(&views[1]);
+        builder.arg(&rs);
+        builder.arg(&views[2]);
+        builder.arg(&views[3]);
+        builder.arg(&ws);
+        builder.arg(&views[4]);
+        builder.arg(&mut x1);
+        builder.arg(&mut y);
+        builder.arg(&m32);
+        builder.arg(&n32);
+        builder.arg(&self.eps);
+        builder.arg(&self.scale_log2);
+        // SAFETY: shapes, contiguity and alignment checked above; the kernel reads rows < M of
+        // qkv and r, cu_seqlens[1] (clamped to M), the C rows of Wp and rows < N of W, and
+        // writes x1's M · C and y's M · N elements only; clusters as ResidualNormLinearOp's.
+        unsafe { builder.launch(cfg) }.map_err(candle_core::Error::wrap)?;
+        Ok((
+            CudaStorage::wrap_cuda_slice(out, dev.clone()),
+            Shape::from(m * c + m * n),
+        ))
+    }
+}
+
+cuda_only_op3!(
+    AttentionResidualNormLinearOp,
+    "fastpath-attention-residual-norm-linear",
+    "attention_residual_norm_linear"
 );
 
 /// [`crate::embed_tokens`] on CUDA: patches `[B, Np, C]`, prefix `[P, C]` (any tensor when

@@ -53,6 +53,10 @@ pub enum FastpathError {
     Graph(String),
     #[error("CUDA memory pool, {what}: {code}")]
     Pool { what: String, code: String },
+    /// A fused kernel called where its `*_applies` check says no (the caller should have taken
+    /// the unfused path).
+    #[error("{op}: the fused kernel does not apply ({inputs}); check {op}_applies first")]
+    NotApplicable { op: &'static str, inputs: String },
 }
 
 impl FastpathError {

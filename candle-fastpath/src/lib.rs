@@ -8,8 +8,9 @@
 //!   identical semantics.
 //! - [`LayerNorm`]: torch's LayerNorm as one bandwidth-bound kernel on CUDA (candle-nn's fused op
 //!   on the CPU); [`norm_linear`]: a LayerNorm and the Linear (and GELU) after it as one kernel
-//!   where rows are few and narrow (a DeiT-T block at batch 1), and [`residual_norm_linear`]
-//!   the attention's output projection and residual in front of that.
+//!   where rows are few and narrow (a DeiT-T block at batch 1), [`residual_norm_linear`]
+//!   the attention's output projection and residual in front of that, and
+//!   [`attention_residual_norm_linear`] the attention itself too (one image's tokens).
 //! - [`linear_log_prob`]: one class's log-probability under a small linear classifier (a learned
 //!   pruner's keep score) as one kernel.
 //! - [`patchify`]: a ViT's patch rows (im2col of the stride-p patch conv) gathered and cast in
@@ -42,6 +43,7 @@
 //! # }
 //! ```
 
+mod attention_norm_linear;
 #[cfg(feature = "cuda")]
 mod cuda;
 #[cfg(all(feature = "cuda", fastpath_cutlass))]
@@ -67,6 +69,10 @@ mod small_block;
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 mod switches;
 
+pub use attention_norm_linear::{
+    attention_residual_norm_linear, attention_residual_norm_linear_applies,
+    attention_residual_norm_linear_enabled,
+};
 pub use embed::embed_tokens;
 pub use error::{FastpathError, Result};
 pub use graph::CapturedForward;

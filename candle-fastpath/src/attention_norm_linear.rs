@@ -1,0 +1,181 @@
+//! [`attention_residual_norm_linear`]: a pre-norm block's attention, its output projection and
+//! residual, norm2 and fc1 (→ GELU) as one kernel, for one image's tokens (batch 1) of DeiT-T's
+//! width: [`crate::residual_norm_linear`]'s cluster kernel with the attention computed inside it
+//! (lever 64 in `docs/BENCHMARKS.md`). At batch 1 the attention is a launch of ~5 µs in a CUDA
+//! graph's chain for a few MFLOP of work; in the cluster it adds ~3.5 µs to the kernel after it.
+
+use candle_core::Tensor;
+
+use crate::error::{FastpathError, Result};
+use crate::{FusedLinear, LayerNorm};
+
+const OP: &str = "attention_residual_norm_linear";
+
+/// Whether [`attention_residual_norm_linear`] may run, from
+/// `CANDLE_FASTPATH_ATTENTION_RNL` (read once): unset (yes), `0` / `off` (no: the attention
+/// kernel, then [`crate::residual_norm_linear`]; for A/B measurements).
+pub fn attention_residual_norm_linear_enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    crate::switches::read_once(&ON, "CANDLE_FASTPATH_ATTENTION_RNL", |v| {
+        !matches!(v, Some("0") | Some("off"))
+    })
+}
+
+/// Attention over one sequence's tokens from their fused qkv projection, then what
+/// [`crate::residual_norm_linear`] computes from its output: `x1 = residual + o·Wpᵀ + bp`,
+/// `y = norm(x1)·Wᵀ + b` (then the exact GELU), one launch.
+///
+/// # Arguments
+/// * `qkv` - `[M, 3C]`: q | k | v, each `heads × 64` head-major (timm's layout), the rows of one
+///   sequence first.
+/// * `cu_seqlens` - u32 `[2]` on `qkv`'s device: `[0, len]`, `len ≤ M` (read on the device
+///   only; rows past `len`, a capacity-sized buffer's tail, are neither queries nor keys).
+/// * `heads` - the attention's heads (of 64: the kernel's one head width).
+/// * `scale` - the softmax scale (`head_dim^-0.5` for DeiT).
+/// * `residual` - `[M, C]`.
+/// * `proj` - `Wp` `[C, C]` with its bias; `norm` - LayerNorm over C; `linear` - `W` `[N, C]`
+///   with its bias.
+///
+/// # Returns
+/// `(x1, y)`: `[M, C]` and `[M, N]`, contiguous views of one buffer, what the attention kernel
+/// followed by [`crate::residual_norm_linear`] returns for rows `< len` (the attention sums its
+/// parts in another order; the rest rounds where the two launches round). Rows past `len` get
+/// a zero attention output.
+///
+/// Only where [`attention_residual_norm_linear_applies`] says so; anything else is an error,
+/// so callers check first and otherwise run the attention and [`crate::residual_norm_linear`].
+#[allow(clippy::too_many_arguments)]
+pub fn attention_residual_norm_linear(
+    qkv: &Tensor,
+    cu_seqlens: &Tensor,
+    heads: usize,
+    scale: f64,
+    residual: &Tensor,
+    proj: &FusedLinear,
+    norm: &LayerNorm,
+    linear: &FusedLinear,
+    gelu: bool,
+) -> Result<(Tensor, Tensor)> {
+    if !attention_residual_norm_linear_applies(
+        qkv, cu_seqlens, heads, residual, proj, norm, linear, gelu,
+    ) {
+        return Err(FastpathError::NotApplicable {
+            op: OP,
+            inputs: format!(
+                "qkv {:?} {:?} on {:?}, {heads} heads, cu_seqlens {:?} {:?}, residual {:?}, N {}",
+                qkv.dims(),
+                qkv.dtype(),
+                qkv.device().location(),
+                cu_seqlens.dims(),
+                cu_seqlens.dtype(),
+                residual.dims(),
+                linear.out_dim()
+            ),
+        });
+    }
+    run(qkv, cu_seqlens, scale, residual, proj, norm, linear, gelu)
+}
+
+#[cfg(feature = "cuda")]
+#[allow(clippy::too_many_arguments)]
+fn run(
+    qkv: &Tensor,
+    cu_seqlens: &Tensor,
+    scale: f64,
+    residual: &Tensor,
+    proj: &FusedLinear,
+    norm: &LayerNorm,
+    linear: &FusedLinear,
+    gelu: bool,
+) -> Result<(Tensor, Tensor)> {
+    let (Some(front_bias), Some(bias)) = (proj.bias(), linear.bias()) else {
+        unreachable!("attention_residual_norm_linear_applies requires both biases");
+    };
+    let (m, c) = residual.dims2()?;
+    let n = linear.out_dim();
+    let op = crate::cuda::AttentionResidualNormLinearOp {
+        cu_seqlens: cu_seqlens.clone(),
+        front_weight: proj.weight().clone(),
+        front_bias: front_bias.clone(),
+        ln_weight: norm.weight().clone(),
+        ln_bias: norm.bias().clone(),
+        bias: bias.clone(),
+        eps: norm.eps() as f32,
+        scale_log2: (scale * std::f64::consts::LOG2_E) as f32,
+        gelu,
+    };
+    let both = qkv.apply_op3_no_bwd(residual, linear.weight(), &op)?;
+    let x1 = both.narrow(0, 0, m * c)?.reshape((m, c))?;
+    let y = both.narrow(0, m * c, m * n)?.reshape((m, n))?;
+    Ok((x1, y))
+}
+
+#[cfg(not(feature = "cuda"))]
+#[allow(clippy::too_many_arguments)]
+fn run(
+    _: &Tensor,
+    _: &Tensor,
+    _: f64,
+    _: &Tensor,
+    _: &FusedLinear,
+    _: &LayerNorm,
+    _: &FusedLinear,
+    _: bool,
+) -> Result<(Tensor, Tensor)> {
+    unreachable!("attention_residual_norm_linear_applies is false without the cuda feature")
+}
+
+/// Whether [`attention_residual_norm_linear`] runs: what [`crate::residual_norm_linear_applies`]
+/// requires of the proj → norm2 → fc1 step (its proj form: C = 192, N in (640, 768], compute
+/// capability 9.0, a grid of one wave, its switches), `heads` heads of 64 (three), `qkv`
+/// `[M, 3C]` contiguous and 16-byte aligned in the residual's dtype and device, `residual`
+/// `[M, C]`, `cu_seqlens` a contiguous u32 `[2]` on the same device (one sequence), the K / V
+/// rows of M tokens within the device's shared memory (M ≤ 352 on the H100, which the
+/// one-wave rule already implies), and `CANDLE_FASTPATH_ATTENTION_RNL` not `0`.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_residual_norm_linear_applies(
+    qkv: &Tensor,
+    cu_seqlens: &Tensor,
+    heads: usize,
+    residual: &Tensor,
+    proj: &FusedLinear,
+    norm: &LayerNorm,
+    linear: &FusedLinear,
+    gelu: bool,
+) -> bool {
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (qkv, cu_seqlens, heads, residual, proj, norm, linear, gelu);
+        false
+    }
+    #[cfg(feature = "cuda")]
+    {
+        let candle_core::Device::Cuda(dev) = residual.device() else {
+            return false;
+        };
+        let c = norm.weight().elem_count();
+        let Ok((m, rc)) = residual.dims2() else {
+            return false;
+        };
+        let aligned =
+            |t: &Tensor| crate::cuda::contiguous_16b(t.layout(), t.dtype().size_in_bytes());
+        attention_residual_norm_linear_enabled()
+            && rc == c
+            && heads * crate::cuda::ARNL_HEAD_DIM == c
+            && proj.in_dim() == c
+            && crate::cuda::RnlForm::of(c, linear.out_dim(), gelu)
+                == Some(crate::cuda::RnlForm::Proj)
+            && qkv.dims() == [m, 3 * c]
+            && qkv.dtype() == residual.dtype()
+            && qkv.device().same_device(residual.device())
+            && aligned(qkv)
+            && cu_seqlens.dtype() == candle_core::DType::U32
+            && cu_seqlens.dims() == [2]
+            && cu_seqlens.is_contiguous()
+            && cu_seqlens.device().same_device(residual.device())
+            // The proj form's rules, with the residual standing in for the attention output
+            // (the same shape, dtype, device and alignment).
+            && crate::residual_norm_linear_applies(residual, residual, proj, norm, linear, gelu)
+            && crate::cuda::has_attention_rnl(dev, m)
+    }
+}

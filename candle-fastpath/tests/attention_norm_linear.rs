@@ -1,0 +1,268 @@
+//! `attention_residual_norm_linear` (one sequence's attention from its fused qkv, then the output
+//! projection with its residual, norm2, fc1 and the GELU, one cluster kernel on compute
+//! capability 9.0) against the steps it replaces: a plain host attention (f64, over the rows as
+//! rounded to the storage type), its output rounded to the storage type as the attention kernel
+//! stores it, then `FusedLinear::forward_residual`, the LayerNorm and the Linear. Fresh random
+//! inputs, f16 and bf16, sequence lengths 1, 2, 15-17, 63-65, 138, 197 and 352 (the one-wave
+//! limit on the H100), buffers of more rows than the sequence (their tail NaN), and the output
+//! memory poisoned (NaN) before each call. Built with `cuda` on a GPU with clusters the kernel
+//! must apply to all of them; elsewhere (CI's CPU) it must not, and calling it is a clear error.
+
+mod common;
+
+use candle_core::{DType, Device, Tensor};
+use candle_fastpath::{
+    attention_residual_norm_linear, attention_residual_norm_linear_applies, Epilogue,
+    FastpathError, FusedLinear, LayerNorm,
+};
+use common::{device, host, poison, quantize, randn};
+use rand::{rngs::StdRng, SeedableRng};
+
+const C: usize = 192;
+const HEADS: usize = 3;
+const HEAD_DIM: usize = 64;
+
+struct Weights {
+    proj: FusedLinear,
+    norm: LayerNorm,
+    fc1: FusedLinear,
+}
+
+fn tensor(dev: &Device, v: &[f32], shape: &[usize], dtype: DType) -> Tensor {
+    Tensor::from_slice(&quantize(v, dtype), shape, dev)
+        .unwrap()
+        .to_dtype(dtype)
+        .unwrap()
+}
+
+fn weights(dev: &Device, rng: &mut StdRng, dtype: DType, n: usize) -> Weights {
+    let linear = |rng: &mut StdRng, out: usize| {
+        FusedLinear::new(
+            tensor(
+                dev,
+                &randn(rng, out * C, 1.0 / (C as f32).sqrt()),
+                &[out, C],
+                dtype,
+            ),
+            Some(tensor(dev, &randn(rng, out, 0.5), &[out], dtype)),
+        )
+        .unwrap()
+    };
+    let proj = linear(rng, C);
+    let gamma: Vec<f32> = randn(rng, C, 0.3).iter().map(|g| 1.0 + g).collect();
+    let norm = LayerNorm::new(
+        tensor(dev, &gamma, &[C], dtype),
+        tensor(dev, &randn(rng, C, 0.2), &[C], dtype),
+        1e-6,
+    )
+    .unwrap();
+    let fc1 = linear(rng, n);
+    Weights { proj, norm, fc1 }
+}
+
+/// softmax(q kᵀ · scale) v per head over the first `len` rows of `qkv` (`[rows, 3C]`, q | k | v
+/// head-major), in f64: `[len, C]`, heads merged.
+fn attention_host(qkv: &[f32], len: usize, scale: f64) -> Vec<f32> {
+    let at = |row: usize, part: usize, h: usize, d: usize| {
+        qkv[row * 3 * C + part * C + h * HEAD_DIM + d] as f64
+    };
+    let mut out = vec![0f32; len * C];
+    for h in 0..HEADS {
+        for i in 0..len {
+            let scores: Vec<f64> = (0..len)
+                .map(|j| {
+                    (0..HEAD_DIM)
+                        .map(|d| at(i, 0, h, d) * at(j, 1, h, d))
+                        .sum::<f64>()
+                        * scale
+                })
+                .collect();
+            let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let weights: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
+            let total: f64 = weights.iter().sum();
+            for d in 0..HEAD_DIM {
+                let v: f64 = (0..len).map(|j| weights[j] * at(j, 2, h, d)).sum();
+                out[i * C + h * HEAD_DIM + d] = (v / total) as f32;
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn matches_attention_then_the_steps() {
+    let dev = device();
+    let fused_expected = dev.is_cuda() && has_clusters(&dev);
+    let mut rng = StdRng::seed_from_u64(64);
+    let scale = (HEAD_DIM as f64).powf(-0.5);
+    // ATTENTION_RNL_TEST_QUICK=1 (for racecheck): f16, two shapes.
+    let quick = std::env::var_os("ATTENTION_RNL_TEST_QUICK").is_some();
+    let dtypes: &[DType] = if quick {
+        &[DType::F16]
+    } else {
+        &[DType::F16, DType::BF16]
+    };
+    // (rows in the buffer, the sequence's length): whole buffers, and capacity-sized ones
+    // whose tail rows hold NaN.
+    let cases: &[(usize, usize)] = if quick {
+        &[(197, 197), (70, 64)]
+    } else {
+        &[
+            (1, 1),
+            (2, 2),
+            (15, 15),
+            (16, 16),
+            (17, 17),
+            (63, 63),
+            (64, 64),
+            (65, 65),
+            (138, 138),
+            (197, 197),
+            (352, 352),
+            (70, 64),
+            (197, 190),
+            (200, 1),
+        ]
+    };
+    for &dtype in dtypes {
+        for gelu in [true, false] {
+            let w = weights(&dev, &mut rng, dtype, 4 * C);
+            for &(rows, len) in cases {
+                // q, k of unit spread (scores of a few units), v, then NaN past the sequence.
+                let mut qkv = quantize(&randn(&mut rng, rows * 3 * C, 1.0), dtype);
+                qkv[len * 3 * C..].fill(f32::NAN);
+                let r = quantize(&randn(&mut rng, rows * C, 3.0), dtype);
+                let qkv_t = tensor(&dev, &qkv, &[rows, 3 * C], dtype);
+                let r_t = tensor(&dev, &r, &[rows, C], dtype);
+                let cu = Tensor::from_slice(&[0u32, len as u32], 2, &dev).unwrap();
+
+                let o = tensor(&dev, &attention_host(&qkv, len, scale), &[len, C], dtype);
+                let want_x1 = w
+                    .proj
+                    .forward_residual(&o, &r_t.narrow(0, 0, len).unwrap())
+                    .unwrap();
+                let epilogue = if gelu {
+                    Epilogue::Gelu
+                } else {
+                    Epilogue::Plain
+                };
+                let want_y = host(
+                    &w.fc1
+                        .forward_with(&w.norm.forward_checked(&want_x1).unwrap(), epilogue)
+                        .unwrap(),
+                );
+                let want_x1 = host(&want_x1);
+
+                let applies = attention_residual_norm_linear_applies(
+                    &qkv_t, &cu, HEADS, &r_t, &w.proj, &w.norm, &w.fc1, gelu,
+                );
+                let what = format!("{dtype:?} rows {rows} len {len} gelu {gelu}");
+                assert_eq!(applies, fused_expected, "{what}: applies");
+                poison(&dev, rows * (C + 4 * C), dtype);
+                let got = attention_residual_norm_linear(
+                    &qkv_t, &cu, HEADS, scale, &r_t, &w.proj, &w.norm, &w.fc1, gelu,
+                );
+                if !fused_expected {
+                    assert!(
+                        matches!(got, Err(FastpathError::NotApplicable { .. })),
+                        "{what}: not applicable here, got {got:?}"
+                    );
+                    continue;
+                }
+                let (x1, y) = got.unwrap();
+                assert_eq!(x1.dims(), &[rows, C]);
+                assert_eq!(y.dims(), &[rows, 4 * C]);
+                // The attention output may land one rounding of the storage type away (another
+                // summation order), which the projection spreads over x1 and the LayerNorm
+                // over y; then y's own GEMM order.
+                let (tol_x1, tol_y) = match dtype {
+                    DType::F16 => (2e-3, 8e-3),
+                    _ => (1.6e-2, 6e-2),
+                };
+                let (x1, y) = (host(&x1), host(&y));
+                for (part, got, want, width, tol) in [
+                    ("x1", &x1, &want_x1, C, tol_x1),
+                    ("y", &y, &want_y, 4 * C, tol_y),
+                ] {
+                    for (i, (g, e)) in got[..len * width].iter().zip(want.iter()).enumerate() {
+                        assert!(
+                            g.is_finite() && (g - e).abs() <= tol * (1.0 + e.abs()),
+                            "{what}: {part} element {i} (row {}) is {g}, the steps give {e}",
+                            i / width
+                        );
+                    }
+                    // Rows past the sequence: a zero attention output, so finite values
+                    // (x1 = r + bp), never the NaN of their qkv rows.
+                    assert!(
+                        got[len * width..].iter().all(|v| v.is_finite()),
+                        "{what}: {part} rows past the sequence must be finite"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn shapes_it_does_not_take_are_refused() {
+    let dev = device();
+    let mut rng = StdRng::seed_from_u64(65);
+    let w = weights(&dev, &mut rng, DType::F16, 4 * C);
+    let qkv = tensor(
+        &dev,
+        &randn(&mut rng, 8 * 3 * C, 1.0),
+        &[8, 3 * C],
+        DType::F16,
+    );
+    let r = tensor(&dev, &randn(&mut rng, 8 * C, 1.0), &[8, C], DType::F16);
+    let one = Tensor::from_slice(&[0u32, 8], 2, &dev).unwrap();
+    let two = Tensor::from_slice(&[0u32, 4, 8], 3, &dev).unwrap();
+    let refused = |qkv: &Tensor, cu: &Tensor, heads: usize, r: &Tensor, fc1: &FusedLinear| {
+        assert!(!attention_residual_norm_linear_applies(
+            qkv, cu, heads, r, &w.proj, &w.norm, fc1, true
+        ));
+        let got =
+            attention_residual_norm_linear(qkv, cu, heads, 0.125, r, &w.proj, &w.norm, fc1, true);
+        assert!(
+            matches!(got, Err(FastpathError::NotApplicable { .. })),
+            "got {got:?}"
+        );
+    };
+    // Two sequences; heads of another width; a residual of other rows or dtype; qkv of
+    // another width; fc1 of another width (not the proj form); the one-wave limit (577 rows,
+    // DeiT at 384 pixels); u8 offsets.
+    refused(&qkv, &two, HEADS, &r, &w.fc1);
+    refused(&qkv, &one, 6, &r, &w.fc1);
+    refused(&qkv, &one, HEADS, &r.narrow(0, 0, 4).unwrap(), &w.fc1);
+    refused(&qkv, &one, HEADS, &r.to_dtype(DType::F32).unwrap(), &w.fc1);
+    refused(&qkv.narrow(1, 0, 2 * C).unwrap(), &one, HEADS, &r, &w.fc1);
+    refused(
+        &qkv,
+        &one,
+        HEADS,
+        &r,
+        &weights(&dev, &mut rng, DType::F16, 3 * C).fc1,
+    );
+    let big = 577;
+    let qkv_big = tensor(
+        &dev,
+        &randn(&mut rng, big * 3 * C, 1.0),
+        &[big, 3 * C],
+        DType::F16,
+    );
+    let r_big = tensor(&dev, &randn(&mut rng, big * C, 1.0), &[big, C], DType::F16);
+    let cu_big = Tensor::from_slice(&[0u32, big as u32], 2, &dev).unwrap();
+    refused(&qkv_big, &cu_big, HEADS, &r_big, &w.fc1);
+    refused(&qkv, &one.to_dtype(DType::U8).unwrap(), HEADS, &r, &w.fc1);
+}
+
+/// Whether `dev` runs thread-block clusters (compute capability 9.0 and up).
+fn has_clusters(dev: &Device) -> bool {
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(d) = dev {
+        use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR as MAJOR;
+        return d.cuda_stream().context().attribute(MAJOR).unwrap() >= 9;
+    }
+    let _ = dev;
+    false
+}
