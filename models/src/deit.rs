@@ -233,17 +233,59 @@ impl Block {
         }
         // norm1 + qkv, the attention, proj + residual + norm2 + fc1 + GELU, then fc2 + residual
         // (+ the next block's norm1 + qkv): where the kernels apply, four launches
-        // (candle_fastpath::norm_linear and residual_norm_linear) instead of eight.
-        let heads = self.attention_output(x, qkv, inputs)?;
-        let (x1, hidden) = candle_fastpath::residual_norm_linear(
+        // (candle_fastpath::norm_linear and residual_norm_linear) instead of eight, three for
+        // one image (attention_residual_norm_linear).
+        let (x1, hidden) = self.attention_through_fc1(x, qkv, inputs)?;
+        self.fc2_chained(&hidden, &x1, next, inputs)
+    }
+
+    /// From the block's input `x` (and its qkv projection when the block before computed it) to
+    /// `(x1, gelu(fc1(norm2(x1))))` with `x1 = x + proj(attention)`: for one image's packed
+    /// tokens one kernel from the qkv projection where
+    /// `candle_fastpath::attention_residual_norm_linear` applies (DeiT-T's width), else the
+    /// attention and then `candle_fastpath::residual_norm_linear`.
+    fn attention_through_fc1(
+        &self,
+        x: &Tensor,
+        qkv: Option<Tensor>,
+        inputs: &AttentionInputs,
+    ) -> Result<(Tensor, Tensor)> {
+        let qkv = self.qkv_of(x, qkv)?;
+        if let AttentionInputs::Ragged { batch } = inputs {
+            if batch.batch_size() == 1
+                && candle_fastpath::attention_residual_norm_linear_applies(
+                    &qkv,
+                    batch.cu_seqlens(),
+                    self.attn.heads,
+                    x,
+                    &self.attn.proj,
+                    &self.norm2,
+                    &self.mlp.fc1,
+                    true,
+                )
+            {
+                return Ok(candle_fastpath::attention_residual_norm_linear(
+                    &qkv,
+                    batch.cu_seqlens(),
+                    self.attn.heads,
+                    self.attn.scale,
+                    x,
+                    &self.attn.proj,
+                    &self.norm2,
+                    &self.mlp.fc1,
+                    true,
+                )?);
+            }
+        }
+        let heads = self.attn.heads_from_qkv(&qkv, inputs)?;
+        Ok(candle_fastpath::residual_norm_linear(
             &heads,
             x,
             &self.attn.proj,
             &self.norm2,
             &self.mlp.fc1,
             true,
-        )?;
-        self.fc2_chained(&hidden, &x1, next, inputs)
+        )?)
     }
 
     /// The block's output at the first `num_prefix` rows of every sequence of `batch` only (the
@@ -275,19 +317,28 @@ impl Block {
     }
 
     /// The attention's output for tokens `x` (heads merged, before the projection), from their
-    /// qkv projection when the block before computed it ([`Self::forward_chained`]), else from
-    /// norm1 + qkv here (`candle_fastpath::norm_linear`).
+    /// qkv projection ([`Self::qkv_of`]).
     fn attention_output(
         &self,
         x: &Tensor,
         qkv: Option<Tensor>,
         inputs: &AttentionInputs,
     ) -> Result<Tensor> {
-        let qkv = match qkv {
-            Some(qkv) => qkv,
-            None => candle_fastpath::norm_linear(x, &self.norm1, &self.attn.qkv, false)?,
-        };
-        self.attn.heads_from_qkv(&qkv, inputs)
+        self.attn.heads_from_qkv(&self.qkv_of(x, qkv)?, inputs)
+    }
+
+    /// The qkv projection of tokens `x`: `qkv` when the block before computed it
+    /// ([`Self::forward_chained`]), else norm1 + qkv here (`candle_fastpath::norm_linear`).
+    fn qkv_of(&self, x: &Tensor, qkv: Option<Tensor>) -> Result<Tensor> {
+        match qkv {
+            Some(qkv) => Ok(qkv),
+            None => Ok(candle_fastpath::norm_linear(
+                x,
+                &self.norm1,
+                &self.attn.qkv,
+                false,
+            )?),
+        }
     }
 
     /// The batch of `inputs` when this block runs as one launch on `x` (packed tokens few enough
