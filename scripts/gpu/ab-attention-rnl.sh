@@ -25,7 +25,7 @@ nvidia-smi --query-gpu=name --format=csv,noheader >> "$C"
 if has checks; then
   for t in attention_norm_linear norm_linear; do
     echo "== test-$t" >> "$C"
-    timeout 200 $B/test-$t --test-threads=1 2>&1 | grep -E "test result|panicked|element|rows" | head -5 >> "$C"
+    timeout 200 $B/test-$t --test-threads=1 2>&1 | grep -E -A3 "test result|panicked" | head -12 >> "$C"
   done
   echo "== memcheck / racecheck test-attention_norm_linear" >> "$C"
   timeout 300 compute-sanitizer --tool memcheck --error-exitcode 9 $B/test-attention_norm_linear --test-threads=1 2>&1 | grep -E "ERROR SUMMARY|test result" >> "$C"
