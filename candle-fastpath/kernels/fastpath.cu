@@ -407,6 +407,19 @@ __device__ __forceinline__ void nl_cp_async16(void* smem, const void* gmem, bool
                  : "memory");
 }
 
+// cp.async of rows row0.. row0 + ROWS - 1 of `src` (K elements each, contiguous) into shared rows
+// of K + 8 elements (16-byte padding: ldmatrix rows in distinct banks); rows at or past `limit`
+// are zero-filled and read nothing. All NL_WARPS · 32 threads take part.
+template <typename T, int K, int ROWS>
+__device__ __forceinline__ void nl_stage_rows(T* dst, const T* __restrict__ src, int row0, int limit) {
+    constexpr int VECS = K / 8, LD = K + 8;
+    for (int i = threadIdx.x; i < ROWS * VECS; i += NL_WARPS * 32) {
+        const int r = i / VECS, c = i % VECS;
+        const bool ok = row0 + r < limit;
+        nl_cp_async16(dst + r * LD + c * 8, src + (size_t)(ok ? row0 + r : 0) * K + c * 8, ok);
+    }
+}
+
 __device__ __forceinline__ void nl_ldmatrix_x4(unsigned* r, const void* p) {
     const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(p));
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
@@ -500,7 +513,7 @@ template <typename T, int K, bool GELU>
 __device__ void norm_linear_tile(const T* __restrict__ x, const T* __restrict__ ln_w, const T* __restrict__ ln_b,
                                  const T* __restrict__ w, const T* __restrict__ bias, T* __restrict__ y, int M, int N,
                                  float eps) {
-    constexpr int THREADS = NL_WARPS * 32, LDS = K + 8, VECS = K / 8, CHUNKS = (VECS + 31) / 32;
+    constexpr int LDS = K + 8, VECS = K / 8, CHUNKS = (VECS + 31) / 32;
     constexpr int WARPS_N = NL_BN / 32, MMA_WARPS = (NL_BM / 16) * WARPS_N;
     static_assert(K % 16 == 0 && MMA_WARPS <= NL_WARPS && NL_BM <= NL_WARPS, "tile shape");
     extern __shared__ __align__(16) unsigned char nl_smem[];
@@ -510,17 +523,9 @@ __device__ void norm_linear_tile(const T* __restrict__ x, const T* __restrict__ 
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
 
     // 1. Input rows first (the LayerNorm waits on them), then the weight rows.
-    for (int i = tid; i < NL_BM * VECS; i += THREADS) {
-        const int r = i / VECS, c = i % VECS;
-        const bool ok = m0 + r < M;
-        nl_cp_async16(sa + r * LDS + c * 8, x + (size_t)(ok ? m0 + r : 0) * K + c * 8, ok);
-    }
+    nl_stage_rows<T, K, NL_BM>(sa, x, m0, M);
     asm volatile("cp.async.commit_group;" ::: "memory");
-    for (int i = tid; i < NL_BN * VECS; i += THREADS) {
-        const int r = i / VECS, c = i % VECS;
-        const bool ok = n0 + r < N;
-        nl_cp_async16(sb + r * LDS + c * 8, w + (size_t)(ok ? n0 + r : 0) * K + c * 8, ok);
-    }
+    nl_stage_rows<T, K, NL_BN>(sb, w, n0, N);
     asm volatile("cp.async.commit_group;" ::: "memory");
     uint4 wraw[CHUNKS], braw[CHUNKS];
     layer_norm_params<CHUNKS>(ln_w, ln_b, wraw, braw, VECS, lane);
@@ -593,6 +598,40 @@ NORM_LINEAR_ENTRY(bf16, __nv_bfloat16, 192, true, _gelu)
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
 constexpr int RNL_SPLIT = 6;
 
+// What every thread of a residual_norm_linear CTA keeps in registers from its start to its end:
+// the LayerNorm's parameters (its lane's chunks), the bias pairs of its warp's slice of the back
+// GEMM's tile, and, for threads below RNL_PAIRS, the residual and front bias of the x1 pair it
+// finishes (zero past M). Loaded at the start (rnl_load_regs), read by rnl_finish.
+template <int K>
+struct RnlRegs {
+    uint4 wraw[(K / 8 + 31) / 32], braw[(K / 8 + 31) / 32];
+    float bias_f[4][2];
+    float res[2], pbias[2];
+};
+
+template <typename T, int K, int BN>
+__device__ __forceinline__ void rnl_load_regs(RnlRegs<K>& g, const T* __restrict__ ln_w, const T* __restrict__ ln_b,
+                                              const T* __restrict__ bias, const T* __restrict__ r,
+                                              const T* __restrict__ bp, int M, int N) {
+    constexpr int VECS = K / 8, CHUNKS = (VECS + 31) / 32, WARPS_N = BN / 32, SLICE = K / RNL_SPLIT;
+    constexpr int RNL_PAIRS = NL_BM * SLICE / 2;
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    const int m0 = blockIdx.y * NL_BM, n0 = blockIdx.x * BN, c0 = blockIdx.x * SLICE;
+    layer_norm_params<CHUNKS>(ln_w, ln_b, g.wraw, g.braw, VECS, lane);
+    nl_load_bias(g.bias_f, bias, n0 + warp % WARPS_N * 32, N);
+    const int prow = tid / (SLICE / 2), pcol = c0 + (tid % (SLICE / 2)) * 2;
+    g.res[0] = g.res[1] = g.pbias[0] = g.pbias[1] = 0.f;
+    if (tid < RNL_PAIRS) {
+        if (m0 + prow < M) {
+            const NlPair<T> p = *reinterpret_cast<const NlPair<T>*>(r + (size_t)(m0 + prow) * K + pcol);
+            g.res[0] = to_f32(p.a);
+            g.res[1] = to_f32(p.b);
+        }
+        g.pbias[0] = to_f32(bp[pcol]);
+        g.pbias[1] = to_f32(bp[pcol + 1]);
+    }
+}
+
 // Steps 2-5 of residual_norm_linear_tile below (the front GEMM's slice, x1 into every cluster
 // CTA's rows, the LayerNorm, the back GEMM and its epilogue), once this CTA's `so` rows (the front
 // GEMM's input, KF wide) and `sp` rows (its SLICE rows of Wp) are in shared memory and visible to
@@ -601,10 +640,8 @@ constexpr int RNL_SPLIT = 6;
 // attention_residual_norm_linear_tile ends the same way.
 template <typename T, int K, int KF, int KW, int BN, bool GELU, bool ENTRY_WAIT>
 __device__ __forceinline__ void rnl_finish(T* sa, const T* sb, const T* so, const T* sp, float* spart,
-                                           const float (&res)[2], const float (&pbias)[2],
-                                           const uint4 (&wraw)[(K / 8 + 31) / 32],
-                                           const uint4 (&braw)[(K / 8 + 31) / 32], const float (&bias_f)[4][2],
-                                           T* __restrict__ x1, T* __restrict__ y, int M, int N, float eps) {
+                                           const RnlRegs<K>& g, T* __restrict__ x1, T* __restrict__ y, int M,
+                                           int N, float eps) {
     constexpr int LDS = K + 8, VECS = K / 8, CHUNKS = (VECS + 31) / 32, LDF = KF + 8;
     constexpr int WARPS_N = BN / 32, MMA_WARPS = (NL_BM / 16) * WARPS_N, SLICE = K / RNL_SPLIT;
     constexpr int KSLICE = KF / KW, RNL_PAIRS = NL_BM * SLICE / 2;
@@ -640,7 +677,8 @@ __device__ __forceinline__ void rnl_finish(T* sa, const T* sb, const T* so, cons
             sum.x += v.x;
             sum.y += v.y;
         }
-        const NlPair<T> p{from_f32<T>((sum.x + res[0]) + pbias[0]), from_f32<T>((sum.y + res[1]) + pbias[1])};
+        const NlPair<T> p{from_f32<T>((sum.x + g.res[0]) + g.pbias[0]),
+                          from_f32<T>((sum.y + g.res[1]) + g.pbias[1])};
 #pragma unroll
         for (int q = 0; q < RNL_SPLIT; ++q)
             *reinterpret_cast<NlPair<T>*>(cg::this_cluster().map_shared_rank(sa, q) + prow * LDS + pcol) = p;
@@ -653,7 +691,7 @@ __device__ __forceinline__ void rnl_finish(T* sa, const T* sb, const T* so, cons
     // 4. One warp per row, in place: the LayerNorm kernel's own row code.
     if (warp < NL_BM) {
         uint4* row = reinterpret_cast<uint4*>(sa + warp * LDS);
-        layer_norm_warp_row<CHUNKS, T>(row, row, wraw, braw, VECS, K, eps, lane);
+        layer_norm_warp_row<CHUNKS, T>(row, row, g.wraw, g.braw, VECS, K, eps, lane);
     }
     asm volatile("cp.async.wait_group 0;" ::: "memory");
     __syncthreads();
@@ -662,7 +700,7 @@ __device__ __forceinline__ void rnl_finish(T* sa, const T* sb, const T* so, cons
     // 5. A 16 × 32 slice of the tile per warp, then the epilogue.
     float acc[4][4] = {};
     nl_warp_mma_16x32<T, K, LDS>(acc, sa + wm * 16 * LDS, sb + wn * 32 * LDS);
-    nl_store_tile<T, GELU>(acc, bias_f, y, m0 + wm * 16, n0 + wn * 32, M, N);
+    nl_store_tile<T, GELU>(acc, g.bias_f, y, m0 + wm * 16, n0 + wn * 32, M, N);
 }
 
 // K = C (the normalised width); KF the front GEMM's K (C for proj, 4C for fc2), split over KW
@@ -673,8 +711,7 @@ __device__ void residual_norm_linear_tile(const T* __restrict__ o, const T* __re
                                           const T* __restrict__ ln_w, const T* __restrict__ ln_b,
                                           const T* __restrict__ w, const T* __restrict__ bias, T* __restrict__ x1,
                                           T* __restrict__ y, int M, int N, float eps) {
-    constexpr int THREADS = NL_WARPS * 32, LDS = K + 8, VECS = K / 8, CHUNKS = (VECS + 31) / 32;
-    constexpr int LDF = KF + 8, VECF = KF / 8;
+    constexpr int THREADS = NL_WARPS * 32, LDS = K + 8, LDF = KF + 8;
     constexpr int WARPS_N = BN / 32, MMA_WARPS = (NL_BM / 16) * WARPS_N, SLICE = K / RNL_SPLIT;
     // The front GEMM's K is split over KW warps (a 12-step dependent MMA chain in one warp cost
     // ~1 µs, the probe's breakdown), then RNL_PAIRS threads sum the partials in a fixed order,
@@ -693,48 +730,21 @@ __device__ void residual_norm_linear_tile(const T* __restrict__ o, const T* __re
     // The cluster spans the grid's x (RNL_SPLIT CTAs), so a CTA's rank is its blockIdx.x.
     const int rank = blockIdx.x;
     const int m0 = blockIdx.y * NL_BM, n0 = blockIdx.x * BN, c0 = rank * SLICE;
-    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     // A CTA's shared memory may be written by the others only once it is running: every thread
     // arrives here and waits right before its stores (by then the whole cluster has arrived).
     asm volatile("barrier.cluster.arrive.relaxed;" ::: "memory");
 
     // 1. The projection's operands first (o's rows, this rank's Wp rows), then W's rows.
-    for (int i = tid; i < NL_BM * VECF; i += THREADS) {
-        const int rr = i / VECF, c = i % VECF;
-        const bool ok = m0 + rr < M;
-        nl_cp_async16(so + rr * LDF + c * 8, o + (size_t)(ok ? m0 + rr : 0) * KF + c * 8, ok);
-    }
-    for (int i = tid; i < SLICE * VECF; i += THREADS) {
-        const int rr = i / VECF, c = i % VECF;
-        nl_cp_async16(sp + rr * LDF + c * 8, wp + (size_t)(c0 + rr) * KF + c * 8, true);
-    }
+    nl_stage_rows<T, KF, NL_BM>(so, o, m0, M);
+    nl_stage_rows<T, KF, SLICE>(sp, wp, c0, K);  // Wp has K = C rows: all of the slice
     asm volatile("cp.async.commit_group;" ::: "memory");
-    for (int i = tid; i < BN * VECS; i += THREADS) {
-        const int rr = i / VECS, c = i % VECS;
-        const bool ok = n0 + rr < N;
-        nl_cp_async16(sb + rr * LDS + c * 8, w + (size_t)(ok ? n0 + rr : 0) * K + c * 8, ok);
-    }
+    nl_stage_rows<T, K, BN>(sb, w, n0, N);
     asm volatile("cp.async.commit_group;" ::: "memory");
-    uint4 wraw[CHUNKS], braw[CHUNKS];
-    layer_norm_params<CHUNKS>(ln_w, ln_b, wraw, braw, VECS, lane);
-    float bias_f[4][2];
-    nl_load_bias(bias_f, bias, n0 + warp % WARPS_N * 32, N);
-    // The pair of x1 this thread finishes (threads below RNL_PAIRS): its row and column, and
-    // the residual and bias it adds (zero past M).
-    const int prow = tid / (SLICE / 2), pcol = c0 + (tid % (SLICE / 2)) * 2;
-    float res[2] = {0.f, 0.f}, pbias[2] = {0.f, 0.f};
-    if (tid < RNL_PAIRS) {
-        if (m0 + prow < M) {
-            const NlPair<T> p = *reinterpret_cast<const NlPair<T>*>(r + (size_t)(m0 + prow) * K + pcol);
-            res[0] = to_f32(p.a);
-            res[1] = to_f32(p.b);
-        }
-        pbias[0] = to_f32(bp[pcol]);
-        pbias[1] = to_f32(bp[pcol + 1]);
-    }
+    RnlRegs<K> g;
+    rnl_load_regs<T, K, BN>(g, ln_w, ln_b, bias, r, bp, M, N);
     asm volatile("cp.async.wait_group 1;" ::: "memory");
     __syncthreads();
-    rnl_finish<T, K, KF, KW, BN, GELU, true>(sa, sb, so, sp, spart, res, pbias, wraw, braw, bias_f, x1, y, M, N, eps);
+    rnl_finish<T, K, KF, KW, BN, GELU, true>(sa, sb, so, sp, spart, g, x1, y, M, N, eps);
 }
 
 // One entry per storage type and form, named as the Rust side's RESIDUAL_NORM_LINEAR_NAMES table
@@ -807,9 +817,9 @@ __device__ void attention_residual_norm_linear_tile(const T* __restrict__ qkv, c
                                                     const T* __restrict__ bias, T* __restrict__ x1, T* __restrict__ y,
                                                     int M, int N, float eps, float scale_log2) {
     constexpr int D = ARNL_HEAD_DIM, HEADS = K / D, ROW = TileCfg<D>::ROW, PARTS = ARNL_PARTS, STATE = ARNL_STATE;
-    constexpr int THREADS = NL_WARPS * 32, LDS = K + 8, VECS = K / 8, CHUNKS = (VECS + 31) / 32;
-    constexpr int KF = K, KW = 6, LDF = KF + 8, VECF = KF / 8, QKV = 3 * K;
-    constexpr int WARPS_N = BN / 32, SLICE = K / RNL_SPLIT, RNL_PAIRS = NL_BM * SLICE / 2;
+    constexpr int THREADS = NL_WARPS * 32, LDS = K + 8;
+    constexpr int KF = K, KW = 6, LDF = KF + 8, QKV = 3 * K;
+    constexpr int SLICE = K / RNL_SPLIT, RNL_PAIRS = NL_BM * SLICE / 2;
     static_assert(RNL_SPLIT == 2 * HEADS && NL_WARPS == 2 * PARTS && SLICE == 32 && NL_BM == 16 &&
                       RNL_PAIRS <= THREADS,
                   "tile shape");
@@ -843,35 +853,15 @@ __device__ void attention_residual_norm_linear_tile(const T* __restrict__ qkv, c
     }
     asm volatile("cp.async.commit_group;" ::: "memory");
     auto load_weights = [&] {
-        for (int i = tid; i < SLICE * VECF; i += THREADS) {
-            const int rr = i / VECF, c = i % VECF;
-            nl_cp_async16(sp + rr * LDF + c * 8, wp + (size_t)(c0 + rr) * KF + c * 8, true);
-        }
+        nl_stage_rows<T, KF, SLICE>(sp, wp, c0, K);  // Wp has K = C rows: all of the slice
         asm volatile("cp.async.commit_group;" ::: "memory");
-        for (int i = tid; i < BN * VECS; i += THREADS) {
-            const int rr = i / VECS, c = i % VECS;
-            const bool ok = n0 + rr < N;
-            nl_cp_async16(sb + rr * LDS + c * 8, w + (size_t)(ok ? n0 + rr : 0) * K + c * 8, ok);
-        }
+        nl_stage_rows<T, K, BN>(sb, w, n0, N);
         asm volatile("cp.async.commit_group;" ::: "memory");
     };
     if (!LATE_W) load_weights();
     const int len = min(static_cast<int>(cu_seqlens[1]), M);
-    uint4 wraw[CHUNKS], braw[CHUNKS];
-    layer_norm_params<CHUNKS>(ln_w, ln_b, wraw, braw, VECS, lane);
-    float bias_f[4][2];
-    nl_load_bias(bias_f, bias, n0 + warp % WARPS_N * 32, N);
-    const int prow = tid / (SLICE / 2), pcol = c0 + (tid % (SLICE / 2)) * 2;
-    float res[2] = {0.f, 0.f}, pbias[2] = {0.f, 0.f};
-    if (tid < RNL_PAIRS) {
-        if (m0 + prow < M) {
-            const NlPair<T> p = *reinterpret_cast<const NlPair<T>*>(r + (size_t)(m0 + prow) * K + pcol);
-            res[0] = to_f32(p.a);
-            res[1] = to_f32(p.b);
-        }
-        pbias[0] = to_f32(bp[pcol]);
-        pbias[1] = to_f32(bp[pcol + 1]);
-    }
+    RnlRegs<K> g;
+    rnl_load_regs<T, K, BN>(g, ln_w, ln_b, bias, r, bp, M, N);
     if (LATE_W)
         asm volatile("cp.async.wait_group 0;" ::: "memory");
     else
@@ -896,15 +886,7 @@ __device__ void attention_residual_norm_linear_tile(const T* __restrict__ qkv, c
         const int kt = (len + 15) / 16;
         const int key0 = warp * kt / PARTS * 16, key_end = min(len, (warp + 1) * kt / PARTS * 16);
         if (key0 < key_end) attend_keys<T, D, 32, false>(st, ks, vs, key0, key_end, scale_log2, lane);
-        float* mine = sstate + warp * STATE * 32 + lane;
-#pragma unroll
-        for (int i = 0; i < D / 8; ++i)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) mine[(i * 4 + e) * 32] = st.acc_o[i][e];
-        mine[(D / 2 + 0) * 32] = st.m0;
-        mine[(D / 2 + 1) * 32] = st.m1;
-        mine[(D / 2 + 2) * 32] = st.l0;
-        mine[(D / 2 + 3) * 32] = st.l1;
+        save_state<D>(st, sstate + warp * STATE * 32 + lane);
     }
     __syncthreads();
 
@@ -941,8 +923,7 @@ __device__ void attention_residual_norm_linear_tile(const T* __restrict__ qkv, c
     asm volatile("cp.async.wait_group 1;" ::: "memory");
     // Every CTA's attention tile complete (and this CTA's Wp rows visible to all its threads).
     cg::this_cluster().sync();
-    rnl_finish<T, K, KF, KW, BN, GELU, false>(sa, sb, so, sp, spart, res, pbias, wraw, braw, bias_f, x1, y, M, N,
-                                              eps);
+    rnl_finish<T, K, KF, KW, BN, GELU, false>(sa, sb, so, sp, spart, g, x1, y, M, N, eps);
 }
 
 // One entry per storage type, with and without the GELU, each with W's loads issued at once or

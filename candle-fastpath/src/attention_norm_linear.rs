@@ -73,56 +73,36 @@ pub fn attention_residual_norm_linear(
             ),
         });
     }
-    run(qkv, cu_seqlens, scale, residual, proj, norm, linear, gelu)
-}
-
-#[cfg(feature = "cuda")]
-#[allow(clippy::too_many_arguments)]
-fn run(
-    qkv: &Tensor,
-    cu_seqlens: &Tensor,
-    scale: f64,
-    residual: &Tensor,
-    proj: &FusedLinear,
-    norm: &LayerNorm,
-    linear: &FusedLinear,
-    gelu: bool,
-) -> Result<(Tensor, Tensor)> {
-    let (Some(front_bias), Some(bias)) = (proj.bias(), linear.bias()) else {
-        unreachable!("attention_residual_norm_linear_applies requires both biases");
-    };
-    let (m, c) = residual.dims2()?;
-    let n = linear.out_dim();
-    let op = crate::cuda::AttentionResidualNormLinearOp {
-        cu_seqlens: cu_seqlens.clone(),
-        front_weight: proj.weight().clone(),
-        front_bias: front_bias.clone(),
-        ln_weight: norm.weight().clone(),
-        ln_bias: norm.bias().clone(),
-        bias: bias.clone(),
-        eps: norm.eps() as f32,
-        scale_log2: (scale * std::f64::consts::LOG2_E) as f32,
-        gelu,
-    };
-    let both = qkv.apply_op3_no_bwd(residual, linear.weight(), &op)?;
-    let x1 = both.narrow(0, 0, m * c)?.reshape((m, c))?;
-    let y = both.narrow(0, m * c, m * n)?.reshape((m, n))?;
-    Ok((x1, y))
-}
-
-#[cfg(not(feature = "cuda"))]
-#[allow(clippy::too_many_arguments)]
-fn run(
-    _: &Tensor,
-    _: &Tensor,
-    _: f64,
-    _: &Tensor,
-    _: &FusedLinear,
-    _: &LayerNorm,
-    _: &FusedLinear,
-    _: bool,
-) -> Result<(Tensor, Tensor)> {
-    unreachable!("attention_residual_norm_linear_applies is false without the cuda feature")
+    #[cfg(feature = "cuda")]
+    {
+        let (Some(front_bias), Some(bias)) = (proj.bias(), linear.bias()) else {
+            unreachable!("attention_residual_norm_linear_applies requires both biases");
+        };
+        let (m, c) = residual.dims2()?;
+        let n = linear.out_dim();
+        let op = crate::cuda::AttentionResidualNormLinearOp {
+            cu_seqlens: cu_seqlens.clone(),
+            scale_log2: (scale * std::f64::consts::LOG2_E) as f32,
+            rest: crate::cuda::ResidualNormLinearOp {
+                front_weight: proj.weight().clone(),
+                front_bias: front_bias.clone(),
+                ln_weight: norm.weight().clone(),
+                ln_bias: norm.bias().clone(),
+                bias: bias.clone(),
+                eps: norm.eps() as f32,
+                gelu,
+            },
+        };
+        let both = qkv.apply_op3_no_bwd(residual, linear.weight(), &op)?;
+        let x1 = both.narrow(0, 0, m * c)?.reshape((m, c))?;
+        let y = both.narrow(0, m * c, m * n)?.reshape((m, n))?;
+        Ok((x1, y))
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = scale;
+        unreachable!("attention_residual_norm_linear_applies is false without the cuda feature")
+    }
 }
 
 /// Whether [`attention_residual_norm_linear`] runs: what [`crate::residual_norm_linear_applies`]

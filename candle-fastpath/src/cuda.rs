@@ -919,11 +919,7 @@ impl NormLinearOp {
         let (m, c) = lx.shape().dims2()?;
         let (n, c2) = lw.shape().dims2()?;
         let width = crate::NORM_LINEAR_DIMS.iter().position(|&d| d == c);
-        let bf16 = match T::DTYPE {
-            DType::F16 => false,
-            DType::BF16 => true,
-            _ => candle_core::bail!("norm_linear: the fused kernel is f16 / bf16 only"),
-        };
+        let bf16 = is_bf16::<T>("norm_linear")?;
         let aligned = |l: &Layout| contiguous_16b(l, size);
         let Some(width) = width else {
             candle_core::bail!("norm_linear: no fused kernel for C = {c}");
@@ -998,6 +994,16 @@ impl NormLinearOp {
 
 cuda_only_op3!(NormLinearOp, "fastpath-norm-linear", "norm_linear");
 
+/// Whether `T`, the storage type of one of the f16 / bf16-only fused kernels (`what`), is bf16;
+/// an error for any other type.
+fn is_bf16<T: candle_core::WithDType>(what: &str) -> candle_core::Result<bool> {
+    match T::DTYPE {
+        DType::F16 => Ok(false),
+        DType::BF16 => Ok(true),
+        _ => candle_core::bail!("{what}: the fused kernel is f16 / bf16 only"),
+    }
+}
+
 /// `T` views (from their start offsets) of parameters an op carries, locked by
 /// `storage_and_layout` in `guards`, after checking each against its `(elements, vector)` spec:
 /// on the CUDA device, dtype `T`, that many elements, contiguous, and 16-byte aligned when
@@ -1054,7 +1060,39 @@ pub(crate) struct ResidualNormLinearOp {
     pub gelu: bool,
 }
 
+/// Pushes the operands both residual_norm_linear kernels take after their input operands (o,
+/// or qkv and cu_seqlens), in the kernels' order: Wp, bp, r, the LayerNorm's weight and bias, W,
+/// its bias (`views` as [`ResidualNormLinearOp::carried`] lists them), x1, y, M, N, eps.
+macro_rules! push_rnl_operands {
+    ($builder:ident, $views:ident, $rs:ident, $ws:ident, $x1:ident, $y:ident, $m:ident, $n:ident, $eps:expr) => {
+        $builder.arg(&$views[0]);
+        $builder.arg(&$views[1]);
+        $builder.arg(&$rs);
+        $builder.arg(&$views[2]);
+        $builder.arg(&$views[3]);
+        $builder.arg(&$ws);
+        $builder.arg(&$views[4]);
+        $builder.arg(&mut $x1);
+        $builder.arg(&mut $y);
+        $builder.arg(&$m);
+        $builder.arg(&$n);
+        $builder.arg($eps);
+    };
+}
+
 impl ResidualNormLinearOp {
+    /// The carried operands for width `c`, the front GEMM's K and the back GEMM's N: (tensor,
+    /// elements, loaded in 16-byte chunks) for Wp, bp, the LayerNorm's weight and bias, W's bias.
+    fn carried(&self, c: usize, k: usize, n: usize) -> [(&Tensor, usize, bool); 5] {
+        [
+            (&self.front_weight, c * k, true),
+            (&self.front_bias, c, false),
+            (&self.ln_weight, c, true),
+            (&self.ln_bias, c, true),
+            (&self.bias, n, false),
+        ]
+    }
+
     fn run<T>(
         &self,
         (o, lo): (&CudaStorage, &Layout),
@@ -1071,11 +1109,7 @@ impl ResidualNormLinearOp {
         let size = size_of::<T>();
         let (m, k) = lo.shape().dims2()?;
         let (n, c) = lw.shape().dims2()?;
-        let bf16 = match T::DTYPE {
-            DType::F16 => false,
-            DType::BF16 => true,
-            _ => candle_core::bail!("{WHAT}: the fused kernel is f16 / bf16 only"),
-        };
+        let bf16 = is_bf16::<T>(WHAT)?;
         let aligned = |l: &Layout| contiguous_16b(l, size);
         let form = RnlForm::of(k, n, self.gelu);
         if c != RNL_DIM
@@ -1096,14 +1130,7 @@ impl ResidualNormLinearOp {
                 lw.shape().dims()
             );
         }
-        // The carried operands: (tensor, elements, needs 16-byte alignment).
-        let carried = [
-            (&self.front_weight, c * k, true),
-            (&self.front_bias, c, false),
-            (&self.ln_weight, c, true),
-            (&self.ln_bias, c, true),
-            (&self.bias, n, false),
-        ];
+        let carried = self.carried(c, k, n);
         let guards = carried.map(|(t, _, _)| t.storage_and_layout());
         let views = carried_views::<T>(WHAT, &guards, &carried.map(|(_, n, v)| (n, v)))?;
         let os = o.as_cuda_slice::<T>()?.slice(lo.start_offset()..);
@@ -1137,18 +1164,7 @@ impl ResidualNormLinearOp {
         let stream = dev.cuda_stream();
         let mut builder = stream.launch_builder(&func);
         builder.arg(&os);
-        builder.arg(&views[0]);
-        builder.arg(&views[1]);
-        builder.arg(&rs);
-        builder.arg(&views[2]);
-        builder.arg(&views[3]);
-        builder.arg(&ws);
-        builder.arg(&views[4]);
-        builder.arg(&mut x1);
-        builder.arg(&mut y);
-        builder.arg(&m32);
-        builder.arg(&n32);
-        builder.arg(&self.eps);
+        push_rnl_operands!(builder, views, rs, ws, x1, y, m32, n32, &self.eps);
         // SAFETY: shapes, contiguity and alignment checked above; the kernel reads rows < M of o
         // and r, the C rows of Wp and rows < N of W (the rest zero-filled), and writes x1's M · C
         // and y's M · N elements only. Its clusters (RNL_SPLIT along x) are compiled in
@@ -1186,15 +1202,10 @@ pub(crate) fn has_attention_rnl(dev: &CudaDevice, m: usize) -> bool {
 /// ([`RnlForm::Proj`]). Shapes, strides and alignment are checked again here, as there.
 pub(crate) struct AttentionResidualNormLinearOp {
     pub cu_seqlens: Tensor,
-    pub front_weight: Tensor,
-    pub front_bias: Tensor,
-    pub ln_weight: Tensor,
-    pub ln_bias: Tensor,
-    pub bias: Tensor,
-    pub eps: f32,
     /// The softmax scale times log2(e) (the kernel's exponentials are exp2).
     pub scale_log2: f32,
-    pub gelu: bool,
+    /// What follows the attention: proj (`front_*`, K = C), the LayerNorm, W's bias, the GELU.
+    pub rest: ResidualNormLinearOp,
 }
 
 impl AttentionResidualNormLinearOp {
@@ -1214,15 +1225,11 @@ impl AttentionResidualNormLinearOp {
         let size = size_of::<T>();
         let (m, c3) = lq.shape().dims2()?;
         let (n, c) = lw.shape().dims2()?;
-        let bf16 = match T::DTYPE {
-            DType::F16 => false,
-            DType::BF16 => true,
-            _ => candle_core::bail!("{WHAT}: the fused kernel is f16 / bf16 only"),
-        };
+        let bf16 = is_bf16::<T>(WHAT)?;
         let aligned = |l: &Layout| contiguous_16b(l, size);
         if c != RNL_DIM
             || c3 != 3 * c
-            || RnlForm::of(c, n, self.gelu) != Some(RnlForm::Proj)
+            || RnlForm::of(c, n, self.rest.gelu) != Some(RnlForm::Proj)
             || lr.shape().dims() != [m, c]
             || m == 0
             || !aligned(lq)
@@ -1238,13 +1245,7 @@ impl AttentionResidualNormLinearOp {
                 lw.shape().dims()
             );
         }
-        let carried = [
-            (&self.front_weight, c * c, true),
-            (&self.front_bias, c, false),
-            (&self.ln_weight, c, true),
-            (&self.ln_bias, c, true),
-            (&self.bias, n, false),
-        ];
+        let carried = self.rest.carried(c, c, n);
         let guards = carried.map(|(t, _, _)| t.storage_and_layout());
         let views = carried_views::<T>(WHAT, &guards, &carried.map(|(_, n, v)| (n, v)))?;
         let (cu_storage, cu_layout) = self.cu_seqlens.storage_and_layout();
@@ -1273,7 +1274,7 @@ impl AttentionResidualNormLinearOp {
             let mut states = STATE.lock().unwrap_or_else(|e| e.into_inner());
             match &device_state(&mut states, dev)?.attention_rnl {
                 Some((funcs, max_smem)) if smem <= *max_smem => funcs
-                    [4 * (m >= ARNL_LATE_W_ROWS) as usize + 2 * bf16 as usize + self.gelu as usize]
+                    [4 * (m >= ARNL_LATE_W_ROWS) as usize + 2 * bf16 as usize + self.rest.gelu as usize]
                     .clone(),
                 Some((_, max_smem)) => candle_core::bail!(
                     "{WHAT}: {m} rows need {smem} bytes of shared memory, the device allows {max_smem}"
@@ -1293,18 +1294,7 @@ impl AttentionResidualNormLinearOp {
         let mut builder = stream.launch_builder(&func);
         builder.arg(&qs);
         builder.arg(&cus);
-        builder.arg(&views[0]);
-        builder.arg(&views[1]);
-        builder.arg(&rs);
-        builder.arg(&views[2]);
-        builder.arg(&views[3]);
-        builder.arg(&ws);
-        builder.arg(&views[4]);
-        builder.arg(&mut x1);
-        builder.arg(&mut y);
-        builder.arg(&m32);
-        builder.arg(&n32);
-        builder.arg(&self.eps);
+        push_rnl_operands!(builder, views, rs, ws, x1, y, m32, n32, &self.rest.eps);
         builder.arg(&self.scale_log2);
         // SAFETY: shapes, contiguity and alignment checked above; the kernel reads rows < M of
         // qkv and r, cu_seqlens[1] (clamped to M), the C rows of Wp and rows < N of W, and

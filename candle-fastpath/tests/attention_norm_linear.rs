@@ -15,7 +15,7 @@ use candle_fastpath::{
     attention_residual_norm_linear, attention_residual_norm_linear_applies, Epilogue,
     FastpathError, FusedLinear, LayerNorm,
 };
-use common::{device, host, poison, quantize, randn};
+use common::{device, has_clusters, host, poison, quantize, randn};
 use rand::{rngs::StdRng, SeedableRng};
 
 const C: usize = 192;
@@ -254,15 +254,4 @@ fn shapes_it_does_not_take_are_refused() {
     let cu_big = Tensor::from_slice(&[0u32, big as u32], 2, &dev).unwrap();
     refused(&qkv_big, &cu_big, HEADS, &r_big, &w.fc1);
     refused(&qkv, &one.to_dtype(DType::U8).unwrap(), HEADS, &r, &w.fc1);
-}
-
-/// Whether `dev` runs thread-block clusters (compute capability 9.0 and up).
-fn has_clusters(dev: &Device) -> bool {
-    #[cfg(feature = "cuda")]
-    if let Device::Cuda(d) = dev {
-        use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR as MAJOR;
-        return d.cuda_stream().context().attribute(MAJOR).unwrap() >= 9;
-    }
-    let _ = dev;
-    false
 }

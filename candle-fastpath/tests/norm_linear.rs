@@ -16,7 +16,7 @@ use candle_fastpath::{
     norm_linear, norm_linear_applies, residual_norm_linear, residual_norm_linear_applies, Epilogue,
     FastpathError, FusedLinear, LayerNorm,
 };
-use common::{device, host, poison, quantize, randn};
+use common::{device, has_clusters, host, poison, quantize, randn};
 use rand::{rngs::StdRng, SeedableRng};
 
 struct Weights {
@@ -165,17 +165,6 @@ fn bad_inputs_are_clear_errors() {
     assert!(norm_linear(&x32, &w.norm, &w.linear, true).is_err());
     let empty = Tensor::zeros((0, 192), DType::F16, &dev).unwrap();
     assert!(norm_linear(&empty, &w.norm, &w.linear, false).is_err());
-}
-
-/// Whether `dev` runs thread-block clusters (compute capability 9.0 and up).
-fn has_clusters(dev: &Device) -> bool {
-    #[cfg(feature = "cuda")]
-    if let Device::Cuda(d) = dev {
-        use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR as MAJOR;
-        return d.cuda_stream().context().attribute(MAJOR).unwrap() >= 9;
-    }
-    let _ = dev;
-    false
 }
 
 #[test]

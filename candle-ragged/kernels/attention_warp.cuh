@@ -292,4 +292,19 @@ __device__ __forceinline__ void end_rows(RowState<D> &st, T *oh, long long o_tok
     }
 }
 
+// A warp's online-softmax state in shared memory, for a merge by other threads: the D / 2
+// accumulators and m0, m1, l0, l1 of each lane, STATE = D / 2 + 4 floats, lane-minor
+// (`lane_base` is the state's first float plus the lane: no bank conflicts).
+template <int D>
+__device__ __forceinline__ void save_state(const RowState<D> &st, float *lane_base) {
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) lane_base[(i * 4 + e) * 32] = st.acc_o[i][e];
+    lane_base[(D / 2 + 0) * 32] = st.m0;
+    lane_base[(D / 2 + 1) * 32] = st.m1;
+    lane_base[(D / 2 + 2) * 32] = st.l0;
+    lane_base[(D / 2 + 3) * 32] = st.l1;
+}
+
 }  // namespace

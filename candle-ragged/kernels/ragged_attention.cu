@@ -201,17 +201,7 @@ __device__ __forceinline__ void attn_resident_kernel(const T *__restrict__ q, co
     // conflicts), STATE = D / 2 accumulators + m0, m1, l0, l1.
     constexpr int STATE = D / 2 + 4;
     float *partial = reinterpret_cast<float *>(vs + rows * C::ROW);
-    if (active && part > 0) {
-        float *mine = partial + ((warp * (parts - 1) + part - 1) * STATE) * 32 + lane;
-#pragma unroll
-        for (int i = 0; i < D / 8; ++i)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) mine[(i * 4 + e) * 32] = st.acc_o[i][e];
-        mine[(D / 2 + 0) * 32] = st.m0;
-        mine[(D / 2 + 1) * 32] = st.m1;
-        mine[(D / 2 + 2) * 32] = st.l0;
-        mine[(D / 2 + 3) * 32] = st.l1;
-    }
+    if (active && part > 0) save_state<D>(st, partial + ((warp * (parts - 1) + part - 1) * STATE) * 32 + lane);
     __syncthreads();
     if (!active || part > 0) return;
     // A part that saw no chunk holds m = -inf and zero sums: its weight exp2(-inf - m) is 0, and

@@ -61,3 +61,14 @@ pub fn host(t: &Tensor) -> Vec<f32> {
         .to_vec1()
         .unwrap()
 }
+
+/// Whether `dev` runs thread-block clusters (compute capability 9.0 and up).
+pub fn has_clusters(dev: &Device) -> bool {
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(d) = dev {
+        use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR as MAJOR;
+        return d.cuda_stream().context().attribute(MAJOR).unwrap() >= 9;
+    }
+    let _ = dev;
+    false
+}

@@ -12,7 +12,8 @@
 // LayerNorm, without its MMAs, loads and store alone, no shuffles), and a DeiT-S and a DeiT-T
 // block with the fused kernels (5 launches) against the model's 8, three rounds alternated.
 // Results and reading: docs/BENCHMARKS.md, lever 58. Run on the GPU from the repo root:
-//   nvcc -O3 -std=c++17 -arch=sm_90a -o /tmp/ln_linear scripts/gpu/probes/ln_linear.cu -lcublasLt -lcuda
+//   nvcc -O3 -std=c++17 -arch=sm_90a -I candle-ragged/kernels -o /tmp/ln_linear scripts/gpu/probes/ln_linear.cu \
+//     -lcublasLt -lcuda
 //   /tmp/ln_linear FASTPATH_PTX RAGGED_PTX        (the .ptx files of a cargo build with --features cuda)
 //   ncu --kernel-name regex:ln_linear /tmp/ln_linear FASTPATH_PTX RAGGED_PTX ncu   (one eager launch
 //   of the whole kernel, of loads + store only, and of the LayerNorm without its MMAs)

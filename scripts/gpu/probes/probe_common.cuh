@@ -4,9 +4,11 @@
 #pragma once
 #include <cublasLt.h>
 #include <cuda.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -140,4 +142,31 @@ static void run_gemm(cublasLtHandle_t lt, const Gemm& g, const void* x, void* y,
     const float one = 1.f, zero = 0.f;
     LT(cublasLtMatmul(lt, g.op, &one, g.w, g.lw, x, g.lx, res ? &one : &zero, res ? res : y, g.ly, y, g.ly, &g.algo,
                       ws, ws_bytes, s));
+}
+
+// A device buffer of n halves, offset + scale · u with u uniform in [-1, 1) from an LCG seeded by
+// `seed` (the same values on every run and machine).
+static void* drandom_host(size_t n, unsigned seed, float scale, float offset = 0.f) {
+    std::vector<__half> h(n);
+    unsigned s = seed * 2654435761u + 1;
+    for (size_t i = 0; i < n; ++i) {
+        s = s * 1664525u + 1013904223u;
+        h[i] = __float2half(offset + scale * (((s >> 8) & 0xffff) / 32768.f - 1.f));
+    }
+    void* p = dalloc(n * 2);
+    CK(cudaMemcpy(p, h.data(), n * 2, cudaMemcpyHostToDevice));
+    return p;
+}
+
+// The largest |a - b| over n halves of two device buffers (infinity when one is not finite).
+static float max_diff_half(const void* a, const void* b, size_t n) {
+    std::vector<__half> x(n), y(n);
+    CK(cudaMemcpy(x.data(), a, n * 2, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(y.data(), b, n * 2, cudaMemcpyDeviceToHost));
+    float m = 0.f;
+    for (size_t i = 0; i < n; ++i) {
+        const float d = fabsf(__half2float(x[i]) - __half2float(y[i]));
+        m = std::isfinite(d) ? fmaxf(m, d) : INFINITY;
+    }
+    return m;
 }

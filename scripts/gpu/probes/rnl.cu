@@ -13,7 +13,8 @@
 // st.async + mbarrier instead of the cluster barrier, no cluster) are the patch
 // docs/benchmarks/history/lever61-probe-variants.patch (it applies to this file as of that commit).
 // Run on the GPU from the repo root:
-//   nvcc -O3 -std=c++17 -arch=sm_90a -lineinfo -o /tmp/rnl scripts/gpu/probes/rnl.cu -lcublasLt -lcuda && /tmp/rnl
+//   nvcc -O3 -std=c++17 -arch=sm_90a -lineinfo -I candle-ragged/kernels -o /tmp/rnl scripts/gpu/probes/rnl.cu \
+//     -lcublasLt -lcuda && /tmp/rnl
 //   RNL_CHECK_ONLY=1 compute-sanitizer --tool racecheck /tmp/rnl   (the checks alone)
 #include <cuda_fp16.h>
 
@@ -29,30 +30,6 @@ extern "C" __global__ void __cluster_dims__(6, 1, 1) __launch_bounds__(NL_WARPS 
     nl_clustered(const __half* x, const __half* ln_w, const __half* ln_b, const __half* w, const __half* bias,
                  __half* y, int M, int Nn, float eps) {
     norm_linear_tile<__half, C, true>(x, ln_w, ln_b, w, bias, y, M, Nn, eps);
-}
-
-static void* drandom(size_t n, unsigned seed, float scale, float offset = 0.f) {
-    std::vector<__half> h(n);
-    unsigned s = seed * 2654435761u + 1;
-    for (size_t i = 0; i < n; ++i) {
-        s = s * 1664525u + 1013904223u;
-        h[i] = __float2half(offset + scale * (((s >> 8) & 0xffff) / 32768.f - 1.f));
-    }
-    void* p = dalloc(n * 2);
-    CK(cudaMemcpy(p, h.data(), n * 2, cudaMemcpyHostToDevice));
-    return p;
-}
-
-static float max_diff(const void* a, const void* b, size_t n) {
-    std::vector<__half> x(n), y(n);
-    CK(cudaMemcpy(x.data(), a, n * 2, cudaMemcpyDeviceToHost));
-    CK(cudaMemcpy(y.data(), b, n * 2, cudaMemcpyDeviceToHost));
-    float m = 0.f;
-    for (size_t i = 0; i < n; ++i) {
-        const float d = fabsf(__half2float(x[i]) - __half2float(y[i]));
-        m = std::isfinite(d) ? fmaxf(m, d) : INFINITY;
-    }
-    return m;
 }
 
 using NormLinearFn = void (*)(const __half*, const __half*, const __half*, const __half*, const __half*, __half*,
@@ -80,14 +57,14 @@ static void boundary(const Ctx& c, const char* name, int M, int KF, int N, int b
     CK(cudaFuncSetAttribute(fused, cudaFuncAttributeMaxDynamicSharedMemorySize, fused_smem));
     const float eps = 1e-6f;
     const unsigned seed = KF == C ? 1 : 21;
-    __half* o = (__half*)drandom((size_t)M * KF, seed, 1.f);
-    __half* r = (__half*)drandom((size_t)M * C, seed + 1, 3.f, 0.5f);
-    __half* wf = (__half*)drandom((size_t)C * KF, seed + 2, KF == C ? 0.07f : 0.036f);
-    __half* bf = (__half*)drandom(C, seed + 3, 0.2f);
-    __half* lnw = (__half*)drandom(C, seed + 4, 0.3f, 1.f);
-    __half* lnb = (__half*)drandom(C, seed + 5, 0.2f);
-    __half* w = (__half*)drandom((size_t)N * C, seed + 6, 0.07f);
-    __half* b = (__half*)drandom(N, seed + 7, 0.2f);
+    __half* o = (__half*)drandom_host((size_t)M * KF, seed, 1.f);
+    __half* r = (__half*)drandom_host((size_t)M * C, seed + 1, 3.f, 0.5f);
+    __half* wf = (__half*)drandom_host((size_t)C * KF, seed + 2, KF == C ? 0.07f : 0.036f);
+    __half* bf = (__half*)drandom_host(C, seed + 3, 0.2f);
+    __half* lnw = (__half*)drandom_host(C, seed + 4, 0.3f, 1.f);
+    __half* lnb = (__half*)drandom_host(C, seed + 5, 0.2f);
+    __half* w = (__half*)drandom_host((size_t)N * C, seed + 6, 0.07f);
+    __half* b = (__half*)drandom_host(N, seed + 7, 0.2f);
     __half *x1a = (__half*)dalloc((size_t)M * C * 2), *ya = (__half*)dalloc((size_t)M * N * 2);
     __half *x1b = (__half*)dalloc((size_t)M * C * 2), *yb = (__half*)dalloc((size_t)M * N * 2);
     Gemm front = make_gemm(c.lt, M, C, KF, wf, bf, c.ws_bytes);
@@ -108,8 +85,8 @@ static void boundary(const Ctx& c, const char* name, int M, int KF, int N, int b
     one();
     CK(cudaStreamSynchronize(c.s));
     CK(cudaGetLastError());
-    printf("check %s M %d: x1 max |diff| %g, y %g\n", name, M, max_diff(x1a, x1b, (size_t)M * C),
-           max_diff(ya, yb, (size_t)M * N));
+    printf("check %s M %d: x1 max |diff| %g, y %g\n", name, M, max_diff_half(x1a, x1b, (size_t)M * C),
+           max_diff_half(ya, yb, (size_t)M * N));
     for (int round = 0; round < (c.check_only ? 0 : 2); ++round) {
         printf("%s M %d round %d: two launches %.2f | front %.2f norm_linear %.2f |", name, M, round,
                graph_us_per_call(c.s, NODES / 2, REPS, sep), graph_us_per_call(c.s, NODES, REPS, front_only),
