@@ -481,12 +481,13 @@ __device__ __forceinline__ void nl_load_bias(float (&bias_f)[4][2], const T* __r
     }
 }
 
-// A warp's 16 × 32 tile (rows row0.., columns col0..) of y [M, N] from its accumulators: bias,
-// rounding to the storage type, then (GELU) x·Φ(x) of that rounded value, rounded again; pairs of
-// adjacent columns, rows lane / 4 and lane / 4 + 8; nothing past M or N.
-template <typename T, bool GELU>
-__device__ __forceinline__ void nl_store_tile(const float (&acc)[4][4], const float (&bias_f)[4][2],
-                                              T* __restrict__ y, int row0, int col0, int M, int N) {
+// A warp's 16 × 32 tile (rows row0.., columns col0..) of an [M, N] result from its accumulators:
+// bias, rounding to the storage type, then (GELU) x·Φ(x) of that rounded value, rounded again;
+// pairs of adjacent columns, rows lane / 4 and lane / 4 + 8, each handed to store(row, col, pair);
+// nothing past M or N.
+template <typename T, bool GELU, typename Store>
+__device__ __forceinline__ void nl_epilogue_tile(const float (&acc)[4][4], const float (&bias_f)[4][2], int row0,
+                                                 int col0, int M, int N, Store store) {
     const unsigned lane = threadIdx.x % 32;
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
@@ -501,9 +502,18 @@ __device__ __forceinline__ void nl_store_tile(const float (&acc)[4][4], const fl
                 o0 = from_f32<T>(gelu_phi(to_f32(o0)));
                 o1 = from_f32<T>(gelu_phi(to_f32(o1)));
             }
-            *reinterpret_cast<NlPair<T>*>(y + (size_t)row * N + col) = NlPair<T>{o0, o1};
+            store(row, col, NlPair<T>{o0, o1});
         }
     }
+}
+
+// nl_epilogue_tile into y [M, N] in global memory.
+template <typename T, bool GELU>
+__device__ __forceinline__ void nl_store_tile(const float (&acc)[4][4], const float (&bias_f)[4][2],
+                                              T* __restrict__ y, int row0, int col0, int M, int N) {
+    nl_epilogue_tile<T, GELU>(acc, bias_f, row0, col0, M, N, [&](int row, int col, NlPair<T> p) {
+        *reinterpret_cast<NlPair<T>*>(y + (size_t)row * N + col) = p;
+    });
 }
 
 // x [M, K], ln_w / ln_b [K], w [N, K], bias [N], y [M, N]; all contiguous and 16-byte aligned,
@@ -638,10 +648,15 @@ __device__ __forceinline__ void rnl_load_regs(RnlRegs<K>& g, const T* __restrict
 // every thread; W's rows (`sb`) may still be in flight as the newest cp.async group. ENTRY_WAIT:
 // this call waits on the cluster arrive made at kernel entry (else the caller did).
 // attention_residual_norm_linear_tile ends the same way.
-template <typename T, int K, int KF, int KW, int BN, bool GELU, bool ENTRY_WAIT>
+//
+// TO_CLUSTER (attention_block_tile's first step): x1 stays on chip (its pair is returned in *x1p
+// for the step after), and the back GEMM's tile goes, after the epilogue, into every cluster CTA's
+// `y` rows (shared memory, NL_BM rows of RNL_SPLIT · BN + 8 elements: the next step's input)
+// instead of global memory.
+template <typename T, int K, int KF, int KW, int BN, bool GELU, bool ENTRY_WAIT, bool TO_CLUSTER = false>
 __device__ __forceinline__ void rnl_finish(T* sa, const T* sb, const T* so, const T* sp, float* spart,
                                            const RnlRegs<K>& g, T* __restrict__ x1, T* __restrict__ y, int M,
-                                           int N, float eps) {
+                                           int N, float eps, NlPair<T>* x1p = nullptr) {
     constexpr int LDS = K + 8, VECS = K / 8, CHUNKS = (VECS + 31) / 32, LDF = KF + 8;
     constexpr int WARPS_N = BN / 32, MMA_WARPS = (NL_BM / 16) * WARPS_N, SLICE = K / RNL_SPLIT;
     constexpr int KSLICE = KF / KW, RNL_PAIRS = NL_BM * SLICE / 2;
@@ -682,10 +697,14 @@ __device__ __forceinline__ void rnl_finish(T* sa, const T* sb, const T* so, cons
 #pragma unroll
         for (int q = 0; q < RNL_SPLIT; ++q)
             *reinterpret_cast<NlPair<T>*>(cg::this_cluster().map_shared_rank(sa, q) + prow * LDS + pcol) = p;
-        if (m0 + prow < M) *reinterpret_cast<NlPair<T>*>(x1 + (size_t)(m0 + prow) * K + pcol) = p;
+        if (TO_CLUSTER)
+            *x1p = p;
+        else if (m0 + prow < M)
+            *reinterpret_cast<NlPair<T>*>(x1 + (size_t)(m0 + prow) * K + pcol) = p;
     }
     // Every rank's stores into this CTA's rows are visible after the barrier (release / acquire
-    // at cluster scope); after it no CTA touches another's shared memory, so each may exit freely.
+    // at cluster scope); after it no CTA touches another's shared memory, so each may exit freely
+    // (TO_CLUSTER: until its stores into `y`, which its caller's next cluster barrier completes).
     cg::this_cluster().sync();
 
     // 4. One warp per row, in place: the LayerNorm kernel's own row code.
@@ -695,12 +714,22 @@ __device__ __forceinline__ void rnl_finish(T* sa, const T* sb, const T* so, cons
     }
     asm volatile("cp.async.wait_group 0;" ::: "memory");
     __syncthreads();
-    if (warp >= MMA_WARPS) return;
 
     // 5. A 16 × 32 slice of the tile per warp, then the epilogue.
-    float acc[4][4] = {};
-    nl_warp_mma_16x32<T, K, LDS>(acc, sa + wm * 16 * LDS, sb + wn * 32 * LDS);
-    nl_store_tile<T, GELU>(acc, g.bias_f, y, m0 + wm * 16, n0 + wn * 32, M, N);
+    if (warp < MMA_WARPS) {
+        float acc[4][4] = {};
+        nl_warp_mma_16x32<T, K, LDS>(acc, sa + wm * 16 * LDS, sb + wn * 32 * LDS);
+        if (TO_CLUSTER) {
+            constexpr int LDY = RNL_SPLIT * BN + 8;
+            nl_epilogue_tile<T, GELU>(acc, g.bias_f, wm * 16, n0 + wn * 32, NL_BM, N, [&](int row, int col, NlPair<T> p) {
+#pragma unroll
+                for (int q = 0; q < RNL_SPLIT; ++q)
+                    *reinterpret_cast<NlPair<T>*>(cg::this_cluster().map_shared_rank(y, q) + row * LDY + col) = p;
+            });
+        } else {
+            nl_store_tile<T, GELU>(acc, g.bias_f, y, m0 + wm * 16, n0 + wn * 32, M, N);
+        }
+    }
 }
 
 // K = C (the normalised width); KF the front GEMM's K (C for proj, 4C for fc2), split over KW
@@ -809,13 +838,25 @@ RESIDUAL_NORM_LINEAR_ENTRY(bf16, __nv_bfloat16, 192, 768, 12, 96, false, _k768)
 // (the host's copy: AttentionRnl::smem_bytes).
 constexpr int ARNL_HEAD_DIM = 64, ARNL_PARTS = 8, ARNL_STATE = ARNL_HEAD_DIM / 2 + 4;
 
-template <typename T, int K, int BN, bool GELU, bool LATE_W>
+// attention_block_tile's second step (lever 65): fc2 + residual into the next block's norm1 → qkv,
+// as residual_norm_linear's fc2 form computes it (W2 [C, 4C] and b2, the next block's LayerNorm,
+// its qkv weight [N2, C] and bias), writing the block's output x2 [M, C] and that qkv [M, N2].
+template <typename T>
+struct ArnlNext {
+    const T *w2, *b2, *ln_w, *ln_b, *wq, *bq;
+    T *x2, *qkv;
+    int N2;
+    float eps;
+};
+
+template <typename T, int K, int BN, bool GELU, bool LATE_W, bool BLOCK = false>
 __device__ void attention_residual_norm_linear_tile(const T* __restrict__ qkv, const uint32_t* __restrict__ cu_seqlens,
                                                     const T* __restrict__ wp, const T* __restrict__ bp,
                                                     const T* __restrict__ r, const T* __restrict__ ln_w,
                                                     const T* __restrict__ ln_b, const T* __restrict__ w,
                                                     const T* __restrict__ bias, T* __restrict__ x1, T* __restrict__ y,
-                                                    int M, int N, float eps, float scale_log2) {
+                                                    int M, int N, float eps, float scale_log2,
+                                                    ArnlNext<T> nx = ArnlNext<T>{}) {
     constexpr int D = ARNL_HEAD_DIM, HEADS = K / D, ROW = TileCfg<D>::ROW, PARTS = ARNL_PARTS, STATE = ARNL_STATE;
     constexpr int THREADS = NL_WARPS * 32, LDS = K + 8;
     constexpr int KF = K, KW = 6, LDF = KF + 8, QKV = 3 * K;
@@ -889,6 +930,16 @@ __device__ void attention_residual_norm_linear_tile(const T* __restrict__ qkv, c
         save_state<D>(st, sstate + warp * STATE * 32 + lane);
     }
     __syncthreads();
+    // BLOCK: K and V are dead; the second step's weights go where they were (W2's slice of 32
+    // rows, 4C wide, then the next qkv's 96-row tile), a fourth cp.async group, ~2 µs ahead of
+    // their use.
+    T* sw2 = ks;
+    T* swq = sw2 + SLICE * (4 * K + 8);
+    if (BLOCK) {
+        nl_stage_rows<T, 4 * K, SLICE>(sw2, nx.w2, c0, K);
+        nl_stage_rows<T, K, 96>(swq, nx.wq, rank * 96, nx.N2);
+        asm volatile("cp.async.commit_group;" ::: "memory");
+    }
 
     // 3. The merge: warp g takes accumulators 2g and 2g + 1 of every lane's state (one row, two
     // adjacent columns), weighs each part by exp2(its maximum - the row's), normalises, and
@@ -920,10 +971,33 @@ __device__ void attention_residual_norm_linear_tile(const T* __restrict__ qkv, c
             *reinterpret_cast<uint32_t*>(cg::this_cluster().map_shared_rank(so, half * HEADS + q) + row * LDF + col) =
                 pair;
     }
-    asm volatile("cp.async.wait_group 1;" ::: "memory");
+    // Wp's group done (W's, and BLOCK's fourth, may still be in flight).
+    if (BLOCK)
+        asm volatile("cp.async.wait_group 2;" ::: "memory");
+    else
+        asm volatile("cp.async.wait_group 1;" ::: "memory");
     // Every CTA's attention tile complete (and this CTA's Wp rows visible to all its threads).
     cg::this_cluster().sync();
-    rnl_finish<T, K, KF, KW, BN, GELU, false>(sa, sb, so, sp, spart, g, x1, y, M, N, eps);
+    if (!BLOCK) {
+        rnl_finish<T, K, KF, KW, BN, GELU, false>(sa, sb, so, sp, spart, g, x1, y, M, N, eps);
+        return;
+    }
+    // BLOCK (lever 65): fc1's GELU output goes into every cluster CTA's rows `sh` (where the
+    // softmax states were), x1 stays in registers as the second step's residual.
+    T* sh = reinterpret_cast<T*>(sstate);
+    NlPair<T> x1p{};
+    rnl_finish<T, K, KF, KW, BN, GELU, false, true>(sa, sb, so, sp, spart, g, nullptr, sh, M, N, eps, &x1p);
+    RnlRegs<K> g2;
+    rnl_load_regs<T, K, 96>(g2, nx.ln_w, nx.ln_b, nx.bq, r, nx.b2, 0, nx.N2);  // 0 rows: no residual read
+    g2.res[0] = to_f32(x1p.a);
+    g2.res[1] = to_f32(x1p.b);
+    // Every CTA's fc1 tile in every CTA's `sh`; after this no CTA reads its `sa` (x1) again, so
+    // the second step's x2 may land there.
+    cg::this_cluster().sync();
+    // The second step's partial sums where the attention tile, Wp's slice and the first step's
+    // partial sums were (31.5 KB for 24 KB).
+    rnl_finish<T, K, 4 * K, 12, 96, false, false>(sa, swq, sh, sw2, reinterpret_cast<float*>(so), g2, nx.x2, nx.qkv,
+                                                  M, nx.N2, nx.eps);
 }
 
 // One entry per storage type, with and without the GELU, each with W's loads issued at once or
@@ -947,5 +1021,27 @@ ATTENTION_RESIDUAL_NORM_LINEAR_ENTRY(f16, __half, false, true, _late)
 ATTENTION_RESIDUAL_NORM_LINEAR_ENTRY(f16, __half, true, true, _gelu_late)
 ATTENTION_RESIDUAL_NORM_LINEAR_ENTRY(bf16, __nv_bfloat16, false, true, _late)
 ATTENTION_RESIDUAL_NORM_LINEAR_ENTRY(bf16, __nv_bfloat16, true, true, _gelu_late)
+
+// attention_block (lever 65): attention_residual_norm_linear's kernel (with the GELU) continuing
+// into fc2 + residual → the next block's norm1 → qkv: a whole pre-norm block of one image, from
+// its qkv to the next block's, as one launch. The fc1 tile is exchanged through distributed
+// shared memory like x1; fc2's and qkv's weights are loaded into K / V's space once the attention
+// is done. Dynamic shared memory: attention_block_smem_bytes(M) (the host's), the attention
+// kernel's with the K / V region at least 88,064 bytes. Named as ATTENTION_BLOCK_NAMES expects.
+#define ATTENTION_BLOCK_ENTRY(SUFFIX, T, LATE, TAIL)                                                          \
+    extern "C" __global__ void __cluster_dims__(RNL_SPLIT, 1, 1) __launch_bounds__(NL_WARPS * 32)           \
+        fastpath_attention_block_##SUFFIX##_c192##TAIL(                                                      \
+            const T* qkv, const uint32_t* cu_seqlens, const T* wp, const T* bp, const T* r, const T* ln2_w,  \
+            const T* ln2_b, const T* w1, const T* b1, const T* w2, const T* b2, const T* ln1_w,              \
+            const T* ln1_b, const T* wq, const T* bq, T* x2, T* qkv_next, int M, int N1, int N2, float eps2, \
+            float eps1, float scale_log2) {                                                                  \
+        attention_residual_norm_linear_tile<T, 192, 128, true, LATE, true>(                                  \
+            qkv, cu_seqlens, wp, bp, r, ln2_w, ln2_b, w1, b1, nullptr, nullptr, M, N1, eps2, scale_log2,    \
+            ArnlNext<T>{w2, b2, ln1_w, ln1_b, wq, bq, x2, qkv_next, N2, eps1});                             \
+    }
+ATTENTION_BLOCK_ENTRY(f16, __half, false, )
+ATTENTION_BLOCK_ENTRY(bf16, __nv_bfloat16, false, )
+ATTENTION_BLOCK_ENTRY(f16, __half, true, _late)
+ATTENTION_BLOCK_ENTRY(bf16, __nv_bfloat16, true, _late)
 
 #endif

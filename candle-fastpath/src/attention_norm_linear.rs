@@ -159,3 +159,141 @@ pub fn attention_residual_norm_linear_applies(
             && crate::cuda::has_attention_rnl(dev, m)
     }
 }
+
+/// Whether [`attention_block`] may run, from `CANDLE_FASTPATH_ATTENTION_BLOCK` (read once): unset
+/// (yes), `0` / `off` (no: [`attention_residual_norm_linear`], then
+/// [`crate::residual_norm_linear`]'s fc2 form; for A/B measurements).
+pub fn attention_block_enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    crate::switches::read_once(&ON, "CANDLE_FASTPATH_ATTENTION_BLOCK", |v| {
+        !matches!(v, Some("0") | Some("off"))
+    })
+}
+
+/// The weights of one pre-norm ViT block after its attention, and the next block's norm1 and
+/// qkv: what [`attention_block`] runs from a block's qkv to the next one's.
+#[derive(Clone, Copy, Debug)]
+pub struct BlockTail<'a> {
+    pub proj: &'a FusedLinear,
+    pub norm2: &'a LayerNorm,
+    pub fc1: &'a FusedLinear,
+    pub fc2: &'a FusedLinear,
+    /// The next block's norm1 and qkv projection.
+    pub next_norm1: &'a LayerNorm,
+    pub next_qkv: &'a FusedLinear,
+}
+
+/// A whole pre-norm block of one sequence from its qkv projection, and the next block's qkv, in
+/// one launch (lever 65): [`attention_residual_norm_linear`] (with the GELU) and then
+/// [`crate::residual_norm_linear`]'s fc2 form, `x2 = x1 + fc2(h)`, `qkv' = next_qkv(next_norm1(x2))`,
+/// with `x1` and `h` kept on chip.
+///
+/// Arguments as [`attention_residual_norm_linear`]'s (`residual` the block's input).
+///
+/// # Returns
+/// `(x2, qkv')`: `[M, C]` and `[M, N2]`, contiguous views of one buffer, exactly what the two
+/// kernels return (the same arithmetic in the same order; rows past `len` as there).
+///
+/// Only where [`attention_block_applies`] says so; anything else is an error.
+pub fn attention_block(
+    qkv: &Tensor,
+    cu_seqlens: &Tensor,
+    heads: usize,
+    scale: f64,
+    residual: &Tensor,
+    w: &BlockTail,
+) -> Result<(Tensor, Tensor)> {
+    if !attention_block_applies(qkv, cu_seqlens, heads, residual, w) {
+        return Err(FastpathError::NotApplicable {
+            op: "attention_block",
+            inputs: format!(
+                "qkv {:?} {:?}, {heads} heads, cu_seqlens {:?}, residual {:?}, fc1 N {}, next qkv N {}",
+                qkv.dims(),
+                qkv.dtype(),
+                cu_seqlens.dims(),
+                residual.dims(),
+                w.fc1.out_dim(),
+                w.next_qkv.out_dim()
+            ),
+        });
+    }
+    #[cfg(feature = "cuda")]
+    {
+        let rnl = |front: &FusedLinear, norm: &LayerNorm, back: &FusedLinear, gelu: bool| {
+            let (Some(front_bias), Some(bias)) = (front.bias(), back.bias()) else {
+                unreachable!("attention_block_applies requires every bias");
+            };
+            crate::cuda::ResidualNormLinearOp {
+                front_weight: front.weight().clone(),
+                front_bias: front_bias.clone(),
+                ln_weight: norm.weight().clone(),
+                ln_bias: norm.bias().clone(),
+                bias: bias.clone(),
+                eps: norm.eps() as f32,
+                gelu,
+            }
+        };
+        let (m, c) = residual.dims2()?;
+        let n2 = w.next_qkv.out_dim();
+        let op = crate::cuda::AttentionBlockOp {
+            cu_seqlens: cu_seqlens.clone(),
+            scale_log2: (scale * std::f64::consts::LOG2_E) as f32,
+            first: rnl(w.proj, w.norm2, w.fc1, true),
+            second: rnl(w.fc2, w.next_norm1, w.next_qkv, false),
+            next_weight: w.next_qkv.weight().clone(),
+        };
+        let both = qkv.apply_op3_no_bwd(residual, w.fc1.weight(), &op)?;
+        let x2 = both.narrow(0, 0, m * c)?.reshape((m, c))?;
+        let next = both.narrow(0, m * c, m * n2)?.reshape((m, n2))?;
+        Ok((x2, next))
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = scale;
+        unreachable!("attention_block_applies is false without the cuda feature")
+    }
+}
+
+/// Whether [`attention_block`] runs: [`attention_residual_norm_linear_applies`] for the block's
+/// attention, proj, norm2 and fc1 (with the GELU), fc1 exactly 4C wide, what
+/// [`crate::residual_norm_linear_applies`] requires of its fc2 form for fc2, the next block's
+/// norm1 and qkv (N in (480, 576]), the shared memory of the longer kernel, and
+/// `CANDLE_FASTPATH_ATTENTION_BLOCK` not `0`.
+pub fn attention_block_applies(
+    qkv: &Tensor,
+    cu_seqlens: &Tensor,
+    heads: usize,
+    residual: &Tensor,
+    w: &BlockTail,
+) -> bool {
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (qkv, cu_seqlens, heads, residual, w);
+        false
+    }
+    #[cfg(feature = "cuda")]
+    {
+        let candle_core::Device::Cuda(dev) = residual.device() else {
+            return false;
+        };
+        let c = w.norm2.weight().elem_count();
+        attention_block_enabled()
+            && w.fc1.out_dim() == 4 * c
+            && w.fc2.in_dim() == 4 * c
+            && w.next_qkv.weight().dtype() == residual.dtype()
+            && w.next_qkv.weight().device().same_device(residual.device())
+            && attention_residual_norm_linear_applies(
+                qkv, cu_seqlens, heads, residual, w.proj, w.norm2, w.fc1, true,
+            )
+            && crate::norm_linear::residual_norm_linear_step_applies(
+                residual,
+                w.fc2,
+                w.next_norm1,
+                w.next_qkv,
+                false,
+            )
+            && residual
+                .dims2()
+                .is_ok_and(|(m, _)| crate::cuda::has_attention_block(dev, m))
+    }
+}

@@ -84,6 +84,15 @@ const ATTENTION_RNL_NAMES: [&str; 8] = [
     "fastpath_attention_residual_norm_linear_bf16_c192_late",
     "fastpath_attention_residual_norm_linear_bf16_c192_gelu_late",
 ];
+/// [`AttentionBlockOp`]'s kernels (compute capability 9.0 and up): f16, bf16, then the same two
+/// issuing the first step's weights late ([`ARNL_LATE_W_ROWS`]).
+const ATTENTION_BLOCK_NAMES: [&str; 4] = [
+    "fastpath_attention_block_f16_c192",
+    "fastpath_attention_block_bf16_c192",
+    "fastpath_attention_block_f16_c192_late",
+    "fastpath_attention_block_bf16_c192_late",
+];
+
 /// From this many rows [`AttentionResidualNormLinearOp`] takes its `_late` kernels, which issue
 /// the proj and fc1 weights' loads only once K and V have landed: with 78 CTAs (197 rows) those
 /// loads delay K / V's (0.3 µs per launch in the probe, 138 rows too), with 42 (97 rows) and
@@ -100,6 +109,15 @@ pub(crate) fn attention_rnl_smem_bytes(m: usize) -> usize {
     RnlForm::Proj.smem_bytes()
         + 8 * (ARNL_HEAD_DIM / 2 + 4) * 32 * 4
         + 2 * m.next_multiple_of(16) * (ARNL_HEAD_DIM + 8) * 2
+}
+
+/// Dynamic shared memory of an [`AttentionBlockOp`] launch over `m` rows: as
+/// [`attention_rnl_smem_bytes`], with the K / V region at least the second step's weights
+/// (W2's 32-row slice, 4C + 8 wide, and the next qkv's 96-row tile, C + 8 wide), which reuse it.
+pub(crate) fn attention_block_smem_bytes(m: usize) -> usize {
+    let kv = 2 * m.next_multiple_of(16) * (ARNL_HEAD_DIM + 8) * 2;
+    let second = (32 * (4 * RNL_DIM + 8) + 96 * (RNL_DIM + 8)) * 2;
+    attention_rnl_smem_bytes(m) - kv + kv.max(second)
 }
 
 /// The one width [`ResidualNormLinearOp`]'s kernels are built for, and the CTAs of a cluster
@@ -269,6 +287,8 @@ struct DeviceState {
     /// [`AttentionResidualNormLinearOp`]'s kernels and the most dynamic shared memory a block
     /// may opt into (its K / V rows grow with the sequence); `None` as `residual_norm_linear`.
     attention_rnl: Option<(Vec<CudaFunction>, usize)>,
+    /// [`AttentionBlockOp`]'s kernels, as `attention_rnl` (the same shared-memory limit).
+    attention_block: Option<Vec<CudaFunction>>,
     /// Streaming multiprocessors, for the CUTLASS kernel's persistent tile scheduler and
     /// [`crate::norm_linear_applies`]'s one-wave rule.
     sm_count: usize,
@@ -381,6 +401,21 @@ fn new_state(dev: &CudaDevice) -> candle_core::Result<DeviceState> {
                             .map_err(candle_core::Error::wrap)?;
                     }
                     Some((funcs, max_smem))
+                }
+                _ => None,
+            }
+        },
+        attention_block: {
+            use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES as MAX_SMEM;
+            let clusters = attribute(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)? >= 9;
+            let max_smem = attribute(CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?.max(0);
+            match load(&ATTENTION_BLOCK_NAMES) {
+                Ok(funcs) if clusters => {
+                    for f in &funcs {
+                        f.set_attribute(MAX_SMEM, max_smem)
+                            .map_err(candle_core::Error::wrap)?;
+                    }
+                    Some(funcs)
                 }
                 _ => None,
             }
@@ -1194,6 +1229,18 @@ pub(crate) fn has_attention_rnl(dev: &CudaDevice, m: usize) -> bool {
     })
 }
 
+/// Whether `dev` has [`AttentionBlockOp`]'s kernels and a launch over `m` rows fits its shared
+/// memory.
+pub(crate) fn has_attention_block(dev: &CudaDevice, m: usize) -> bool {
+    let mut states = STATE.lock().unwrap_or_else(|e| e.into_inner());
+    device_state(&mut states, dev).is_ok_and(|s| {
+        s.attention_block.is_some()
+            && s.attention_rnl
+                .as_ref()
+                .is_some_and(|(_, max)| attention_block_smem_bytes(m) <= *max)
+    })
+}
+
 /// The CustomOp behind [`crate::attention_residual_norm_linear`]: `(qkv [M, 3C], r [M, C],
 /// W [N, C])` with one sequence of `cu_seqlens = [0, len]` (u32, `len ≤ M`, read on the device)
 /// → `o = softmax(q kᵀ · scale) v` per head of [`ARNL_HEAD_DIM`], `x1 = r + o·Wpᵀ + bp` and
@@ -1311,6 +1358,159 @@ cuda_only_op3!(
     AttentionResidualNormLinearOp,
     "fastpath-attention-residual-norm-linear",
     "attention_residual_norm_linear"
+);
+
+/// The CustomOp behind [`crate::attention_block`]: [`AttentionResidualNormLinearOp`] (with the
+/// GELU) followed, in the same launch, by [`ResidualNormLinearOp`]'s fc2 form on its results:
+/// `(qkv [M, 3C], r [M, C], W1 [4C, C])` → `x2 = x1 + h·W2ᵀ + b2` (h the GELU of fc1) and
+/// `qkv' = LayerNorm'(x2)·Wqᵀ + bq`, returned as one 1-D buffer of `M·C + M·N2` elements (x2's
+/// rows, then qkv''s). `first` carries proj, norm2 and fc1's bias; `second` fc2 (`front_*`), the
+/// next block's norm1 and its qkv bias; `next_weight` is that qkv's weight `[N2, C]`.
+pub(crate) struct AttentionBlockOp {
+    pub cu_seqlens: Tensor,
+    pub scale_log2: f32,
+    pub first: ResidualNormLinearOp,
+    pub second: ResidualNormLinearOp,
+    pub next_weight: Tensor,
+}
+
+impl AttentionBlockOp {
+    fn run<T>(
+        &self,
+        (qkv, lq): (&CudaStorage, &Layout),
+        (r, lr): (&CudaStorage, &Layout),
+        (w, lw): (&CudaStorage, &Layout),
+    ) -> candle_core::Result<(CudaStorage, Shape)>
+    where
+        T: candle_core::cuda_backend::CudaDType
+            + candle_core::cuda_backend::cudarc::driver::DeviceRepr
+            + candle_core::WithDType,
+    {
+        const WHAT: &str = "attention_block";
+        let dev = &qkv.device;
+        let size = size_of::<T>();
+        let (m, c3) = lq.shape().dims2()?;
+        let (n1, c) = lw.shape().dims2()?;
+        let bf16 = is_bf16::<T>(WHAT)?;
+        let aligned = |l: &Layout| contiguous_16b(l, size);
+        let (nw_storage, nw_layout) = self.next_weight.storage_and_layout();
+        let n2 = nw_layout.shape().dims2().map_or(0, |(n2, _)| n2);
+        if c != RNL_DIM
+            || c3 != 3 * c
+            || n1 != 4 * c
+            || RnlForm::of(c, n1, true) != Some(RnlForm::Proj)
+            || RnlForm::of(4 * c, n2, false) != Some(RnlForm::Fc2)
+            || nw_layout.shape().dims() != [n2, c]
+            || !aligned(nw_layout)
+            || lr.shape().dims() != [m, c]
+            || m == 0
+            || !aligned(lq)
+            || !aligned(lr)
+            || !aligned(lw)
+        {
+            candle_core::bail!(
+                "{WHAT}: unsupported layout for the fused kernel (qkv {:?} strides {:?}, residual {:?}, fc1 {:?}, next qkv {:?})",
+                lq.shape().dims(),
+                lq.stride(),
+                lr.shape().dims(),
+                lw.shape().dims(),
+                nw_layout.shape().dims()
+            );
+        }
+        let first = self.first.carried(c, c, n1);
+        let second = self.second.carried(c, 4 * c, n2);
+        let guards1 = first.map(|(t, _, _)| t.storage_and_layout());
+        let views1 = carried_views::<T>(WHAT, &guards1, &first.map(|(_, n, v)| (n, v)))?;
+        let guards2 = second.map(|(t, _, _)| t.storage_and_layout());
+        let views2 = carried_views::<T>(WHAT, &guards2, &second.map(|(_, n, v)| (n, v)))?;
+        let Storage::Cuda(nw) = &*nw_storage else {
+            candle_core::bail!("{WHAT}: the next qkv weight is not on the CUDA device");
+        };
+        if nw.dtype() != T::DTYPE {
+            candle_core::bail!("{WHAT}: the next qkv weight is {:?}", nw.dtype());
+        }
+        let nws = nw.as_cuda_slice::<T>()?.slice(nw_layout.start_offset()..);
+        let (cu_storage, cu_layout) = self.cu_seqlens.storage_and_layout();
+        let Storage::Cuda(cu) = &*cu_storage else {
+            candle_core::bail!("{WHAT}: cu_seqlens is not on the CUDA device");
+        };
+        if cu.dtype() != DType::U32
+            || cu_layout.shape().elem_count() != 2
+            || !cu_layout.is_contiguous()
+        {
+            candle_core::bail!("{WHAT}: cu_seqlens must be a contiguous u32 [2] (one sequence)");
+        }
+        let cus = cu.as_cuda_slice::<u32>()?.slice(cu_layout.start_offset()..);
+        let qs = qkv.as_cuda_slice::<T>()?.slice(lq.start_offset()..);
+        let rs = r.as_cuda_slice::<T>()?.slice(lr.start_offset()..);
+        let ws = w.as_cuda_slice::<T>()?.slice(lw.start_offset()..);
+        let smem = attention_block_smem_bytes(m);
+        // SAFETY: every element is written by the kernel: x2's (row < M, column < C) by the
+        // cluster rank owning the column's slice in the row's tile, qkv''s by its tile.
+        let mut out = unsafe { dev.alloc::<T>(m * c + m * n2)? };
+        let (mut x2, mut qn) = out.split_at_mut(m * c);
+        let func = {
+            let mut states = STATE.lock().unwrap_or_else(|e| e.into_inner());
+            let state = device_state(&mut states, dev)?;
+            let max_smem = state.attention_rnl.as_ref().map_or(0, |(_, max)| *max);
+            match &state.attention_block {
+                Some(funcs) if smem <= max_smem => {
+                    funcs[2 * (m >= ARNL_LATE_W_ROWS) as usize + bf16 as usize].clone()
+                }
+                Some(_) => candle_core::bail!(
+                    "{WHAT}: {m} rows need {smem} bytes of shared memory, the device allows {max_smem}"
+                ),
+                None => candle_core::bail!(
+                    "{WHAT}: the fused kernel needs compute capability 9.0 (thread-block clusters)"
+                ),
+            }
+        };
+        let cfg = LaunchConfig {
+            grid_dim: (RNL_SPLIT as u32, m.div_ceil(NL_BM) as u32, 1),
+            block_dim: (NL_THREADS, 1, 1),
+            shared_mem_bytes: smem as u32,
+        };
+        let (m32, n1_32, n2_32) = (m as i32, n1 as i32, n2 as i32);
+        let stream = dev.cuda_stream();
+        let mut builder = stream.launch_builder(&func);
+        builder.arg(&qs);
+        builder.arg(&cus);
+        builder.arg(&views1[0]);
+        builder.arg(&views1[1]);
+        builder.arg(&rs);
+        builder.arg(&views1[2]);
+        builder.arg(&views1[3]);
+        builder.arg(&ws);
+        builder.arg(&views1[4]);
+        builder.arg(&views2[0]);
+        builder.arg(&views2[1]);
+        builder.arg(&views2[2]);
+        builder.arg(&views2[3]);
+        builder.arg(&nws);
+        builder.arg(&views2[4]);
+        builder.arg(&mut x2);
+        builder.arg(&mut qn);
+        builder.arg(&m32);
+        builder.arg(&n1_32);
+        builder.arg(&n2_32);
+        builder.arg(&self.first.eps);
+        builder.arg(&self.second.eps);
+        builder.arg(&self.scale_log2);
+        // SAFETY: shapes, contiguity and alignment checked above; the kernel reads rows < M of
+        // qkv and r, cu_seqlens[1] (clamped to M), the weights' rows (past N zero-filled), and
+        // writes x2's M · C and qkv''s M · N2 elements only; clusters as ResidualNormLinearOp's.
+        unsafe { builder.launch(cfg) }.map_err(candle_core::Error::wrap)?;
+        Ok((
+            CudaStorage::wrap_cuda_slice(out, dev.clone()),
+            Shape::from(m * c + m * n2),
+        ))
+    }
+}
+
+cuda_only_op3!(
+    AttentionBlockOp,
+    "fastpath-attention-block",
+    "attention_block"
 );
 
 /// [`crate::embed_tokens`] on CUDA: patches `[B, Np, C]`, prefix `[P, C]` (any tensor when

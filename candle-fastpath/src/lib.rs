@@ -70,8 +70,9 @@ mod small_block;
 mod switches;
 
 pub use attention_norm_linear::{
+    attention_block, attention_block_applies, attention_block_enabled,
     attention_residual_norm_linear, attention_residual_norm_linear_applies,
-    attention_residual_norm_linear_enabled,
+    attention_residual_norm_linear_enabled, BlockTail,
 };
 pub use embed::embed_tokens;
 pub use error::{FastpathError, Result};

@@ -282,26 +282,56 @@ pub fn residual_norm_linear_applies(
     linear: &FusedLinear,
     gelu: bool,
 ) -> bool {
+    let k = front.in_dim();
+    let aligned = |t: &Tensor| {
+        #[cfg(feature = "cuda")]
+        return crate::cuda::contiguous_16b(t.layout(), t.dtype().size_in_bytes());
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = t;
+            false
+        }
+    };
+    o.dims().last() == Some(&k)
+        && o.rank() == residual.rank()
+        && o.dims()[..o.rank() - 1] == residual.dims()[..residual.rank() - 1]
+        && o.dtype() == residual.dtype()
+        && o.device().same_device(residual.device())
+        && aligned(o)
+        && residual_norm_linear_step_applies(residual, front, norm, linear, gelu)
+}
+
+/// [`residual_norm_linear_applies`] without its checks of `o` (whose shape the caller makes:
+/// `residual`'s rows, `front`'s K wide, contiguous and 16-byte aligned in the residual's dtype
+/// and device): the kernel, its form and switch, `residual`, the weights, the grid.
+pub(crate) fn residual_norm_linear_step_applies(
+    residual: &Tensor,
+    front: &FusedLinear,
+    norm: &LayerNorm,
+    linear: &FusedLinear,
+    gelu: bool,
+) -> bool {
     #[cfg(not(feature = "cuda"))]
     {
-        let _ = (o, residual, front, norm, linear, gelu);
+        let _ = (residual, front, norm, linear, gelu);
         false
     }
     #[cfg(feature = "cuda")]
     {
-        let candle_core::Device::Cuda(dev) = o.device() else {
+        let candle_core::Device::Cuda(dev) = residual.device() else {
             return false;
         };
         let c = norm.weight().elem_count();
         let k = front.in_dim();
         let aligned =
             |t: &Tensor| crate::cuda::contiguous_16b(t.layout(), t.dtype().size_in_bytes());
+        let dtype = residual.dtype();
         let front_ok = front.out_dim() == c
-            && front.weight().dtype() == o.dtype()
-            && front.weight().device().same_device(o.device())
+            && front.weight().dtype() == dtype
+            && front.weight().device().same_device(residual.device())
             && aligned(front.weight())
             && front.bias().is_some_and(|b| {
-                b.dtype() == o.dtype() && b.device().same_device(o.device()) && b.is_contiguous()
+                b.dtype() == dtype && b.device().same_device(residual.device()) && b.is_contiguous()
             });
         let rows = residual.elem_count() / c.max(1);
         let forms = residual_norm_linear_forms();
@@ -312,12 +342,6 @@ pub fn residual_norm_linear_applies(
         };
         let eligible = form_on
             && c == crate::cuda::RNL_DIM
-            && o.dims().last() == Some(&k)
-            && o.rank() == residual.rank()
-            && o.dims()[..o.rank() - 1] == residual.dims()[..residual.rank() - 1]
-            && o.dtype() == residual.dtype()
-            && o.device().same_device(residual.device())
-            && aligned(o)
             && aligned(residual)
             && front_ok
             && norm_linear_eligible(residual, norm, linear, gelu);

@@ -12,7 +12,8 @@ mod common;
 
 use candle_core::{DType, Device, Tensor};
 use candle_fastpath::{
-    attention_residual_norm_linear, attention_residual_norm_linear_applies, Epilogue,
+    attention_block, attention_block_applies, attention_residual_norm_linear,
+    attention_residual_norm_linear_applies, residual_norm_linear, BlockTail, Epilogue,
     FastpathError, FusedLinear, LayerNorm,
 };
 use common::{device, has_clusters, host, poison, quantize, randn};
@@ -254,4 +255,98 @@ fn shapes_it_does_not_take_are_refused() {
     let cu_big = Tensor::from_slice(&[0u32, big as u32], 2, &dev).unwrap();
     refused(&qkv_big, &cu_big, HEADS, &r_big, &w.fc1);
     refused(&qkv, &one.to_dtype(DType::U8).unwrap(), HEADS, &r, &w.fc1);
+}
+
+/// `attention_block` (lever 65: the attention kernel continuing into fc2 and the next block's
+/// norm1 + qkv) against the two kernels it joins, `attention_residual_norm_linear` and then
+/// `residual_norm_linear`'s fc2 form, which this file and norm_linear.rs check against plain
+/// steps: the same arithmetic in the same order, so the results must agree to the bit (rows past
+/// the sequence included). On the CPU it must refuse.
+#[test]
+fn block_matches_the_two_kernels() {
+    let dev = device();
+    let fused_expected = dev.is_cuda() && has_clusters(&dev);
+    let mut rng = StdRng::seed_from_u64(66);
+    let scale = (HEAD_DIM as f64).powf(-0.5);
+    let quick = std::env::var_os("ATTENTION_RNL_TEST_QUICK").is_some();
+    let dtypes: &[DType] = if quick {
+        &[DType::F16]
+    } else {
+        &[DType::F16, DType::BF16]
+    };
+    let cases: &[(usize, usize)] = if quick {
+        &[(197, 197), (70, 64)]
+    } else {
+        &[
+            (1, 1),
+            (17, 17),
+            (65, 65),
+            (138, 138),
+            (197, 197),
+            (352, 352),
+            (197, 190),
+            (70, 64),
+        ]
+    };
+    for &dtype in dtypes {
+        let w = weights(&dev, &mut rng, dtype, 4 * C);
+        let fc2 = FusedLinear::new(
+            tensor(
+                &dev,
+                &randn(&mut rng, C * 4 * C, 0.5 / (C as f32).sqrt()),
+                &[C, 4 * C],
+                dtype,
+            ),
+            Some(tensor(&dev, &randn(&mut rng, C, 0.5), &[C], dtype)),
+        )
+        .unwrap();
+        let next = weights(&dev, &mut rng, dtype, 3 * C);
+        let tail = BlockTail {
+            proj: &w.proj,
+            norm2: &w.norm,
+            fc1: &w.fc1,
+            fc2: &fc2,
+            next_norm1: &next.norm,
+            next_qkv: &next.fc1,
+        };
+        for &(rows, len) in cases {
+            let mut qkv = quantize(&randn(&mut rng, rows * 3 * C, 1.0), dtype);
+            qkv[len * 3 * C..].fill(f32::NAN);
+            let qkv_t = tensor(&dev, &qkv, &[rows, 3 * C], dtype);
+            let r_t = tensor(&dev, &randn(&mut rng, rows * C, 3.0), &[rows, C], dtype);
+            let cu = Tensor::from_slice(&[0u32, len as u32], 2, &dev).unwrap();
+            let what = format!("{dtype:?} rows {rows} len {len}");
+            let applies = attention_block_applies(&qkv_t, &cu, HEADS, &r_t, &tail);
+            assert_eq!(applies, fused_expected, "{what}: applies");
+            poison(&dev, rows * (C + 3 * C), dtype);
+            let got = attention_block(&qkv_t, &cu, HEADS, scale, &r_t, &tail);
+            if !fused_expected {
+                assert!(
+                    matches!(got, Err(FastpathError::NotApplicable { .. })),
+                    "{what}: not applicable here, got {got:?}"
+                );
+                continue;
+            }
+            let (x2, next_qkv) = got.unwrap();
+            assert_eq!(x2.dims(), &[rows, C]);
+            assert_eq!(next_qkv.dims(), &[rows, 3 * C]);
+            let (x1, hidden) = attention_residual_norm_linear(
+                &qkv_t, &cu, HEADS, scale, &r_t, &w.proj, &w.norm, &w.fc1, true,
+            )
+            .unwrap();
+            let (want_x2, want_qkv) =
+                residual_norm_linear(&hidden, &x1, &fc2, &next.norm, &next.fc1, false).unwrap();
+            for (part, got, want) in [
+                ("x2", host(&x2), host(&want_x2)),
+                ("next qkv", host(&next_qkv), host(&want_qkv)),
+            ] {
+                for (i, (g, e)) in got.iter().zip(want.iter()).enumerate() {
+                    assert!(
+                        g.is_finite() && g.to_bits() == e.to_bits(),
+                        "{what}: {part} element {i} is {g}, the two kernels give {e}"
+                    );
+                }
+            }
+        }
+    }
 }

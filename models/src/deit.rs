@@ -233,10 +233,50 @@ impl Block {
         }
         // norm1 + qkv, the attention, proj + residual + norm2 + fc1 + GELU, then fc2 + residual
         // (+ the next block's norm1 + qkv): where the kernels apply, four launches
-        // (candle_fastpath::norm_linear and residual_norm_linear) instead of eight, three for
-        // one image (attention_residual_norm_linear).
-        let (x1, hidden) = self.attention_through_fc1(x, qkv, inputs)?;
+        // (candle_fastpath::norm_linear and residual_norm_linear) instead of eight; for one
+        // image, three (attention_residual_norm_linear), or one from this block's qkv to the
+        // next one's (attention_block).
+        let qkv = self.qkv_of(x, qkv)?;
+        if let Some(done) = self.whole_block(x, &qkv, next, inputs)? {
+            return Ok(done);
+        }
+        let (x1, hidden) = self.attention_through_fc1(x, Some(qkv), inputs)?;
         self.fc2_chained(&hidden, &x1, next, inputs)
+    }
+
+    /// The block's output and the next block's qkv in one launch
+    /// (`candle_fastpath::attention_block`) where it applies: one image's packed tokens at
+    /// DeiT-T's width, with a next block that does not run as one launch itself; else `None`.
+    fn whole_block(
+        &self,
+        x: &Tensor,
+        qkv: &Tensor,
+        next: Option<&Block>,
+        inputs: &AttentionInputs,
+    ) -> Result<Option<(Tensor, Option<Tensor>)>> {
+        let (AttentionInputs::Ragged { batch }, Some(next)) = (
+            inputs,
+            next.filter(|n| n.small_block_batch(x, inputs).is_none()),
+        ) else {
+            return Ok(None);
+        };
+        let tail = candle_fastpath::BlockTail {
+            proj: &self.attn.proj,
+            norm2: &self.norm2,
+            fc1: &self.mlp.fc1,
+            fc2: &self.mlp.fc2,
+            next_norm1: &next.norm1,
+            next_qkv: &next.attn.qkv,
+        };
+        let (heads, cu) = (self.attn.heads, batch.cu_seqlens());
+        if batch.batch_size() != 1
+            || !candle_fastpath::attention_block_applies(qkv, cu, heads, x, &tail)
+        {
+            return Ok(None);
+        }
+        let (y, next_qkv) =
+            candle_fastpath::attention_block(qkv, cu, heads, self.attn.scale, x, &tail)?;
+        Ok(Some((y, Some(next_qkv))))
     }
 
     /// From the block's input `x` (and its qkv projection when the block before computed it) to

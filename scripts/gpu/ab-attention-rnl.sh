@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# Lever 64 on the GPU machine, from the repo root: candle_fastpath::attention_residual_norm_linear
-# (one image's attention folded into lever 61's proj → norm2 → fc1 cluster kernel, DeiT-T's width)
-# against candle-ragged's attention kernel followed by lever 61's, one binary, arms ARMS (default
-# "0 default": CANDLE_FASTPATH_ATTENTION_RNL=0 vs the default).
+# Levers 64 and 65 on the GPU machine, from the repo root: candle_fastpath::
+# attention_residual_norm_linear (one image's attention folded into lever 61's proj → norm2 → fc1
+# cluster kernel, DeiT-T's width) against candle-ragged's attention kernel followed by lever 61's,
+# and candle_fastpath::attention_block (that kernel continuing into fc2 and the next block's
+# norm1 + qkv) against the two kernels; one binary, arms ARMS (default "0 default") of the switch
+# SWITCH (default CANDLE_FASTPATH_ATTENTION_RNL, lever 64; CANDLE_FASTPATH_ATTENTION_BLOCK for
+# lever 65).
 # Needs .gpu/{bench,test-attention_norm_linear,test-norm_linear,test-graph,test-paths_agreement}.xz
 # and, for the probe stage, .gpu-probe/arnl.xz (scripts/gpu/probes/arnl.cu, built on the build
 # machine with the nvcc line in its header, then xz-compressed).
@@ -46,15 +49,16 @@ if has probe; then
   ARNL_CHECK_ONLY=1 timeout 200 compute-sanitizer --tool racecheck $B/arnl 2>&1 | grep -E "RACECHECK SUMMARY" >> "$C"
 fi
 ARMS=${ARMS:-0 default}
+SW=${SWITCH:-CANDLE_FASTPATH_ATTENTION_RNL}
 if has anatomy; then
   for a in $ARMS; do
-    echo "== graph anatomy, CANDLE_FASTPATH_ATTENTION_RNL=$a" >> "$C"
-    CANDLE_FASTPATH_ATTENTION_RNL=${a#default} timeout 200 $B/bench --device cuda --models deit-tiny --dtype f16 --batch 1 \
+    echo "== graph anatomy, $SW=$a" >> "$C"
+    env "$SW=${a#default}" timeout 200 $B/bench --device cuda --models deit-tiny --dtype f16 --batch 1 \
       --pruners none,threshold-l2-fixed --paths ragged --reps 100 \
       --graph-anatomy --out /tmp/anat.json 2>&1 | grep -E "^graph|rror" | grep -v "only:" >> "$C"
   done
 fi
-e2e_run() { CANDLE_FASTPATH_ATTENTION_RNL=${1#default} timeout 280 $B/bench --device cuda --models deit-tiny --dtype f16,bf16 --batch 1,8 --pruners none,threshold-l2-fixed,evit-fixed,threshold-l2-adaptive --paths ragged --reps 20 --out "$2"; }
+e2e_run() { env "$SW=${1#default}" timeout 280 $B/bench --device cuda --models deit-tiny --dtype f16,bf16 --batch 1,8 --pruners none,threshold-l2-fixed,evit-fixed,threshold-l2-adaptive --paths ragged --reps 20 --out "$2"; }
 has e2e && ab_rounds arnl e2e_run
 pack arnl-json.tgz 'arnl-*.json'
 cat "$C"
