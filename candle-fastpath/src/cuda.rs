@@ -1070,6 +1070,36 @@ where
     Ok(views)
 }
 
+/// The launch shape of the residual_norm_linear family: a cluster of RNL_SPLIT CTAs per 16 rows
+/// of `m`, NL_THREADS threads, `smem` bytes of dynamic shared memory.
+fn rnl_launch_config(m: usize, smem: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (RNL_SPLIT as u32, m.div_ceil(NL_BM) as u32, 1),
+        block_dim: (NL_THREADS, 1, 1),
+        shared_mem_bytes: smem as u32,
+    }
+}
+
+/// The u32 view of one sequence's offsets `[0, len]` (`cu_seqlens`, locked by its caller), after
+/// checking that it is that: on the CUDA device, u32, two contiguous elements.
+fn one_sequence_offsets<'a>(
+    what: &str,
+    storage: &'a Storage,
+    layout: &Layout,
+) -> candle_core::Result<CudaView<'a, u32>> {
+    let Storage::Cuda(cu) = storage else {
+        candle_core::bail!("{what}: cu_seqlens is not on the CUDA device");
+    };
+    if cu.dtype() != DType::U32 || layout.shape().elem_count() != 2 || !layout.is_contiguous() {
+        candle_core::bail!(
+            "{what}: cu_seqlens must be a contiguous u32 [2] (one sequence), got {:?} {:?}",
+            cu.dtype(),
+            layout.shape().dims()
+        );
+    }
+    Ok(cu.as_cuda_slice::<u32>()?.slice(layout.start_offset()..))
+}
+
 /// Whether `dev` has [`ResidualNormLinearOp`]'s kernels (compute capability 9.0 and up, PTX
 /// built for it).
 pub(crate) fn has_residual_norm_linear(dev: &CudaDevice) -> bool {
@@ -1190,11 +1220,7 @@ impl ResidualNormLinearOp {
                 ),
             }
         };
-        let cfg = LaunchConfig {
-            grid_dim: (RNL_SPLIT as u32, m.div_ceil(NL_BM) as u32, 1),
-            block_dim: (NL_THREADS, 1, 1),
-            shared_mem_bytes: form.map_or(0, RnlForm::smem_bytes) as u32,
-        };
+        let cfg = rnl_launch_config(m, form.map_or(0, RnlForm::smem_bytes));
         let (m32, n32) = (m as i32, n as i32);
         let stream = dev.cuda_stream();
         let mut builder = stream.launch_builder(&func);
@@ -1296,20 +1322,7 @@ impl AttentionResidualNormLinearOp {
         let guards = carried.map(|(t, _, _)| t.storage_and_layout());
         let views = carried_views::<T>(WHAT, &guards, &carried.map(|(_, n, v)| (n, v)))?;
         let (cu_storage, cu_layout) = self.cu_seqlens.storage_and_layout();
-        let Storage::Cuda(cu) = &*cu_storage else {
-            candle_core::bail!("{WHAT}: cu_seqlens is not on the CUDA device");
-        };
-        if cu.dtype() != DType::U32
-            || cu_layout.shape().elem_count() != 2
-            || !cu_layout.is_contiguous()
-        {
-            candle_core::bail!(
-                "{WHAT}: cu_seqlens must be a contiguous u32 [2] (one sequence), got {:?} {:?}",
-                cu.dtype(),
-                cu_layout.shape().dims()
-            );
-        }
-        let cus = cu.as_cuda_slice::<u32>()?.slice(cu_layout.start_offset()..);
+        let cus = one_sequence_offsets(WHAT, &cu_storage, cu_layout)?;
         let qs = qkv.as_cuda_slice::<T>()?.slice(lq.start_offset()..);
         let rs = r.as_cuda_slice::<T>()?.slice(lr.start_offset()..);
         let ws = w.as_cuda_slice::<T>()?.slice(lw.start_offset()..);
@@ -1331,11 +1344,7 @@ impl AttentionResidualNormLinearOp {
                 ),
             }
         };
-        let cfg = LaunchConfig {
-            grid_dim: (RNL_SPLIT as u32, m.div_ceil(NL_BM) as u32, 1),
-            block_dim: (NL_THREADS, 1, 1),
-            shared_mem_bytes: smem as u32,
-        };
+        let cfg = rnl_launch_config(m, smem);
         let (m32, n32) = (m as i32, n as i32);
         let stream = dev.cuda_stream();
         let mut builder = stream.launch_builder(&func);
@@ -1431,16 +1440,7 @@ impl AttentionBlockOp {
         }
         let nws = nw.as_cuda_slice::<T>()?.slice(nw_layout.start_offset()..);
         let (cu_storage, cu_layout) = self.cu_seqlens.storage_and_layout();
-        let Storage::Cuda(cu) = &*cu_storage else {
-            candle_core::bail!("{WHAT}: cu_seqlens is not on the CUDA device");
-        };
-        if cu.dtype() != DType::U32
-            || cu_layout.shape().elem_count() != 2
-            || !cu_layout.is_contiguous()
-        {
-            candle_core::bail!("{WHAT}: cu_seqlens must be a contiguous u32 [2] (one sequence)");
-        }
-        let cus = cu.as_cuda_slice::<u32>()?.slice(cu_layout.start_offset()..);
+        let cus = one_sequence_offsets(WHAT, &cu_storage, cu_layout)?;
         let qs = qkv.as_cuda_slice::<T>()?.slice(lq.start_offset()..);
         let rs = r.as_cuda_slice::<T>()?.slice(lr.start_offset()..);
         let ws = w.as_cuda_slice::<T>()?.slice(lw.start_offset()..);
@@ -1465,11 +1465,7 @@ impl AttentionBlockOp {
                 ),
             }
         };
-        let cfg = LaunchConfig {
-            grid_dim: (RNL_SPLIT as u32, m.div_ceil(NL_BM) as u32, 1),
-            block_dim: (NL_THREADS, 1, 1),
-            shared_mem_bytes: smem as u32,
-        };
+        let cfg = rnl_launch_config(m, smem);
         let (m32, n1_32, n2_32) = (m as i32, n1 as i32, n2 as i32);
         let stream = dev.cuda_stream();
         let mut builder = stream.launch_builder(&func);
