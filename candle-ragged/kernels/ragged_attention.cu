@@ -720,7 +720,7 @@ __device__ void cls_probs(const T *__restrict__ qkv, const uint32_t *__restrict_
 template <typename T>
 __device__ void select_top_k(const T *__restrict__ x, const float *__restrict__ scores, const T *__restrict__ qkv,
                              T *__restrict__ out, int len, int C, int prefix, int keep, int fuse, int mode, int heads,
-                             float scale) {
+                             float scale, const T *__restrict__ also, T *__restrict__ also_out, int C2) {
     __shared__ int scratch[2 * SELECT_MAX_LEN];
     int *key = scratch;
     int *row_of = scratch + SELECT_MAX_LEN;  // output row within the sequence, -1: dropped
@@ -768,17 +768,26 @@ __device__ void select_top_k(const T *__restrict__ x, const float *__restrict__ 
     // sequence ranks the whole sequence, which is cheap, so the copy spreads over many SMs even
     // at batch 1). 16-byte vectors when rows allow it.
     const bool vec = ((C * sizeof(T)) % 16 == 0) && ((reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(out)) % 16 == 0);
+    const bool also_vec = ((C2 * sizeof(T)) % 16 == 0) &&
+                          ((reinterpret_cast<uintptr_t>(also) | reinterpret_cast<uintptr_t>(also_out)) % 16 == 0);
+    // One warp copies a row: 16-byte vectors when the row allows it.
+    auto copy_row = [](const T *src, T *dst, int n_elems, bool vectors, int lane) {
+        if (vectors) {
+            const int n = n_elems * sizeof(T) / 16;
+            for (int c = lane; c < n; c += 32)
+                reinterpret_cast<uint4 *>(dst)[c] = reinterpret_cast<const uint4 *>(src)[c];
+        } else {
+            for (int c = lane; c < n_elems; c += 32) dst[c] = src[c];
+        }
+    };
     for (int j = blockIdx.y + gridDim.y * warp; j < len; j += gridDim.y * warps) {
         const int r = key[j];
         if (r < 0) continue;
-        if (vec) {
-            const int n = C * sizeof(T) / 16;
-            const uint4 *src = reinterpret_cast<const uint4 *>(xb + (size_t)j * C);
-            uint4 *dst = reinterpret_cast<uint4 *>(ob + (size_t)r * C);
-            for (int c = lane; c < n; c += 32) dst[c] = src[c];
-        } else {
-            for (int c = lane; c < C; c += 32) ob[(size_t)r * C + c] = xb[(size_t)j * C + c];
-        }
+        copy_row(xb + (size_t)j * C, ob + (size_t)r * C, C, vec, lane);
+        // `also` (never with fuse): the same rows of a second [B·len, C2] tensor, e.g. the next
+        // block's qkv projection, gathered with the tokens.
+        if (also != nullptr)
+            copy_row(also + ((size_t)b * len + j) * C2, also_out + ((size_t)b * out_len + r) * C2, C2, also_vec, lane);
     }
     if (!fuse) return;
     // The fused row. Its columns are split over the sequence's blocks (a slice per blockIdx.y),
@@ -840,8 +849,10 @@ __device__ void select_top_k(const T *__restrict__ x, const float *__restrict__ 
 #define SELECT_ENTRY(SUFFIX, T)                                                                             \
     extern "C" __global__ void ragged_select_top_k_##SUFFIX(const T *x, const float *scores, const T *qkv, T *out, \
                                                             int len, int C, int prefix, int keep, int fuse,        \
-                                                            int mode, int heads, float scale) {                    \
-        select_detail::select_top_k<T>(x, scores, qkv, out, len, C, prefix, keep, fuse, mode, heads, scale);      \
+                                                            int mode, int heads, float scale, const T *also,       \
+                                                            T *also_out, int C2) {                                 \
+        select_detail::select_top_k<T>(x, scores, qkv, out, len, C, prefix, keep, fuse, mode, heads, scale, also,  \
+                                       also_out, C2);                                                              \
     }
 SELECT_ENTRY(f32, float)
 SELECT_ENTRY(f16, __half)

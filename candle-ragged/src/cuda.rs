@@ -663,6 +663,12 @@ pub(crate) fn select_top_k(
     }
     let k = kernels(dev)?;
     let out_rows = b * op.out_len();
+    let c2 = match &op.also {
+        Some(a) if op.fusion.is_none() => a.dim(1)?,
+        Some(_) => candle_core::bail!("select_top_k: `also` cannot be gathered with a fused token"),
+        None => 0,
+    };
+    let c2_i = c2 as i32;
     let (len, cc, prefix, keep) = (op.len as i32, c as i32, op.prefix as i32, op.keep as i32);
     let (mode, heads, scale) = op.source.kernel_args();
     // The kernel reads only the pointer its mode needs; the others get a null pointer.
@@ -737,8 +743,26 @@ pub(crate) fn select_top_k(
             } else {
                 None
             };
-            // SAFETY: the kernel writes every one of the `out_rows · c` elements.
-            let out = unsafe { dev.alloc::<$t>(out_rows * c)? };
+            // `also` (select_top_k_gathering): its kept rows after x's in the same buffer.
+            let also_guard = op.also.as_ref().map(|t| t.storage_and_layout());
+            let mut also_view = None;
+            if let Some((storage, layout)) = &also_guard {
+                let Storage::Cuda(a) = &**storage else {
+                    candle_core::bail!("select_top_k: `also` is not on the CUDA device");
+                };
+                if a.dtype() != x.dtype()
+                    || !layout.is_contiguous()
+                    || layout.shape().dims() != [rows, c2]
+                {
+                    candle_core::bail!(
+                        "select_top_k: `also` must be a contiguous [{rows}, {c2}] of x's dtype"
+                    );
+                }
+                also_view = Some(a.as_cuda_slice::<$t>()?.slice(layout.start_offset()..));
+            }
+            // SAFETY: the kernel writes every one of the `out_rows · (c + c2)` elements.
+            let out = unsafe { dev.alloc::<$t>(out_rows * (c + c2))? };
+            let also_out = out.slice(out_rows * c..);
             let mut builder = stream.launch_builder(&k.select[$i]);
             builder.arg(&xs);
             push_opt!(builder, &scores, &null);
@@ -752,13 +776,26 @@ pub(crate) fn select_top_k(
             builder.arg(&mode);
             builder.arg(&heads);
             builder.arg(&scale);
-            // SAFETY: sizes checked above and by select_top_k; one block per sequence.
+            push_opt!(builder, &also_view, &null);
+            if also_view.is_some() {
+                builder.arg(&also_out);
+            } else {
+                builder.arg(&null);
+            }
+            builder.arg(&c2_i);
+            // SAFETY: sizes checked above and by select_top_k; one block per sequence; `also`
+            // (when given) has the same rows as x and its output the rows after x's.
             unsafe { builder.launch(cfg) }.w()?;
             CudaStorage::wrap_cuda_slice(out, dev.clone())
         }};
     }
     let out = by_float_dtype!(x.dtype(), "select_top_k", run);
-    Ok((out, Shape::from((out_rows, c))))
+    let shape = if c2 > 0 {
+        Shape::from(out_rows * (c + c2))
+    } else {
+        Shape::from((out_rows, c))
+    };
+    Ok((out, shape))
 }
 
 /// The leading `n` u32 of a CUDA tensor, copied to the host (and nothing else of it).

@@ -53,5 +53,5 @@ pub use keep::{KeepCount, KeepRule};
 pub use pack::{leading_rows, pack, unpack, LeadingRows, Pack, Unpack};
 pub use reduce::{sequence_mean, SequenceMean};
 pub use scores::TokenScores;
-pub use select::{select_top_k, select_top_k_by, DroppedFusion};
+pub use select::{select_top_k, select_top_k_by, select_top_k_gathering, DroppedFusion};
 pub use select_rule::{select_by_rule, select_by_rule_bounded};

@@ -67,6 +67,54 @@ pub fn select_top_k_by(
     keep: usize,
     fusion: Option<DroppedFusion>,
 ) -> Result<(Tensor, usize)> {
+    let (op, x, aux, new_len) = select_op(x, batch_size, scores, prefix, keep, fusion)?;
+    Ok((x.apply_op2_no_bwd(&aux, &op)?, new_len))
+}
+
+/// [`select_top_k_by`] without fusion that also gathers the same rows of a second tensor `also`
+/// (`[batch_size·len, C2]`, x's dtype and device), in the same launch: e.g. the next block's qkv
+/// projection of `x` when it was computed before the step (a LayerNorm and a Linear work row by
+/// row, so the projection of the kept rows is the kept rows of the projection).
+///
+/// Returns `[batch_size·len', C]`, `[batch_size·len', C2]` and `len' = prefix + keep`.
+pub fn select_top_k_gathering(
+    x: &Tensor,
+    also: &Tensor,
+    batch_size: usize,
+    scores: TokenScores<'_>,
+    prefix: usize,
+    keep: usize,
+) -> Result<(Tensor, Tensor, usize)> {
+    let (rows, c) = token_dims(OP, x)?;
+    let (also_rows, c2) = token_dims(OP, also)?;
+    if also_rows != rows || also.dtype() != x.dtype() || !also.device().same_device(x.device()) {
+        return Err(msg(format!(
+            "also [{also_rows}, {c2}] {:?} must have x's {rows} rows, dtype ({:?}) and device",
+            also.dtype(),
+            x.dtype()
+        )));
+    }
+    let (mut op, x, aux, new_len) = select_op(x, batch_size, scores, prefix, keep, None)?;
+    op.also = Some(also.contiguous()?);
+    let both = x.apply_op2_no_bwd(&aux, &op)?;
+    let out_rows = batch_size * new_len;
+    let kept = both.narrow(0, 0, out_rows * c)?.reshape((out_rows, c))?;
+    let kept_also = both
+        .narrow(0, out_rows * c, out_rows * c2)?
+        .reshape((out_rows, c2))?;
+    Ok((kept, kept_also, new_len))
+}
+
+/// The checks of [`select_top_k_by`] and its op (without `also`), with x contiguous, the op's
+/// second operand and the new length.
+fn select_op(
+    x: &Tensor,
+    batch_size: usize,
+    scores: TokenScores<'_>,
+    prefix: usize,
+    keep: usize,
+    fusion: Option<DroppedFusion>,
+) -> Result<(SelectTopK, Tensor, Tensor, usize)> {
     let (rows, c) = token_dims(OP, x)?;
     // Given scores fix the layout themselves: checked first, so a mismatch names their shape.
     if let TokenScores::Given(s) = scores {
@@ -108,6 +156,7 @@ pub fn select_top_k_by(
         keep,
         fusion: fuse,
         source,
+        also: None,
     };
     let x = x.contiguous()?;
     // RowL2Norm reads only x; the op still takes two operands, so x stands in for the second.
@@ -115,8 +164,7 @@ pub fn select_top_k_by(
         Some(a) => a.contiguous()?,
         None => x.clone(),
     };
-    let out = x.apply_op2_no_bwd(&aux, &op)?;
-    Ok((out, new_len))
+    Ok((op, x, aux, new_len))
 }
 
 fn msg(m: String) -> RaggedError {
@@ -130,6 +178,9 @@ pub(crate) struct SelectTopK {
     pub keep: usize,
     pub fusion: Option<DroppedFusion>,
     pub source: ScoreSource,
+    /// [`select_top_k_gathering`]'s second tensor `[B·len, C2]` (contiguous, x's dtype and
+    /// device): its kept rows follow x's in the output (one 1-D buffer), never with `fusion`.
+    pub also: Option<Tensor>,
 }
 
 impl SelectTopK {
@@ -197,18 +248,32 @@ impl SelectTopK {
         Ok(out)
     }
 
-    fn cpu<T: candle_core::WithDType>(&self, x: &[T], scores: &[f32], c: usize) -> Vec<T> {
+    /// The kept rows of `x` (`[B·len, c]`), then those of `also` (`[B·len, c2]`) when given.
+    fn cpu<T: candle_core::WithDType>(
+        &self,
+        x: &[T],
+        scores: &[f32],
+        c: usize,
+        also: Option<(&[T], usize)>,
+    ) -> Vec<T> {
         let b_count = scores.len() / self.len;
         let out_len = self.out_len();
-        let mut out = vec![T::zero(); b_count * out_len * c];
+        let c2 = also.map_or(0, |(_, c2)| c2);
+        let mut out = vec![T::zero(); b_count * out_len * (c + c2)];
+        let (main, rest) = out.split_at_mut(b_count * out_len * c);
         for b in 0..b_count {
             let s = &scores[b * self.len..(b + 1) * self.len];
             let xb = &x[b * self.len * c..(b + 1) * self.len * c];
-            let ob = &mut out[b * out_len * c..(b + 1) * out_len * c];
+            let ob = &mut main[b * out_len * c..(b + 1) * out_len * c];
             let rows = self.rows(s);
             for (j, r) in rows.iter().enumerate() {
                 if let Some(r) = r {
                     ob[r * c..(r + 1) * c].copy_from_slice(&xb[j * c..(j + 1) * c]);
+                    if let Some((a, c2)) = also {
+                        let src = (b * self.len + j) * c2;
+                        let dst = (b * out_len + r) * c2;
+                        rest[dst..dst + c2].copy_from_slice(&a[src..src + c2]);
+                    }
                 }
             }
             let Some(fusion) = self.fusion else { continue };
@@ -254,6 +319,7 @@ impl CustomOp2 for SelectTopK {
         let span = lx.start_offset()..lx.start_offset() + rows * c;
         let aux_span = ls.start_offset()..ls.start_offset() + ls.shape().elem_count();
         let given = given_on_cpu(OP, self.source, s, ls)?;
+        let also_guard = self.also.as_ref().map(|t| t.storage_and_layout());
         macro_rules! run {
             ($variant:ident, $v:expr) => {{
                 let xs = &$v[span];
@@ -262,7 +328,18 @@ impl CustomOp2 for SelectTopK {
                     _ => None,
                 };
                 let scores = self.cpu_scores(xs, aux, given, c)?;
-                CpuStorage::$variant(self.cpu(xs, &scores, c))
+                let also = match &also_guard {
+                    Some((storage, layout)) => match &**storage {
+                        candle_core::Storage::Cpu(CpuStorage::$variant(a)) => {
+                            let (r, c2) = layout.shape().dims2()?;
+                            let start = layout.start_offset();
+                            Some((&a[start..start + r * c2], c2))
+                        }
+                        _ => candle_core::bail!("{OP}: `also` must be a CPU tensor of x's dtype"),
+                    },
+                    None => None,
+                };
+                CpuStorage::$variant(self.cpu(xs, &scores, c, also))
             }};
         }
         let out = match x {
@@ -271,7 +348,11 @@ impl CustomOp2 for SelectTopK {
             CpuStorage::BF16(v) => run!(BF16, v),
             _ => candle_core::bail!("{OP}: unsupported dtype"),
         };
-        Ok((out, Shape::from((b * self.out_len(), c))))
+        let shape = match &self.also {
+            Some(a) => Shape::from(b * self.out_len() * (c + a.dim(1)?)),
+            None => Shape::from((b * self.out_len(), c)),
+        };
+        Ok((out, shape))
     }
 
     #[cfg(feature = "cuda")]

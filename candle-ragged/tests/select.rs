@@ -6,7 +6,9 @@
 mod common;
 
 use candle_core::{DType, Tensor};
-use candle_ragged::{select_top_k, select_top_k_by, DroppedFusion, TokenScores};
+use candle_ragged::{
+    select_top_k, select_top_k_by, select_top_k_gathering, DroppedFusion, TokenScores,
+};
 use common::{cls_attention_by_tensor_ops, device, host, poison, quantize, randn, rng};
 use rand::Rng;
 
@@ -325,4 +327,79 @@ fn computed_score_inputs_are_checked() {
     let half = qkv.to_dtype(DType::F16).unwrap();
     assert!(err(select_top_k_by(&x, 2, cls(&half, 2, 1.0), 1, 1, None))
         .contains("qkv is F16 but x is F32"));
+}
+
+/// `select_top_k_gathering` keeps the same rows of its second tensor as of the tokens, in one op:
+/// with given scores both parts equal `select_top_k` of each tensor alone (bit for bit); with the
+/// scores computed from the tokens (Threshold-L2's norms), the second tensor's rows, built as
+/// [x | 2x] of the token rows, must be exactly [kept x | 2 · kept x]. Every dtype, odd lengths,
+/// widths with and without 16-byte rows, the output poisoned.
+#[test]
+fn gathering_keeps_the_same_rows_of_both() {
+    let dev = device();
+    let mut r = rng(23);
+    for dtype in [DType::F32, DType::F16, DType::BF16] {
+        for &len in &[2usize, 63, 65, 197, 577] {
+            let (b, prefix) = (if len > 200 { 2 } else { 3 }, 1);
+            let patches = len - prefix;
+            for keep in [1, (patches * 7).div_ceil(10), patches] {
+                for c in [40usize, 7] {
+                    let x = quantize(&randn(&mut r, b * len * c, 1.0), dtype);
+                    let s: Vec<f32> = (0..b * len)
+                        .map(|_| (r.random_range(0..16) as f32) / 8.0)
+                        .collect();
+                    // also = [x | 2x]: 2C wide.
+                    let also: Vec<f32> = x
+                        .chunks(c)
+                        .flat_map(|row| row.iter().copied().chain(row.iter().map(|v| 2.0 * v)))
+                        .collect();
+                    let xt = Tensor::from_slice(&x, (b * len, c), &dev)
+                        .unwrap()
+                        .to_dtype(dtype)
+                        .unwrap();
+                    let at = Tensor::from_slice(&also, (b * len, 2 * c), &dev)
+                        .unwrap()
+                        .to_dtype(dtype)
+                        .unwrap();
+                    let st = Tensor::from_slice(&s, (b, len), &dev).unwrap();
+                    let new_len = prefix + keep;
+                    let what = format!("{dtype:?} len {len} keep {keep} c {c}");
+
+                    poison(&dev, b * new_len * 3 * c, dtype);
+                    let (gx, ga, got_len) =
+                        select_top_k_gathering(&xt, &at, b, TokenScores::Given(&st), prefix, keep)
+                            .unwrap();
+                    assert_eq!(got_len, new_len, "{what}");
+                    assert_eq!(gx.dims(), &[b * new_len, c], "{what}");
+                    assert_eq!(ga.dims(), &[b * new_len, 2 * c], "{what}");
+                    let (wx, _) = select_top_k(&xt, &st, prefix, keep, None).unwrap();
+                    let (wa, _) = select_top_k(&at, &st, prefix, keep, None).unwrap();
+                    assert_eq!(host(&gx), host(&wx), "{what}: tokens, given scores");
+                    assert_eq!(host(&ga), host(&wa), "{what}: second tensor, given scores");
+
+                    poison(&dev, b * new_len * 3 * c, dtype);
+                    let (gx, ga, _) =
+                        select_top_k_gathering(&xt, &at, b, TokenScores::RowL2Norm, prefix, keep)
+                            .unwrap();
+                    let (wx, _) =
+                        select_top_k_by(&xt, b, TokenScores::RowL2Norm, prefix, keep, None)
+                            .unwrap();
+                    let gx = host(&gx);
+                    assert_eq!(gx, host(&wx), "{what}: tokens, L2 norms");
+                    let want_a: Vec<f32> = gx
+                        .chunks(c)
+                        .flat_map(|row| row.iter().copied().chain(row.iter().map(|v| 2.0 * v)))
+                        .collect();
+                    assert_eq!(host(&ga), want_a, "{what}: second tensor, L2 norms");
+                }
+            }
+        }
+    }
+    // A second tensor of other rows, or dtype: clear errors.
+    let x = Tensor::zeros((8, 4), DType::F32, &dev).unwrap();
+    let s = Tensor::zeros((2, 4), DType::F32, &dev).unwrap();
+    let short = Tensor::zeros((6, 4), DType::F32, &dev).unwrap();
+    assert!(select_top_k_gathering(&x, &short, 2, TokenScores::Given(&s), 1, 2).is_err());
+    let half = Tensor::zeros((8, 4), DType::F16, &dev).unwrap();
+    assert!(select_top_k_gathering(&x, &half, 2, TokenScores::Given(&s), 1, 2).is_err());
 }

@@ -470,16 +470,18 @@ impl Block {
     }
 
     /// [`Self::rest_after`] that also computes the `next` block's qkv as
-    /// [`Self::forward_chained`] does (`None` without `next`).
+    /// [`Self::forward_chained`] does (`None` without `next`); `qkv`, for a step before the
+    /// block, is this block's qkv projection of `x` when the step gathered it with the tokens.
     pub fn rest_after_chained(
         &self,
         site: PruneSite,
         x: &Tensor,
+        qkv: Option<Tensor>,
         next: Option<&Block>,
         inputs: &AttentionInputs,
     ) -> Result<(Tensor, Option<Tensor>)> {
         match site {
-            PruneSite::BeforeBlock => self.forward_chained(x, None, next, inputs),
+            PruneSite::BeforeBlock => self.forward_chained(x, qkv, next, inputs),
             PruneSite::AfterAttention => {
                 let hidden = candle_fastpath::norm_linear(x, &self.norm2, &self.mlp.fc1, true)?;
                 self.fc2_chained(&hidden, x, next, inputs)

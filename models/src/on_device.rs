@@ -34,8 +34,8 @@
 
 use candle_core::{DType, Tensor};
 use candle_ragged::{
-    leading_rows, select_by_rule, select_by_rule_bounded, select_top_k_by, unpack, DroppedFusion,
-    RaggedBatch, TokenScores,
+    leading_rows, select_by_rule, select_by_rule_bounded, select_top_k_by, select_top_k_gathering,
+    unpack, DroppedFusion, RaggedBatch, TokenScores,
 };
 use pruners::{EvitFusion, FixedCount, PruneInput, PruneSite, ScoreRecipe, TokenPruner};
 
@@ -208,6 +208,20 @@ impl PrunedTokens {
     }
 }
 
+/// Whether a fixed step before its block gathers that block's qkv rows with the tokens (lever 66;
+/// [`DeiT::chainable_next_fixed`]), unless `CANDLE_DEIT_GATHER_QKV=0` (read once; the step's
+/// block then computes its own norm1 + qkv, for A/B measurements).
+fn gather_qkv_at_steps() -> bool {
+    static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    !*OFF.get_or_init(|| std::env::var("CANDLE_DEIT_GATHER_QKV").is_ok_and(|v| v.trim() == "0"))
+}
+
+/// The next fixed step's block, site and whether it fuses its dropped tokens, from the peeked
+/// item of the steps iterator of `forward_fixed_on_device`.
+fn peek_step(step: Option<&(&&BlockPruner, &FixedCount)>) -> Option<(usize, PruneSite, bool)> {
+    step.map(|(pruner, count)| (pruner.0, pruner.1.site(), count.fused.is_some()))
+}
+
 fn fusion_of(f: Option<EvitFusion>) -> Option<DroppedFusion> {
     match f {
         Some(EvitFusion::WeightedMean) => Some(DroppedFusion::WeightedMean),
@@ -243,6 +257,27 @@ impl DeiT {
     /// ([`Block::forward_chained`]), the tokens being the same for both.
     fn chainable_next(&self, i: usize, next_step: Option<usize>) -> Option<&Block> {
         self.blocks.get(i + 1).filter(|_| next_step != Some(i + 1))
+    }
+
+    /// [`Self::chainable_next`] for the fixed-count path, which also chains into a step's block
+    /// when the step gathers the qkv rows with the tokens (`select_top_k_gathering`): one image
+    /// (where the chained kernels run; at larger batches the projection of rows the step drops
+    /// would be wasted work), a step before its block, no fused token. `next_step`: the next
+    /// step's block, site and whether it fuses.
+    fn chainable_next_fixed(
+        &self,
+        i: usize,
+        next_step: Option<(usize, PruneSite, bool)>,
+        batch_size: usize,
+    ) -> Option<&Block> {
+        match next_step {
+            Some((blk, PruneSite::BeforeBlock, false))
+                if blk == i + 1 && batch_size == 1 && gather_qkv_at_steps() =>
+            {
+                self.blocks.get(i + 1)
+            }
+            _ => self.chainable_next(i, next_step.map(|(blk, _, _)| blk)),
+        }
     }
 
     /// Logits `[B, num_classes]` of `pixels` with `pruners` on the packed path, every keep decision
@@ -381,7 +416,7 @@ impl DeiT {
                         kept_tokens,
                     });
                 }
-                let next = self.chainable_next(i, steps.peek().map(|((blk, _), _)| *blk));
+                let next = self.chainable_next_fixed(i, peek_step(steps.peek()), b);
                 (x, next_qkv) = block.forward_chained(&x, next_qkv.take(), next, &inputs)?;
                 continue;
             };
@@ -420,14 +455,27 @@ impl DeiT {
                     TokenScores::Given(&given)
                 }
             };
-            let (next, next_len) = select_top_k_by(&tokens, b, scores, num_prefix, keep, fusion)?;
+            // The block before computed this block's qkv of every row (chainable_next_fixed): the
+            // step gathers its kept rows with the tokens.
+            let (next, kept_qkv, next_len) = match next_qkv.take() {
+                Some(qkv) if fusion.is_none() && site == PruneSite::BeforeBlock => {
+                    let (next, kept_qkv, next_len) =
+                        select_top_k_gathering(&tokens, &qkv, b, scores, num_prefix, keep)?;
+                    (next, Some(kept_qkv), next_len)
+                }
+                _ => {
+                    let (next, next_len) =
+                        select_top_k_by(&tokens, b, scores, num_prefix, keep, fusion)?;
+                    (next, None, next_len)
+                }
+            };
             len = next_len;
             x = next;
             kept_tokens.push(vec![len; b]);
             batch = self.uniform_batches.get(b, len, &dev)?;
             let inputs = AttentionInputs::Ragged { batch: &batch };
-            let next = self.chainable_next(i, steps.peek().map(|((blk, _), _)| *blk));
-            (x, next_qkv) = block.rest_after_chained(site, &x, next, &inputs)?;
+            let next = self.chainable_next_fixed(i, peek_step(steps.peek()), b);
+            (x, next_qkv) = block.rest_after_chained(site, &x, kept_qkv, next, &inputs)?;
         }
         Ok(DevicePrunedForward {
             logits: self.logits_from_blocks(&x.reshape((b, len, c))?)?,
@@ -501,7 +549,7 @@ impl DeiT {
             batches.push(batch.clone());
             let inputs = AttentionInputs::Ragged { batch: &batch };
             let next = self.chainable_next(i, steps.peek().map(|(blk, _)| *blk));
-            (x, next_qkv) = block.rest_after_chained(site, &x, next, &inputs)?;
+            (x, next_qkv) = block.rest_after_chained(site, &x, None, next, &inputs)?;
         }
         // One kernel, no host offsets: the class (and distillation) token of every image.
         let prefix = leading_rows(&x, &batch, num_prefix)?;
