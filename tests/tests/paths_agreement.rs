@@ -1028,6 +1028,36 @@ fn device_decisions_equal_host_decisions() {
     }
 }
 
+/// One image: the fixed on-device path chains every block into the next, a step's block too when
+/// the step sits before it and fuses nothing (the step gathers the qkv rows the block before
+/// computed, `select_top_k_gathering`); every pruner in both modes must still give the host
+/// decisions' tokens and logits (EViT / ATS steps after attention, and adaptive modes, keep the
+/// unchained path: the same check).
+#[test]
+fn one_image_device_decisions_equal_host_decisions() {
+    let dev = Device::Cpu;
+    for distilled in [false, true] {
+        let cfg = small_cfg(distilled);
+        let m = model(&cfg, DType::F32, &dev, 310 + distilled as u64);
+        for seed in [3, 4] {
+            let pixels = varied_pixels(1, &cfg, seed, &dev);
+            for kind in PrunerKind::ALL {
+                for mode in [Mode::Fixed, Mode::Adaptive] {
+                    let what = format!("batch 1 {kind}-{mode} distilled={distilled} seed {seed}");
+                    let s = schedule(&BLOCKS, |st| {
+                        small_config(kind, mode, st, cfg.num_patches())
+                    });
+                    let pruners = build(&m, &s, &dev);
+                    let host = m
+                        .forward_pruned(&pixels, &pruners, ExecutionPath::Ragged)
+                        .unwrap();
+                    check_on_device(&what, &m, &pixels, &pruners, &host);
+                }
+            }
+        }
+    }
+}
+
 fn env_device() -> Device {
     match std::env::var("PATHS_DEVICE").as_deref() {
         Ok("cuda") => {
