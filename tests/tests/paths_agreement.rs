@@ -986,20 +986,7 @@ fn device_decisions_equal_host_decisions() {
         let cfg = small_cfg(distilled);
         let m = model(&cfg, DType::F32, &dev, 300 + distilled as u64);
         let pixels = varied_pixels(16, &cfg, 9, &dev);
-        for kind in PrunerKind::ALL {
-            for mode in [Mode::Fixed, Mode::Adaptive] {
-                let what = format!("{kind}-{mode} distilled={distilled}");
-                let s = schedule(&BLOCKS, |st| {
-                    small_config(kind, mode, st, cfg.num_patches())
-                });
-                let pruners = build(&m, &s, &dev);
-                let host = m
-                    .forward_pruned(&pixels, &pruners, ExecutionPath::Ragged)
-                    .unwrap();
-                let d = check_on_device(&what, &m, &pixels, &pruners, &host);
-                eprintln!("{what}: device vs host decisions, max |Δlogit| {d:.2e}");
-            }
-        }
+        every_pruner_on_device(&format!("distilled={distilled}"), &m, &cfg, &pixels);
         let plan = KeepPlan {
             indices: vec![(0..cfg.seq_len() as u32).collect(); 16],
             fused: None,
@@ -1028,6 +1015,25 @@ fn device_decisions_equal_host_decisions() {
     }
 }
 
+/// [`check_on_device`] for every pruner in both modes on `pixels`, against the host decisions.
+fn every_pruner_on_device(tag: &str, m: &DeiT, cfg: &DeiTConfig, pixels: &Tensor) {
+    let dev = pixels.device();
+    for kind in PrunerKind::ALL {
+        for mode in [Mode::Fixed, Mode::Adaptive] {
+            let what = format!("{kind}-{mode} {tag}");
+            let s = schedule(&BLOCKS, |st| {
+                small_config(kind, mode, st, cfg.num_patches())
+            });
+            let pruners = build(m, &s, dev);
+            let host = m
+                .forward_pruned(pixels, &pruners, ExecutionPath::Ragged)
+                .unwrap();
+            let d = check_on_device(&what, m, pixels, &pruners, &host);
+            eprintln!("{what}: device vs host decisions, max |Δlogit| {d:.2e}");
+        }
+    }
+}
+
 /// One image: the fixed on-device path chains every block into the next, a step's block too when
 /// the step sits before it and fuses nothing (the step gathers the qkv rows the block before
 /// computed, `select_top_k_gathering`); every pruner in both modes must still give the host
@@ -1041,19 +1047,8 @@ fn one_image_device_decisions_equal_host_decisions() {
         let m = model(&cfg, DType::F32, &dev, 310 + distilled as u64);
         for seed in [3, 4] {
             let pixels = varied_pixels(1, &cfg, seed, &dev);
-            for kind in PrunerKind::ALL {
-                for mode in [Mode::Fixed, Mode::Adaptive] {
-                    let what = format!("batch 1 {kind}-{mode} distilled={distilled} seed {seed}");
-                    let s = schedule(&BLOCKS, |st| {
-                        small_config(kind, mode, st, cfg.num_patches())
-                    });
-                    let pruners = build(&m, &s, &dev);
-                    let host = m
-                        .forward_pruned(&pixels, &pruners, ExecutionPath::Ragged)
-                        .unwrap();
-                    check_on_device(&what, &m, &pixels, &pruners, &host);
-                }
-            }
+            let tag = format!("batch 1 distilled={distilled} seed {seed}");
+            every_pruner_on_device(&tag, &m, &cfg, &pixels);
         }
     }
 }
