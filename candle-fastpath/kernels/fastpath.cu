@@ -649,8 +649,8 @@ __device__ __forceinline__ void rnl_load_regs(RnlRegs<K>& g, const T* __restrict
 // this call waits on the cluster arrive made at kernel entry (else the caller did).
 // attention_residual_norm_linear_tile ends the same way.
 //
-// TO_CLUSTER (attention_block_tile's first step): x1 stays on chip (its pair is returned in *x1p
-// for the step after), and the back GEMM's tile goes, after the epilogue, into every cluster CTA's
+// TO_CLUSTER (the attention_block entries' first step): x1 stays on chip (its pair is returned
+// in *x1p for the step after), and the back GEMM's tile goes, after the epilogue, into every cluster CTA's
 // `y` rows (shared memory, NL_BM rows of RNL_SPLIT · BN + 8 elements: the next step's input)
 // instead of global memory.
 template <typename T, int K, int KF, int KW, int BN, bool GELU, bool ENTRY_WAIT, bool TO_CLUSTER = false>
@@ -834,12 +834,13 @@ RESIDUAL_NORM_LINEAR_ENTRY(bf16, __nv_bfloat16, 192, 768, 12, 96, false, _k768)
 // Constraints (checked by the host, attention_residual_norm_linear in candle-fastpath): C = 192
 // (three heads of 64), N in (640, 768] (six 128-column tiles), one sequence (cu_seqlens =
 // [0, len], len ≤ M), compute capability 9.0. Grid (RNL_SPLIT, ceil(M / NL_BM)), clusters of
-// RNL_SPLIT along x, NL_WARPS · 32 threads, arnl_smem_bytes(M) bytes of dynamic shared memory
-// (the host's copy: AttentionRnl::smem_bytes).
+// RNL_SPLIT along x, NL_WARPS · 32 threads, attention_rnl_smem_bytes(M) bytes of dynamic shared
+// memory (computed by the host, candle-fastpath's cuda.rs). BLOCK: the attention_block entries
+// below (lever 65), with the second step's parameters in `nx`.
 constexpr int ARNL_HEAD_DIM = 64, ARNL_PARTS = 8, ARNL_STATE = ARNL_HEAD_DIM / 2 + 4;
 
-// attention_block_tile's second step (lever 65): fc2 + residual into the next block's norm1 → qkv,
-// as residual_norm_linear's fc2 form computes it (W2 [C, 4C] and b2, the next block's LayerNorm,
+// The attention_block entries' second step (lever 65): fc2 + residual into the next block's
+// norm1 → qkv, as residual_norm_linear's fc2 form computes it (W2 [C, 4C] and b2, the next block's LayerNorm,
 // its qkv weight [N2, C] and bias), writing the block's output x2 [M, C] and that qkv [M, N2].
 template <typename T>
 struct ArnlNext {
