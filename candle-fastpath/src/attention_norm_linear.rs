@@ -75,23 +75,12 @@ pub fn attention_residual_norm_linear(
     }
     #[cfg(feature = "cuda")]
     {
-        let (Some(front_bias), Some(bias)) = (proj.bias(), linear.bias()) else {
-            unreachable!("attention_residual_norm_linear_applies requires both biases");
-        };
         let (m, c) = residual.dims2()?;
         let n = linear.out_dim();
         let op = crate::cuda::AttentionResidualNormLinearOp {
             cu_seqlens: cu_seqlens.clone(),
             scale_log2: (scale * std::f64::consts::LOG2_E) as f32,
-            rest: crate::cuda::ResidualNormLinearOp {
-                front_weight: proj.weight().clone(),
-                front_bias: front_bias.clone(),
-                ln_weight: norm.weight().clone(),
-                ln_bias: norm.bias().clone(),
-                bias: bias.clone(),
-                eps: norm.eps() as f32,
-                gelu,
-            },
+            rest: step_op(proj, norm, linear, gelu),
         };
         let both = qkv.apply_op3_no_bwd(residual, linear.weight(), &op)?;
         let x1 = both.narrow(0, 0, m * c)?.reshape((m, c))?;
@@ -102,6 +91,29 @@ pub fn attention_residual_norm_linear(
     {
         let _ = scale;
         unreachable!("attention_residual_norm_linear_applies is false without the cuda feature")
+    }
+}
+
+/// The parameters of one residual_norm_linear step (`front` and its residual add, `norm`, `back`,
+/// the GELU) as the CUDA ops carry them; the callers' `*_applies` checks required every bias.
+#[cfg(feature = "cuda")]
+fn step_op(
+    front: &FusedLinear,
+    norm: &LayerNorm,
+    back: &FusedLinear,
+    gelu: bool,
+) -> crate::cuda::ResidualNormLinearOp {
+    let (Some(front_bias), Some(bias)) = (front.bias(), back.bias()) else {
+        unreachable!("the fused kernels' applies checks require every bias");
+    };
+    crate::cuda::ResidualNormLinearOp {
+        front_weight: front.weight().clone(),
+        front_bias: front_bias.clone(),
+        ln_weight: norm.weight().clone(),
+        ln_bias: norm.bias().clone(),
+        bias: bias.clone(),
+        eps: norm.eps() as f32,
+        gelu,
     }
 }
 
@@ -219,27 +231,13 @@ pub fn attention_block(
     }
     #[cfg(feature = "cuda")]
     {
-        let rnl = |front: &FusedLinear, norm: &LayerNorm, back: &FusedLinear, gelu: bool| {
-            let (Some(front_bias), Some(bias)) = (front.bias(), back.bias()) else {
-                unreachable!("attention_block_applies requires every bias");
-            };
-            crate::cuda::ResidualNormLinearOp {
-                front_weight: front.weight().clone(),
-                front_bias: front_bias.clone(),
-                ln_weight: norm.weight().clone(),
-                ln_bias: norm.bias().clone(),
-                bias: bias.clone(),
-                eps: norm.eps() as f32,
-                gelu,
-            }
-        };
         let (m, c) = residual.dims2()?;
         let n2 = w.next_qkv.out_dim();
         let op = crate::cuda::AttentionBlockOp {
             cu_seqlens: cu_seqlens.clone(),
             scale_log2: (scale * std::f64::consts::LOG2_E) as f32,
-            first: rnl(w.proj, w.norm2, w.fc1, true),
-            second: rnl(w.fc2, w.next_norm1, w.next_qkv, false),
+            first: step_op(w.proj, w.norm2, w.fc1, true),
+            second: step_op(w.fc2, w.next_norm1, w.next_qkv, false),
             next_weight: w.next_qkv.weight().clone(),
         };
         let both = qkv.apply_op3_no_bwd(residual, w.fc1.weight(), &op)?;

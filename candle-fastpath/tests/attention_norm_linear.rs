@@ -61,6 +61,24 @@ fn weights(dev: &Device, rng: &mut StdRng, dtype: DType, n: usize) -> Weights {
     Weights { proj, norm, fc1 }
 }
 
+/// One sequence of `len` tokens in buffers of `rows`: its qkv projection (q, k of unit spread, so
+/// scores of a few units, and v; NaN past the sequence, a capacity buffer's stale tail) as host
+/// values and as a tensor, the residual stream `[rows, C]`, and `cu_seqlens = [0, len]`.
+fn sequence(
+    dev: &Device,
+    rng: &mut StdRng,
+    dtype: DType,
+    rows: usize,
+    len: usize,
+) -> (Vec<f32>, Tensor, Tensor, Tensor) {
+    let mut qkv = quantize(&randn(rng, rows * 3 * C, 1.0), dtype);
+    qkv[len * 3 * C..].fill(f32::NAN);
+    let qkv_t = tensor(dev, &qkv, &[rows, 3 * C], dtype);
+    let r_t = tensor(dev, &randn(rng, rows * C, 3.0), &[rows, C], dtype);
+    let cu = Tensor::from_slice(&[0u32, len as u32], 2, dev).unwrap();
+    (qkv, qkv_t, r_t, cu)
+}
+
 /// softmax(q kᵀ · scale) v per head over the first `len` rows of `qkv` (`[rows, 3C]`, q | k | v
 /// head-major), in f64: `[len, C]`, heads merged.
 fn attention_host(qkv: &[f32], len: usize, scale: f64) -> Vec<f32> {
@@ -129,13 +147,7 @@ fn matches_attention_then_the_steps() {
         for gelu in [true, false] {
             let w = weights(&dev, &mut rng, dtype, 4 * C);
             for &(rows, len) in cases {
-                // q, k of unit spread (scores of a few units), v, then NaN past the sequence.
-                let mut qkv = quantize(&randn(&mut rng, rows * 3 * C, 1.0), dtype);
-                qkv[len * 3 * C..].fill(f32::NAN);
-                let r = quantize(&randn(&mut rng, rows * C, 3.0), dtype);
-                let qkv_t = tensor(&dev, &qkv, &[rows, 3 * C], dtype);
-                let r_t = tensor(&dev, &r, &[rows, C], dtype);
-                let cu = Tensor::from_slice(&[0u32, len as u32], 2, &dev).unwrap();
+                let (qkv, qkv_t, r_t, cu) = sequence(&dev, &mut rng, dtype, rows, len);
 
                 let o = tensor(&dev, &attention_host(&qkv, len, scale), &[len, C], dtype);
                 let want_x1 = w
@@ -310,11 +322,7 @@ fn block_matches_the_two_kernels() {
             next_qkv: &next.fc1,
         };
         for &(rows, len) in cases {
-            let mut qkv = quantize(&randn(&mut rng, rows * 3 * C, 1.0), dtype);
-            qkv[len * 3 * C..].fill(f32::NAN);
-            let qkv_t = tensor(&dev, &qkv, &[rows, 3 * C], dtype);
-            let r_t = tensor(&dev, &randn(&mut rng, rows * C, 3.0), &[rows, C], dtype);
-            let cu = Tensor::from_slice(&[0u32, len as u32], 2, &dev).unwrap();
+            let (_, qkv_t, r_t, cu) = sequence(&dev, &mut rng, dtype, rows, len);
             let what = format!("{dtype:?} rows {rows} len {len}");
             let applies = attention_block_applies(&qkv_t, &cu, HEADS, &r_t, &tail);
             assert_eq!(applies, fused_expected, "{what}: applies");
