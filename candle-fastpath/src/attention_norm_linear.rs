@@ -94,8 +94,8 @@ pub fn attention_residual_norm_linear(
     }
 }
 
-/// The parameters of one residual_norm_linear step (`front` and its residual add, `norm`, `back`,
-/// the GELU) as the CUDA ops carry them; the callers' `*_applies` checks required every bias.
+/// [`crate::cuda::ResidualNormLinearOp::from_layers`] for the fused kernels, whose `*_applies`
+/// checks required every bias.
 #[cfg(feature = "cuda")]
 fn step_op(
     front: &FusedLinear,
@@ -103,18 +103,8 @@ fn step_op(
     back: &FusedLinear,
     gelu: bool,
 ) -> crate::cuda::ResidualNormLinearOp {
-    let (Some(front_bias), Some(bias)) = (front.bias(), back.bias()) else {
-        unreachable!("the fused kernels' applies checks require every bias");
-    };
-    crate::cuda::ResidualNormLinearOp {
-        front_weight: front.weight().clone(),
-        front_bias: front_bias.clone(),
-        ln_weight: norm.weight().clone(),
-        ln_bias: norm.bias().clone(),
-        bias: bias.clone(),
-        eps: norm.eps() as f32,
-        gelu,
-    }
+    crate::cuda::ResidualNormLinearOp::from_layers(front, norm, back, gelu)
+        .unwrap_or_else(|| unreachable!("the fused kernels' applies checks require every bias"))
 }
 
 /// Whether [`attention_residual_norm_linear`] runs: what [`crate::residual_norm_linear_applies`]
@@ -165,9 +155,11 @@ pub fn attention_residual_norm_linear_applies(
             && cu_seqlens.dims() == [2]
             && cu_seqlens.is_contiguous()
             && cu_seqlens.device().same_device(residual.device())
-            // The proj form's rules, with the residual standing in for the attention output
-            // (the same shape, dtype, device and alignment).
-            && crate::residual_norm_linear_applies(residual, residual, proj, norm, linear, gelu)
+            // The proj form's rules (the attention output this kernel makes has the residual's
+            // shape, dtype and device).
+            && crate::norm_linear::residual_norm_linear_step_applies(
+                residual, proj, norm, linear, gelu,
+            )
             && crate::cuda::has_attention_rnl(dev, m)
     }
 }
@@ -275,11 +267,10 @@ pub fn attention_block_applies(
             return false;
         };
         let c = w.norm2.weight().elem_count();
+        // fc2's K = 4C, the next qkv weight's dtype and device: residual_norm_linear_step_applies
+        // (its fc2 form and norm_linear's checks).
         attention_block_enabled()
             && w.fc1.out_dim() == 4 * c
-            && w.fc2.in_dim() == 4 * c
-            && w.next_qkv.weight().dtype() == residual.dtype()
-            && w.next_qkv.weight().device().same_device(residual.device())
             && attention_residual_norm_linear_applies(
                 qkv, cu_seqlens, heads, residual, w.proj, w.norm2, w.fc1, true,
             )

@@ -1146,6 +1146,25 @@ macro_rules! push_rnl_operands {
 }
 
 impl ResidualNormLinearOp {
+    /// The parameters of one residual_norm_linear step (`front` and its residual add, `norm`,
+    /// `back`, the GELU) as the kernels read them; `None` when `front` or `back` has no bias.
+    pub(crate) fn from_layers(
+        front: &crate::FusedLinear,
+        norm: &crate::LayerNorm,
+        back: &crate::FusedLinear,
+        gelu: bool,
+    ) -> Option<Self> {
+        Some(Self {
+            front_weight: front.weight().clone(),
+            front_bias: front.bias()?.clone(),
+            ln_weight: norm.weight().clone(),
+            ln_bias: norm.bias().clone(),
+            bias: back.bias()?.clone(),
+            eps: norm.eps() as f32,
+            gelu,
+        })
+    }
+
     /// The carried operands for width `c`, the front GEMM's K and the back GEMM's N: (tensor,
     /// elements, loaded in 16-byte chunks) for Wp, bp, the LayerNorm's weight and bias, W's bias.
     fn carried(&self, c: usize, k: usize, n: usize) -> [(&Tensor, usize, bool); 5] {

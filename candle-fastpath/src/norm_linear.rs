@@ -231,20 +231,12 @@ pub fn residual_norm_linear(
 ) -> Result<(Tensor, Tensor)> {
     #[cfg(feature = "cuda")]
     if residual_norm_linear_applies(o, residual, front, norm, linear, gelu) {
-        if let (Some(front_bias), Some(bias)) = (front.bias(), linear.bias()) {
+        if let Some(op) = crate::cuda::ResidualNormLinearOp::from_layers(front, norm, linear, gelu)
+        {
             let k = front.in_dim();
             let c = front.out_dim();
             let rows = o.elem_count() / k;
             let n = linear.out_dim();
-            let op = crate::cuda::ResidualNormLinearOp {
-                front_weight: front.weight().clone(),
-                front_bias: front_bias.clone(),
-                ln_weight: norm.weight().clone(),
-                ln_bias: norm.bias().clone(),
-                bias: bias.clone(),
-                eps: norm.eps() as f32,
-                gelu,
-            };
             let both = o.reshape((rows, k))?.apply_op3_no_bwd(
                 &residual.reshape((rows, c))?,
                 linear.weight(),

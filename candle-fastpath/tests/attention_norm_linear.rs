@@ -61,6 +61,17 @@ fn weights(dev: &Device, rng: &mut StdRng, dtype: DType, n: usize) -> Weights {
     Weights { proj, norm, fc1 }
 }
 
+/// The dtypes and (rows, length) cases a test runs: f16 and bf16 over `full`, or with
+/// ATTENTION_RNL_TEST_QUICK=1 (for racecheck, thousands of times slower per launch) f16 over
+/// 197 rows and a 64-token sequence in a 70-row buffer.
+fn under_test(full: &'static [(usize, usize)]) -> (&'static [DType], &'static [(usize, usize)]) {
+    if std::env::var_os("ATTENTION_RNL_TEST_QUICK").is_some() {
+        (&[DType::F16], &[(197, 197), (70, 64)])
+    } else {
+        (&[DType::F16, DType::BF16], full)
+    }
+}
+
 /// One sequence of `len` tokens in buffers of `rows`: its qkv projection (q, k of unit spread, so
 /// scores of a few units, and v; NaN past the sequence, a capacity buffer's stale tail) as host
 /// values and as a tensor, the residual stream `[rows, C]`, and `cu_seqlens = [0, len]`.
@@ -114,35 +125,24 @@ fn matches_attention_then_the_steps() {
     let fused_expected = dev.is_cuda() && has_clusters(&dev);
     let mut rng = StdRng::seed_from_u64(64);
     let scale = (HEAD_DIM as f64).powf(-0.5);
-    // ATTENTION_RNL_TEST_QUICK=1 (for racecheck): f16, two shapes.
-    let quick = std::env::var_os("ATTENTION_RNL_TEST_QUICK").is_some();
-    let dtypes: &[DType] = if quick {
-        &[DType::F16]
-    } else {
-        &[DType::F16, DType::BF16]
-    };
     // (rows in the buffer, the sequence's length): whole buffers, and capacity-sized ones
     // whose tail rows hold NaN.
-    let cases: &[(usize, usize)] = if quick {
-        &[(197, 197), (70, 64)]
-    } else {
-        &[
-            (1, 1),
-            (2, 2),
-            (15, 15),
-            (16, 16),
-            (17, 17),
-            (63, 63),
-            (64, 64),
-            (65, 65),
-            (138, 138),
-            (197, 197),
-            (352, 352),
-            (70, 64),
-            (197, 190),
-            (200, 1),
-        ]
-    };
+    let (dtypes, cases) = under_test(&[
+        (1, 1),
+        (2, 2),
+        (15, 15),
+        (16, 16),
+        (17, 17),
+        (63, 63),
+        (64, 64),
+        (65, 65),
+        (138, 138),
+        (197, 197),
+        (352, 352),
+        (70, 64),
+        (197, 190),
+        (200, 1),
+    ]);
     for &dtype in dtypes {
         for gelu in [true, false] {
             let w = weights(&dev, &mut rng, dtype, 4 * C);
@@ -280,26 +280,16 @@ fn block_matches_the_two_kernels() {
     let fused_expected = dev.is_cuda() && has_clusters(&dev);
     let mut rng = StdRng::seed_from_u64(66);
     let scale = (HEAD_DIM as f64).powf(-0.5);
-    let quick = std::env::var_os("ATTENTION_RNL_TEST_QUICK").is_some();
-    let dtypes: &[DType] = if quick {
-        &[DType::F16]
-    } else {
-        &[DType::F16, DType::BF16]
-    };
-    let cases: &[(usize, usize)] = if quick {
-        &[(197, 197), (70, 64)]
-    } else {
-        &[
-            (1, 1),
-            (17, 17),
-            (65, 65),
-            (138, 138),
-            (197, 197),
-            (352, 352),
-            (197, 190),
-            (70, 64),
-        ]
-    };
+    let (dtypes, cases) = under_test(&[
+        (1, 1),
+        (17, 17),
+        (65, 65),
+        (138, 138),
+        (197, 197),
+        (352, 352),
+        (197, 190),
+        (70, 64),
+    ]);
     for &dtype in dtypes {
         let w = weights(&dev, &mut rng, dtype, 4 * C);
         let fc2 = FusedLinear::new(

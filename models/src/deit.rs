@@ -240,7 +240,7 @@ impl Block {
         if let Some(done) = self.whole_block(x, &qkv, next, inputs)? {
             return Ok(done);
         }
-        let (x1, hidden) = self.attention_through_fc1(x, Some(qkv), inputs)?;
+        let (x1, hidden) = self.attention_through_fc1(x, &qkv, inputs)?;
         self.fc2_chained(&hidden, &x1, next, inputs)
     }
 
@@ -269,9 +269,8 @@ impl Block {
             next_qkv: &next.attn.qkv,
         };
         let (heads, cu) = (self.attn.heads, batch.cu_seqlens());
-        if batch.batch_size() != 1
-            || !candle_fastpath::attention_block_applies(qkv, cu, heads, x, &tail)
-        {
+        // One sequence only: the applies check reads that off cu_seqlens.
+        if !candle_fastpath::attention_block_applies(qkv, cu, heads, x, &tail) {
             return Ok(None);
         }
         let (y, next_qkv) =
@@ -279,33 +278,31 @@ impl Block {
         Ok(Some((y, Some(next_qkv))))
     }
 
-    /// From the block's input `x` (and its qkv projection when the block before computed it) to
-    /// `(x1, gelu(fc1(norm2(x1))))` with `x1 = x + proj(attention)`: for one image's packed
+    /// From the block's input `x` and its qkv projection to `(x1, gelu(fc1(norm2(x1))))` with
+    /// `x1 = x + proj(attention)`: for one image's packed
     /// tokens one kernel from the qkv projection where
     /// `candle_fastpath::attention_residual_norm_linear` applies (DeiT-T's width), else the
     /// attention and then `candle_fastpath::residual_norm_linear`.
     fn attention_through_fc1(
         &self,
         x: &Tensor,
-        qkv: Option<Tensor>,
+        qkv: &Tensor,
         inputs: &AttentionInputs,
     ) -> Result<(Tensor, Tensor)> {
-        let qkv = self.qkv_of(x, qkv)?;
         if let AttentionInputs::Ragged { batch } = inputs {
-            if batch.batch_size() == 1
-                && candle_fastpath::attention_residual_norm_linear_applies(
-                    &qkv,
-                    batch.cu_seqlens(),
-                    self.attn.heads,
-                    x,
-                    &self.attn.proj,
-                    &self.norm2,
-                    &self.mlp.fc1,
-                    true,
-                )
-            {
+            // One sequence only: the applies check reads that off cu_seqlens.
+            if candle_fastpath::attention_residual_norm_linear_applies(
+                qkv,
+                batch.cu_seqlens(),
+                self.attn.heads,
+                x,
+                &self.attn.proj,
+                &self.norm2,
+                &self.mlp.fc1,
+                true,
+            ) {
                 return Ok(candle_fastpath::attention_residual_norm_linear(
-                    &qkv,
+                    qkv,
                     batch.cu_seqlens(),
                     self.attn.heads,
                     self.attn.scale,
@@ -317,7 +314,7 @@ impl Block {
                 )?);
             }
         }
-        let heads = self.attn.heads_from_qkv(&qkv, inputs)?;
+        let heads = self.attn.heads_from_qkv(qkv, inputs)?;
         Ok(candle_fastpath::residual_norm_linear(
             &heads,
             x,
