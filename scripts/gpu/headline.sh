@@ -12,7 +12,9 @@
 #   checks  test-attention (default kernels and CANDLE_RAGGED_RESIDENT=k64), memcheck over its
 #           odd-length / key-part / resident-and-tiled tests, paths at DeiT-S and DeiT-B (batch 32)
 #   f16 / bf16 / f32   bench --dtype <it> --batch 1,8,64,256 --reps 10, T/S/B, every pruner
-#           (step limits 170 / 90 / F32_LIMIT, default 160 s: give f32 ~420 s in a call of its own)
+#           (step limits 170 / BF16_LIMIT, default 90 s (stop 34's f16 step took 106 s: pass ~170
+#           to run bf16 after f16 and the peers in one call) / F32_LIMIT, default 160 s: give f32
+#           ~420 s in a call of its own)
 #   peers   scripts/peers/timm_deit.py (eager, CUDA graph, compile reduce-overhead), f16
 #   max     the same with --compile max for MAX_MODELS (deit-base) at MAX_BATCH (256)
 # Merge afterwards: scripts/bench_tables.py reads the f16 / bf16 / f32 JSON together.
@@ -38,7 +40,7 @@ bench() { step "bench $1" "$2" $B/bench --device cuda --models $models --dtype "
 has f16 && bench f16 170
 has peers && step peers 200 env PYTHONUNBUFFERED=1 python3 scripts/peers/timm_deit.py --out "$out/h100-peers.json" --models $models --batch 1,8,64,256 --reps 20 --budget-s 150 > "$out/peers.log" 2>&1
 has max && step max 200 env PYTHONUNBUFFERED=1 python3 scripts/peers/timm_deit.py --out "$out/peers-max-autotune.json" --models "${MAX_MODELS:-deit-base}" --batch "${MAX_BATCH:-256}" --compile max > "$out/peers-max-autotune.log" 2>&1
-has bf16 && bench bf16 90
+has bf16 && bench bf16 "${BF16_LIMIT:-90}"
 has f32 && bench f32 "${F32_LIMIT:-160}"
 # The device tool returns at most 8 files: the JSON and headline.log as they are, the logs packed.
 pack headline-logs.tgz 'e2e-*.log' 'peers*.log'
