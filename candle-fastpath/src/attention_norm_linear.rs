@@ -77,10 +77,11 @@ pub fn attention_residual_norm_linear(
     {
         let (m, c) = residual.dims2()?;
         let n = linear.out_dim();
-        let op = crate::cuda::AttentionResidualNormLinearOp {
+        let op = crate::cuda::AttentionRnlOp {
             cu_seqlens: cu_seqlens.clone(),
             scale_log2: (scale * std::f64::consts::LOG2_E) as f32,
-            rest: step_op(proj, norm, linear, gelu),
+            first: step_op(proj, norm, linear, gelu),
+            next: None,
         };
         let both = qkv.apply_op3_no_bwd(residual, linear.weight(), &op)?;
         let x1 = both.narrow(0, 0, m * c)?.reshape((m, c))?;
@@ -225,12 +226,14 @@ pub fn attention_block(
     {
         let (m, c) = residual.dims2()?;
         let n2 = w.next_qkv.out_dim();
-        let op = crate::cuda::AttentionBlockOp {
+        let op = crate::cuda::AttentionRnlOp {
             cu_seqlens: cu_seqlens.clone(),
             scale_log2: (scale * std::f64::consts::LOG2_E) as f32,
             first: step_op(w.proj, w.norm2, w.fc1, true),
-            second: step_op(w.fc2, w.next_norm1, w.next_qkv, false),
-            next_weight: w.next_qkv.weight().clone(),
+            next: Some((
+                step_op(w.fc2, w.next_norm1, w.next_qkv, false),
+                w.next_qkv.weight().clone(),
+            )),
         };
         let both = qkv.apply_op3_no_bwd(residual, w.fc1.weight(), &op)?;
         let x2 = both.narrow(0, 0, m * c)?.reshape((m, c))?;

@@ -71,7 +71,7 @@ const RESIDUAL_NORM_LINEAR_NAMES: [&str; 6] = [
     "fastpath_residual_norm_linear_bf16_c192_gelu",
     "fastpath_residual_norm_linear_bf16_c192_k768",
 ];
-/// [`AttentionResidualNormLinearOp`]'s kernels (compute capability 9.0 and up): f16 plain, f16
+/// [`AttentionRnlOp`]'s kernels without `next` (compute capability 9.0 and up): f16 plain, f16
 /// GELU, bf16 plain, bf16 GELU, then the same four issuing W's loads late
 /// ([`ARNL_LATE_W_ROWS`]).
 const ATTENTION_RNL_NAMES: [&str; 8] = [
@@ -84,7 +84,7 @@ const ATTENTION_RNL_NAMES: [&str; 8] = [
     "fastpath_attention_residual_norm_linear_bf16_c192_late",
     "fastpath_attention_residual_norm_linear_bf16_c192_gelu_late",
 ];
-/// [`AttentionBlockOp`]'s kernels (compute capability 9.0 and up): f16, bf16, then the same two
+/// [`AttentionRnlOp`]'s kernels with `next` (compute capability 9.0 and up): f16, bf16, then the same two
 /// issuing the first step's weights late ([`ARNL_LATE_W_ROWS`]).
 const ATTENTION_BLOCK_NAMES: [&str; 4] = [
     "fastpath_attention_block_f16_c192",
@@ -93,15 +93,15 @@ const ATTENTION_BLOCK_NAMES: [&str; 4] = [
     "fastpath_attention_block_bf16_c192_late",
 ];
 
-/// From this many rows [`AttentionResidualNormLinearOp`] takes its `_late` kernels, which issue
+/// From this many rows [`AttentionRnlOp`] takes its `_late` kernels, which issue
 /// the proj and fc1 weights' loads only once K and V have landed: with 78 CTAs (197 rows) those
 /// loads delay K / V's (0.3 µs per launch in the probe, 138 rows too), with 42 (97 rows) and
 /// fewer the late issue costs as much.
 const ARNL_LATE_W_ROWS: usize = 128;
-/// The head width [`AttentionResidualNormLinearOp`]'s kernel is built for (ARNL_HEAD_DIM).
+/// The head width [`AttentionRnlOp`]'s kernel is built for (ARNL_HEAD_DIM).
 pub(crate) const ARNL_HEAD_DIM: usize = 64;
 
-/// Dynamic shared memory of an [`AttentionResidualNormLinearOp`] launch over `m` rows (16-bit
+/// Dynamic shared memory of an [`AttentionRnlOp`] launch over `m` rows (16-bit
 /// storage): the proj form of [`RnlForm::smem_bytes`], then the ARNL_PARTS = 8 warps'
 /// online-softmax states (ARNL_HEAD_DIM / 2 + 4 floats per lane) and the head's K and V rows
 /// (`m` rounded up to 16, ARNL_HEAD_DIM + 8 elements each).
@@ -111,7 +111,7 @@ pub(crate) fn attention_rnl_smem_bytes(m: usize) -> usize {
         + 2 * m.next_multiple_of(16) * (ARNL_HEAD_DIM + 8) * 2
 }
 
-/// Dynamic shared memory of an [`AttentionBlockOp`] launch over `m` rows: as
+/// Dynamic shared memory of an [`AttentionRnlOp`] (with `next`) launch over `m` rows: as
 /// [`attention_rnl_smem_bytes`], with the K / V region at least the second step's weights
 /// (W2's 32-row slice, 4C + 8 wide, and the next qkv's 96-row tile, C + 8 wide), which reuse it.
 pub(crate) fn attention_block_smem_bytes(m: usize) -> usize {
@@ -284,10 +284,10 @@ struct DeviceState {
     norm_linear: Vec<CudaFunction>,
     /// `None` below compute capability 9.0 or when the PTX was built for an earlier one.
     residual_norm_linear: Option<Vec<CudaFunction>>,
-    /// [`AttentionResidualNormLinearOp`]'s kernels and the most dynamic shared memory a block
+    /// [`AttentionRnlOp`]'s kernels and the most dynamic shared memory a block
     /// may opt into (its K / V rows grow with the sequence); `None` as `residual_norm_linear`.
     attention_rnl: Option<(Vec<CudaFunction>, usize)>,
-    /// [`AttentionBlockOp`]'s kernels, as `attention_rnl` (the same shared-memory limit).
+    /// [`AttentionRnlOp`] (with `next`)'s kernels, as `attention_rnl` (the same shared-memory limit).
     attention_block: Option<Vec<CudaFunction>>,
     /// Streaming multiprocessors, for the CUTLASS kernel's persistent tile scheduler and
     /// [`crate::norm_linear_applies`]'s one-wave rule.
@@ -1263,7 +1263,7 @@ cuda_only_op3!(
     "residual_norm_linear"
 );
 
-/// Whether `dev` has [`AttentionResidualNormLinearOp`]'s kernels (as
+/// Whether `dev` has [`AttentionRnlOp`]'s kernels (as
 /// [`has_residual_norm_linear`]) and a launch over `m` rows fits its shared memory.
 pub(crate) fn has_attention_rnl(dev: &CudaDevice, m: usize) -> bool {
     let mut states = STATE.lock().unwrap_or_else(|e| e.into_inner());
@@ -1274,7 +1274,7 @@ pub(crate) fn has_attention_rnl(dev: &CudaDevice, m: usize) -> bool {
     })
 }
 
-/// Whether `dev` has [`AttentionBlockOp`]'s kernels and a launch over `m` rows fits its shared
+/// Whether `dev` has [`AttentionRnlOp`] (with `next`)'s kernels and a launch over `m` rows fits its shared
 /// memory.
 pub(crate) fn has_attention_block(dev: &CudaDevice, m: usize) -> bool {
     let mut states = STATE.lock().unwrap_or_else(|e| e.into_inner());
@@ -1286,21 +1286,30 @@ pub(crate) fn has_attention_block(dev: &CudaDevice, m: usize) -> bool {
     })
 }
 
-/// The CustomOp behind [`crate::attention_residual_norm_linear`]: `(qkv [M, 3C], r [M, C],
-/// W [N, C])` with one sequence of `cu_seqlens = [0, len]` (u32, `len ≤ M`, read on the device)
-/// → `o = softmax(q kᵀ · scale) v` per head of [`ARNL_HEAD_DIM`], `x1 = r + o·Wpᵀ + bp` and
-/// `y = LayerNorm(x1)·Wᵀ + b` (then the exact GELU), returned as [`ResidualNormLinearOp`]
-/// returns them (one 1-D buffer, x1's rows then y's). C = [`RNL_DIM`], N of the proj form
-/// ([`RnlForm::Proj`]). Shapes, strides and alignment are checked again here, as there.
-pub(crate) struct AttentionResidualNormLinearOp {
+/// The CustomOp behind [`crate::attention_residual_norm_linear`] and [`crate::attention_block`]:
+/// `(qkv [M, 3C], r [M, C], W [N, C])` with one sequence of `cu_seqlens = [0, len]` (u32,
+/// `len ≤ M`, read on the device) → `o = softmax(q kᵀ · scale) v` per head of
+/// [`ARNL_HEAD_DIM`], `x1 = r + o·Wpᵀ + bp` and `y = LayerNorm(x1)·Wᵀ + b` (then the exact
+/// GELU), returned as [`ResidualNormLinearOp`] returns them (one 1-D buffer, x1's rows then y's).
+/// C = [`RNL_DIM`], N of the proj form ([`RnlForm::Proj`]).
+///
+/// With `next` (attention_block, lever 65) the same launch goes on through
+/// [`ResidualNormLinearOp`]'s fc2 form on those results: W is fc1 `[4C, C]`, the GELU on, and
+/// the op returns `x2 = x1 + h·W2ᵀ + b2` (h the GELU of fc1) and `qkv' = LayerNorm'(x2)·Wqᵀ + bq`
+/// (x2's rows, then qkv''s, `M·C + M·N2` elements). `next` carries fc2 (`front_*`), the next
+/// block's norm1 and its qkv bias, then that qkv's weight `[N2, C]`. Shapes, strides and
+/// alignment are checked again here, as in [`ResidualNormLinearOp`].
+pub(crate) struct AttentionRnlOp {
     pub cu_seqlens: Tensor,
     /// The softmax scale times log2(e) (the kernel's exponentials are exp2).
     pub scale_log2: f32,
     /// What follows the attention: proj (`front_*`, K = C), the LayerNorm, W's bias, the GELU.
-    pub rest: ResidualNormLinearOp,
+    pub first: ResidualNormLinearOp,
+    /// attention_block's second step and the next block's qkv weight.
+    pub next: Option<(ResidualNormLinearOp, Tensor)>,
 }
 
-impl AttentionResidualNormLinearOp {
+impl AttentionRnlOp {
     fn run<T>(
         &self,
         (qkv, lq): (&CudaStorage, &Layout),
@@ -1312,16 +1321,34 @@ impl AttentionResidualNormLinearOp {
             + candle_core::cuda_backend::cudarc::driver::DeviceRepr
             + candle_core::WithDType,
     {
-        const WHAT: &str = "attention_residual_norm_linear";
+        let what = match self.next {
+            None => "attention_residual_norm_linear",
+            Some(_) => "attention_block",
+        };
         let dev = &qkv.device;
         let size = size_of::<T>();
         let (m, c3) = lq.shape().dims2()?;
         let (n, c) = lw.shape().dims2()?;
-        let bf16 = is_bf16::<T>(WHAT)?;
+        let bf16 = is_bf16::<T>(what)?;
         let aligned = |l: &Layout| contiguous_16b(l, size);
+        let next_guard = self.next.as_ref().map(|(_, nw)| nw.storage_and_layout());
+        // attention_block's next qkv width (0 without `next`).
+        let n2 = next_guard
+            .as_ref()
+            .map_or(0, |(_, l)| l.shape().dims2().map_or(0, |(n2, _)| n2));
+        let forms_ok = match &next_guard {
+            None => RnlForm::of(c, n, self.first.gelu) == Some(RnlForm::Proj),
+            Some((_, nl)) => {
+                n == 4 * c
+                    && RnlForm::of(c, n, true) == Some(RnlForm::Proj)
+                    && RnlForm::of(4 * c, n2, false) == Some(RnlForm::Fc2)
+                    && nl.shape().dims() == [n2, c]
+                    && aligned(nl)
+            }
+        };
         if c != RNL_DIM
             || c3 != 3 * c
-            || RnlForm::of(c, n, self.rest.gelu) != Some(RnlForm::Proj)
+            || !forms_ok
             || lr.shape().dims() != [m, c]
             || m == 0
             || !aligned(lq)
@@ -1329,7 +1356,7 @@ impl AttentionResidualNormLinearOp {
             || !aligned(lw)
         {
             candle_core::bail!(
-                "{WHAT}: unsupported layout for the fused kernel (qkv {:?} strides {:?}, residual {:?} strides {:?}, weight {:?})",
+                "{what}: unsupported layout for the fused kernel (qkv {:?} strides {:?}, residual {:?} strides {:?}, weight {:?}, next qkv N {n2})",
                 lq.shape().dims(),
                 lq.stride(),
                 lr.shape().dims(),
@@ -1337,195 +1364,126 @@ impl AttentionResidualNormLinearOp {
                 lw.shape().dims()
             );
         }
-        let carried = self.rest.carried(c, c, n);
-        let guards = carried.map(|(t, _, _)| t.storage_and_layout());
-        let views = carried_views::<T>(WHAT, &guards, &carried.map(|(_, n, v)| (n, v)))?;
-        let (cu_storage, cu_layout) = self.cu_seqlens.storage_and_layout();
-        let cus = one_sequence_offsets(WHAT, &cu_storage, cu_layout)?;
-        let qs = qkv.as_cuda_slice::<T>()?.slice(lq.start_offset()..);
-        let rs = r.as_cuda_slice::<T>()?.slice(lr.start_offset()..);
-        let ws = w.as_cuda_slice::<T>()?.slice(lw.start_offset()..);
-        let smem = attention_rnl_smem_bytes(m);
-        // SAFETY: every element is written by the kernel, as ResidualNormLinearOp's.
-        let mut out = unsafe { dev.alloc::<T>(m * c + m * n)? };
-        let (mut x1, mut y) = out.split_at_mut(m * c);
-        let func = {
-            let mut states = STATE.lock().unwrap_or_else(|e| e.into_inner());
-            match &device_state(&mut states, dev)?.attention_rnl {
-                Some((funcs, max_smem)) if smem <= *max_smem => funcs
-                    [4 * (m >= ARNL_LATE_W_ROWS) as usize + 2 * bf16 as usize + self.rest.gelu as usize]
-                    .clone(),
-                Some((_, max_smem)) => candle_core::bail!(
-                    "{WHAT}: {m} rows need {smem} bytes of shared memory, the device allows {max_smem}"
-                ),
-                None => candle_core::bail!(
-                    "{WHAT}: the fused kernel needs compute capability 9.0 (thread-block clusters)"
-                ),
-            }
-        };
-        let cfg = rnl_launch_config(m, smem);
-        let (m32, n32) = (m as i32, n as i32);
-        let stream = dev.cuda_stream();
-        let mut builder = stream.launch_builder(&func);
-        builder.arg(&qs);
-        builder.arg(&cus);
-        push_rnl_operands!(builder, views, rs, ws, x1, y, m32, n32, &self.rest.eps);
-        builder.arg(&self.scale_log2);
-        // SAFETY: shapes, contiguity and alignment checked above; the kernel reads rows < M of
-        // qkv and r, cu_seqlens[1] (clamped to M), the C rows of Wp and rows < N of W, and
-        // writes x1's M · C and y's M · N elements only; clusters as ResidualNormLinearOp's.
-        unsafe { builder.launch(cfg) }.map_err(candle_core::Error::wrap)?;
-        Ok((
-            CudaStorage::wrap_cuda_slice(out, dev.clone()),
-            Shape::from(m * c + m * n),
-        ))
-    }
-}
-
-cuda_only_op3!(
-    AttentionResidualNormLinearOp,
-    "fastpath-attention-residual-norm-linear",
-    "attention_residual_norm_linear"
-);
-
-/// The CustomOp behind [`crate::attention_block`]: [`AttentionResidualNormLinearOp`] (with the
-/// GELU) followed, in the same launch, by [`ResidualNormLinearOp`]'s fc2 form on its results:
-/// `(qkv [M, 3C], r [M, C], W1 [4C, C])` → `x2 = x1 + h·W2ᵀ + b2` (h the GELU of fc1) and
-/// `qkv' = LayerNorm'(x2)·Wqᵀ + bq`, returned as one 1-D buffer of `M·C + M·N2` elements (x2's
-/// rows, then qkv''s). `first` carries proj, norm2 and fc1's bias; `second` fc2 (`front_*`), the
-/// next block's norm1 and its qkv bias; `next_weight` is that qkv's weight `[N2, C]`.
-pub(crate) struct AttentionBlockOp {
-    pub cu_seqlens: Tensor,
-    pub scale_log2: f32,
-    pub first: ResidualNormLinearOp,
-    pub second: ResidualNormLinearOp,
-    pub next_weight: Tensor,
-}
-
-impl AttentionBlockOp {
-    fn run<T>(
-        &self,
-        (qkv, lq): (&CudaStorage, &Layout),
-        (r, lr): (&CudaStorage, &Layout),
-        (w, lw): (&CudaStorage, &Layout),
-    ) -> candle_core::Result<(CudaStorage, Shape)>
-    where
-        T: candle_core::cuda_backend::CudaDType
-            + candle_core::cuda_backend::cudarc::driver::DeviceRepr
-            + candle_core::WithDType,
-    {
-        const WHAT: &str = "attention_block";
-        let dev = &qkv.device;
-        let size = size_of::<T>();
-        let (m, c3) = lq.shape().dims2()?;
-        let (n1, c) = lw.shape().dims2()?;
-        let bf16 = is_bf16::<T>(WHAT)?;
-        let aligned = |l: &Layout| contiguous_16b(l, size);
-        let (nw_storage, nw_layout) = self.next_weight.storage_and_layout();
-        let n2 = nw_layout.shape().dims2().map_or(0, |(n2, _)| n2);
-        if c != RNL_DIM
-            || c3 != 3 * c
-            || n1 != 4 * c
-            || RnlForm::of(c, n1, true) != Some(RnlForm::Proj)
-            || RnlForm::of(4 * c, n2, false) != Some(RnlForm::Fc2)
-            || nw_layout.shape().dims() != [n2, c]
-            || !aligned(nw_layout)
-            || lr.shape().dims() != [m, c]
-            || m == 0
-            || !aligned(lq)
-            || !aligned(lr)
-            || !aligned(lw)
-        {
-            candle_core::bail!(
-                "{WHAT}: unsupported layout for the fused kernel (qkv {:?} strides {:?}, residual {:?}, fc1 {:?}, next qkv {:?})",
-                lq.shape().dims(),
-                lq.stride(),
-                lr.shape().dims(),
-                lw.shape().dims(),
-                nw_layout.shape().dims()
-            );
-        }
-        let first = self.first.carried(c, c, n1);
-        let second = self.second.carried(c, 4 * c, n2);
+        let first = self.first.carried(c, c, n);
         let guards1 = first.map(|(t, _, _)| t.storage_and_layout());
-        let views1 = carried_views::<T>(WHAT, &guards1, &first.map(|(_, n, v)| (n, v)))?;
-        let guards2 = second.map(|(t, _, _)| t.storage_and_layout());
-        let views2 = carried_views::<T>(WHAT, &guards2, &second.map(|(_, n, v)| (n, v)))?;
-        let Storage::Cuda(nw) = &*nw_storage else {
-            candle_core::bail!("{WHAT}: the next qkv weight is not on the CUDA device");
+        let views1 = carried_views::<T>(what, &guards1, &first.map(|(_, n, v)| (n, v)))?;
+        let second = self.next.as_ref().map(|(s, _)| s.carried(c, 4 * c, n2));
+        let guards2 = second.map(|s| s.map(|(t, _, _)| t.storage_and_layout()));
+        let views2 = match (&second, &guards2) {
+            (Some(s), Some(g)) => Some(carried_views::<T>(what, g, &s.map(|(_, n, v)| (n, v)))?),
+            _ => None,
         };
-        if nw.dtype() != T::DTYPE {
-            candle_core::bail!("{WHAT}: the next qkv weight is {:?}", nw.dtype());
-        }
-        let nws = nw.as_cuda_slice::<T>()?.slice(nw_layout.start_offset()..);
+        let next_weight = match &next_guard {
+            Some((storage, layout)) => {
+                let Storage::Cuda(nw) = &**storage else {
+                    candle_core::bail!("{what}: the next qkv weight is not on the CUDA device");
+                };
+                if nw.dtype() != T::DTYPE {
+                    candle_core::bail!("{what}: the next qkv weight is {:?}", nw.dtype());
+                }
+                Some(nw.as_cuda_slice::<T>()?.slice(layout.start_offset()..))
+            }
+            None => None,
+        };
         let (cu_storage, cu_layout) = self.cu_seqlens.storage_and_layout();
-        let cus = one_sequence_offsets(WHAT, &cu_storage, cu_layout)?;
+        let cus = one_sequence_offsets(what, &cu_storage, cu_layout)?;
         let qs = qkv.as_cuda_slice::<T>()?.slice(lq.start_offset()..);
         let rs = r.as_cuda_slice::<T>()?.slice(lr.start_offset()..);
         let ws = w.as_cuda_slice::<T>()?.slice(lw.start_offset()..);
-        let smem = attention_block_smem_bytes(m);
-        // SAFETY: every element is written by the kernel: x2's (row < M, column < C) by the
-        // cluster rank owning the column's slice in the row's tile, qkv''s by its tile.
-        let mut out = unsafe { dev.alloc::<T>(m * c + m * n2)? };
-        let (mut x2, mut qn) = out.split_at_mut(m * c);
+        let (smem, n_out) = match self.next {
+            None => (attention_rnl_smem_bytes(m), n),
+            Some(_) => (attention_block_smem_bytes(m), n2),
+        };
+        // SAFETY: every element is written by the kernel: the first M · C (x1, or x2) by the
+        // cluster rank owning the column's slice in the row's tile, the next M · N_out (y, or the
+        // next qkv) by their tiles, as ResidualNormLinearOp's.
+        let mut out = unsafe { dev.alloc::<T>(m * c + m * n_out)? };
+        let (mut x_out, mut y_out) = out.split_at_mut(m * c);
+        let late = (m >= ARNL_LATE_W_ROWS) as usize;
         let func = {
             let mut states = STATE.lock().unwrap_or_else(|e| e.into_inner());
             let state = device_state(&mut states, dev)?;
             let max_smem = state.attention_rnl.as_ref().map_or(0, |(_, max)| *max);
-            match &state.attention_block {
-                Some(funcs) if smem <= max_smem => {
-                    funcs[2 * (m >= ARNL_LATE_W_ROWS) as usize + bf16 as usize].clone()
-                }
+            // The entries' order: ATTENTION_RNL_NAMES and ATTENTION_BLOCK_NAMES.
+            let (funcs, index) = match self.next {
+                None => (
+                    state.attention_rnl.as_ref().map(|(f, _)| f),
+                    4 * late + 2 * bf16 as usize + self.first.gelu as usize,
+                ),
+                Some(_) => (state.attention_block.as_ref(), 2 * late + bf16 as usize),
+            };
+            match funcs {
+                Some(funcs) if smem <= max_smem => funcs[index].clone(),
                 Some(_) => candle_core::bail!(
-                    "{WHAT}: {m} rows need {smem} bytes of shared memory, the device allows {max_smem}"
+                    "{what}: {m} rows need {smem} bytes of shared memory, the device allows {max_smem}"
                 ),
                 None => candle_core::bail!(
-                    "{WHAT}: the fused kernel needs compute capability 9.0 (thread-block clusters)"
+                    "{what}: the fused kernel needs compute capability 9.0 (thread-block clusters)"
                 ),
             }
         };
         let cfg = rnl_launch_config(m, smem);
-        let (m32, n1_32, n2_32) = (m as i32, n1 as i32, n2 as i32);
+        let (m32, n32, n2_32) = (m as i32, n as i32, n2 as i32);
         let stream = dev.cuda_stream();
         let mut builder = stream.launch_builder(&func);
         builder.arg(&qs);
         builder.arg(&cus);
-        builder.arg(&views1[0]);
-        builder.arg(&views1[1]);
-        builder.arg(&rs);
-        builder.arg(&views1[2]);
-        builder.arg(&views1[3]);
-        builder.arg(&ws);
-        builder.arg(&views1[4]);
-        builder.arg(&views2[0]);
-        builder.arg(&views2[1]);
-        builder.arg(&views2[2]);
-        builder.arg(&views2[3]);
-        builder.arg(&nws);
-        builder.arg(&views2[4]);
-        builder.arg(&mut x2);
-        builder.arg(&mut qn);
-        builder.arg(&m32);
-        builder.arg(&n1_32);
-        builder.arg(&n2_32);
-        builder.arg(&self.first.eps);
-        builder.arg(&self.second.eps);
+        match (&views2, &next_weight, &self.next) {
+            (Some(views2), Some(nws), Some((second, _))) => {
+                // attention_block's operands: the first step's, then the second's, then both
+                // outputs, M, N1, N2, both epsilons.
+                for v in &views1[..2] {
+                    builder.arg(v);
+                }
+                builder.arg(&rs);
+                builder.arg(&views1[2]);
+                builder.arg(&views1[3]);
+                builder.arg(&ws);
+                builder.arg(&views1[4]);
+                for v in &views2[..4] {
+                    builder.arg(v);
+                }
+                builder.arg(nws);
+                builder.arg(&views2[4]);
+                builder.arg(&mut x_out);
+                builder.arg(&mut y_out);
+                builder.arg(&m32);
+                builder.arg(&n32);
+                builder.arg(&n2_32);
+                builder.arg(&self.first.eps);
+                builder.arg(&second.eps);
+            }
+            _ => {
+                push_rnl_operands!(
+                    builder,
+                    views1,
+                    rs,
+                    ws,
+                    x_out,
+                    y_out,
+                    m32,
+                    n32,
+                    &self.first.eps
+                );
+            }
+        }
         builder.arg(&self.scale_log2);
         // SAFETY: shapes, contiguity and alignment checked above; the kernel reads rows < M of
         // qkv and r, cu_seqlens[1] (clamped to M), the weights' rows (past N zero-filled), and
-        // writes x2's M · C and qkv''s M · N2 elements only; clusters as ResidualNormLinearOp's.
+        // writes the M · C and M · N_out elements of `out` only; clusters as
+        // ResidualNormLinearOp's.
         unsafe { builder.launch(cfg) }.map_err(candle_core::Error::wrap)?;
         Ok((
             CudaStorage::wrap_cuda_slice(out, dev.clone()),
-            Shape::from(m * c + m * n2),
+            Shape::from(m * c + m * n_out),
         ))
     }
 }
 
 cuda_only_op3!(
-    AttentionBlockOp,
-    "fastpath-attention-block",
-    "attention_block"
+    AttentionRnlOp,
+    "fastpath-attention-residual-norm-linear",
+    "attention_residual_norm_linear"
 );
 
 /// [`crate::embed_tokens`] on CUDA: patches `[B, Np, C]`, prefix `[P, C]` (any tensor when
