@@ -13,7 +13,8 @@
 #   checks   test-attention_norm_linear and test-norm_linear, memcheck of the new test,
 #            racecheck of its quick form (ATTENTION_RNL_TEST_QUICK: f16, 197 rows and 64 of 70),
 #            test-graph, paths at DeiT-T batch 1 and 8, DeiT-T distilled batch 1, DeiT-S batch 1
-#            (unchanged: C = 384)
+#            (unchanged: C = 384), then one-image CUDA graphs against the padded path (graphs_check:
+#            the chained kernels through the model)
 #   probe    .gpu-probe/arnl: the kernel against the two launches, µs per launch in graph chains,
 #            and its checks under racecheck
 #   anatomy  bench --graph-anatomy, DeiT-T batch 1, f16, dense and Threshold-L2 fixed, both arms
@@ -41,6 +42,7 @@ if has checks; then
   paths_check deit-tiny 8 200
   paths_check deit-tiny-distilled 1 200
   paths_check deit-small 1 200
+  graphs_check 200
 fi
 if has probe; then
   echo "== probe arnl" >> "$C"

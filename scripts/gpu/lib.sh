@@ -33,13 +33,25 @@ unpack_prev() {
 prev_or_new() { if [ "$1" = prev ]; then echo "$B/$2-prev"; else echo "$B/$2"; fi; }
 
 # paths_check MODELS BATCH [LIMIT]: the full-size path-agreement test (test-paths_agreement
-# --ignored) on CUDA for MODELS at BATCH, under `timeout LIMIT` (0 or absent: none); appends
-# "== paths MODELS", its exit status and its result line to the script's log $C.
+# --ignored published_sizes_padded_equals_ragged) on CUDA for MODELS at BATCH, under `timeout
+# LIMIT` (0 or absent: none); appends "== paths MODELS", its exit status and its result line to
+# the script's log $C.
 paths_check() {
   echo "== paths $1" >> "$C"
-  PATHS_DEVICE=cuda PATHS_MODELS=$1 PATHS_BATCH=$2 timeout "${3:-0}" $B/test-paths_agreement --ignored --test-threads=1 > /tmp/paths.log 2>&1
+  PATHS_DEVICE=cuda PATHS_MODELS=$1 PATHS_BATCH=$2 timeout "${3:-0}" $B/test-paths_agreement --ignored --test-threads=1 published_sizes_padded_equals_ragged > /tmp/paths.log 2>&1
   echo "paths rc=$?" >> "$C"
   grep -E "test result" /tmp/paths.log | tail -1 >> "$C"
+}
+
+# graphs_check [LIMIT]: test-paths_agreement's one_image_graphs_agree_with_the_padded_path on CUDA
+# (DeiT-T and DeiT-T distilled, batch 1, f16 / bf16: dense and fixed-pruner CUDA graphs, where
+# the chained batch-1 kernels run, against the padded path); appends its exit status, its
+# per-graph max |Δlogit| lines and its result line to $C.
+graphs_check() {
+  echo "== graphs: one image, CUDA graphs vs padded" >> "$C"
+  PATHS_DEVICE=cuda timeout "${1:-0}" $B/test-paths_agreement --ignored --test-threads=1 --nocapture one_image_graphs_agree_with_the_padded_path > /tmp/graphs.log 2>&1
+  echo "graphs rc=$?" >> "$C"
+  grep -E "vs padded|panicked|differ|test result" /tmp/graphs.log | tail -20 >> "$C"
 }
 
 # step NAME LIMIT CMD...: CMD under `timeout LIMIT`, then "NAME rc=<status> <seconds> s" appended

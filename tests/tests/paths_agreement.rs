@@ -1249,3 +1249,71 @@ fn prefix_only_last_block_equals_the_full_rows() {
         assert!(d <= 1e-5, "distilled {distilled}: logits differ by {d}");
     }
 }
+
+/// One-image forwards replayed from CUDA graphs agree with the padded path (f16 and bf16, DeiT-T
+/// and its distilled variant). Inside a capture a batch-1 DeiT-T runs its chained kernels
+/// (candle_fastpath::attention_block and the kernels around it, levers 58–66), which eager
+/// forwards never take (each block is then one small_block launch) and the other GPU tests check
+/// kernel by kernel only: this is their check through the model (which qkv goes to which block,
+/// the gathered rows at a fixed step). `CapturedForward` runs the forward once outside the capture
+/// first; the replays below are the captured one. Pruned graphs (Threshold-L2, EViT and
+/// DynamicViT fixed: device decisions) are held to the same tolerance; their decisions come from
+/// the graph's own tokens, so a near-tie decided the other way would show here as a logit
+/// difference.
+#[test]
+#[ignore = "CUDA graphs: run on the GPU with PATHS_DEVICE=cuda"]
+fn one_image_graphs_agree_with_the_padded_path() {
+    let dev = env_device();
+    for name in ["deit-tiny", "deit-tiny-distilled"] {
+        let cfg = DeiTConfig::from_name(name).unwrap();
+        let weights = to_tensors(&random_timm_weights(&cfg, 91));
+        let pixels = varied_pixels(1, &cfg, 92, &dev);
+        for dtype in [DType::F16, DType::BF16] {
+            let m = Checkpoint::from_tensors(weights.clone())
+                .unwrap()
+                .load_model(&cfg, dtype, &dev)
+                .unwrap();
+            let replayed = |graph: &candle_fastpath::CapturedForward| {
+                // Another input first, so leftover buffers cannot make the replay pass.
+                graph.run(&(&pixels * 0.5).unwrap()).unwrap();
+                f32_rows(&graph.run(&pixels).unwrap())
+            };
+            let want = logits(
+                &m.forward_pruned(&pixels, &[], ExecutionPath::Padded)
+                    .unwrap(),
+            );
+            let dense = candle_fastpath::CapturedForward::capture(&pixels, |p| {
+                candle_core::Module::forward(&m, p)
+            })
+            .unwrap();
+            let what = format!("{name} {dtype:?} dense graph");
+            let d = assert_logits_agree(&what, &replayed(&dense), &want, tolerance(dtype, &want));
+            eprintln!("{what} vs padded: max |Δlogit| {d:.2e}");
+            if cfg.distilled {
+                continue;
+            }
+            for kind in [
+                PrunerKind::ThresholdL2,
+                PrunerKind::Evit,
+                PrunerKind::DynamicVit,
+            ] {
+                let s = PruningSchedule::default_for(kind, Mode::Fixed, cfg.depth);
+                let pruners = build(&m, &s, &dev);
+                let want = logits(
+                    &m.forward_pruned(&pixels, &pruners, ExecutionPath::Padded)
+                        .unwrap(),
+                );
+                let graph = candle_fastpath::CapturedForward::capture(&pixels, |p| {
+                    m.forward_pruned_on_device(p, &pruners)
+                        .map(|f| f.logits)
+                        .map_err(candle_core::Error::wrap)
+                })
+                .unwrap();
+                let what = format!("{name} {dtype:?} {kind}-fixed graph");
+                let d =
+                    assert_logits_agree(&what, &replayed(&graph), &want, tolerance(dtype, &want));
+                eprintln!("{what} vs padded: max |Δlogit| {d:.2e}");
+            }
+        }
+    }
+}
