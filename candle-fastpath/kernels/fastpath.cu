@@ -589,8 +589,9 @@ NORM_LINEAR_ENTRY(bf16, __nv_bfloat16, 192, true, _gelu)
 // cluster rank q computes x1's columns [32q, 32q + 32) of the 16 rows (mma.sync, K split over
 // several warps, the partials summed in a fixed order), stores them to global memory and, once
 // the whole cluster is running (a cluster arrive at entry, its wait before the stores), into
-// every cluster CTA's row buffer through distributed shared memory; after the cluster barrier
-// each CTA goes on exactly as norm_linear_tile (LayerNorm of its rows in place, MMA with its
+// every cluster CTA's row buffer through distributed shared memory (st.async, counted on the
+// receiver's transaction barrier: the exchanges below); once its barrier has counted every
+// rank's bytes each CTA goes on exactly as norm_linear_tile (LayerNorm of its rows in place, MMA with its
 // weight tile, epilogue). So the rows normalised are x1 rounded to the storage type, as the
 // separate kernels would read them back.
 // The proj epilogue sums in f32 as cuBLASLt's bias + residual epilogue does ((o·Wpᵀ + r) + bp),
@@ -607,6 +608,71 @@ NORM_LINEAR_ENTRY(bf16, __nv_bfloat16, 192, true, _gelu)
 // sizeof(T) + KW · NL_BM · 32 · 4 bytes of dynamic shared memory.
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
 constexpr int RNL_SPLIT = 6;
+
+// The cluster's exchanges through distributed shared memory (lever 68): each CTA pushes its part
+// of a tile into every CTA that needs it with st.async, whose mbarrier::complete_tx counts the
+// bytes on the receiving CTA's transaction barrier, and the receiver waits on that barrier alone.
+// A cluster barrier here (cg::this_cluster().sync(): barrier.cluster.arrive.release) compiles to
+// MEMBAR.ALL.GPU, which waits for every memory operation the thread has in flight, global stores
+// and the weights' cp.async prefetch included, and the block kernel ran four of them (~2 µs of
+// its ~15). Each barrier serves one exchange of one launch (phase 0); RNL_BAR_BYTES at the start
+// of the dynamic shared memory hold them (the host's smem sizes include it). Buffer reuse needs no
+// barrier either: a CTA overwrites another's buffer only with data computed from that CTA's later
+// exchange, which it sends after its last read of the buffer.
+constexpr int RNL_BAR_BYTES = 64;
+enum RnlBar { BAR_ATTN = 0, BAR_X1 = 1, BAR_FC1 = 2, BAR_X2 = 3 };
+
+// (smem_addr, a generic pointer's shared-memory address: attention_common.cuh.)
+// The same shared-memory offset in cluster CTA `rank` (a shared::cluster address).
+__device__ __forceinline__ uint32_t cluster_addr(uint32_t local, uint32_t rank) {
+    uint32_t remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
+    return remote;
+}
+// The first `count` barriers at `bars` armed for one phase each of `bytes[i]` transactions, by
+// warp 0 before the kernel's entry cluster arrive: lane 0 initialises them (one arrival each),
+// the warp syncs (the init may run on the warp's uniform datapath), lane 0 makes the expected
+// arrival with the byte count, and fence.mbarrier_init makes them visible to the cluster.
+template <int COUNT>
+__device__ __forceinline__ void xbar_arm(uint32_t bars, const uint32_t (&bytes)[COUNT]) {
+    if (threadIdx.x >= 32) return;
+    if (threadIdx.x == 0) {
+#pragma unroll
+        for (int i = 0; i < COUNT; ++i) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bars + 8 * i));
+    }
+    __syncwarp();
+    if (threadIdx.x == 0) {
+#pragma unroll
+        for (int i = 0; i < COUNT; ++i)
+            asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bars + 8 * i), "r"(bytes[i])
+                         : "memory");
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+}
+// 4 bytes into cluster CTA `rank`'s shared memory at the local offset `local`, counted on that
+// CTA's barrier `bar` (a local barrier address).
+__device__ __forceinline__ void xbar_push(uint32_t local, uint32_t bar, uint32_t rank, uint32_t v) {
+    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];" ::"r"(
+                     cluster_addr(local, rank)),
+                 "r"(v), "r"(cluster_addr(bar, rank))
+                 : "memory");
+}
+// Until every byte of this CTA's exchange on `bar` has landed.
+__device__ __forceinline__ void xbar_wait(uint32_t bar) {
+    uint32_t done = 0;
+    while (!done)
+        asm volatile(
+            "{ .reg .pred p; mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], 0; selp.u32 %0, 1, 0, p; }"
+            : "=r"(done)
+            : "r"(bar)
+            : "memory");
+}
+template <typename T>
+__device__ __forceinline__ uint32_t pair_bits(NlPair<T> p) {
+    uint32_t v;
+    memcpy(&v, &p, 4);
+    return v;
+}
 
 // What every thread of a residual_norm_linear CTA keeps in registers from its start to its end:
 // the LayerNorm's parameters (its lane's chunks), the bias pairs of its warp's slice of the back
@@ -656,7 +722,8 @@ __device__ __forceinline__ void rnl_load_regs(RnlRegs<K>& g, const T* __restrict
 template <typename T, int K, int KF, int KW, int BN, bool GELU, bool ENTRY_WAIT, bool TO_CLUSTER = false>
 __device__ __forceinline__ void rnl_finish(T* sa, const T* sb, const T* so, const T* sp, float* spart,
                                            const RnlRegs<K>& g, T* __restrict__ x1, T* __restrict__ y, int M,
-                                           int N, float eps, NlPair<T>* x1p = nullptr) {
+                                           int N, float eps, uint32_t xbar, uint32_t ybar = 0,
+                                           NlPair<T>* x1p = nullptr) {
     constexpr int LDS = K + 8, VECS = K / 8, CHUNKS = (VECS + 31) / 32, LDF = KF + 8;
     constexpr int WARPS_N = BN / 32, MMA_WARPS = (NL_BM / 16) * WARPS_N, SLICE = K / RNL_SPLIT;
     constexpr int KSLICE = KF / KW, RNL_PAIRS = NL_BM * SLICE / 2;
@@ -682,7 +749,8 @@ __device__ __forceinline__ void rnl_finish(T* sa, const T* sb, const T* so, cons
     }
     __syncthreads();
 
-    // 3. x1 = (o·Wpᵀ + r) + bp, rounded once, to global memory and to every cluster CTA's rows.
+    // 3. x1 = (o·Wpᵀ + r) + bp, rounded once, to global memory and to every cluster CTA's rows
+    // (pushed, counted on each receiver's `xbar`).
     if (ENTRY_WAIT) asm volatile("barrier.cluster.wait;" ::: "memory");
     if (tid < RNL_PAIRS) {
         float2 sum = make_float2(0.f, 0.f);
@@ -694,18 +762,18 @@ __device__ __forceinline__ void rnl_finish(T* sa, const T* sb, const T* so, cons
         }
         const NlPair<T> p{from_f32<T>((sum.x + g.res[0]) + g.pbias[0]),
                           from_f32<T>((sum.y + g.res[1]) + g.pbias[1])};
+        const uint32_t dst = smem_addr(sa + prow * LDS + pcol);
 #pragma unroll
-        for (int q = 0; q < RNL_SPLIT; ++q)
-            *reinterpret_cast<NlPair<T>*>(cg::this_cluster().map_shared_rank(sa, q) + prow * LDS + pcol) = p;
+        for (int q = 0; q < RNL_SPLIT; ++q) xbar_push(dst, xbar, q, pair_bits(p));
         if (TO_CLUSTER)
             *x1p = p;
         else if (m0 + prow < M)
             *reinterpret_cast<NlPair<T>*>(x1 + (size_t)(m0 + prow) * K + pcol) = p;
     }
-    // Every rank's stores into this CTA's rows are visible after the barrier (release / acquire
-    // at cluster scope); after it no CTA touches another's shared memory, so each may exit freely
-    // (TO_CLUSTER: until its stores into `y`, which its caller's next cluster barrier completes).
-    cg::this_cluster().sync();
+    // Every rank's x1 pairs in this CTA's rows. No CTA writes another's shared memory after this
+    // but through the next exchange (TO_CLUSTER: `y`, on `ybar`), whose bytes its receiver waits
+    // for, so each may exit once its own exchanges have landed.
+    xbar_wait(xbar);
 
     // 4. One warp per row, in place: the LayerNorm kernel's own row code.
     if (warp < NL_BM) {
@@ -722,9 +790,9 @@ __device__ __forceinline__ void rnl_finish(T* sa, const T* sb, const T* so, cons
         if (TO_CLUSTER) {
             constexpr int LDY = RNL_SPLIT * BN + 8;
             nl_epilogue_tile<T, GELU>(acc, g.bias_f, wm * 16, n0 + wn * 32, NL_BM, N, [&](int row, int col, NlPair<T> p) {
+                const uint32_t dst = smem_addr(y + row * LDY + col);
 #pragma unroll
-                for (int q = 0; q < RNL_SPLIT; ++q)
-                    *reinterpret_cast<NlPair<T>*>(cg::this_cluster().map_shared_rank(y, q) + row * LDY + col) = p;
+                for (int q = 0; q < RNL_SPLIT; ++q) xbar_push(dst, ybar, q, pair_bits(p));
             });
         } else {
             nl_store_tile<T, GELU>(acc, g.bias_f, y, m0 + wm * 16, n0 + wn * 32, M, N);
@@ -750,7 +818,8 @@ __device__ void residual_norm_linear_tile(const T* __restrict__ o, const T* __re
                       NL_BM == 16 && KF % KW == 0 && KSLICE % 16 == 0 && KW <= NL_WARPS && RNL_PAIRS <= THREADS,
                   "tile shape");
     extern __shared__ __align__(16) unsigned char nl_smem[];
-    T* sa = reinterpret_cast<T*>(nl_smem);  // NL_BM rows of x1 (filled by the cluster), then normalised
+    const uint32_t bars = smem_addr(nl_smem);  // the exchanges' barriers (RNL_BAR_BYTES)
+    T* sa = reinterpret_cast<T*>(nl_smem + RNL_BAR_BYTES);  // NL_BM rows of x1 (filled by the cluster), then normalised
     T* sb = sa + NL_BM * LDS;                // BN rows of W
     T* so = sb + BN * LDS;                   // NL_BM rows of o (KF wide)
     T* sp = so + NL_BM * LDF;                // this rank's SLICE rows of Wp (KF wide)
@@ -759,8 +828,10 @@ __device__ void residual_norm_linear_tile(const T* __restrict__ o, const T* __re
     // The cluster spans the grid's x (RNL_SPLIT CTAs), so a CTA's rank is its blockIdx.x.
     const int rank = blockIdx.x;
     const int m0 = blockIdx.y * NL_BM, n0 = blockIdx.x * BN, c0 = rank * SLICE;
-    // A CTA's shared memory may be written by the others only once it is running: every thread
-    // arrives here and waits right before its stores (by then the whole cluster has arrived).
+    // A CTA's shared memory may be written by the others only once it is running, its barrier
+    // armed: every thread arrives here and waits right before its pushes (by then the whole
+    // cluster has arrived).
+    xbar_arm<1>(bars + 8 * BAR_X1, {NL_BM * K * (uint32_t)sizeof(T)});  // its one exchange: x1
     asm volatile("barrier.cluster.arrive.relaxed;" ::: "memory");
 
     // 1. The projection's operands first (o's rows, this rank's Wp rows), then W's rows.
@@ -773,7 +844,7 @@ __device__ void residual_norm_linear_tile(const T* __restrict__ o, const T* __re
     rnl_load_regs<T, K, BN>(g, ln_w, ln_b, bias, r, bp, M, N);
     asm volatile("cp.async.wait_group 1;" ::: "memory");
     __syncthreads();
-    rnl_finish<T, K, KF, KW, BN, GELU, true>(sa, sb, so, sp, spart, g, x1, y, M, N, eps);
+    rnl_finish<T, K, KF, KW, BN, GELU, true>(sa, sb, so, sp, spart, g, x1, y, M, N, eps, bars + 8 * BAR_X1);
 }
 
 // One entry per storage type and form, named as the Rust side's RESIDUAL_NORM_LINEAR_NAMES table
@@ -812,8 +883,8 @@ RESIDUAL_NORM_LINEAR_ENTRY(bf16, __nv_bfloat16, 192, 768, 12, 96, false, _k768)
 // parts' states (each thread one row and two columns, the parts weighed by their maxima in a
 // fixed order). The normalised rows, rounded to the storage type as the attention kernel's
 // output is, go into the attention tile of HEADS cluster CTAs through distributed shared memory
-// (rank h into ranks 0..HEADS-1, rank h + HEADS into the others); after a cluster barrier every
-// CTA holds the whole 16 × C tile where residual_norm_linear_tile loads o, and finishes as that
+// (rank h into ranks 0..HEADS-1, rank h + HEADS into the others); once its transaction barrier
+// has counted them every CTA holds the whole 16 × C tile where residual_norm_linear_tile loads o, and finishes as that
 // kernel does (rnl_finish).
 //
 // Latency, not bytes, is what matters here, so (the probe's variants):
@@ -866,7 +937,8 @@ __device__ void attention_residual_norm_linear_tile(const T* __restrict__ qkv, c
                       RNL_PAIRS <= THREADS,
                   "tile shape");
     extern __shared__ __align__(16) unsigned char nl_smem[];
-    T* sa = reinterpret_cast<T*>(nl_smem);  // NL_BM rows of x1 (filled by the cluster), then normalised
+    const uint32_t bars = smem_addr(nl_smem);  // the exchanges' barriers (RNL_BAR_BYTES)
+    T* sa = reinterpret_cast<T*>(nl_smem + RNL_BAR_BYTES);  // NL_BM rows of x1 (filled by the cluster), then normalised
     T* sb = sa + NL_BM * LDS;                // BN rows of W
     T* so = sb + BN * LDS;                   // the attention's NL_BM × C tile (filled by the cluster)
     T* sp = so + NL_BM * LDF;                // this rank's SLICE rows of Wp
@@ -876,7 +948,13 @@ __device__ void attention_residual_norm_linear_tile(const T* __restrict__ qkv, c
     const int rank = blockIdx.x, head = rank % HEADS, half = rank / HEADS;
     const int m0 = blockIdx.y * NL_BM, n0 = blockIdx.x * BN, c0 = rank * SLICE;
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-    // As residual_norm_linear_tile: no remote store before the whole cluster runs.
+    // As residual_norm_linear_tile: no remote store before the whole cluster runs, its barriers
+    // armed (the attention tile, x1; BLOCK: the fc1 tile, x2).
+    constexpr uint32_t TILE_BYTES = NL_BM * K * sizeof(T);
+    if (BLOCK)
+        xbar_arm<4>(bars, {TILE_BYTES, TILE_BYTES, NL_BM * (uint32_t)N * (uint32_t)sizeof(T), TILE_BYTES});
+    else
+        xbar_arm<2>(bars, {TILE_BYTES, TILE_BYTES});
     asm volatile("barrier.cluster.arrive.relaxed;" ::: "memory");
 
     // 1. The query fragments, then K and V of this CTA's head (M rows, up to a multiple of 16
@@ -967,38 +1045,43 @@ __device__ void attention_residual_norm_linear_tile(const T* __restrict__ qkv, c
         const int row = lane / 4 + hi * 8, col = head * D + (warp / 2) * 8 + (lane % 4) * 2;
         const uint32_t pair = m0 + row < len ? Pack2<T>::from_floats(o0 / l, o1 / l) : 0u;
         asm volatile("barrier.cluster.wait;" ::: "memory");
+        const uint32_t dst = smem_addr(so + row * LDF + col);
 #pragma unroll
-        for (int q = 0; q < HEADS; ++q)
-            *reinterpret_cast<uint32_t*>(cg::this_cluster().map_shared_rank(so, half * HEADS + q) + row * LDF + col) =
-                pair;
+        for (int q = 0; q < HEADS; ++q) xbar_push(dst, bars + 8 * BAR_ATTN, half * HEADS + q, pair);
     }
     // Wp's group done (W's, and BLOCK's fourth, may still be in flight).
     if (BLOCK)
         asm volatile("cp.async.wait_group 2;" ::: "memory");
     else
         asm volatile("cp.async.wait_group 1;" ::: "memory");
-    // Every CTA's attention tile complete (and this CTA's Wp rows visible to all its threads).
-    cg::this_cluster().sync();
+    // This CTA's attention tile complete (its HEADS pushers' bytes), and its Wp rows visible to
+    // all its threads.
+    xbar_wait(bars + 8 * BAR_ATTN);
+    __syncthreads();
     if (!BLOCK) {
-        rnl_finish<T, K, KF, KW, BN, GELU, false>(sa, sb, so, sp, spart, g, x1, y, M, N, eps);
+        rnl_finish<T, K, KF, KW, BN, GELU, false>(sa, sb, so, sp, spart, g, x1, y, M, N, eps, bars + 8 * BAR_X1);
         return;
     }
     // BLOCK (lever 65): fc1's GELU output goes into every cluster CTA's rows `sh` (where the
     // softmax states were), x1 stays in registers as the second step's residual.
     T* sh = reinterpret_cast<T*>(sstate);
     NlPair<T> x1p{};
-    rnl_finish<T, K, KF, KW, BN, GELU, false, true>(sa, sb, so, sp, spart, g, nullptr, sh, M, N, eps, &x1p);
+    rnl_finish<T, K, KF, KW, BN, GELU, false, true>(sa, sb, so, sp, spart, g, nullptr, sh, M, N, eps, bars + 8 * BAR_X1,
+                                                    bars + 8 * BAR_FC1, &x1p);
     RnlRegs<K> g2;
     rnl_load_regs<T, K, 96>(g2, nx.ln_w, nx.ln_b, nx.bq, r, nx.b2, 0, nx.N2);  // 0 rows: no residual read
     g2.res[0] = to_f32(x1p.a);
     g2.res[1] = to_f32(x1p.b);
-    // Every CTA's fc1 tile in every CTA's `sh`; after this no CTA reads its `sa` (x1) again, so
-    // the second step's x2 may land there.
-    cg::this_cluster().sync();
+    // Every CTA's fc1 tile in this CTA's `sh`. The second step's x2 lands in `sa`, where x1 was:
+    // a CTA pushes x2 only after this wait, i.e. after every CTA's fc1 tile, which each CTA
+    // computed after its last read of its own `sa`; and this CTA's partials go where the
+    // attention tile was, which it alone reads.
+    xbar_wait(bars + 8 * BAR_FC1);
+    __syncthreads();
     // The second step's partial sums where the attention tile, Wp's slice and the first step's
     // partial sums were (31.5 KB for 24 KB).
     rnl_finish<T, K, 4 * K, 12, 96, false, false>(sa, swq, sh, sw2, reinterpret_cast<float*>(so), g2, nx.x2, nx.qkv,
-                                                  M, nx.N2, nx.eps);
+                                                  M, nx.N2, nx.eps, bars + 8 * BAR_X2);
 }
 
 // One entry per storage type, with and without the GELU, each with W's loads issued at once or

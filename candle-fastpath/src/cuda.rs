@@ -98,6 +98,14 @@ const ATTENTION_BLOCK_NAMES: [&str; 4] = [
 /// loads delay K / V's (0.3 µs per launch in the probe, 138 rows too), with 42 (97 rows) and
 /// fewer the late issue costs as much.
 const ARNL_LATE_W_ROWS: usize = 128;
+
+/// [`ARNL_LATE_W_ROWS`], or `CANDLE_FASTPATH_ARNL_LATE_ROWS` (read once) for A/B measurements.
+fn arnl_late_rows() -> usize {
+    static ROWS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    crate::switches::read_once(&ROWS, "CANDLE_FASTPATH_ARNL_LATE_ROWS", |v| {
+        v.and_then(|s| s.parse().ok()).unwrap_or(ARNL_LATE_W_ROWS)
+    })
+}
 /// The head width [`AttentionRnlOp`]'s kernel is built for (ARNL_HEAD_DIM).
 pub(crate) const ARNL_HEAD_DIM: usize = 64;
 
@@ -125,6 +133,9 @@ pub(crate) fn attention_block_smem_bytes(m: usize) -> usize {
 /// front GEMM's columns, and one tile of the back GEMM's output).
 pub(crate) const RNL_DIM: usize = 192;
 pub(crate) const RNL_SPLIT: usize = 6;
+/// The cluster exchanges' transaction barriers at the start of the residual_norm_linear family's
+/// dynamic shared memory (RNL_BAR_BYTES in kernels/fastpath.cu, lever 68).
+const RNL_BAR_BYTES: usize = 64;
 
 /// The two forms of [`ResidualNormLinearOp`]'s kernel: which front GEMM (its K, split over how
 /// many warps) and how wide the back GEMM's tiles are (six of them cover its N).
@@ -173,7 +184,8 @@ impl RnlForm {
     /// elements, and the front GEMM's f32 partial sums (a 16 × 32 tile per K warp).
     fn smem_bytes(self) -> usize {
         let (c, k) = (RNL_DIM, self.front_k());
-        ((NL_BM + self.tile_n()) * (c + 8) + (NL_BM + 32) * (k + 8)) * 2
+        RNL_BAR_BYTES
+            + ((NL_BM + self.tile_n()) * (c + 8) + (NL_BM + 32) * (k + 8)) * 2
             + self.k_warps() * NL_BM * 32 * 4
     }
 }
@@ -1399,7 +1411,7 @@ impl AttentionRnlOp {
         // next qkv) by their tiles, as ResidualNormLinearOp's.
         let mut out = unsafe { dev.alloc::<T>(m * c + m * n_out)? };
         let (mut x_out, mut y_out) = out.split_at_mut(m * c);
-        let late = (m >= ARNL_LATE_W_ROWS) as usize;
+        let late = (m >= arnl_late_rows()) as usize;
         let func = {
             let mut states = STATE.lock().unwrap_or_else(|e| e.into_inner());
             let state = device_state(&mut states, dev)?;

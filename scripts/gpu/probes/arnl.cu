@@ -44,7 +44,7 @@ constexpr int AR_D = 64, AR_HEADS = C / AR_D, AR_ROW = AR_D + 8, AR_PARTS = 8, A
 // candle-fastpath's dynamic shared memory at M rows (its host's attention_rnl_smem_bytes).
 static size_t fused_smem_bytes(int M) {
     const int LDS = C + 8, kv_rows = (M + 15) / 16 * 16;
-    return ((size_t)(NL_BM + 128) * LDS + (size_t)(NL_BM + 32) * LDS) * 2 + 6 * NL_BM * 32 * 4 +
+    return RNL_BAR_BYTES + ((size_t)(NL_BM + 128) * LDS + (size_t)(NL_BM + 32) * LDS) * 2 + 6 * NL_BM * 32 * 4 +
            (size_t)AR_PARTS * AR_STATE * 32 * 4 + (size_t)2 * kv_rows * AR_ROW * 2;
 }
 

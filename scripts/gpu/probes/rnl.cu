@@ -51,7 +51,7 @@ static void boundary(const Ctx& c, const char* name, int M, int KF, int N, int b
                      bool cluster_cost) {
     const int nl_smem = (NL_BM + NL_BN) * LDS * 2;
     const int kw = KF == C ? 6 : 12;  // the kernel's K warps for each form (its entries' KW)
-    const int fused_smem = ((NL_BM + bn) * LDS + (NL_BM + 32) * (KF + 8)) * 2 + kw * NL_BM * 32 * 4;
+    const int fused_smem = RNL_BAR_BYTES + ((NL_BM + bn) * LDS + (NL_BM + 32) * (KF + 8)) * 2 + kw * NL_BM * 32 * 4;
     CK(cudaFuncSetAttribute(nl, cudaFuncAttributeMaxDynamicSharedMemorySize, nl_smem));
     CK(cudaFuncSetAttribute(nl_clustered, cudaFuncAttributeMaxDynamicSharedMemorySize, nl_smem));
     CK(cudaFuncSetAttribute(fused, cudaFuncAttributeMaxDynamicSharedMemorySize, fused_smem));
