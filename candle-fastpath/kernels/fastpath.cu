@@ -200,8 +200,11 @@ LAYER_NORM_ENTRIES(4)
 LAYER_NORM_ENTRIES(8)
 
 // Non-overlapping patches as matmul rows (im2col for a stride-p, p×p conv), cast on the way:
-//   out[(b·gh + gy)·gw + gx, (c·p + py)·p + px] = pixels[b, c, gy·p + py, gx·p + px]
-// for f32 pixels [B, Cin, H, W] (contiguous; H and W multiples of p, checked on the host).
+//   out[b·(L + gh·gw) + L + gy·gw + gx, (c·p + py)·p + px] = pixels[b, c, gy·p + py, gx·p + px]
+// for f32 pixels [B, Cin, H, W] (contiguous; H and W multiples of p, checked on the host), and
+// each image's L leading rows zero (L = 0 for plain patch rows; L = the class / distillation
+// rows when the patch GEMM runs over a whole sequence's rows, lever 67: their x is then the
+// residual operand plus the bias alone).
 // Threads walk the pixels in their own order, V at a time (V = 4 when p, W and both pointers
 // allow 16-byte loads, else 1): a warp's loads are one contiguous 512-byte span, and its stores
 // land as p·sizeof(T)-byte runs (4 threads per run of 16), whole sectors both ways. The previous
@@ -210,7 +213,7 @@ LAYER_NORM_ENTRIES(8)
 // Index arithmetic is 32-bit when the element count fits (one divide chain per V pixels).
 template <typename T, typename I, int V>
 __device__ void patchify_walk(const float* __restrict__ px, T* __restrict__ out, I items, I cin, I h,
-                              I w, I p) {
+                              I w, I p, I lead) {
     const I wv = w / V, gh = h / p, gw = w / p, cols = cin * p * p;
     for (I i = (I)blockIdx.x * blockDim.x + threadIdx.x; i < items; i += (I)gridDim.x * blockDim.x) {
         const I xv = i % wv, row = i / wv;  // row = (b·cin + c)·h + y
@@ -218,7 +221,7 @@ __device__ void patchify_walk(const float* __restrict__ px, T* __restrict__ out,
         const I c = bc % cin, b = bc / cin;
         const I x = xv * V;
         const I gx = x / p, pxl = x % p, gy = y / p, py = y % p;
-        T* dst = out + ((b * gh + gy) * gw + gx) * cols + (c * p + py) * p + pxl;
+        T* dst = out + (b * (lead + gh * gw) + lead + gy * gw + gx) * cols + (c * p + py) * p + pxl;
         if constexpr (V == 4) {
             const float4 v = reinterpret_cast<const float4*>(px)[i];
             if constexpr (sizeof(T) == 4) {
@@ -233,36 +236,47 @@ __device__ void patchify_walk(const float* __restrict__ px, T* __restrict__ out,
     }
 }
 
+// n: the pixel count (B·Cin·H·W); lead: the zero rows in front of each image's patch rows.
 template <typename T>
 __device__ void patchify(const float* __restrict__ px, T* __restrict__ out, unsigned long long n,
-                         int cin, int h, int w, int p) {
+                         int cin, int h, int w, int p, int lead) {
     // Uniform across the grid: every thread takes the same branch.
     const bool vec = p % 4 == 0 && w % 4 == 0 && (reinterpret_cast<uintptr_t>(px) & 15) == 0 &&
                      (reinterpret_cast<uintptr_t>(out) & (4 * sizeof(T) - 1)) == 0;
     const unsigned long long items = vec ? n / 4 : n;
-    // 32-bit indices while every element offset (up to n) and every grid-stride step stay under
-    // 2^32: n < 2^31 (the stride, at most a few million threads, cannot wrap past it).
-    if (n < (1ull << 31)) {
-        if (vec) patchify_walk<T, unsigned, 4>(px, out, (unsigned)items, cin, h, w, p);
-        else patchify_walk<T, unsigned, 1>(px, out, (unsigned)items, cin, h, w, p);
+    // The output holds n + B·lead·cols elements: 32-bit indices while that and every grid-stride
+    // step stay under 2^32: under 2^31 (the stride, at most a few million threads, cannot wrap
+    // past it).
+    const unsigned long long cols = (unsigned long long)cin * p * p;
+    const unsigned long long images = n / ((unsigned long long)cin * h * w);
+    const unsigned long long zeros = images * lead * cols;
+    if (n + zeros < (1ull << 31)) {
+        if (vec) patchify_walk<T, unsigned, 4>(px, out, (unsigned)items, cin, h, w, p, lead);
+        else patchify_walk<T, unsigned, 1>(px, out, (unsigned)items, cin, h, w, p, lead);
     } else {
         using U = unsigned long long;
-        if (vec) patchify_walk<T, U, 4>(px, out, items, cin, h, w, p);
-        else patchify_walk<T, U, 1>(px, out, items, cin, h, w, p);
+        if (vec) patchify_walk<T, U, 4>(px, out, items, cin, h, w, p, lead);
+        else patchify_walk<T, U, 1>(px, out, items, cin, h, w, p, lead);
     }
+    // The leading rows: lead·cols zeros at the start of each image's rows.
+    const unsigned long long per_image = (unsigned long long)lead * cols;
+    const unsigned long long image_rows = lead + (unsigned long long)(h / p) * (w / p);
+    for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; i < zeros;
+         i += (unsigned long long)gridDim.x * blockDim.x)
+        out[(i / per_image) * image_rows * cols + i % per_image] = from_f32<T>(0.f);
 }
 
 extern "C" __global__ void fastpath_patchify_f32(const float* px, float* out, unsigned long long n, int cin,
-                                                 int h, int w, int p) {
-    patchify(px, out, n, cin, h, w, p);
+                                                 int h, int w, int p, int lead) {
+    patchify(px, out, n, cin, h, w, p, lead);
 }
 extern "C" __global__ void fastpath_patchify_f16(const float* px, __half* out, unsigned long long n, int cin,
-                                                 int h, int w, int p) {
-    patchify(px, out, n, cin, h, w, p);
+                                                 int h, int w, int p, int lead) {
+    patchify(px, out, n, cin, h, w, p, lead);
 }
 extern "C" __global__ void fastpath_patchify_bf16(const float* px, __nv_bfloat16* out, unsigned long long n,
-                                                  int cin, int h, int w, int p) {
-    patchify(px, out, n, cin, h, w, p);
+                                                  int cin, int h, int w, int p, int lead) {
+    patchify(px, out, n, cin, h, w, p, lead);
 }
 
 // The tokens entering a ViT's first block, in one pass:

@@ -1587,10 +1587,12 @@ impl EmbedTokensOp {
 
 cuda_only_op3!(EmbedTokensOp, "fastpath-embed-tokens", "embed_tokens");
 
-/// [`crate::patchify`] on CUDA: f32 pixels `[B, C, H, W]` (contiguous) → patch rows in `dtype`.
+/// [`crate::patchify_after_zero_rows`] on CUDA: f32 pixels `[B, C, H, W]` (contiguous) → patch
+/// rows in `dtype`, each image's after `lead` zero rows.
 pub(crate) struct PatchifyOp {
     pub patch: usize,
     pub dtype: DType,
+    pub lead: usize,
 }
 
 impl candle_core::CustomOp1 for PatchifyOp {
@@ -1609,9 +1611,14 @@ impl candle_core::CustomOp1 for PatchifyOp {
         if !l.is_contiguous() || p == 0 || h % p != 0 || w % p != 0 {
             candle_core::bail!("patchify: needs contiguous [B, C, H, W] pixels divisible by {p}");
         }
-        let rows = b * (h / p) * (w / p);
+        let rows = b * (self.lead + (h / p) * (w / p));
         let cols = c * p * p;
-        let n = (rows * cols) as u64;
+        // The kernel's n is the pixel count; the output has the zero rows besides.
+        let n = (b * c * h * w) as u64;
+        let out_len = rows * cols;
+        let lead = i32::try_from(self.lead).map_err(|_| {
+            candle_core::Error::Msg(format!("patchify: {} leading rows", self.lead))
+        })?;
         let px = s.as_cuda_slice::<f32>()?.slice(l.start_offset()..);
         let func = {
             let mut states = STATE.lock().unwrap_or_else(|e| e.into_inner());
@@ -1629,8 +1636,9 @@ impl candle_core::CustomOp1 for PatchifyOp {
         let (ci, hi, wi, pi) = (c as i32, h as i32, w as i32, p as i32);
         macro_rules! run {
             ($t:ty) => {{
-                // SAFETY: the grid-stride loop writes every one of the `n` outputs (one per pixel).
-                let out = unsafe { dev.alloc::<$t>(n as usize)? };
+                // SAFETY: the grid-stride loops write every one of the outputs (one per pixel,
+                // then the leading rows' zeros).
+                let out = unsafe { dev.alloc::<$t>(out_len)? };
                 let mut builder = stream.launch_builder(&func);
                 builder.arg(&px);
                 builder.arg(&out);
@@ -1639,7 +1647,8 @@ impl candle_core::CustomOp1 for PatchifyOp {
                 builder.arg(&hi);
                 builder.arg(&wi);
                 builder.arg(&pi);
-                // SAFETY: reads stay within B·C·H·W of `px`, writes within `n` of `out`.
+                builder.arg(&lead);
+                // SAFETY: reads stay within B·C·H·W of `px`, writes within `out_len` of `out`.
                 unsafe { builder.launch(cfg) }.map_err(candle_core::Error::wrap)?;
                 CudaStorage::wrap_cuda_slice(out, dev.clone())
             }};

@@ -14,7 +14,8 @@
 //! - [`linear_log_prob`]: one class's log-probability under a small linear classifier (a learned
 //!   pruner's keep score) as one kernel.
 //! - [`patchify`]: a ViT's patch rows (im2col of the stride-p patch conv) gathered and cast in
-//!   one kernel; [`embed_tokens`]: class / distillation tokens, patch tokens and the position
+//!   one kernel ([`patchify_after_zero_rows`]: with zero rows where the class token goes, for a
+//!   patch GEMM over a whole sequence's rows); [`embed_tokens`]: class / distillation tokens, patch tokens and the position
 //!   embedding into the first block's input in one kernel.
 //! - [`retain_freed_memory`] and [`PeakMemory`]: the CUDA memory pool candle allocates from,
 //!   kept cached across synchronisations, and its high-water mark; [`track_buffer_events`]:
@@ -83,10 +84,10 @@ pub use linear::{linear, linear_no_bias, Epilogue, FusedLinear};
 pub use norm::{layer_norm, LayerNorm};
 pub use norm_linear::{
     norm_linear, norm_linear_applies, norm_linear_mode, residual_norm_linear,
-    residual_norm_linear_applies, residual_norm_linear_forms, NormLinearMode,
-    ResidualNormLinearForms, NORM_LINEAR_DIMS,
+    residual_norm_linear_applies, residual_norm_linear_forms, residual_norm_linear_step_applies,
+    NormLinearMode, ResidualNormLinearForms, NORM_LINEAR_DIMS,
 };
-pub use patch::patchify;
+pub use patch::{patchify, patchify_after_zero_rows};
 pub use pool::{retain_freed_memory, track_buffer_events, PeakMemory};
 pub use small_block::{
     small_block, small_block_applies, small_block_max_rows, small_block_mode, BlockWeights,

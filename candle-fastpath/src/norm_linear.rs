@@ -293,10 +293,11 @@ pub fn residual_norm_linear_applies(
         && residual_norm_linear_step_applies(residual, front, norm, linear, gelu)
 }
 
-/// [`residual_norm_linear_applies`] without its checks of `o` (whose shape the caller makes:
-/// `residual`'s rows, `front`'s K wide, contiguous and 16-byte aligned in the residual's dtype
-/// and device): the kernel, its form and switch, `residual`, the weights, the grid.
-pub(crate) fn residual_norm_linear_step_applies(
+/// [`residual_norm_linear_applies`] without its checks of `o`, for a caller that makes `o` itself
+/// (`residual`'s rows, `front`'s K wide, contiguous and 16-byte aligned in the residual's dtype
+/// and device) and asks before making it: the kernel, its form and switch, `residual`, the
+/// weights, the grid.
+pub fn residual_norm_linear_step_applies(
     residual: &Tensor,
     front: &FusedLinear,
     norm: &LayerNorm,

@@ -11,6 +11,19 @@ const OP: &str = "patchify";
 /// `[B·(H/p)·(W/p), C·p·p]`, patches in row-major grid order, each row in (channel, row, column)
 /// order (a `[D, C, p, p]` conv weight flattened to `[D, C·p·p]` multiplies it), cast to `dtype`.
 pub fn patchify(pixels: &Tensor, patch: usize, dtype: DType) -> Result<Tensor> {
+    patchify_after_zero_rows(pixels, patch, dtype, 0)
+}
+
+/// [`patchify`] with `lead` zero rows in front of each image's patch rows:
+/// `[B·(lead + (H/p)·(W/p)), C·p·p]`. A patch-embedding GEMM over these rows gives a whole token
+/// sequence's rows, the class (and distillation) rows being its bias alone (lever 67 in
+/// `docs/BENCHMARKS.md`: the embedding and the first block's norm1 + qkv as one kernel).
+pub fn patchify_after_zero_rows(
+    pixels: &Tensor,
+    patch: usize,
+    dtype: DType,
+    lead: usize,
+) -> Result<Tensor> {
     let (b, c, h, w) = pixels.dims4().map_err(|_| FastpathError::Rank {
         op: OP,
         what: "pixels",
@@ -29,12 +42,20 @@ pub fn patchify(pixels: &Tensor, patch: usize, dtype: DType) -> Result<Tensor> {
     let (gh, gw) = (h / patch, w / patch);
     #[cfg(feature = "cuda")]
     if pixels.device().is_cuda() && pixels.dtype() == DType::F32 {
-        let op = crate::cuda::PatchifyOp { patch, dtype };
+        let op = crate::cuda::PatchifyOp { patch, dtype, lead };
         return Ok(pixels.contiguous()?.apply_op1_no_bwd(&op)?);
     }
-    Ok(pixels
+    let cols = c * patch * patch;
+    let rows = pixels
         .to_dtype(dtype)?
         .reshape((b, c, gh, patch, gw, patch))?
         .permute((0, 2, 4, 1, 3, 5))?
-        .reshape((b * gh * gw, c * patch * patch))?)
+        .reshape((b, gh * gw, cols))?;
+    let rows = if lead == 0 {
+        rows
+    } else {
+        let zeros = Tensor::zeros((b, lead, cols), dtype, pixels.device())?;
+        Tensor::cat(&[&zeros, &rows], 1)?
+    };
+    Ok(rows.reshape((b * (lead + gh * gw), cols))?)
 }

@@ -512,6 +512,18 @@ pub struct DeiT {
     /// The batch descriptions of equal-length sequences this model's forwards reuse (dense
     /// batches, fixed-ratio pruning steps): no `cu_seqlens` upload per forward.
     pub uniform_batches: UniformBatches,
+    /// `[N, C]`: what the patch GEMM's residual operand is when it computes a whole sequence's
+    /// rows ([`DeiT::embed_into_first_block`]): `pos_embed`, and in the prefix rows (whose patch
+    /// row is zero, so the GEMM gives the patch bias there) `prefix + pos − patch bias`, formed
+    /// in f32 and rounded once.
+    pub embed_residual: Tensor,
+}
+
+/// Whether [`DeiT::embed_into_first_block`] may run the embedding inside block 0's norm1 + qkv
+/// kernel (lever 67), unless `CANDLE_DEIT_FUSED_EMBED=0` (read once; for A/B measurements).
+fn fused_embedding_allowed() -> bool {
+    static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    !*OFF.get_or_init(|| std::env::var("CANDLE_DEIT_FUSED_EMBED").is_ok_and(|v| v.trim() == "0"))
 }
 
 impl DeiT {
@@ -531,12 +543,18 @@ impl DeiT {
         let blocks = (0..config.depth)
             .map(|i| Block::new(config, vb.pp(format!("blocks.{i}"))))
             .collect::<Result<Vec<_>>>()?;
+        let patch_embed = PatchEmbed::new(config, vb.pp("patch_embed"))?;
+        let cls_token = vb.get((1, 1, c), "cls_token")?;
+        let pos_embed = vb.get((1, config.seq_len(), c), "pos_embed")?;
+        let embed_residual =
+            embed_residual(&patch_embed, &cls_token, dist_token.as_ref(), &pos_embed)?;
         Ok(Self {
             config: config.clone(),
-            patch_embed: PatchEmbed::new(config, vb.pp("patch_embed"))?,
-            cls_token: vb.get((1, 1, c), "cls_token")?,
+            patch_embed,
+            cls_token,
             dist_token,
-            pos_embed: vb.get((1, config.seq_len(), c), "pos_embed")?,
+            pos_embed,
+            embed_residual,
             blocks,
             norm: layer_norm(c, config.ln_eps, vb.pp("norm"))?,
             head: linear(c, config.num_classes, vb.pp("head"))?,
@@ -567,6 +585,67 @@ impl DeiT {
             Some(&prefix),
             &self.pos_embed,
         )?)
+    }
+
+    /// [`Self::embed`], and where one kernel computes both, block 0's qkv projection of the
+    /// tokens (`[B·N, 3C]`, what `candle_fastpath::norm_linear(norm1, qkv)` gives), to hand to
+    /// [`Block::forward_chained`] as a block before it would (`None` where the kernel does not
+    /// apply). One image on CUDA at DeiT-T's width (lever 67): the patch GEMM (K = 3·p² = 4C) is
+    /// `candle_fastpath::residual_norm_linear`'s fc2-shaped form, run over the patch rows after a
+    /// zero row per prefix token (`candle_fastpath::patchify_after_zero_rows`) with
+    /// [`Self::embed_residual`] as its residual, so the position embedding, the class (and
+    /// distillation) rows, block 0's LayerNorm and its qkv GEMM ride in the same launch. Its
+    /// sums round where [`Self::embed`]'s do except in the prefix rows (`(0 + r) + bias` with
+    /// `r = prefix + pos − bias` rounded, against `prefix + pos`: within a rounding) and in the
+    /// GEMMs' summation order.
+    pub fn embed_into_first_block(&self, pixels: &Tensor) -> Result<(Tensor, Option<Tensor>)> {
+        match self.fused_embedding(pixels)? {
+            Some((x, qkv)) => Ok((x, Some(qkv))),
+            None => Ok((self.embed(pixels)?, None)),
+        }
+    }
+
+    /// [`Self::embed_into_first_block`]'s one-kernel form, `None` where it does not apply.
+    fn fused_embedding(&self, pixels: &Tensor) -> Result<Option<(Tensor, Tensor)>> {
+        let Some(block) = self.blocks.first() else {
+            return Ok(None);
+        };
+        let (n, c) = (self.config.seq_len(), self.config.dim);
+        let s = self.config.image_size;
+        // One image (the residual operand is one image's rows) of the expected size (else
+        // `embed` reports the error); block 0 not one launch on its own (an eager batch-1
+        // forward's candle_fastpath::small_block, which computes its own qkv); the kernel's own
+        // conditions, asked of the residual before the patch rows are made.
+        let residual = &self.embed_residual;
+        let applies = fused_embedding_allowed()
+            && pixels.dims() == [1, 3, s, s]
+            && pixels.device().same_device(residual.device())
+            && !candle_fastpath::small_block_applies(residual, n, &block.fused_weights())
+            && candle_fastpath::residual_norm_linear_step_applies(
+                residual,
+                &self.patch_embed.proj,
+                &block.norm1,
+                &block.attn.qkv,
+                false,
+            );
+        if !applies {
+            return Ok(None);
+        }
+        let rows = candle_fastpath::patchify_after_zero_rows(
+            pixels,
+            self.patch_embed.patch_size,
+            residual.dtype(),
+            self.config.num_prefix_tokens(),
+        )?;
+        let (x, qkv) = candle_fastpath::residual_norm_linear(
+            &rows,
+            residual,
+            &self.patch_embed.proj,
+            &block.norm1,
+            &block.attn.qkv,
+            false,
+        )?;
+        Ok(Some((x.reshape((1, n, c))?, qkv)))
     }
 
     /// Tokens after all blocks and the final norm: `[B, N, C]`.
@@ -601,6 +680,17 @@ impl DeiT {
     /// The blocks over embedded tokens: every token (`[B, N, C]`), or with `prefix_only` the
     /// prefix rows (`[B, P, C]`, the last block's MLP half on those rows only).
     fn run_blocks(&self, x: &Tensor, prefix_only: bool) -> Result<Tensor> {
+        self.run_blocks_from(x, None, prefix_only)
+    }
+
+    /// [`Self::run_blocks`] with block 0's qkv of `x` when it was computed with the embedding
+    /// ([`Self::embed_into_first_block`]).
+    fn run_blocks_from(
+        &self,
+        x: &Tensor,
+        qkv0: Option<Tensor>,
+        prefix_only: bool,
+    ) -> Result<Tensor> {
         let (b, n, c) = x.dims3()?;
         let p = self.config.num_prefix_tokens();
         let head_dim = self.config.head_dim();
@@ -619,7 +709,7 @@ impl DeiT {
         let batch = self.uniform_batches.get(b, n, x.device())?;
         let inputs = AttentionInputs::Ragged { batch: &batch };
         let mut x = x.reshape((b * n, c))?;
-        let mut qkv = None;
+        let mut qkv = qkv0;
         let last = self.blocks.len().saturating_sub(1);
         for (i, block) in self.blocks.iter().enumerate() {
             if prefix_only && i == last {
@@ -683,6 +773,33 @@ impl Module for DeiT {
     /// Pixels `[B, 3, H, W]` → logits `[B, num_classes]`. The final norm runs on the class (and
     /// distillation) tokens only: the head reads nothing else.
     fn forward(&self, pixels: &Tensor) -> Result<Tensor> {
-        self.logits_from_prefix(&self.prefix_after_blocks(&self.embed(pixels)?)?)
+        let (x, qkv0) = self.embed_into_first_block(pixels)?;
+        let prefix_only = last_block_prefix_only(x.dim(0)?);
+        self.logits_from_prefix(&self.run_blocks_from(&x, qkv0, prefix_only)?)
     }
+}
+
+/// [`DeiT::embed_residual`] from the loaded weights: `[N, C]` in the model's dtype.
+fn embed_residual(
+    patch_embed: &PatchEmbed,
+    cls: &Tensor,
+    dist: Option<&Tensor>,
+    pos: &Tensor,
+) -> Result<Tensor> {
+    let (_, n, c) = pos.dims3()?;
+    let dtype = pos.dtype();
+    let f32_rows = |t: &Tensor| t.reshape(((), c))?.to_dtype(DType::F32);
+    let mut prefix = vec![f32_rows(cls)?];
+    if let Some(dist) = dist {
+        prefix.push(f32_rows(dist)?);
+    }
+    let prefix = Tensor::cat(&prefix, 0)?;
+    let p = prefix.dim(0)?;
+    let pos = f32_rows(pos)?;
+    let rows = match patch_embed.proj.bias() {
+        Some(bias) => (prefix + pos.narrow(0, 0, p)?)?
+            .broadcast_sub(&bias.to_dtype(DType::F32)?.reshape((1, c))?)?,
+        None => (prefix + pos.narrow(0, 0, p)?)?,
+    };
+    Tensor::cat(&[&rows, &pos.narrow(0, p, n - p)?], 0)?.to_dtype(dtype)
 }

@@ -392,7 +392,7 @@ impl DeiT {
         counts: &[FixedCount],
     ) -> Result<DevicePrunedForward, ModelError> {
         let num_prefix = self.config.num_prefix_tokens();
-        let x = self.embed(pixels)?;
+        let (x, qkv0) = self.embed_for(pixels, order)?;
         let (b, n, c) = x.dims3()?;
         let dev = x.device().clone();
         let mut len = n;
@@ -400,9 +400,9 @@ impl DeiT {
         let mut batch = self.uniform_batches.get(b, n, &dev)?;
         let mut kept_tokens = Vec::with_capacity(counts.len());
         let mut steps = order.iter().zip(counts).peekable();
-        // The next block's qkv, computed by the block before it when no pruning step lies
-        // between them (Block::forward_chained).
-        let mut next_qkv = None;
+        // The next block's qkv, computed by the block before it (or with the embedding) when no
+        // pruning step lies between them (Block::forward_chained).
+        let mut next_qkv = qkv0;
         let last = self.blocks.len().saturating_sub(1);
         let prefix_only = crate::deit::last_block_prefix_only(b);
         for (i, block) in self.blocks.iter().enumerate() {
@@ -492,13 +492,27 @@ impl DeiT {
         order: &[&BlockPruner],
         lengths_mode: Lengths,
     ) -> Result<(Tensor, Vec<RaggedBatch>), ModelError> {
-        let (x, batch) = self.embed_packed(pixels)?;
-        self.ragged_blocks(x, batch, Resume::Block(0), order, lengths_mode)
+        let (x, qkv0) = self.embed_for(pixels, order)?;
+        let (x, batch) = self.packed(x)?;
+        self.ragged_blocks(x, batch, Resume::Block(0), order, lengths_mode, qkv0)
     }
 
-    /// The embedded tokens packed, `[B·N, C]`, and their batch (every image N tokens).
-    fn embed_packed(&self, pixels: &Tensor) -> Result<(Tensor, RaggedBatch), ModelError> {
-        let x = self.embed(pixels)?;
+    /// The embedded tokens `[B, N, C]`, with block 0's qkv of them when the embedding computes it
+    /// ([`DeiT::embed_into_first_block`]) and no step of `order` sits at block 0 (whose step
+    /// would compute its own).
+    fn embed_for(
+        &self,
+        pixels: &Tensor,
+        order: &[&BlockPruner],
+    ) -> Result<(Tensor, Option<Tensor>), ModelError> {
+        if order.first().is_some_and(|(blk, _)| *blk == 0) {
+            return Ok((self.embed(pixels)?, None));
+        }
+        Ok(self.embed_into_first_block(pixels)?)
+    }
+
+    /// Embedded tokens `[B, N, C]` packed, `[B·N, C]`, and their batch (every image N tokens).
+    fn packed(&self, x: Tensor) -> Result<(Tensor, RaggedBatch), ModelError> {
         let (b, n, c) = x.dims3()?;
         let x = x.reshape((b * n, c))?;
         let batch = self.uniform_batches.get(b, n, x.device())?;
@@ -514,6 +528,7 @@ impl DeiT {
         resume: Resume,
         order: &[&BlockPruner],
         lengths_mode: Lengths,
+        first_qkv: Option<Tensor>,
     ) -> Result<(Tensor, Vec<RaggedBatch>), ModelError> {
         let num_prefix = self.config.num_prefix_tokens();
         let first = match resume {
@@ -527,8 +542,9 @@ impl DeiT {
         let mut batches = Vec::with_capacity(order.len());
         let mut steps = order.iter().filter(|(blk, _)| *blk >= first).peekable();
         // The next block's qkv, computed by the block before it when no pruning step lies
-        // between them (Block::forward_chained).
-        let mut next_qkv = None;
+        // between them (Block::forward_chained); `first_qkv`: the first block's, from the
+        // embedding.
+        let mut next_qkv = first_qkv;
         let last = self.blocks.len().saturating_sub(1);
         let prefix_only = crate::deit::last_block_prefix_only(batch.batch_size());
         for (i, block) in self.blocks.iter().enumerate().skip(first) {
@@ -640,7 +656,7 @@ impl DeiT {
                 "forward_to_first_step: the schedule has no pruning step".into(),
             ));
         };
-        let (x, batch) = self.embed_packed(pixels)?;
+        let (x, batch) = self.packed(self.embed(pixels)?)?;
         self.blocks_then_select(x, &batch, 0, *block, pruner.as_ref())
     }
 
@@ -691,6 +707,7 @@ impl DeiT {
             resume,
             &order,
             Lengths::OnDevice,
+            None,
         )?;
         Ok(logits)
     }

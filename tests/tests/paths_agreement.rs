@@ -1317,3 +1317,98 @@ fn one_image_graphs_agree_with_the_padded_path() {
         }
     }
 }
+
+/// The embedding into block 0 ([`DeiT::embed_into_first_block`], lever 67) gives what
+/// [`DeiT::embed`] and block 0's `norm_linear(norm1, qkv)` give. On the CPU (CI) the kernel never
+/// applies: the tokens are `embed`'s, bit for bit, and no qkv comes back. On CUDA
+/// (`PATHS_DEVICE=cuda`), DeiT-T and DeiT-T distilled in f16 and bf16: outside a graph block 0
+/// runs as one launch (candle_fastpath::small_block) and computes its own qkv, so the fused form
+/// is asked for inside a captured graph (`CapturedForward` calls the closure once outside the
+/// capture first, where the unfused qkv stands in); the captured graph must hold two kernels
+/// fewer than the same closure over `embed` + `norm_linear`, and its replays agree with those
+/// within a rounding or two. Whole one-image forwards on it: `one_image_graphs_agree_with_the_padded_path`.
+#[test]
+fn embedding_into_the_first_block() {
+    let dev = env_device();
+    for name in ["deit-tiny", "deit-tiny-distilled"] {
+        let cfg = DeiTConfig::from_name(name).unwrap();
+        let weights = to_tensors(&random_timm_weights(&cfg, 81));
+        let pixels = varied_pixels(1, &cfg, 82, &dev);
+        if !dev.is_cuda() {
+            let m = Checkpoint::from_tensors(weights)
+                .unwrap()
+                .load_model(&cfg, DType::F32, &dev)
+                .unwrap();
+            let (x, qkv) = m.embed_into_first_block(&pixels).unwrap();
+            assert!(qkv.is_none(), "the fused embedding ran on the CPU");
+            assert_eq!(max_abs(&x, &m.embed(&pixels).unwrap()), 0.0);
+            continue;
+        }
+        for dtype in [DType::F16, DType::BF16] {
+            let m = Checkpoint::from_tensors(weights.clone())
+                .unwrap()
+                .load_model(&cfg, dtype, &dev)
+                .unwrap();
+            let block = &m.blocks[0];
+            let (n, c) = (cfg.seq_len(), cfg.dim);
+            let unfused_qkv = |x: &Tensor| {
+                candle_fastpath::norm_linear(x, &block.norm1, &block.attn.qkv, false)
+                    .map_err(candle_core::Error::wrap)
+            };
+            // Tokens and qkv side by side in one output, so one graph returns both.
+            let both = |x: Tensor, qkv: Tensor| {
+                Tensor::cat(&[x.reshape((n, c))?, qkv.reshape((n, 3 * c))?], 1)
+            };
+            let fused = candle_fastpath::CapturedForward::capture(&pixels, |p| {
+                let (x, qkv) = m.embed_into_first_block(p)?;
+                let qkv = match qkv {
+                    Some(qkv) => qkv,
+                    None => unfused_qkv(&x)?,
+                };
+                both(x, qkv)
+            })
+            .unwrap();
+            let unfused = candle_fastpath::CapturedForward::capture(&pixels, |p| {
+                let x = m.embed(p)?;
+                let qkv = unfused_qkv(&x)?;
+                both(x, qkv)
+            })
+            .unwrap();
+            let (kf, ku) = (
+                fused.nodes().unwrap().kernels,
+                unfused.nodes().unwrap().kernels,
+            );
+            assert_eq!(
+                kf + 2,
+                ku,
+                "{name} {dtype:?}: the captured embedding did not take the fused kernel"
+            );
+            // Another input first, so leftover buffers cannot make the replay pass.
+            fused.run(&(&pixels * 0.5).unwrap()).unwrap();
+            let got = fused.run(&pixels).unwrap();
+            let want = unfused.run(&pixels).unwrap();
+            let dx = max_abs(
+                &got.narrow(1, 0, c).unwrap(),
+                &want.narrow(1, 0, c).unwrap(),
+            );
+            let dq = max_abs(
+                &got.narrow(1, c, 3 * c).unwrap(),
+                &want.narrow(1, c, 3 * c).unwrap(),
+            );
+            eprintln!("{name} {dtype:?}: fused embedding vs embed: tokens {dx:.2e}, qkv {dq:.2e}");
+            // The prefix rows round twice where `embed` rounds once, and the GEMMs sum in another
+            // order: two units in the last place of the largest token, four of the largest qkv
+            // value (after the LayerNorm and a GEMM over those tokens).
+            let ulp = if dtype == DType::F16 {
+                2f32.powi(-10)
+            } else {
+                2f32.powi(-7)
+            };
+            let largest = |t: &Tensor| max_abs(t, &t.zeros_like().unwrap());
+            let tx = 2.0 * ulp * largest(&want.narrow(1, 0, c).unwrap());
+            let tq = 4.0 * ulp * largest(&want.narrow(1, c, 3 * c).unwrap());
+            assert!(dx <= tx, "{name} {dtype:?}: tokens differ by {dx}");
+            assert!(dq <= tq, "{name} {dtype:?}: block 0's qkv differs by {dq}");
+        }
+    }
+}
