@@ -2,7 +2,9 @@
 # Lever 67 on the GPU machine, from the repo root: DeiT::embed_into_first_block (the patch GEMM,
 # position embedding and class rows inside block 0's norm1 + qkv kernel, one image at DeiT-T's
 # width) against the embedding's own kernels followed by lever 58's norm1 + qkv kernel; one
-# binary, arms ARMS (default "0 default") of CANDLE_DEIT_FUSED_EMBED.
+# binary, arms ARMS (default "0 default") of CANDLE_DEIT_FUSED_EMBED; or, with
+# SWITCH=CANDLE_DEIT_FUSED_HEAD, lever 69 (the last block's fc2 into the final norm and the head,
+# residual_norm_linear's wide fc2 form) against its fc2 and the head's own kernel.
 # Needs .gpu/{bench,test-patch,test-norm_linear,test-attention_norm_linear,test-graph,
 # test-paths_agreement}.xz.
 # STAGES (default "checks anatomy e2e"):
@@ -41,7 +43,7 @@ if has checks; then
   graphs_check 200
 fi
 ARMS=${ARMS:-0 default}
-SW=CANDLE_DEIT_FUSED_EMBED
+SW=${SWITCH:-CANDLE_DEIT_FUSED_EMBED}
 if has anatomy; then
   for a in $ARMS $ARMS; do
     echo "== graph anatomy, $SW=$a" >> "$C"
