@@ -27,11 +27,7 @@ unpack_prev bench
 C="$out/cluster-exchange.txt"
 nvidia-smi --query-gpu=name --format=csv,noheader >> "$C"
 if has checks; then
-  for t in norm_linear attention_norm_linear; do
-    echo "== test-$t, then under memcheck" >> "$C"
-    timeout 200 $B/test-$t --test-threads=1 2>&1 | grep -E -A3 "test result|panicked" | head -12 >> "$C"
-    timeout 300 compute-sanitizer --tool memcheck --error-exitcode 9 $B/test-$t --test-threads=1 2>&1 | grep -E "ERROR SUMMARY|test result" >> "$C"
-  done
+  tests_memcheck norm_linear attention_norm_linear
   echo "== racecheck test-attention_norm_linear (quick)" >> "$C"
   ATTENTION_RNL_TEST_QUICK=1 timeout 240 compute-sanitizer --tool racecheck --error-exitcode 9 $B/test-attention_norm_linear --test-threads=1 2>&1 | grep -E "RACECHECK SUMMARY|test result" >> "$C"
   echo "racecheck rc=$?" >> "$C"

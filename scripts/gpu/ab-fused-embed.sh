@@ -25,11 +25,7 @@ unpack bench test-patch test-norm_linear test-attention_norm_linear test-graph t
 C="$out/fused-embed.txt"
 nvidia-smi --query-gpu=name --format=csv,noheader >> "$C"
 if has checks; then
-  for t in patch norm_linear; do
-    echo "== test-$t, then under memcheck" >> "$C"
-    timeout 200 $B/test-$t --test-threads=1 2>&1 | grep -E -A3 "test result|panicked" | head -12 >> "$C"
-    timeout 300 compute-sanitizer --tool memcheck --error-exitcode 9 $B/test-$t --test-threads=1 2>&1 | grep -E "ERROR SUMMARY|test result" >> "$C"
-  done
+  tests_memcheck patch norm_linear
   for t in attention_norm_linear graph; do
     echo "== test-$t" >> "$C"
     timeout 200 $B/test-$t --test-threads=1 2>&1 | grep -E -A3 "test result|panicked" | head -12 >> "$C"

@@ -43,6 +43,17 @@ paths_check() {
   grep -E "test result" /tmp/paths.log | tail -1 >> "$C"
 }
 
+# tests_memcheck NAME...: each test-NAME's result lines, then its run under compute-sanitizer
+# memcheck (its error summary), appended to $C.
+tests_memcheck() {
+  local t
+  for t in "$@"; do
+    echo "== test-$t, then under memcheck" >> "$C"
+    timeout 200 $B/test-$t --test-threads=1 2>&1 | grep -E -A3 "test result|panicked" | head -12 >> "$C"
+    timeout 300 compute-sanitizer --tool memcheck --error-exitcode 9 $B/test-$t --test-threads=1 2>&1 | grep -E "ERROR SUMMARY|test result" >> "$C"
+  done
+}
+
 # graphs_check [LIMIT]: test-paths_agreement's one_image_graphs_agree_with_the_padded_path on CUDA
 # (DeiT-T and DeiT-T distilled, batch 1, f16 / bf16: dense and fixed-pruner CUDA graphs, where
 # the chained batch-1 kernels run, against the padded path); appends its exit status, its
