@@ -517,6 +517,9 @@ pub struct DeiT {
     /// row is zero, so the GEMM gives the patch bias there) `prefix + pos − patch bias`, formed
     /// in f32 and rounded once.
     pub embed_residual: Tensor,
+    /// `[P, C]`: the class (and distillation) token as the rows [`DeiT::embed`] puts first,
+    /// formed once at load (concatenating them per call cost two copy kernels per forward).
+    pub prefix_tokens: Tensor,
 }
 
 /// Whether [`DeiT::embed_into_first_block`] may run the embedding inside block 0's norm1 + qkv
@@ -548,6 +551,11 @@ impl DeiT {
         let pos_embed = vb.get((1, config.seq_len(), c), "pos_embed")?;
         let embed_residual =
             embed_residual(&patch_embed, &cls_token, dist_token.as_ref(), &pos_embed)?;
+        let mut prefix = vec![cls_token.reshape((1, c))?];
+        if let Some(dist) = &dist_token {
+            prefix.push(dist.reshape((1, c))?);
+        }
+        let prefix_tokens = Tensor::cat(&prefix, 0)?;
         Ok(Self {
             config: config.clone(),
             patch_embed,
@@ -555,6 +563,7 @@ impl DeiT {
             dist_token,
             pos_embed,
             embed_residual,
+            prefix_tokens,
             blocks,
             norm: layer_norm(c, config.ln_eps, vb.pp("norm"))?,
             head: linear(c, config.num_classes, vb.pp("head"))?,
@@ -573,16 +582,10 @@ impl DeiT {
     pub fn embed(&self, pixels: &Tensor) -> Result<Tensor> {
         // The patch embedding casts while it gathers (f32 pixels, the preprocessing's output).
         let patches = self.patch_embed.forward(pixels)?;
-        let c = patches.dim(2)?;
-        let cls = self.cls_token.reshape((1, c))?;
-        let prefix = match &self.dist_token {
-            None => cls,
-            Some(dist) => Tensor::cat(&[&cls, &dist.reshape((1, c))?], 0)?,
-        };
         // One kernel on CUDA: prefix and patch rows plus pos_embed, written once.
         Ok(candle_fastpath::embed_tokens(
             &patches,
-            Some(&prefix),
+            Some(&self.prefix_tokens),
             &self.pos_embed,
         )?)
     }
