@@ -12,8 +12,6 @@
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 #include <stdint.h>
-#include <cooperative_groups.h>
-namespace cg = cooperative_groups;
 
 #include "gelu_phi.cuh"
 // candle-ragged's warp-level attention (its build metadata puts the folder on the include path):
@@ -605,8 +603,8 @@ NORM_LINEAR_ENTRY(bf16, __nv_bfloat16, 192, true, _gelu)
 // the whole cluster is running (a cluster arrive at entry, its wait before the stores), into
 // every cluster CTA's row buffer through distributed shared memory (st.async, counted on the
 // receiver's transaction barrier: the exchanges below); once its barrier has counted every
-// rank's bytes each CTA goes on exactly as norm_linear_tile (LayerNorm of its rows in place, MMA with its
-// weight tile, epilogue). So the rows normalised are x1 rounded to the storage type, as the
+// rank's bytes each CTA goes on exactly as norm_linear_tile (LayerNorm of its rows in place,
+// MMA with its weight tile, epilogue). So the rows normalised are x1 rounded to the storage type, as the
 // separate kernels would read them back.
 // The proj epilogue sums in f32 as cuBLASLt's bias + residual epilogue does ((o·Wpᵀ + r) + bp),
 // rounded once.
@@ -626,10 +624,10 @@ constexpr int RNL_SPLIT = 6;
 // The cluster's exchanges through distributed shared memory (lever 68): each CTA pushes its part
 // of a tile into every CTA that needs it with st.async, whose mbarrier::complete_tx counts the
 // bytes on the receiving CTA's transaction barrier, and the receiver waits on that barrier alone.
-// A cluster barrier here (cg::this_cluster().sync(): barrier.cluster.arrive.release) compiles to
-// MEMBAR.ALL.GPU, which waits for every memory operation the thread has in flight, global stores
-// and the weights' cp.async prefetch included, and the block kernel ran four of them (~2 µs of
-// its ~15). Each barrier serves one exchange of one launch (phase 0); RNL_BAR_BYTES at the start
+// A cluster barrier here (cooperative groups' this_cluster().sync(), whose arrive has release
+// semantics) compiles to MEMBAR.ALL.GPU, which waits for every memory operation the thread has in
+// flight, global stores and the weights' cp.async prefetch included, and the block kernel ran
+// four of them (~2 µs of its ~15). Each barrier serves one exchange of one launch (phase 0); RNL_BAR_BYTES at the start
 // of the dynamic shared memory hold them (the host's smem sizes include it). Buffer reuse needs no
 // barrier either: a CTA overwrites another's buffer only with data computed from that CTA's later
 // exchange, which it sends after its last read of the buffer.
@@ -898,8 +896,8 @@ RESIDUAL_NORM_LINEAR_ENTRY(bf16, __nv_bfloat16, 192, 768, 12, 96, false, _k768)
 // fixed order). The normalised rows, rounded to the storage type as the attention kernel's
 // output is, go into the attention tile of HEADS cluster CTAs through distributed shared memory
 // (rank h into ranks 0..HEADS-1, rank h + HEADS into the others); once its transaction barrier
-// has counted them every CTA holds the whole 16 × C tile where residual_norm_linear_tile loads o, and finishes as that
-// kernel does (rnl_finish).
+// has counted them every CTA holds the whole 16 × C tile where residual_norm_linear_tile loads
+// o, and finishes as that kernel does (rnl_finish).
 //
 // Latency, not bytes, is what matters here, so (the probe's variants):
 //   - the query fragments are loaded (global → registers) before any cp.async is issued: behind

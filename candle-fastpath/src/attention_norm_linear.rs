@@ -75,24 +75,36 @@ pub fn attention_residual_norm_linear(
     }
     #[cfg(feature = "cuda")]
     {
-        let (m, c) = residual.dims2()?;
-        let n = linear.out_dim();
         let op = crate::cuda::AttentionRnlOp {
             cu_seqlens: cu_seqlens.clone(),
             scale_log2: (scale * std::f64::consts::LOG2_E) as f32,
             first: step_op(proj, norm, linear, gelu),
             next: None,
         };
-        let both = qkv.apply_op3_no_bwd(residual, linear.weight(), &op)?;
-        let x1 = both.narrow(0, 0, m * c)?.reshape((m, c))?;
-        let y = both.narrow(0, m * c, m * n)?.reshape((m, n))?;
-        Ok((x1, y))
+        launch(qkv, residual, linear, &op, linear.out_dim())
     }
     #[cfg(not(feature = "cuda"))]
     {
         let _ = scale;
         unreachable!("attention_residual_norm_linear_applies is false without the cuda feature")
     }
+}
+
+/// `op` on `(qkv, residual, back's weight)`, its one output buffer split into the residual
+/// stream's `[M, C]` rows and the last GEMM's `[M, n]` ones (contiguous views).
+#[cfg(feature = "cuda")]
+fn launch(
+    qkv: &Tensor,
+    residual: &Tensor,
+    back: &FusedLinear,
+    op: &crate::cuda::AttentionRnlOp,
+    n: usize,
+) -> Result<(Tensor, Tensor)> {
+    let (m, c) = residual.dims2()?;
+    let both = qkv.apply_op3_no_bwd(residual, back.weight(), op)?;
+    let x = both.narrow(0, 0, m * c)?.reshape((m, c))?;
+    let y = both.narrow(0, m * c, m * n)?.reshape((m, n))?;
+    Ok((x, y))
 }
 
 /// [`crate::cuda::ResidualNormLinearOp::from_layers`] for the fused kernels, whose `*_applies`
@@ -224,8 +236,6 @@ pub fn attention_block(
     }
     #[cfg(feature = "cuda")]
     {
-        let (m, c) = residual.dims2()?;
-        let n2 = w.next_qkv.out_dim();
         let op = crate::cuda::AttentionRnlOp {
             cu_seqlens: cu_seqlens.clone(),
             scale_log2: (scale * std::f64::consts::LOG2_E) as f32,
@@ -235,10 +245,8 @@ pub fn attention_block(
                 w.next_qkv.weight().clone(),
             )),
         };
-        let both = qkv.apply_op3_no_bwd(residual, w.fc1.weight(), &op)?;
-        let x2 = both.narrow(0, 0, m * c)?.reshape((m, c))?;
-        let next = both.narrow(0, m * c, m * n2)?.reshape((m, n2))?;
-        Ok((x2, next))
+        // W is fc1's weight; the second output is the next block's qkv.
+        launch(qkv, residual, w.fc1, &op, w.next_qkv.out_dim())
     }
     #[cfg(not(feature = "cuda"))]
     {

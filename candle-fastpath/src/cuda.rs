@@ -360,6 +360,24 @@ fn new_state(dev: &CudaDevice) -> candle_core::Result<DeviceState> {
     use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute::*;
     let context = dev.cuda_stream().context().clone();
     let attribute = |a| context.attribute(a).map_err(candle_core::Error::wrap);
+    // The attention kernels' clusters, whose shared memory grows with the sequence: opted in once
+    // at the device's limit (each launch asks for its own size); `None` below compute capability
+    // 9.0 or when the PTX was built for an earlier one.
+    let clusters = attribute(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)? >= 9;
+    let opt_in_smem = attribute(CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?.max(0);
+    let at_opt_in = |names: &[&str]| -> candle_core::Result<Option<Vec<CudaFunction>>> {
+        use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES as MAX_SMEM;
+        match load(names) {
+            Ok(funcs) if clusters => {
+                for f in &funcs {
+                    f.set_attribute(MAX_SMEM, opt_in_smem)
+                        .map_err(candle_core::Error::wrap)?;
+                }
+                Ok(Some(funcs))
+            }
+            _ => Ok(None),
+        }
+    };
     Ok(DeviceState {
         id: dev.id(),
         handle,
@@ -382,7 +400,6 @@ fn new_state(dev: &CudaDevice) -> candle_core::Result<DeviceState> {
         },
         residual_norm_linear: {
             use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES as MAX_SMEM;
-            let clusters = attribute(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)? >= 9;
             // Absent from PTX built for an earlier compute capability: then the op never applies.
             match load(&RESIDUAL_NORM_LINEAR_NAMES) {
                 Ok(funcs) if clusters => {
@@ -400,38 +417,8 @@ fn new_state(dev: &CudaDevice) -> candle_core::Result<DeviceState> {
                 _ => None,
             }
         },
-        attention_rnl: {
-            use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES as MAX_SMEM;
-            let clusters = attribute(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)? >= 9;
-            let max_smem =
-                attribute(CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?.max(0) as usize;
-            match load(&ATTENTION_RNL_NAMES) {
-                Ok(funcs) if clusters => {
-                    // The opt-in once, at the device's limit; each launch asks for its own size.
-                    for f in &funcs {
-                        f.set_attribute(MAX_SMEM, max_smem as i32)
-                            .map_err(candle_core::Error::wrap)?;
-                    }
-                    Some((funcs, max_smem))
-                }
-                _ => None,
-            }
-        },
-        attention_block: {
-            use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES as MAX_SMEM;
-            let clusters = attribute(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)? >= 9;
-            let max_smem = attribute(CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?.max(0);
-            match load(&ATTENTION_BLOCK_NAMES) {
-                Ok(funcs) if clusters => {
-                    for f in &funcs {
-                        f.set_attribute(MAX_SMEM, max_smem)
-                            .map_err(candle_core::Error::wrap)?;
-                    }
-                    Some(funcs)
-                }
-                _ => None,
-            }
-        },
+        attention_rnl: at_opt_in(&ATTENTION_RNL_NAMES)?.map(|f| (f, opt_in_smem as usize)),
+        attention_block: at_opt_in(&ATTENTION_BLOCK_NAMES)?,
         sm_count: attribute(CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?.max(1) as usize,
         hopper: (
             attribute(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
@@ -1137,18 +1124,26 @@ pub(crate) struct ResidualNormLinearOp {
     pub gelu: bool,
 }
 
-/// Pushes the operands both residual_norm_linear kernels take after their input operands (o,
-/// or qkv and cu_seqlens), in the kernels' order: Wp, bp, r, the LayerNorm's weight and bias, W,
-/// its bias (`views` as [`ResidualNormLinearOp::carried`] lists them), x1, y, M, N, eps.
-macro_rules! push_rnl_operands {
-    ($builder:ident, $views:ident, $rs:ident, $ws:ident, $x1:ident, $y:ident, $m:ident, $n:ident, $eps:expr) => {
+/// Pushes the operands of a residual_norm_linear step that every kernel of the family takes
+/// after its input operands (o, or qkv and cu_seqlens), in the kernels' order: Wp, bp, r, the
+/// LayerNorm's weight and bias, W, its bias (`views` as [`ResidualNormLinearOp::carried`] lists
+/// them).
+macro_rules! push_rnl_step {
+    ($builder:ident, $views:expr, $rs:expr, $ws:expr) => {
         $builder.arg(&$views[0]);
         $builder.arg(&$views[1]);
-        $builder.arg(&$rs);
+        $builder.arg($rs);
         $builder.arg(&$views[2]);
         $builder.arg(&$views[3]);
-        $builder.arg(&$ws);
+        $builder.arg($ws);
         $builder.arg(&$views[4]);
+    };
+}
+
+/// [`push_rnl_step`], then the one-step kernels' outputs and sizes: x1, y, M, N, eps.
+macro_rules! push_rnl_operands {
+    ($builder:ident, $views:ident, $rs:ident, $ws:ident, $x1:ident, $y:ident, $m:ident, $n:ident, $eps:expr) => {
+        push_rnl_step!($builder, $views, &$rs, &$ws);
         $builder.arg(&mut $x1);
         $builder.arg(&mut $y);
         $builder.arg(&$m);
@@ -1442,16 +1437,10 @@ impl AttentionRnlOp {
         builder.arg(&cus);
         match (&views2, &next_weight, &self.next) {
             (Some(views2), Some(nws), Some((second, _))) => {
-                // attention_block's operands: the first step's, then the second's, then both
+                // attention_block's operands: the first step's, then the second's (fc2, the
+                // next norm1 and qkv; its residual is the first step's x1, on chip), then both
                 // outputs, M, N1, N2, both epsilons.
-                for v in &views1[..2] {
-                    builder.arg(v);
-                }
-                builder.arg(&rs);
-                builder.arg(&views1[2]);
-                builder.arg(&views1[3]);
-                builder.arg(&ws);
-                builder.arg(&views1[4]);
+                push_rnl_step!(builder, views1, &rs, &ws);
                 for v in &views2[..4] {
                     builder.arg(v);
                 }

@@ -15,8 +15,8 @@
 //!   pruner's keep score) as one kernel.
 //! - [`patchify`]: a ViT's patch rows (im2col of the stride-p patch conv) gathered and cast in
 //!   one kernel ([`patchify_after_zero_rows`]: with zero rows where the class token goes, for a
-//!   patch GEMM over a whole sequence's rows); [`embed_tokens`]: class / distillation tokens, patch tokens and the position
-//!   embedding into the first block's input in one kernel.
+//!   patch GEMM over a whole sequence's rows); [`embed_tokens`]: class / distillation tokens,
+//!   patch tokens and the position embedding into the first block's input in one kernel.
 //! - [`retain_freed_memory`] and [`PeakMemory`]: the CUDA memory pool candle allocates from,
 //!   kept cached across synchronisations, and its high-water mark; [`track_buffer_events`]:
 //!   cudarc's per-buffer events, which a single-stream program can skip.

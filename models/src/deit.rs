@@ -24,9 +24,7 @@ use candle_ragged::RaggedBatch;
 /// `CANDLE_DEIT_LAST_BLOCK=all` (read once; every row, for A/B measurements).
 pub fn last_block_prefix_only(batch_size: usize) -> bool {
     static ALL_ROWS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    let all = *ALL_ROWS
-        .get_or_init(|| std::env::var("CANDLE_DEIT_LAST_BLOCK").is_ok_and(|v| v.trim() == "all"));
-    batch_size > 1 && !all
+    batch_size > 1 && !crate::env_switch(&ALL_ROWS, "CANDLE_DEIT_LAST_BLOCK", "all")
 }
 use pruners::PruneSite;
 
@@ -526,7 +524,7 @@ pub struct DeiT {
 /// kernel (lever 67), unless `CANDLE_DEIT_FUSED_EMBED=0` (read once; for A/B measurements).
 fn fused_embedding_allowed() -> bool {
     static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    !*OFF.get_or_init(|| std::env::var("CANDLE_DEIT_FUSED_EMBED").is_ok_and(|v| v.trim() == "0"))
+    !crate::env_switch(&OFF, "CANDLE_DEIT_FUSED_EMBED", "0")
 }
 
 impl DeiT {
@@ -549,13 +547,12 @@ impl DeiT {
         let patch_embed = PatchEmbed::new(config, vb.pp("patch_embed"))?;
         let cls_token = vb.get((1, 1, c), "cls_token")?;
         let pos_embed = vb.get((1, config.seq_len(), c), "pos_embed")?;
-        let embed_residual =
-            embed_residual(&patch_embed, &cls_token, dist_token.as_ref(), &pos_embed)?;
         let mut prefix = vec![cls_token.reshape((1, c))?];
         if let Some(dist) = &dist_token {
             prefix.push(dist.reshape((1, c))?);
         }
         let prefix_tokens = Tensor::cat(&prefix, 0)?;
+        let embed_residual = embed_residual(&patch_embed, &prefix_tokens, &pos_embed)?;
         Ok(Self {
             config: config.clone(),
             patch_embed,
@@ -782,23 +779,14 @@ impl Module for DeiT {
     }
 }
 
-/// [`DeiT::embed_residual`] from the loaded weights: `[N, C]` in the model's dtype.
-fn embed_residual(
-    patch_embed: &PatchEmbed,
-    cls: &Tensor,
-    dist: Option<&Tensor>,
-    pos: &Tensor,
-) -> Result<Tensor> {
+/// [`DeiT::embed_residual`] from the loaded weights (`prefix`: [`DeiT::prefix_tokens`]): `[N, C]`
+/// in the model's dtype.
+fn embed_residual(patch_embed: &PatchEmbed, prefix: &Tensor, pos: &Tensor) -> Result<Tensor> {
     let (_, n, c) = pos.dims3()?;
     let dtype = pos.dtype();
-    let f32_rows = |t: &Tensor| t.reshape(((), c))?.to_dtype(DType::F32);
-    let mut prefix = vec![f32_rows(cls)?];
-    if let Some(dist) = dist {
-        prefix.push(f32_rows(dist)?);
-    }
-    let prefix = Tensor::cat(&prefix, 0)?;
+    let prefix = prefix.to_dtype(DType::F32)?;
     let p = prefix.dim(0)?;
-    let pos = f32_rows(pos)?;
+    let pos = pos.reshape((n, c))?.to_dtype(DType::F32)?;
     let rows = match patch_embed.proj.bias() {
         Some(bias) => (prefix + pos.narrow(0, 0, p)?)?
             .broadcast_sub(&bias.to_dtype(DType::F32)?.reshape((1, c))?)?,

@@ -41,3 +41,13 @@ pub use preprocess::{decode_image, Interpolation, PreprocessConfig, Resize};
 pub use pruned::{BlockPruner, ExecutionPath, PruneStage, PrunedForward};
 pub use staged::{Reads, StagedGraph};
 pub use uniform_batches::UniformBatches;
+
+/// Whether the environment variable `name` is `value` (trimmed), read once into `cell`: the
+/// models' A/B switches (`CANDLE_DEIT_*`, listed in the README).
+pub(crate) fn env_switch(
+    cell: &'static std::sync::OnceLock<bool>,
+    name: &str,
+    value: &str,
+) -> bool {
+    *cell.get_or_init(|| std::env::var(name).is_ok_and(|v| v.trim() == value))
+}

@@ -213,7 +213,7 @@ impl PrunedTokens {
 /// block then computes its own norm1 + qkv, for A/B measurements).
 fn gather_qkv_at_steps() -> bool {
     static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    !*OFF.get_or_init(|| std::env::var("CANDLE_DEIT_GATHER_QKV").is_ok_and(|v| v.trim() == "0"))
+    !crate::env_switch(&OFF, "CANDLE_DEIT_GATHER_QKV", "0")
 }
 
 /// The next fixed step's block, site and whether it fuses its dropped tokens, from the peeked
