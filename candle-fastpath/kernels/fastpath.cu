@@ -1140,4 +1140,103 @@ ATTENTION_BLOCK_ENTRY(bf16, __nv_bfloat16, false, )
 ATTENTION_BLOCK_ENTRY(f16, __half, true, _late)
 ATTENTION_BLOCK_ENTRY(bf16, __nv_bfloat16, true, _late)
 
+// ---------------------------------------------------------------------------------------------
+// mlp_block (lever 72): a pre-norm block's MLP half from its hidden states x1 on through the next
+// block's qkv, for one image at DeiT-T's width:
+//   h = GELU(LayerNorm2(x1)·W1ᵀ + b1),  x2 = x1 + h·W2ᵀ + b2,  qkv' = LayerNorm1'(x2)·Wqᵀ + bq.
+// A pruning step between a block's halves (EViT's, after the attention) keeps that block from
+// running as one attention_block launch; what follows the step was norm_linear (norm2 → fc1 →
+// GELU) and then residual_norm_linear's fc2 form, two launches, and is here attention_block's
+// second half: cluster rank q computes fc1's 128-column tile q of the row tile's 16 rows with
+// norm_linear's arithmetic (the rows normalised in place, mma.sync, bias, rounding, GELU) and
+// pushes it into every cluster CTA's `sh` rows, then every CTA finishes with rnl_finish's fc2
+// form, as attention_block does. So x2 and qkv' are bit for bit the two launches' outputs.
+// Constraints (the host's, mlp_block in candle-fastpath): C = 192, N1 = 4C, N2 in (480, 576],
+// compute capability 9.0; grid (RNL_SPLIT, ceil(M / NL_BM)), clusters of RNL_SPLIT along x,
+// NL_WARPS · 32 threads, mlp_block_smem_bytes() (the host's) of dynamic shared memory.
+template <typename T, int K>
+__device__ void mlp_block_tile(const T* __restrict__ x1, const T* __restrict__ ln_w, const T* __restrict__ ln_b,
+                               const T* __restrict__ w1, const T* __restrict__ b1, int M, int N1, float eps2,
+                               ArnlNext<T> nx) {
+    constexpr int LDS = K + 8, VECS = K / 8, CHUNKS = (VECS + 31) / 32, BN = 128, SLICE = K / RNL_SPLIT;
+    constexpr int WARPS_N = BN / 32, MMA_WARPS = (NL_BM / 16) * WARPS_N, LDY = RNL_SPLIT * BN + 8;
+    static_assert(RNL_SPLIT * BN == 4 * K && SLICE == 32 && NL_BM <= NL_WARPS, "tile shape");
+    extern __shared__ __align__(16) unsigned char nl_smem[];
+    const uint32_t bars = smem_addr(nl_smem);  // the exchanges' barriers (RNL_BAR_BYTES)
+    T* sa = reinterpret_cast<T*>(nl_smem + RNL_BAR_BYTES);  // x1's rows, normalised in place; then x2
+    T* sb = sa + NL_BM * LDS;                                // fc1's BN weight rows
+    T* sh = sb + BN * LDS;                                   // the fc1 tile's rows, 4C wide (the cluster's)
+    T* sw2 = sh + NL_BM * LDY;                               // this rank's SLICE rows of W2, 4C wide
+    T* swq = sw2 + SLICE * (4 * K + 8);                      // the next qkv's 96-row tile
+    float* spart = reinterpret_cast<float*>(swq + 96 * LDS);  // fc2's partial sums, [12][NL_BM][SLICE]
+    const int rank = blockIdx.x, m0 = blockIdx.y * NL_BM, n0 = rank * BN;
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    const int wm = warp / WARPS_N, wn = warp % WARPS_N;
+    // Its two exchanges (the fc1 tile, x2), armed before the entry cluster arrive.
+    xbar_arm<2>(bars + 8 * BAR_FC1, {NL_BM * (uint32_t)N1 * (uint32_t)sizeof(T), NL_BM * K * (uint32_t)sizeof(T)});
+    asm volatile("barrier.cluster.arrive.relaxed;" ::: "memory");
+
+    // 1. x1's rows, fc1's weight rows, then W2's slice and the qkv tile (used ~2 µs later): three
+    // cp.async groups. The LayerNorm's parameters and fc1's bias pairs, and the second step's
+    // registers (the next LayerNorm's parameters, the qkv tile's bias pairs, the x1 pair and
+    // fc2's bias pair a thread below RNL_PAIRS finishes).
+    nl_stage_rows<T, K, NL_BM>(sa, x1, m0, M);
+    asm volatile("cp.async.commit_group;" ::: "memory");
+    nl_stage_rows<T, K, BN>(sb, w1, n0, N1);
+    asm volatile("cp.async.commit_group;" ::: "memory");
+    nl_stage_rows<T, 4 * K, SLICE>(sw2, nx.w2, rank * SLICE, K);
+    nl_stage_rows<T, K, 96>(swq, nx.wq, rank * 96, nx.N2);
+    asm volatile("cp.async.commit_group;" ::: "memory");
+    uint4 wraw[CHUNKS], braw[CHUNKS];
+    layer_norm_params<CHUNKS>(ln_w, ln_b, wraw, braw, VECS, lane);
+    float bias_f[4][2];
+    nl_load_bias(bias_f, b1, n0 + wn * 32, N1);
+    RnlRegs<K> g2;
+    rnl_load_regs<T, K, 96>(g2, nx.ln_w, nx.ln_b, nx.bq, x1, nx.b2, M, nx.N2);
+    asm volatile("cp.async.wait_group 2;" ::: "memory");
+    __syncthreads();
+
+    // 2. norm2, one warp per row, in place (the LayerNorm kernel's row code).
+    if (warp < NL_BM) {
+        uint4* row = reinterpret_cast<uint4*>(sa + warp * LDS);
+        layer_norm_warp_row<CHUNKS, T>(row, row, wraw, braw, VECS, K, eps2, lane);
+    }
+    asm volatile("cp.async.wait_group 1;" ::: "memory");
+    __syncthreads();
+
+    // 3. fc1's 16 × 128 tile, a 16 × 32 slice per warp, bias, GELU, pushed into every cluster
+    // CTA's `sh` (the whole cluster is running by the wait).
+    asm volatile("barrier.cluster.wait;" ::: "memory");
+    if (warp < MMA_WARPS) {
+        float acc[4][4] = {};
+        nl_warp_mma_16x32<T, K, LDS>(acc, sa + wm * 16 * LDS, sb + wn * 32 * LDS);
+        nl_epilogue_tile<T, true>(acc, bias_f, wm * 16, n0 + wn * 32, NL_BM, N1, [&](int row, int col, NlPair<T> p) {
+            const uint32_t dst = smem_addr(sh + row * LDY + col);
+#pragma unroll
+            for (int q = 0; q < RNL_SPLIT; ++q) xbar_push(dst, bars + 8 * BAR_FC1, q, pair_bits(p));
+        });
+    }
+    // 4. Every CTA's fc1 tile here, W2's and the qkv tile's rows landed; then fc2 + residual, x2
+    // into every cluster CTA's `sa` (pushed only once every CTA's fc1 tile is here, i.e. after
+    // every CTA's last read of its own `sa`), norm1', the qkv tile.
+    asm volatile("cp.async.wait_group 0;" ::: "memory");
+    xbar_wait(bars + 8 * BAR_FC1);
+    __syncthreads();
+    rnl_finish<T, K, 4 * K, 12, 96, false, false>(sa, swq, sh, sw2, spart, g2, nx.x2, nx.qkv, M, nx.N2, nx.eps,
+                                                  bars + 8 * BAR_X2);
+}
+
+// One entry per storage type, named as the Rust side's MLP_BLOCK_NAMES expects.
+#define MLP_BLOCK_ENTRY(SUFFIX, T)                                                                           \
+    extern "C" __global__ void __cluster_dims__(RNL_SPLIT, 1, 1) __launch_bounds__(NL_WARPS * 32)           \
+        fastpath_mlp_block_##SUFFIX##_c192(const T* x1, const T* ln2_w, const T* ln2_b, const T* w1,         \
+                                           const T* b1, const T* w2, const T* b2, const T* ln1_w,            \
+                                           const T* ln1_b, const T* wq, const T* bq, T* x2, T* qkv_next,     \
+                                           int M, int N1, int N2, float eps2, float eps1) {                 \
+        mlp_block_tile<T, 192>(x1, ln2_w, ln2_b, w1, b1, M, N1, eps2,                                       \
+                               ArnlNext<T>{w2, b2, ln1_w, ln1_b, wq, bq, x2, qkv_next, N2, eps1});          \
+    }
+MLP_BLOCK_ENTRY(f16, __half)
+MLP_BLOCK_ENTRY(bf16, __nv_bfloat16)
+
 #endif

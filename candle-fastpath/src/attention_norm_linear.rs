@@ -297,3 +297,111 @@ pub fn attention_block_applies(
                 .is_ok_and(|(m, _)| crate::cuda::has_attention_block(dev, m))
     }
 }
+
+/// Whether [`mlp_block`] may run, from `CANDLE_FASTPATH_MLP_BLOCK` (read once): unset (yes), `0` /
+/// `off` (no: [`crate::norm_linear`] and then [`crate::residual_norm_linear`]'s fc2 form; for A/B
+/// measurements).
+pub fn mlp_block_enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    crate::switches::read_once(&ON, "CANDLE_FASTPATH_MLP_BLOCK", |v| {
+        !matches!(v, Some("0") | Some("off"))
+    })
+}
+
+/// The weights of a pre-norm ViT block's MLP half and the next block's norm1 and qkv: what
+/// [`mlp_block`] runs from a block's hidden states after its attention to the next block's qkv.
+#[derive(Clone, Copy, Debug)]
+pub struct MlpTail<'a> {
+    pub norm2: &'a LayerNorm,
+    pub fc1: &'a FusedLinear,
+    pub fc2: &'a FusedLinear,
+    /// The next block's norm1 and qkv projection.
+    pub next_norm1: &'a LayerNorm,
+    pub next_qkv: &'a FusedLinear,
+}
+
+/// A pre-norm block's MLP half on tokens `x1` (its hidden states after attention + residual),
+/// and the next block's qkv, in one launch (lever 72): `h = GELU(fc1(norm2(x1)))`,
+/// `x2 = x1 + fc2(h)`, `qkv' = next_qkv(next_norm1(x2))`, with `h` kept on chip: what
+/// [`crate::norm_linear`] (with the GELU) and then [`crate::residual_norm_linear`]'s fc2 form
+/// compute, for a block whose halves a pruning step separates (EViT's, after the attention).
+///
+/// # Arguments
+/// * `x1` - `[M, C]`, any rows (one image's, or several; no attention here).
+/// * `w` - the weights ([`MlpTail`]).
+///
+/// # Returns
+/// `(x2, qkv')`: `[M, C]` and `[M, N2]`, contiguous views of one buffer, exactly what the two
+/// kernels return (the same arithmetic in the same order).
+///
+/// Only where [`mlp_block_applies`] says so; anything else is an error.
+pub fn mlp_block(x1: &Tensor, w: &MlpTail) -> Result<(Tensor, Tensor)> {
+    if !mlp_block_applies(x1, w) {
+        return Err(FastpathError::NotApplicable {
+            op: "mlp_block",
+            inputs: format!(
+                "x1 {:?} {:?} on {:?}, fc1 N {}, next qkv N {}",
+                x1.dims(),
+                x1.dtype(),
+                x1.device().location(),
+                w.fc1.out_dim(),
+                w.next_qkv.out_dim()
+            ),
+        });
+    }
+    #[cfg(feature = "cuda")]
+    {
+        let bias = |l: &FusedLinear| {
+            l.bias()
+                .cloned()
+                .unwrap_or_else(|| unreachable!("mlp_block_applies requires every bias"))
+        };
+        let op = crate::cuda::MlpBlockOp {
+            ln_weight: w.norm2.weight().clone(),
+            ln_bias: w.norm2.bias().clone(),
+            fc1_bias: bias(w.fc1),
+            eps: w.norm2.eps() as f32,
+            second: step_op(w.fc2, w.next_norm1, w.next_qkv, false),
+        };
+        let (m, c) = x1.dims2()?;
+        let n2 = w.next_qkv.out_dim();
+        let both = x1.apply_op3_no_bwd(w.fc1.weight(), w.next_qkv.weight(), &op)?;
+        let x2 = both.narrow(0, 0, m * c)?.reshape((m, c))?;
+        let qkv = both.narrow(0, m * c, m * n2)?.reshape((m, n2))?;
+        Ok((x2, qkv))
+    }
+    #[cfg(not(feature = "cuda"))]
+    unreachable!("mlp_block_applies is false without the cuda feature")
+}
+
+/// Whether [`mlp_block`] runs: norm2 → fc1 with the GELU as [`crate::norm_linear`]'s kernel takes
+/// them (f16 / bf16, biases, C = 192 here) with fc1 exactly 4C wide, what
+/// [`crate::residual_norm_linear_applies`] requires of its fc2 form for fc2, the next block's
+/// norm1 and qkv (N in (480, 576], a grid of one wave: M ≤ 352 on the H100), the kernel and its
+/// shared memory on the device, and `CANDLE_FASTPATH_MLP_BLOCK` not `0`.
+pub fn mlp_block_applies(x1: &Tensor, w: &MlpTail) -> bool {
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (x1, w);
+        false
+    }
+    #[cfg(feature = "cuda")]
+    {
+        let candle_core::Device::Cuda(dev) = x1.device() else {
+            return false;
+        };
+        let c = w.norm2.weight().elem_count();
+        mlp_block_enabled()
+            && x1.dims2().is_ok_and(|(_, xc)| xc == c)
+            && w.fc1.out_dim() == 4 * c
+            && crate::norm_linear::norm_linear_eligible(x1, w.norm2, w.fc1, true)
+            && crate::norm_linear::residual_norm_linear_step_applies(
+                x1,
+                w.fc2,
+                w.next_norm1,
+                w.next_qkv,
+                false,
+            )
+            && crate::cuda::has_mlp_block(dev)
+    }
+}

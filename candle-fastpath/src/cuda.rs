@@ -86,6 +86,11 @@ const ATTENTION_RNL_NAMES: [&str; 8] = [
 ];
 /// [`AttentionRnlOp`]'s kernels with `next` (compute capability 9.0 and up): f16, bf16, then the same two
 /// issuing the first step's weights late ([`ARNL_LATE_W_ROWS`]).
+/// [`MlpBlockOp`]'s kernels (kernels/fastpath.cu, MLP_BLOCK_ENTRY), by dtype.
+const MLP_BLOCK_NAMES: [&str; 2] = [
+    "fastpath_mlp_block_f16_c192",
+    "fastpath_mlp_block_bf16_c192",
+];
 const ATTENTION_BLOCK_NAMES: [&str; 4] = [
     "fastpath_attention_block_f16_c192",
     "fastpath_attention_block_bf16_c192",
@@ -126,6 +131,17 @@ pub(crate) fn attention_block_smem_bytes(m: usize) -> usize {
     let kv = 2 * m.next_multiple_of(16) * (ARNL_HEAD_DIM + 8) * 2;
     let second = (32 * (4 * RNL_DIM + 8) + 96 * (RNL_DIM + 8)) * 2;
     attention_rnl_smem_bytes(m) - kv + kv.max(second)
+}
+
+/// Dynamic shared memory of an [`MlpBlockOp`] launch (16-bit storage): the barriers, x1's 16
+/// rows and fc1's 128 weight rows (C + 8 wide), the fc1 tile's 16 rows and W2's 32-row slice
+/// (4C + 8 wide), the next qkv's 96-row tile (C + 8 wide) and fc2's partial sums (12 warps' 16 ×
+/// 32 f32).
+pub(crate) fn mlp_block_smem_bytes() -> usize {
+    let c = RNL_DIM;
+    RNL_BAR_BYTES
+        + ((NL_BM + 128 + 96) * (c + 8) + (NL_BM + 32) * (4 * c + 8)) * 2
+        + 12 * NL_BM * 32 * 4
 }
 
 /// The one width [`ResidualNormLinearOp`]'s kernels are built for, and the CTAs of a cluster
@@ -301,6 +317,8 @@ struct DeviceState {
     attention_rnl: Option<(Vec<CudaFunction>, usize)>,
     /// [`AttentionRnlOp`] (with `next`)'s kernels, as `attention_rnl` (the same shared-memory limit).
     attention_block: Option<Vec<CudaFunction>>,
+    /// [`MlpBlockOp`]'s kernels, as `attention_rnl` (the same shared-memory limit).
+    mlp_block: Option<Vec<CudaFunction>>,
     /// Streaming multiprocessors, for the CUTLASS kernel's persistent tile scheduler and
     /// [`crate::norm_linear_applies`]'s one-wave rule.
     sm_count: usize,
@@ -419,6 +437,7 @@ fn new_state(dev: &CudaDevice) -> candle_core::Result<DeviceState> {
         },
         attention_rnl: at_opt_in(&ATTENTION_RNL_NAMES)?.map(|f| (f, opt_in_smem as usize)),
         attention_block: at_opt_in(&ATTENTION_BLOCK_NAMES)?,
+        mlp_block: at_opt_in(&MLP_BLOCK_NAMES)?,
         sm_count: attribute(CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?.max(1) as usize,
         hopper: (
             attribute(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
@@ -1292,6 +1311,138 @@ pub(crate) fn has_attention_block(dev: &CudaDevice, m: usize) -> bool {
                 .is_some_and(|(_, max)| attention_block_smem_bytes(m) <= *max)
     })
 }
+
+/// Whether `dev` has [`MlpBlockOp`]'s kernels (as [`has_residual_norm_linear`]) and its shared
+/// memory.
+pub(crate) fn has_mlp_block(dev: &CudaDevice) -> bool {
+    let mut states = STATE.lock().unwrap_or_else(|e| e.into_inner());
+    device_state(&mut states, dev).is_ok_and(|s| {
+        s.mlp_block.is_some()
+            && s.attention_rnl
+                .as_ref()
+                .is_some_and(|(_, max)| mlp_block_smem_bytes() <= *max)
+    })
+}
+
+/// The CustomOp behind [`crate::mlp_block`] (lever 72): `(x1 [M, C], W1 [4C, C], Wq [N2, C])` →
+/// `h = GELU(LayerNorm2(x1)·W1ᵀ + b1)`, `x2 = x1 + h·W2ᵀ + b2` and
+/// `qkv' = LayerNorm1'(x2)·Wqᵀ + bq`, returned as one 1-D buffer of `M·C + M·N2` elements (x2's
+/// rows, then qkv''s). C = [`RNL_DIM`]. norm2's parameters and fc1's bias are carried here, the
+/// second step (fc2, the next norm1 and qkv's bias) as [`ResidualNormLinearOp`]'s fc2 form
+/// carries them. Shapes, strides and alignment are checked again here.
+pub(crate) struct MlpBlockOp {
+    pub ln_weight: Tensor,
+    pub ln_bias: Tensor,
+    pub fc1_bias: Tensor,
+    pub eps: f32,
+    pub second: ResidualNormLinearOp,
+}
+
+impl MlpBlockOp {
+    fn run<T>(
+        &self,
+        (x1, lx): (&CudaStorage, &Layout),
+        (w1, lw1): (&CudaStorage, &Layout),
+        (wq, lwq): (&CudaStorage, &Layout),
+    ) -> candle_core::Result<(CudaStorage, Shape)>
+    where
+        T: candle_core::cuda_backend::CudaDType
+            + candle_core::cuda_backend::cudarc::driver::DeviceRepr
+            + candle_core::WithDType,
+    {
+        const WHAT: &str = "mlp_block";
+        let dev = &x1.device;
+        let size = size_of::<T>();
+        let (m, c) = lx.shape().dims2()?;
+        let (n1, c1) = lw1.shape().dims2()?;
+        let (n2, c2) = lwq.shape().dims2()?;
+        let bf16 = is_bf16::<T>(WHAT)?;
+        let aligned = |l: &Layout| contiguous_16b(l, size);
+        if c != RNL_DIM
+            || m == 0
+            || (n1, c1) != (4 * c, c)
+            || c2 != c
+            || RnlForm::of(4 * c, n2, false) != Some(RnlForm::Fc2)
+            || !aligned(lx)
+            || !aligned(lw1)
+            || !aligned(lwq)
+        {
+            candle_core::bail!(
+                "{WHAT}: unsupported layout for the fused kernel (x1 {:?} strides {:?}, fc1 {:?}, next qkv {:?})",
+                lx.shape().dims(),
+                lx.stride(),
+                lw1.shape().dims(),
+                lwq.shape().dims()
+            );
+        }
+        let first = [
+            (&self.ln_weight, c, true),
+            (&self.ln_bias, c, true),
+            (&self.fc1_bias, n1, false),
+        ];
+        let guards1 = first.map(|(t, _, _)| t.storage_and_layout());
+        let views1 = carried_views::<T>(WHAT, &guards1, &first.map(|(_, n, v)| (n, v)))?;
+        let second = self.second.carried(c, 4 * c, n2);
+        let guards2 = second.map(|(t, _, _)| t.storage_and_layout());
+        let views2 = carried_views::<T>(WHAT, &guards2, &second.map(|(_, n, v)| (n, v)))?;
+        let smem = mlp_block_smem_bytes();
+        let func = {
+            let mut states = STATE.lock().unwrap_or_else(|e| e.into_inner());
+            let state = device_state(&mut states, dev)?;
+            let max_smem = state.attention_rnl.as_ref().map_or(0, |(_, max)| *max);
+            match &state.mlp_block {
+                Some(funcs) if smem <= max_smem => funcs[bf16 as usize].clone(),
+                Some(_) => candle_core::bail!(
+                    "{WHAT}: needs {smem} bytes of shared memory, the device allows {max_smem}"
+                ),
+                None => candle_core::bail!(
+                    "{WHAT}: the fused kernel needs compute capability 9.0 (thread-block clusters)"
+                ),
+            }
+        };
+        let xs = x1.as_cuda_slice::<T>()?.slice(lx.start_offset()..);
+        let w1s = w1.as_cuda_slice::<T>()?.slice(lw1.start_offset()..);
+        let wqs = wq.as_cuda_slice::<T>()?.slice(lwq.start_offset()..);
+        // SAFETY: every element is written by the kernel: x2's (row < M, column < C) by the
+        // cluster rank owning the column's 32-wide slice in the row's tile, qkv''s by its tiles,
+        // as the second step of AttentionRnlOp's attention_block.
+        let mut out = unsafe { dev.alloc::<T>(m * c + m * n2)? };
+        let (mut x2, mut qkv) = out.split_at_mut(m * c);
+        let cfg = rnl_launch_config(m, smem);
+        let (m32, n1_32, n2_32) = (m as i32, n1 as i32, n2 as i32);
+        let stream = dev.cuda_stream();
+        let mut builder = stream.launch_builder(&func);
+        // x1, norm2, fc1, then fc2, the next norm1 and qkv (views2: W2, b2, its LayerNorm's
+        // weight and bias, bq), the outputs, M, N1, N2, both epsilons.
+        builder.arg(&xs);
+        builder.arg(&views1[0]);
+        builder.arg(&views1[1]);
+        builder.arg(&w1s);
+        builder.arg(&views1[2]);
+        for v in &views2[..4] {
+            builder.arg(v);
+        }
+        builder.arg(&wqs);
+        builder.arg(&views2[4]);
+        builder.arg(&mut x2);
+        builder.arg(&mut qkv);
+        builder.arg(&m32);
+        builder.arg(&n1_32);
+        builder.arg(&n2_32);
+        builder.arg(&self.eps);
+        builder.arg(&self.second.eps);
+        // SAFETY: shapes, contiguity and alignment checked above; the kernel reads rows < M of
+        // x1, the weights' rows (past N zero-filled), and writes the M · C and M · N2 elements
+        // of `out` only; clusters as ResidualNormLinearOp's.
+        unsafe { builder.launch(cfg) }.map_err(candle_core::Error::wrap)?;
+        Ok((
+            CudaStorage::wrap_cuda_slice(out, dev.clone()),
+            Shape::from(m * c + m * n2),
+        ))
+    }
+}
+
+cuda_only_op3!(MlpBlockOp, "fastpath-mlp-block", "mlp_block");
 
 /// The CustomOp behind [`crate::attention_residual_norm_linear`] and [`crate::attention_block`]:
 /// `(qkv [M, 3C], r [M, C], W [N, C])` with one sequence of `cu_seqlens = [0, len]` (u32,

@@ -73,7 +73,8 @@ mod switches;
 pub use attention_norm_linear::{
     attention_block, attention_block_applies, attention_block_enabled,
     attention_residual_norm_linear, attention_residual_norm_linear_applies,
-    attention_residual_norm_linear_enabled, BlockTail,
+    attention_residual_norm_linear_enabled, mlp_block, mlp_block_applies, mlp_block_enabled,
+    BlockTail, MlpTail,
 };
 pub use embed::embed_tokens;
 pub use error::{FastpathError, Result};

@@ -127,7 +127,12 @@ pub fn norm_linear_applies(x: &Tensor, norm: &LayerNorm, linear: &FusedLinear, g
 /// [`norm_linear_applies`] but for the grid's size: everything the fused kernel requires of its
 /// operands, and [`norm_linear_mode`] not `Off`.
 #[cfg(feature = "cuda")]
-fn norm_linear_eligible(x: &Tensor, norm: &LayerNorm, linear: &FusedLinear, gelu: bool) -> bool {
+pub(crate) fn norm_linear_eligible(
+    x: &Tensor,
+    norm: &LayerNorm,
+    linear: &FusedLinear,
+    gelu: bool,
+) -> bool {
     let Some(bias) = linear.bias() else {
         return false;
     };

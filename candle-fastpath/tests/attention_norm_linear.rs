@@ -7,14 +7,18 @@
 //! limit on the H100), buffers of more rows than the sequence (their tail NaN), and the output
 //! memory poisoned (NaN) before each call. Built with `cuda` on a GPU with clusters the kernel
 //! must apply to all of them; elsewhere (CI's CPU) it must not, and calling it is a clear error.
+//! The same for `attention_block` (the attention through the next block's qkv) against
+//! `attention_residual_norm_linear` and `residual_norm_linear`, and for `mlp_block` (a block's
+//! MLP half through the next block's qkv) against `norm_linear` and `residual_norm_linear`.
 
 mod common;
 
 use candle_core::{DType, Device, Tensor};
 use candle_fastpath::{
     attention_block, attention_block_applies, attention_residual_norm_linear,
-    attention_residual_norm_linear_applies, residual_norm_linear, BlockTail, Epilogue,
-    FastpathError, FusedLinear, LayerNorm,
+    attention_residual_norm_linear_applies, mlp_block, mlp_block_applies, norm_linear,
+    norm_linear_applies, residual_norm_linear, BlockTail, Epilogue, FastpathError, FusedLinear,
+    LayerNorm, MlpTail,
 };
 use common::{device, has_clusters, host, poison, quantize, randn};
 use rand::{rngs::StdRng, SeedableRng};
@@ -332,6 +336,81 @@ fn block_matches_the_two_kernels() {
                 &qkv_t, &cu, HEADS, scale, &r_t, &w.proj, &w.norm, &w.fc1, true,
             )
             .unwrap();
+            let (want_x2, want_qkv) =
+                residual_norm_linear(&hidden, &x1, &fc2, &next.norm, &next.fc1, false).unwrap();
+            for (part, got, want) in [
+                ("x2", host(&x2), host(&want_x2)),
+                ("next qkv", host(&next_qkv), host(&want_qkv)),
+            ] {
+                for (i, (g, e)) in got.iter().zip(want.iter()).enumerate() {
+                    assert!(
+                        g.is_finite() && g.to_bits() == e.to_bits(),
+                        "{what}: {part} element {i} is {g}, the two kernels give {e}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// `mlp_block` (lever 72: norm2 → fc1 → GELU → fc2 + residual → the next norm1 → qkv, one
+/// launch) gives exactly what `norm_linear` (with the GELU) and then `residual_norm_linear`'s fc2
+/// form give, at row counts from 1 to 352 (partial row tiles included), outputs poisoned before
+/// the call; elsewhere it does not apply and calling it is a clear error.
+#[test]
+fn mlp_block_matches_the_two_kernels() {
+    let dev = device();
+    let fused_expected = dev.is_cuda() && has_clusters(&dev);
+    let mut rng = StdRng::seed_from_u64(72);
+    let (dtypes, _) = under_test(&[]);
+    let rows_under_test: &[usize] = if dtypes.len() == 1 {
+        &[139]
+    } else {
+        &[1, 2, 17, 64, 65, 139, 197, 352]
+    };
+    for &dtype in dtypes {
+        let w = weights(&dev, &mut rng, dtype, 4 * C);
+        let fc2 = FusedLinear::new(
+            tensor(
+                &dev,
+                &randn(&mut rng, C * 4 * C, 0.5 / (C as f32).sqrt()),
+                &[C, 4 * C],
+                dtype,
+            ),
+            Some(tensor(&dev, &randn(&mut rng, C, 0.5), &[C], dtype)),
+        )
+        .unwrap();
+        let next = weights(&dev, &mut rng, dtype, 3 * C);
+        let tail = MlpTail {
+            norm2: &w.norm,
+            fc1: &w.fc1,
+            fc2: &fc2,
+            next_norm1: &next.norm,
+            next_qkv: &next.fc1,
+        };
+        for &rows in rows_under_test {
+            let what = format!("{dtype:?} rows {rows}");
+            let x1 = tensor(&dev, &randn(&mut rng, rows * C, 3.0), &[rows, C], dtype);
+            assert_eq!(
+                mlp_block_applies(&x1, &tail),
+                fused_expected,
+                "{what}: applies"
+            );
+            poison(&dev, rows * (C + 3 * C), dtype);
+            let got = mlp_block(&x1, &tail);
+            if !fused_expected {
+                assert!(
+                    matches!(got, Err(FastpathError::NotApplicable { .. })),
+                    "{what}: not applicable here, got {got:?}"
+                );
+                continue;
+            }
+            let (x2, next_qkv) = got.unwrap();
+            assert_eq!(x2.dims(), &[rows, C]);
+            assert_eq!(next_qkv.dims(), &[rows, 3 * C]);
+            // The reference is the two fused kernels (the same arithmetic in the same order).
+            assert!(norm_linear_applies(&x1, &w.norm, &w.fc1, true), "{what}");
+            let hidden = norm_linear(&x1, &w.norm, &w.fc1, true).unwrap();
             let (want_x2, want_qkv) =
                 residual_norm_linear(&hidden, &x1, &fc2, &next.norm, &next.fc1, false).unwrap();
             for (part, got, want) in [

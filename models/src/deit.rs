@@ -450,6 +450,49 @@ impl Block {
         }
     }
 
+    /// The hidden states after attention + residual, `x + proj(attention(norm1(x)))`, and the
+    /// block's qkv projection: what a pruning step after the attention sees
+    /// ([`Self::tokens_at`]). `qkv`, when given, is that projection of `x`, computed by the block
+    /// before ([`Self::forward_chained`]). For one image at DeiT-T's width the attention and the
+    /// projection are one kernel (`candle_fastpath::attention_residual_norm_linear`, whose
+    /// norm2 + fc1 output is dropped: the step decides which rows the MLP half sees, and the
+    /// fused token it may add has to go through norm2 + fc1 itself), else two.
+    pub fn attention_residual_chained(
+        &self,
+        x: &Tensor,
+        qkv: Option<Tensor>,
+        inputs: &AttentionInputs,
+    ) -> Result<(Tensor, Tensor)> {
+        let qkv = self.qkv_of(x, qkv)?;
+        if let AttentionInputs::Ragged { batch } = inputs {
+            // One sequence only: the applies check reads that off cu_seqlens.
+            if candle_fastpath::attention_residual_norm_linear_applies(
+                &qkv,
+                batch.cu_seqlens(),
+                self.attn.heads,
+                x,
+                &self.attn.proj,
+                &self.norm2,
+                &self.mlp.fc1,
+                true,
+            ) {
+                let (x1, _) = candle_fastpath::attention_residual_norm_linear(
+                    &qkv,
+                    batch.cu_seqlens(),
+                    self.attn.heads,
+                    self.attn.scale,
+                    x,
+                    &self.attn.proj,
+                    &self.norm2,
+                    &self.mlp.fc1,
+                    true,
+                )?;
+                return Ok((x1, qkv));
+            }
+        }
+        Ok((self.attn.residual_from_qkv(&qkv, x, inputs)?, qkv))
+    }
+
     /// The rest of the block after a pruning step at `site` on the kept tokens `x` (laid out as
     /// `inputs` says): the whole block, or its MLP half.
     pub fn rest_after(
@@ -478,6 +521,22 @@ impl Block {
         match site {
             PruneSite::BeforeBlock => self.forward_chained(x, qkv, next, inputs),
             PruneSite::AfterAttention => {
+                // One launch from the kept tokens to the next block's qkv where it applies
+                // (candle_fastpath::mlp_block: DeiT-T's width, a grid of one wave), as the
+                // chained blocks' second step.
+                if let Some(next) = next.filter(|n| n.small_block_batch(x, inputs).is_none()) {
+                    let tail = candle_fastpath::MlpTail {
+                        norm2: &self.norm2,
+                        fc1: &self.mlp.fc1,
+                        fc2: &self.mlp.fc2,
+                        next_norm1: &next.norm1,
+                        next_qkv: &next.attn.qkv,
+                    };
+                    if candle_fastpath::mlp_block_applies(x, &tail) {
+                        let (y, next_qkv) = candle_fastpath::mlp_block(x, &tail)?;
+                        return Ok((y, Some(next_qkv)));
+                    }
+                }
                 let hidden = candle_fastpath::norm_linear(x, &self.norm2, &self.mlp.fc1, true)?;
                 self.fc2_chained(&hidden, x, next, inputs)
             }

@@ -216,6 +216,15 @@ fn gather_qkv_at_steps() -> bool {
     !crate::env_switch(&OFF, "CANDLE_DEIT_GATHER_QKV", "0")
 }
 
+/// Whether the block before a pruning step after the attention computes the step block's qkv
+/// with its fc2 (lever 71; [`DeiT::chainable_next_fixed`]), unless
+/// `CANDLE_DEIT_CHAIN_AFTER_ATTENTION=0` (read once; the step's block then computes its own
+/// norm1 + qkv and runs its attention and projection as two kernels, for A/B measurements).
+fn chain_after_attention() -> bool {
+    static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    !crate::env_switch(&OFF, "CANDLE_DEIT_CHAIN_AFTER_ATTENTION", "0")
+}
+
 /// The next fixed step's block, site and whether it fuses its dropped tokens, from the peeked
 /// item of the steps iterator of `forward_fixed_on_device`.
 fn peek_step(step: Option<&(&&BlockPruner, &FixedCount)>) -> Option<(usize, PruneSite, bool)> {
@@ -260,10 +269,11 @@ impl DeiT {
     }
 
     /// [`Self::chainable_next`] for the fixed-count path, which also chains into a step's block
-    /// when the step gathers the qkv rows with the tokens (`select_top_k_gathering`): one image
-    /// (where the chained kernels run; at larger batches the projection of rows the step drops
-    /// would be wasted work), a step before its block, no fused token. `next_step`: the next
-    /// step's block, site and whether it fuses.
+    /// when the step sits after that block's attention (its qkv is of the same tokens), and when
+    /// the step gathers the qkv rows with the tokens (`select_top_k_gathering`): one image (where
+    /// the chained kernels run; at larger batches the projection of rows the step drops would be
+    /// wasted work), a step before its block, no fused token. `next_step`: the next step's
+    /// block, site and whether it fuses.
     fn chainable_next_fixed(
         &self,
         i: usize,
@@ -271,6 +281,11 @@ impl DeiT {
         batch_size: usize,
     ) -> Option<&Block> {
         match next_step {
+            Some((blk, PruneSite::AfterAttention, _))
+                if blk == i + 1 && chain_after_attention() =>
+            {
+                self.blocks.get(i + 1)
+            }
             Some((blk, PruneSite::BeforeBlock, false))
                 if blk == i + 1 && batch_size == 1 && gather_qkv_at_steps() =>
             {
@@ -427,8 +442,17 @@ impl DeiT {
             let (heads, scale) = (block.attn.heads, block.attn.scale);
             let lengths = vec![len; b];
             // Scores the selection kernel computes itself are not materialised: the whole step
-            // is one launch.
-            let (tokens, qkv) = block.tokens_at(site, &x, &inputs)?;
+            // is one launch. The block before may have computed this block's qkv
+            // (chainable_next_fixed): after the attention it serves the attention, before the
+            // block the step gathers its kept rows with the tokens.
+            let (tokens, qkv, qkv_to_gather) = match site {
+                PruneSite::AfterAttention => {
+                    let (h, qkv) =
+                        block.attention_residual_chained(&x, next_qkv.take(), &inputs)?;
+                    (h, Some(qkv), None)
+                }
+                PruneSite::BeforeBlock => (x.clone(), None, next_qkv.take()),
+            };
             let given;
             let recipe = pruner.score_recipe();
             let scores = match computed_scores(recipe, site, qkv.as_ref(), heads, scale as f32) {
@@ -455,10 +479,8 @@ impl DeiT {
                     TokenScores::Given(&given)
                 }
             };
-            // The block before computed this block's qkv of every row (chainable_next_fixed): the
-            // step gathers its kept rows with the tokens.
-            let (next, kept_qkv, next_len) = match next_qkv.take() {
-                Some(qkv) if fusion.is_none() && site == PruneSite::BeforeBlock => {
+            let (next, kept_qkv, next_len) = match qkv_to_gather {
+                Some(qkv) if fusion.is_none() => {
                     let (next, kept_qkv, next_len) =
                         select_top_k_gathering(&tokens, &qkv, b, scores, num_prefix, keep)?;
                     (next, Some(kept_qkv), next_len)
