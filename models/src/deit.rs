@@ -434,17 +434,23 @@ impl Block {
 
     /// What a pruner at `site` of this block sees: the block's input (before the block), or the
     /// hidden states after attention + residual together with the block's fused qkv (after
-    /// attention, for the class token's attention).
+    /// attention, for the class token's attention; [`Self::attention_residual_chained`], `qkv`
+    /// being that projection of `x` when the block before computed it). A step before the block
+    /// gets no qkv here (`qkv` must then be `None`).
     pub fn tokens_at(
         &self,
         site: PruneSite,
         x: &Tensor,
+        qkv: Option<Tensor>,
         inputs: &AttentionInputs,
     ) -> Result<(Tensor, Option<Tensor>)> {
         match site {
-            PruneSite::BeforeBlock => Ok((x.clone(), None)),
+            PruneSite::BeforeBlock => {
+                debug_assert!(qkv.is_none(), "a step before the block takes no qkv");
+                Ok((x.clone(), None))
+            }
             PruneSite::AfterAttention => {
-                let (h, qkv) = self.attn_residual_with_qkv(x, inputs)?;
+                let (h, qkv) = self.attention_residual_chained(x, qkv, inputs)?;
                 Ok((h, Some(qkv)))
             }
         }

@@ -261,11 +261,19 @@ fn computed_scores<'a>(
 }
 
 impl DeiT {
-    /// The block after block `i` when no pruning step sits at it (`next_step`: the block of the
-    /// next step, if any): the one whose qkv block `i` may compute with its fc2
-    /// ([`Block::forward_chained`]), the tokens being the same for both.
-    fn chainable_next(&self, i: usize, next_step: Option<usize>) -> Option<&Block> {
-        self.blocks.get(i + 1).filter(|_| next_step != Some(i + 1))
+    /// The block after block `i` when no pruning step sits before it (`next_step`: the block
+    /// and site of the next step, if any): the one whose qkv block `i` may compute with its fc2
+    /// ([`Block::forward_chained`]), the tokens being the same for both. A step after that
+    /// block's attention sees the same tokens (lever 71, unless
+    /// `CANDLE_DEIT_CHAIN_AFTER_ATTENTION=0`).
+    fn chainable_next(&self, i: usize, next_step: Option<(usize, PruneSite)>) -> Option<&Block> {
+        match next_step {
+            Some((blk, PruneSite::AfterAttention)) if blk == i + 1 && !chain_after_attention() => {
+                None
+            }
+            Some((blk, PruneSite::BeforeBlock)) if blk == i + 1 => None,
+            _ => self.blocks.get(i + 1),
+        }
     }
 
     /// [`Self::chainable_next`] for the fixed-count path, which also chains into a step's block
@@ -281,17 +289,12 @@ impl DeiT {
         batch_size: usize,
     ) -> Option<&Block> {
         match next_step {
-            Some((blk, PruneSite::AfterAttention, _))
-                if blk == i + 1 && chain_after_attention() =>
-            {
-                self.blocks.get(i + 1)
-            }
             Some((blk, PruneSite::BeforeBlock, false))
                 if blk == i + 1 && batch_size == 1 && gather_qkv_at_steps() =>
             {
                 self.blocks.get(i + 1)
             }
-            _ => self.chainable_next(i, next_step.map(|(blk, _, _)| blk)),
+            _ => self.chainable_next(i, next_step.map(|(blk, site, _)| (blk, site))),
         }
     }
 
@@ -445,14 +448,11 @@ impl DeiT {
             // is one launch. The block before may have computed this block's qkv
             // (chainable_next_fixed): after the attention it serves the attention, before the
             // block the step gathers its kept rows with the tokens.
-            let (tokens, qkv, qkv_to_gather) = match site {
-                PruneSite::AfterAttention => {
-                    let (h, qkv) =
-                        block.attention_residual_chained(&x, next_qkv.take(), &inputs)?;
-                    (h, Some(qkv), None)
-                }
-                PruneSite::BeforeBlock => (x.clone(), None, next_qkv.take()),
+            let (chained, qkv_to_gather) = match site {
+                PruneSite::AfterAttention => (next_qkv.take(), None),
+                PruneSite::BeforeBlock => (None, next_qkv.take()),
             };
+            let (tokens, qkv) = block.tokens_at(site, &x, chained, &inputs)?;
             let given;
             let recipe = pruner.score_recipe();
             let scores = match computed_scores(recipe, site, qkv.as_ref(), heads, scale as f32) {
@@ -577,16 +577,23 @@ impl DeiT {
                     let prefix = block.forward_prefix(&x, next_qkv.take(), &batch, num_prefix)?;
                     return Ok((self.logits_from_prefix(&prefix)?, batches));
                 }
-                let next = self.chainable_next(i, steps.peek().map(|(blk, _)| *blk));
+                let next = self.chainable_next(i, steps.peek().map(|(blk, p)| (*blk, p.site())));
                 (x, next_qkv) = block.forward_chained(&x, next_qkv.take(), next, &inputs)?;
                 continue;
             };
             let site = pruner.site();
-            (x, batch) =
-                self.select_step(i, pruner.as_ref(), &x, &batch, num_prefix, lengths_mode)?;
+            (x, batch) = self.select_step(
+                i,
+                pruner.as_ref(),
+                &x,
+                next_qkv.take(),
+                &batch,
+                num_prefix,
+                lengths_mode,
+            )?;
             batches.push(batch.clone());
             let inputs = AttentionInputs::Ragged { batch: &batch };
-            let next = self.chainable_next(i, steps.peek().map(|(blk, _)| *blk));
+            let next = self.chainable_next(i, steps.peek().map(|(blk, p)| (*blk, p.site())));
             (x, next_qkv) = block.rest_after_chained(site, &x, None, next, &inputs)?;
         }
         // One kernel, no host offsets: the class (and distillation) token of every image.
@@ -597,12 +604,15 @@ impl DeiT {
 
     /// Block `block`'s pruning step by rule on packed tokens `x`: the block up to the step's site,
     /// the scores, the selection. The selected tokens and their batch (the rest of the block is
-    /// the caller's).
+    /// the caller's). `qkv`: the block's qkv projection of `x` when the block before computed it
+    /// (a step after the attention only; [`DeiT::chainable_next`]).
+    #[allow(clippy::too_many_arguments)]
     fn select_step(
         &self,
         block: usize,
         pruner: &dyn TokenPruner,
         x: &Tensor,
+        qkv: Option<Tensor>,
         batch: &RaggedBatch,
         num_prefix: usize,
         lengths_mode: Lengths,
@@ -611,7 +621,7 @@ impl DeiT {
         let inputs = AttentionInputs::Ragged { batch };
         let site = pruner.site();
         let (heads, scale) = (block.attn.heads, block.attn.scale as f32);
-        let (tokens, qkv) = block.tokens_at(site, x, &inputs)?;
+        let (tokens, qkv) = block.tokens_at(site, x, qkv, &inputs)?;
         let given;
         let computed = computed_scores(pruner.score_recipe(), site, qkv.as_ref(), heads, scale);
         let packed = match computed {
@@ -697,8 +707,15 @@ impl DeiT {
             x = b.forward_with(&x, &inputs)?;
         }
         let num_prefix = self.config.num_prefix_tokens();
-        let (tokens, batch) =
-            self.select_step(block, pruner, &x, batch, num_prefix, Lengths::OnDevice)?;
+        let (tokens, batch) = self.select_step(
+            block,
+            pruner,
+            &x,
+            None,
+            batch,
+            num_prefix,
+            Lengths::OnDevice,
+        )?;
         Ok(PrunedTokens {
             tokens,
             batch,
