@@ -436,7 +436,7 @@ impl Block {
     /// hidden states after attention + residual together with the block's fused qkv (after
     /// attention, for the class token's attention; [`Self::attention_residual_chained`], `qkv`
     /// being that projection of `x` when the block before computed it). A step before the block
-    /// gets no qkv here (`qkv` must then be `None`).
+    /// takes no qkv here: `qkv` must then be `None` (an error otherwise).
     pub fn tokens_at(
         &self,
         site: PruneSite,
@@ -445,10 +445,11 @@ impl Block {
         inputs: &AttentionInputs,
     ) -> Result<(Tensor, Option<Tensor>)> {
         match site {
-            PruneSite::BeforeBlock => {
-                debug_assert!(qkv.is_none(), "a step before the block takes no qkv");
-                Ok((x.clone(), None))
-            }
+            PruneSite::BeforeBlock if qkv.is_some() => candle_core::bail!(
+                "tokens_at: a qkv projection was given for a step before the block, which sees \
+                 the block's input only"
+            ),
+            PruneSite::BeforeBlock => Ok((x.clone(), None)),
             PruneSite::AfterAttention => {
                 let (h, qkv) = self.attention_residual_chained(x, qkv, inputs)?;
                 Ok((h, Some(qkv)))
