@@ -271,6 +271,41 @@ fn shapes_it_does_not_take_are_refused() {
     let cu_big = Tensor::from_slice(&[0u32, big as u32], 2, &dev).unwrap();
     refused(&qkv_big, &cu_big, HEADS, &r_big, &w.fc1);
     refused(&qkv, &one.to_dtype(DType::U8).unwrap(), HEADS, &r, &w.fc1);
+
+    // mlp_block: fc1 not 4C wide (a qkv-shaped weight), x1 of another dtype, a non-contiguous
+    // x1, x1 of another width, the one-wave limit.
+    let fc2 = FusedLinear::new(
+        tensor(
+            &dev,
+            &randn(&mut rng, C * 4 * C, 0.05),
+            &[C, 4 * C],
+            DType::F16,
+        ),
+        Some(tensor(&dev, &randn(&mut rng, C, 0.5), &[C], DType::F16)),
+    )
+    .unwrap();
+    let next = weights(&dev, &mut rng, DType::F16, 3 * C);
+    let narrow_fc1 = weights(&dev, &mut rng, DType::F16, 3 * C);
+    let tail = |fc1| MlpTail {
+        norm2: &w.norm,
+        fc1,
+        fc2: &fc2,
+        next_norm1: &next.norm,
+        next_qkv: &next.fc1,
+    };
+    let mlp_refused = |x1: &Tensor, t: &MlpTail| {
+        assert!(!mlp_block_applies(x1, t));
+        let got = mlp_block(x1, t);
+        assert!(
+            matches!(got, Err(FastpathError::NotApplicable { .. })),
+            "got {got:?}"
+        );
+    };
+    mlp_refused(&r, &tail(&narrow_fc1.fc1));
+    mlp_refused(&r.to_dtype(DType::F32).unwrap(), &tail(&w.fc1));
+    mlp_refused(&qkv.narrow(1, 0, C).unwrap(), &tail(&w.fc1));
+    mlp_refused(&qkv, &tail(&w.fc1));
+    mlp_refused(&r_big, &tail(&w.fc1));
 }
 
 /// `attention_block` (lever 65: the attention kernel continuing into fc2 and the next block's
