@@ -15,7 +15,7 @@ ncu --cache-control none --clock-control none --kernel-name regex:attention_bloc
   $B/bench --device cuda --models deit-tiny --dtype f16 --batch 1 --pruners none --paths ragged --reps 5 --warmup 1 --out /tmp/x.json 2>&1 \
   | grep -v "^==PROF==" | grep -E "attention_block|Duration|Elapsed Cycles|SM Active|Throughput|Registers|Shared Memory|Grid Size|Block Size|Cluster|Warp Cycles|Issue|Eligible|Active Warps|Stall|Theoretical|Achieved" >> "$C"
 ncu --cache-control none --clock-control none --kernel-name regex:attention_block --launch-skip ${LAUNCH_SKIP:-22} --launch-count 1 \
-  --sampling-interval 0 --section SourceCounters --page source --print-source sass --csv \
+  --warp-sampling-interval 0 --section SourceCounters --page source --print-source sass --csv \
   $B/bench --device cuda --models deit-tiny --dtype f16 --batch 1 --pruners none --paths ragged --reps 5 --warmup 1 --out /tmp/x.json > /tmp/src.csv 2>/dev/null
 echo "== source page: $(wc -l < /tmp/src.csv) lines" >> "$C"
 python3 - /tmp/src.csv >> "$C" <<'PY'
