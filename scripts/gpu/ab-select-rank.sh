@@ -1,34 +1,50 @@
 #!/usr/bin/env bash
-# Lever 51 on the GPU machine: select_top_k's ranks counted with each patch's comparisons split
-# over the block's spare threads (count_ranks) and the kept rows' slots from a block-wide
-# exclusive sum, against the binary before it (one thread per patch walking every other patch,
-# then every kept patch before it). Two binaries, one call, from the repo root:
-#   .gpu/bench.xz            bench with docs/benchmarks/history/lever51-select-rank.patch applied
-#                            (not kept: no gain, docs/BENCHMARKS.md)
+# select_top_k's ranking against the binary before a change to it, on the GPU machine: lever 51
+# (each patch's comparisons split over the block's spare threads, the kept rows' slots from a
+# block-wide exclusive sum; docs/benchmarks/history/lever51-select-rank.patch, not kept) and
+# lever 76 (patches spread over key buckets first, only a bucket's members compared). Two
+# binaries, one call, from the repo root:
+#   .gpu/bench.xz            bench with the change
 #   .gpu-prev/bench-prev.xz  bench built from the commit before the change
-# plus .gpu/{test-select,test-select_rule,test-select_bounded,test-paths_agreement}.xz.
-# STAGES (default "checks ncu ab"):
-#   checks  test-select, test-select_rule, test-select_bounded; memcheck and racecheck of
-#           test-select; paths at DeiT-S (batch 32, every pruner, three dtypes)
-#   ncu     the selection kernels alone, prev vs new: DeiT-S f16 batch 1 and 8, Threshold-L2 and
-#           EViT fixed, device decisions, caches and clocks left alone
-#   ab      bench T/S/B, batch 1/8, f16, dense, Threshold-L2 and EViT fixed, ragged path, prev /
-#           new interleaved, twice; per-row prev/new ratios
+# plus .gpu/{test-select,test-paths_agreement}.xz.
+# STAGES (default "checks ncu ab"; lever 76 ran "checks anatomy ncu ab"):
+#   checks   test-select (lever 51 also ran test-select_rule and test-select_bounded, whose
+#            kernels neither lever changes); memcheck and racecheck of test-select; paths at DeiT-S (batch 32, every pruner, three dtypes), DeiT-T batch 1
+#            and 8; graphs_check (the one-image graphs against the padded path)
+#   anatomy  bench --graph-anatomy, DeiT-T batch 1, f16, Threshold-L2 / EViT / DynamicViT
+#            fixed, prev and new interleaved, two rounds
+#   ncu      the selection kernels alone, prev vs new: DeiT-S f16 batch 1 and 8, Threshold-L2 and
+#            EViT fixed, device decisions, caches and clocks left alone
+#   ab       bench T/S/B, batch 1/8, f16, dense, Threshold-L2 and EViT fixed, ragged path, prev /
+#            new interleaved, twice; per-row prev/new ratios
 set -u
 stages=${STAGES:-checks ncu ab}
 . scripts/gpu/lib.sh
-unpack bench test-select test-select_rule test-select_bounded test-paths_agreement
+unpack bench test-select test-paths_agreement
 unpack_prev bench || exit 1
 C="$out/select-rank.txt"
 nvidia-smi --query-gpu=name --format=csv,noheader >> "$C"
 if has checks; then
-  for t in select select_rule select_bounded; do
+  for t in select; do
     echo "== test-$t" >> "$C"; timeout 300 $B/test-$t --test-threads=1 2>&1 | grep -E "test result|panicked" >> "$C"
   done
   echo "== memcheck / racecheck test-select" >> "$C"
   timeout 300 compute-sanitizer --tool memcheck --error-exitcode 9 $B/test-select --test-threads=1 2>&1 | grep -E "ERROR SUMMARY|test result" >> "$C"
   timeout 300 compute-sanitizer --tool racecheck --error-exitcode 9 $B/test-select --test-threads=1 2>&1 | grep -E "RACECHECK SUMMARY|ERROR SUMMARY|test result" >> "$C"
   paths_check deit-small 32 300
+  paths_check deit-tiny 1 200
+  paths_check deit-tiny 8 200
+  graphs_check 200
+fi
+if has anatomy; then
+  for r in 1 2; do
+    for a in prev new; do
+      echo "== graph anatomy, $a, round $r" >> "$C"
+      timeout 200 $(prev_or_new "$a" bench) --device cuda --models deit-tiny --dtype f16 --batch 1 \
+        --pruners threshold-l2-fixed,evit-fixed,dynamicvit-fixed --paths ragged --reps 100 \
+        --graph-anatomy --out /tmp/anat.json 2>&1 | grep -E "^graph|rror" | grep -v "only:" >> "$C"
+    done
+  done
 fi
 if has ncu; then
   for a in prev new; do
