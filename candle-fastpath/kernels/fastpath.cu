@@ -481,6 +481,20 @@ struct __align__(4) NlPair {
     T a, b;
 };
 
+// The NL_BM rows of K elements at `rows` (shared memory, LDS elements apart) normalised in place,
+// one warp per row (the first NL_BM warps; NL_BM <= NL_WARPS): the LayerNorm kernel's own row
+// code, so the rows are its output bit for bit. `wraw` / `braw`: the LayerNorm's parameters as
+// layer_norm_params loads them.
+template <int CHUNKS, typename T, int K, int LDS>
+__device__ __forceinline__ void nl_normalize_rows(T* rows, const uint4 (&wraw)[CHUNKS], const uint4 (&braw)[CHUNKS],
+                                                  float eps) {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (warp < NL_BM) {
+        uint4* row = reinterpret_cast<uint4*>(rows + warp * LDS);
+        layer_norm_warp_row<CHUNKS, T>(row, row, wraw, braw, K / 8, K, eps, lane);
+    }
+}
+
 // The bias pairs of a warp's 16 × 32 accumulator tile starting at column `col0` (zero past N).
 template <typename T>
 __device__ __forceinline__ void nl_load_bias(float (&bias_f)[4][2], const T* __restrict__ bias, int col0, int N) {
@@ -557,11 +571,8 @@ __device__ void norm_linear_tile(const T* __restrict__ x, const T* __restrict__ 
     asm volatile("cp.async.wait_group 1;" ::: "memory");
     __syncthreads();
 
-    // 2. One warp per row (NL_BM <= NL_WARPS), in place: the LayerNorm kernel's own row code.
-    if (warp < NL_BM) {
-        uint4* row = reinterpret_cast<uint4*>(sa + warp * LDS);
-        layer_norm_warp_row<CHUNKS, T>(row, row, wraw, braw, VECS, K, eps, lane);
-    }
+    // 2. The rows normalised in place.
+    nl_normalize_rows<CHUNKS, T, K, LDS>(sa, wraw, braw, eps);
     asm volatile("cp.async.wait_group 0;" ::: "memory");
     __syncthreads();
     if (warp >= MMA_WARPS) return;
@@ -787,11 +798,8 @@ __device__ __forceinline__ void rnl_finish(T* sa, const T* sb, const T* so, cons
     // for, so each may exit once its own exchanges have landed.
     xbar_wait(xbar);
 
-    // 4. One warp per row, in place: the LayerNorm kernel's own row code.
-    if (warp < NL_BM) {
-        uint4* row = reinterpret_cast<uint4*>(sa + warp * LDS);
-        layer_norm_warp_row<CHUNKS, T>(row, row, g.wraw, g.braw, VECS, K, eps, lane);
-    }
+    // 4. The rows normalised in place.
+    nl_normalize_rows<CHUNKS, T, K, LDS>(sa, g.wraw, g.braw, eps);
     asm volatile("cp.async.wait_group 0;" ::: "memory");
     __syncthreads();
 
@@ -1196,11 +1204,8 @@ __device__ void mlp_block_tile(const T* __restrict__ x1, const T* __restrict__ l
     asm volatile("cp.async.wait_group 2;" ::: "memory");
     __syncthreads();
 
-    // 2. norm2, one warp per row, in place (the LayerNorm kernel's row code).
-    if (warp < NL_BM) {
-        uint4* row = reinterpret_cast<uint4*>(sa + warp * LDS);
-        layer_norm_warp_row<CHUNKS, T>(row, row, wraw, braw, VECS, K, eps2, lane);
-    }
+    // 2. norm2, the rows normalised in place.
+    nl_normalize_rows<CHUNKS, T, K, LDS>(sa, wraw, braw, eps2);
     asm volatile("cp.async.wait_group 1;" ::: "memory");
     __syncthreads();
 

@@ -16,9 +16,7 @@ const OP: &str = "attention_residual_norm_linear";
 /// kernel, then [`crate::residual_norm_linear`]; for A/B measurements).
 pub fn attention_residual_norm_linear_enabled() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    crate::switches::read_once(&ON, "CANDLE_FASTPATH_ATTENTION_RNL", |v| {
-        !matches!(v, Some("0") | Some("off"))
-    })
+    crate::switches::on_unless_off(&ON, "CANDLE_FASTPATH_ATTENTION_RNL")
 }
 
 /// Attention over one sequence's tokens from their fused qkv projection, then what
@@ -182,9 +180,7 @@ pub fn attention_residual_norm_linear_applies(
 /// [`crate::residual_norm_linear`]'s fc2 form; for A/B measurements).
 pub fn attention_block_enabled() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    crate::switches::read_once(&ON, "CANDLE_FASTPATH_ATTENTION_BLOCK", |v| {
-        !matches!(v, Some("0") | Some("off"))
-    })
+    crate::switches::on_unless_off(&ON, "CANDLE_FASTPATH_ATTENTION_BLOCK")
 }
 
 /// The weights of one pre-norm ViT block after its attention, and the next block's norm1 and
@@ -303,9 +299,7 @@ pub fn attention_block_applies(
 /// measurements).
 pub fn mlp_block_enabled() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    crate::switches::read_once(&ON, "CANDLE_FASTPATH_MLP_BLOCK", |v| {
-        !matches!(v, Some("0") | Some("off"))
-    })
+    crate::switches::on_unless_off(&ON, "CANDLE_FASTPATH_MLP_BLOCK")
 }
 
 /// The weights of a pre-norm ViT block's MLP half and the next block's norm1 and qkv: what

@@ -14,6 +14,11 @@ pub(crate) fn read_once<T: Copy>(
     *cell.get_or_init(|| decode(std::env::var(name).ok().as_deref().map(str::trim)))
 }
 
+/// A switch that is on unless `name` is `0` or `off` (read once, cached in `cell`).
+pub(crate) fn on_unless_off(cell: &'static OnceLock<bool>, name: &str) -> bool {
+    read_once(cell, name, |v| !matches!(v, Some("0") | Some("off")))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

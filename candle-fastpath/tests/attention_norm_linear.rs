@@ -65,6 +65,20 @@ fn weights(dev: &Device, rng: &mut StdRng, dtype: DType, n: usize) -> Weights {
     Weights { proj, norm, fc1 }
 }
 
+/// A block's fc2, `[C, 4C]` with its bias, random (scaled so that its outputs stay a few units).
+fn fc2_layer(dev: &Device, rng: &mut StdRng, dtype: DType) -> FusedLinear {
+    FusedLinear::new(
+        tensor(
+            dev,
+            &randn(rng, C * 4 * C, 0.5 / (C as f32).sqrt()),
+            &[C, 4 * C],
+            dtype,
+        ),
+        Some(tensor(dev, &randn(rng, C, 0.5), &[C], dtype)),
+    )
+    .unwrap()
+}
+
 /// The dtypes and (rows, length) cases a test runs: f16 and bf16 over `full`, or with
 /// ATTENTION_RNL_TEST_QUICK=1 (for racecheck, thousands of times slower per launch) f16 over
 /// 197 rows and a 64-token sequence in a 70-row buffer.
@@ -274,16 +288,7 @@ fn shapes_it_does_not_take_are_refused() {
 
     // mlp_block: fc1 not 4C wide (a qkv-shaped weight), x1 of another dtype, a non-contiguous
     // x1, x1 of another width, the one-wave limit.
-    let fc2 = FusedLinear::new(
-        tensor(
-            &dev,
-            &randn(&mut rng, C * 4 * C, 0.05),
-            &[C, 4 * C],
-            DType::F16,
-        ),
-        Some(tensor(&dev, &randn(&mut rng, C, 0.5), &[C], DType::F16)),
-    )
-    .unwrap();
+    let fc2 = fc2_layer(&dev, &mut rng, DType::F16);
     let next = weights(&dev, &mut rng, DType::F16, 3 * C);
     let narrow_fc1 = weights(&dev, &mut rng, DType::F16, 3 * C);
     let tail = |fc1| MlpTail {
@@ -331,16 +336,7 @@ fn block_matches_the_two_kernels() {
     ]);
     for &dtype in dtypes {
         let w = weights(&dev, &mut rng, dtype, 4 * C);
-        let fc2 = FusedLinear::new(
-            tensor(
-                &dev,
-                &randn(&mut rng, C * 4 * C, 0.5 / (C as f32).sqrt()),
-                &[C, 4 * C],
-                dtype,
-            ),
-            Some(tensor(&dev, &randn(&mut rng, C, 0.5), &[C], dtype)),
-        )
-        .unwrap();
+        let fc2 = fc2_layer(&dev, &mut rng, dtype);
         let next = weights(&dev, &mut rng, dtype, 3 * C);
         let tail = BlockTail {
             proj: &w.proj,
@@ -405,16 +401,7 @@ fn mlp_block_matches_the_two_kernels() {
     };
     for &dtype in dtypes {
         let w = weights(&dev, &mut rng, dtype, 4 * C);
-        let fc2 = FusedLinear::new(
-            tensor(
-                &dev,
-                &randn(&mut rng, C * 4 * C, 0.5 / (C as f32).sqrt()),
-                &[C, 4 * C],
-                dtype,
-            ),
-            Some(tensor(&dev, &randn(&mut rng, C, 0.5), &[C], dtype)),
-        )
-        .unwrap();
+        let fc2 = fc2_layer(&dev, &mut rng, dtype);
         let next = weights(&dev, &mut rng, dtype, 3 * C);
         let tail = MlpTail {
             norm2: &w.norm,

@@ -287,30 +287,8 @@ impl Block {
         qkv: &Tensor,
         inputs: &AttentionInputs,
     ) -> Result<(Tensor, Tensor)> {
-        if let AttentionInputs::Ragged { batch } = inputs {
-            // One sequence only: the applies check reads that off cu_seqlens.
-            if candle_fastpath::attention_residual_norm_linear_applies(
-                qkv,
-                batch.cu_seqlens(),
-                self.attn.heads,
-                x,
-                &self.attn.proj,
-                &self.norm2,
-                &self.mlp.fc1,
-                true,
-            ) {
-                return Ok(candle_fastpath::attention_residual_norm_linear(
-                    qkv,
-                    batch.cu_seqlens(),
-                    self.attn.heads,
-                    self.attn.scale,
-                    x,
-                    &self.attn.proj,
-                    &self.norm2,
-                    &self.mlp.fc1,
-                    true,
-                )?);
-            }
+        if let Some(done) = self.fused_attention_through_fc1(x, qkv, inputs)? {
+            return Ok(done);
         }
         let heads = self.attn.heads_from_qkv(qkv, inputs)?;
         Ok(candle_fastpath::residual_norm_linear(
@@ -321,6 +299,38 @@ impl Block {
             &self.mlp.fc1,
             true,
         )?)
+    }
+
+    /// [`Self::attention_through_fc1`] as one kernel, `candle_fastpath::attention_residual_norm_linear`,
+    /// where it applies (one image's packed tokens at DeiT-T's width); `None` otherwise.
+    fn fused_attention_through_fc1(
+        &self,
+        x: &Tensor,
+        qkv: &Tensor,
+        inputs: &AttentionInputs,
+    ) -> Result<Option<(Tensor, Tensor)>> {
+        let AttentionInputs::Ragged { batch } = inputs else {
+            return Ok(None);
+        };
+        let (heads, cu) = (self.attn.heads, batch.cu_seqlens());
+        let (proj, norm2, fc1) = (&self.attn.proj, &self.norm2, &self.mlp.fc1);
+        // One sequence only: the applies check reads that off cu_seqlens.
+        if !candle_fastpath::attention_residual_norm_linear_applies(
+            qkv, cu, heads, x, proj, norm2, fc1, true,
+        ) {
+            return Ok(None);
+        }
+        Ok(Some(candle_fastpath::attention_residual_norm_linear(
+            qkv,
+            cu,
+            heads,
+            self.attn.scale,
+            x,
+            proj,
+            norm2,
+            fc1,
+            true,
+        )?))
     }
 
     /// The block's output at the first `num_prefix` rows of every sequence of `batch` only (the
@@ -471,31 +481,8 @@ impl Block {
         inputs: &AttentionInputs,
     ) -> Result<(Tensor, Tensor)> {
         let qkv = self.qkv_of(x, qkv)?;
-        if let AttentionInputs::Ragged { batch } = inputs {
-            // One sequence only: the applies check reads that off cu_seqlens.
-            if candle_fastpath::attention_residual_norm_linear_applies(
-                &qkv,
-                batch.cu_seqlens(),
-                self.attn.heads,
-                x,
-                &self.attn.proj,
-                &self.norm2,
-                &self.mlp.fc1,
-                true,
-            ) {
-                let (x1, _) = candle_fastpath::attention_residual_norm_linear(
-                    &qkv,
-                    batch.cu_seqlens(),
-                    self.attn.heads,
-                    self.attn.scale,
-                    x,
-                    &self.attn.proj,
-                    &self.norm2,
-                    &self.mlp.fc1,
-                    true,
-                )?;
-                return Ok((x1, qkv));
-            }
+        if let Some((x1, _)) = self.fused_attention_through_fc1(x, &qkv, inputs)? {
+            return Ok((x1, qkv));
         }
         Ok((self.attn.residual_from_qkv(&qkv, x, inputs)?, qkv))
     }
