@@ -65,6 +65,39 @@ fn weights(dev: &Device, rng: &mut StdRng, dtype: DType, n: usize) -> Weights {
     Weights { proj, norm, fc1 }
 }
 
+/// `got` where the fused kernel should run (`fused`), else `None` after checking that the call
+/// was refused with a `NotApplicable` error.
+fn fused_or_refused<T: std::fmt::Debug>(
+    got: Result<T, FastpathError>,
+    fused: bool,
+    what: &str,
+) -> Option<T> {
+    if fused {
+        return Some(got.unwrap());
+    }
+    assert!(
+        matches!(got, Err(FastpathError::NotApplicable { .. })),
+        "{what}: not applicable here, got {got:?}"
+    );
+    None
+}
+
+/// `x2` and the next qkv of a fused block step equal, bit for bit and finite, to what the two
+/// kernels it joins give.
+fn assert_same_bits(what: &str, got: (&Tensor, &Tensor), want: (&Tensor, &Tensor)) {
+    for (part, got, want) in [
+        ("x2", host(got.0), host(want.0)),
+        ("next qkv", host(got.1), host(want.1)),
+    ] {
+        for (i, (g, e)) in got.iter().zip(want.iter()).enumerate() {
+            assert!(
+                g.is_finite() && g.to_bits() == e.to_bits(),
+                "{what}: {part} element {i} is {g}, the two kernels give {e}"
+            );
+        }
+    }
+}
+
 /// A block's fc2, `[C, 4C]` with its bias, random (scaled so that its outputs stay a few units).
 fn fc2_layer(dev: &Device, rng: &mut StdRng, dtype: DType) -> FusedLinear {
     FusedLinear::new(
@@ -193,14 +226,9 @@ fn matches_attention_then_the_steps() {
                 let got = attention_residual_norm_linear(
                     &qkv_t, &cu, HEADS, scale, &r_t, &w.proj, &w.norm, &w.fc1, gelu,
                 );
-                if !fused_expected {
-                    assert!(
-                        matches!(got, Err(FastpathError::NotApplicable { .. })),
-                        "{what}: not applicable here, got {got:?}"
-                    );
+                let Some((x1, y)) = fused_or_refused(got, fused_expected, &what) else {
                     continue;
-                }
-                let (x1, y) = got.unwrap();
+                };
                 assert_eq!(x1.dims(), &[rows, C]);
                 assert_eq!(y.dims(), &[rows, 4 * C]);
                 // The attention output may land one rounding of the storage type away (another
@@ -254,10 +282,7 @@ fn shapes_it_does_not_take_are_refused() {
         ));
         let got =
             attention_residual_norm_linear(qkv, cu, heads, 0.125, r, &w.proj, &w.norm, fc1, true);
-        assert!(
-            matches!(got, Err(FastpathError::NotApplicable { .. })),
-            "got {got:?}"
-        );
+        fused_or_refused(got, false, "attention_residual_norm_linear");
     };
     // Two sequences; heads of another width; a residual of other rows or dtype; qkv of
     // another width; fc1 of another width (not the proj form); the one-wave limit (577 rows,
@@ -300,11 +325,7 @@ fn shapes_it_does_not_take_are_refused() {
     };
     let mlp_refused = |x1: &Tensor, t: &MlpTail| {
         assert!(!mlp_block_applies(x1, t));
-        let got = mlp_block(x1, t);
-        assert!(
-            matches!(got, Err(FastpathError::NotApplicable { .. })),
-            "got {got:?}"
-        );
+        fused_or_refused(mlp_block(x1, t), false, "mlp_block");
     };
     mlp_refused(&r, &tail(&narrow_fc1.fc1));
     mlp_refused(&r.to_dtype(DType::F32).unwrap(), &tail(&w.fc1));
@@ -353,14 +374,9 @@ fn block_matches_the_two_kernels() {
             assert_eq!(applies, fused_expected, "{what}: applies");
             poison(&dev, rows * (C + 3 * C), dtype);
             let got = attention_block(&qkv_t, &cu, HEADS, scale, &r_t, &tail);
-            if !fused_expected {
-                assert!(
-                    matches!(got, Err(FastpathError::NotApplicable { .. })),
-                    "{what}: not applicable here, got {got:?}"
-                );
+            let Some((x2, next_qkv)) = fused_or_refused(got, fused_expected, &what) else {
                 continue;
-            }
-            let (x2, next_qkv) = got.unwrap();
+            };
             assert_eq!(x2.dims(), &[rows, C]);
             assert_eq!(next_qkv.dims(), &[rows, 3 * C]);
             let (x1, hidden) = attention_residual_norm_linear(
@@ -369,17 +385,7 @@ fn block_matches_the_two_kernels() {
             .unwrap();
             let (want_x2, want_qkv) =
                 residual_norm_linear(&hidden, &x1, &fc2, &next.norm, &next.fc1, false).unwrap();
-            for (part, got, want) in [
-                ("x2", host(&x2), host(&want_x2)),
-                ("next qkv", host(&next_qkv), host(&want_qkv)),
-            ] {
-                for (i, (g, e)) in got.iter().zip(want.iter()).enumerate() {
-                    assert!(
-                        g.is_finite() && g.to_bits() == e.to_bits(),
-                        "{what}: {part} element {i} is {g}, the two kernels give {e}"
-                    );
-                }
-            }
+            assert_same_bits(&what, (&x2, &next_qkv), (&want_x2, &want_qkv));
         }
     }
 }
@@ -420,14 +426,9 @@ fn mlp_block_matches_the_two_kernels() {
             );
             poison(&dev, rows * (C + 3 * C), dtype);
             let got = mlp_block(&x1, &tail);
-            if !fused_expected {
-                assert!(
-                    matches!(got, Err(FastpathError::NotApplicable { .. })),
-                    "{what}: not applicable here, got {got:?}"
-                );
+            let Some((x2, next_qkv)) = fused_or_refused(got, fused_expected, &what) else {
                 continue;
-            }
-            let (x2, next_qkv) = got.unwrap();
+            };
             assert_eq!(x2.dims(), &[rows, C]);
             assert_eq!(next_qkv.dims(), &[rows, 3 * C]);
             // The reference is the two fused kernels (the same arithmetic in the same order).
@@ -435,17 +436,7 @@ fn mlp_block_matches_the_two_kernels() {
             let hidden = norm_linear(&x1, &w.norm, &w.fc1, true).unwrap();
             let (want_x2, want_qkv) =
                 residual_norm_linear(&hidden, &x1, &fc2, &next.norm, &next.fc1, false).unwrap();
-            for (part, got, want) in [
-                ("x2", host(&x2), host(&want_x2)),
-                ("next qkv", host(&next_qkv), host(&want_qkv)),
-            ] {
-                for (i, (g, e)) in got.iter().zip(want.iter()).enumerate() {
-                    assert!(
-                        g.is_finite() && g.to_bits() == e.to_bits(),
-                        "{what}: {part} element {i} is {g}, the two kernels give {e}"
-                    );
-                }
-            }
+            assert_same_bits(&what, (&x2, &next_qkv), (&want_x2, &want_qkv));
         }
     }
 }

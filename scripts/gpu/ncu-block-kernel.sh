@@ -18,26 +18,5 @@ ncu --cache-control none --clock-control none --kernel-name regex:attention_bloc
   --warp-sampling-interval 0 --section SourceCounters --page source --print-source sass --csv \
   $B/bench --device cuda --models deit-tiny --dtype f16 --batch 1 --pruners none --paths ragged --reps 5 --warmup 1 --out /tmp/x.json > /tmp/src.csv 2>/dev/null
 echo "== source page: $(wc -l < /tmp/src.csv) lines" >> "$C"
-python3 - /tmp/src.csv >> "$C" <<'PY'
-import csv, sys, collections
-rows = list(csv.reader(open(sys.argv[1])))
-hdr_i = next((i for i, r in enumerate(rows) if "Source" in r and any("Warp Stall Sampling (All" in c for c in r)), None)
-if hdr_i is None:
-    print("no source table"); sys.exit()
-hdr = rows[hdr_i]
-src = hdr.index("Source")
-allc = next(i for i, c in enumerate(hdr) if c.startswith("Warp Stall Sampling (All"))
-stall_cols = [i for i, c in enumerate(hdr) if c.startswith("stall_") or c.startswith("smsp__pcsamp")]
-body = [r for r in rows[hdr_i + 1:] if len(r) == len(hdr)]
-num = lambda v: float(v.replace(",", "")) if v.replace(",", "").replace(".", "").isdigit() else 0.0
-total = sum(num(r[allc]) for r in body)
-print(f"samples {total:.0f} over {len(body)} SASS lines")
-for r in sorted(body, key=lambda r: -num(r[allc]))[:30]:
-    print(f"{num(r[allc]):7.0f} {100*num(r[allc])/max(total,1):5.1f}%  {r[src][:110]}")
-if stall_cols:
-    agg = collections.Counter()
-    for r in body:
-        for i in stall_cols: agg[hdr[i]] += num(r[i])
-    print("by column:", ", ".join(f"{k} {v:.0f}" for k, v in agg.most_common(14)))
-PY
+python3 scripts/gpu/ncu_source.py /tmp/src.csv >> "$C"
 cat "$C"
