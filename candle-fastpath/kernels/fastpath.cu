@@ -731,6 +731,23 @@ __device__ __forceinline__ void rnl_load_regs(RnlRegs<K>& g, const T* __restrict
     }
 }
 
+// A warp's 16 × 32 slice of its CTA's back-GEMM tile (rows `a`, weight rows `b`, K wide, K + 8
+// apart), bias, rounding (and the GELU), pushed into every cluster CTA's `y` rows (NL_BM rows of
+// RNL_SPLIT · BN + 8 elements: the whole cluster's tiles side by side), counted on each receiver's
+// barrier `ybar`. Tile rows past the sequence are pushed too (the receivers count every byte).
+template <typename T, int K, int BN, bool GELU>
+__device__ __forceinline__ void nl_slice_to_cluster(const T* a, const T* b, const float (&bias_f)[4][2], T* y,
+                                                    int row0, int col0, int N, uint32_t ybar) {
+    constexpr int LDY = RNL_SPLIT * BN + 8;
+    float acc[4][4] = {};
+    nl_warp_mma_16x32<T, K, K + 8>(acc, a, b);
+    nl_epilogue_tile<T, GELU>(acc, bias_f, row0, col0, NL_BM, N, [&](int row, int col, NlPair<T> p) {
+        const uint32_t dst = smem_addr(y + row * LDY + col);
+#pragma unroll
+        for (int q = 0; q < RNL_SPLIT; ++q) xbar_push(dst, ybar, q, pair_bits(p));
+    });
+}
+
 // Steps 2-5 of residual_norm_linear_tile below (the front GEMM's slice, x1 into every cluster
 // CTA's rows, the LayerNorm, the back GEMM and its epilogue), once this CTA's `so` rows (the front
 // GEMM's input, KF wide) and `sp` rows (its SLICE rows of Wp) are in shared memory and visible to
@@ -805,16 +822,12 @@ __device__ __forceinline__ void rnl_finish(T* sa, const T* sb, const T* so, cons
 
     // 5. A 16 × 32 slice of the tile per warp, then the epilogue.
     if (warp < MMA_WARPS) {
-        float acc[4][4] = {};
-        nl_warp_mma_16x32<T, K, LDS>(acc, sa + wm * 16 * LDS, sb + wn * 32 * LDS);
         if (TO_CLUSTER) {
-            constexpr int LDY = RNL_SPLIT * BN + 8;
-            nl_epilogue_tile<T, GELU>(acc, g.bias_f, wm * 16, n0 + wn * 32, NL_BM, N, [&](int row, int col, NlPair<T> p) {
-                const uint32_t dst = smem_addr(y + row * LDY + col);
-#pragma unroll
-                for (int q = 0; q < RNL_SPLIT; ++q) xbar_push(dst, ybar, q, pair_bits(p));
-            });
+            nl_slice_to_cluster<T, K, BN, GELU>(sa + wm * 16 * LDS, sb + wn * 32 * LDS, g.bias_f, y, wm * 16,
+                                                n0 + wn * 32, N, ybar);
         } else {
+            float acc[4][4] = {};
+            nl_warp_mma_16x32<T, K, LDS>(acc, sa + wm * 16 * LDS, sb + wn * 32 * LDS);
             nl_store_tile<T, GELU>(acc, g.bias_f, y, m0 + wm * 16, n0 + wn * 32, M, N);
         }
     }
@@ -1212,15 +1225,9 @@ __device__ void mlp_block_tile(const T* __restrict__ x1, const T* __restrict__ l
     // 3. fc1's 16 × 128 tile, a 16 × 32 slice per warp, bias, GELU, pushed into every cluster
     // CTA's `sh` (the whole cluster is running by the wait).
     asm volatile("barrier.cluster.wait;" ::: "memory");
-    if (warp < MMA_WARPS) {
-        float acc[4][4] = {};
-        nl_warp_mma_16x32<T, K, LDS>(acc, sa + wm * 16 * LDS, sb + wn * 32 * LDS);
-        nl_epilogue_tile<T, true>(acc, bias_f, wm * 16, n0 + wn * 32, NL_BM, N1, [&](int row, int col, NlPair<T> p) {
-            const uint32_t dst = smem_addr(sh + row * LDY + col);
-#pragma unroll
-            for (int q = 0; q < RNL_SPLIT; ++q) xbar_push(dst, bars + 8 * BAR_FC1, q, pair_bits(p));
-        });
-    }
+    if (warp < MMA_WARPS)
+        nl_slice_to_cluster<T, K, BN, true>(sa + wm * 16 * LDS, sb + wn * 32 * LDS, bias_f, sh, wm * 16, n0 + wn * 32,
+                                            N1, bars + 8 * BAR_FC1);
     // 4. Every CTA's fc1 tile here, W2's and the qkv tile's rows landed; then fc2 + residual, x2
     // into every cluster CTA's `sa` (pushed only once every CTA's fc1 tile is here, i.e. after
     // every CTA's last read of its own `sa`), norm1', the qkv tile.

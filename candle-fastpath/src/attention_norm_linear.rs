@@ -79,7 +79,12 @@ pub fn attention_residual_norm_linear(
             first: step_op(proj, norm, linear, gelu),
             next: None,
         };
-        launch(qkv, residual, linear, &op, linear.out_dim())
+        launch(
+            (qkv, residual, linear.weight()),
+            &op,
+            residual,
+            linear.out_dim(),
+        )
     }
     #[cfg(not(feature = "cuda"))]
     {
@@ -88,20 +93,20 @@ pub fn attention_residual_norm_linear(
     }
 }
 
-/// `op` on `(qkv, residual, back's weight)`, its one output buffer split into the residual
-/// stream's `[M, C]` rows and the last GEMM's `[M, n]` ones (contiguous views).
+/// `op` on `(a, b, c)`, its one output buffer split into the residual stream's rows (`rows`'
+/// shape, `[M, C]`) and the last GEMM's `[M, n]` ones (contiguous views): the output every
+/// kernel of this file returns.
 #[cfg(feature = "cuda")]
 fn launch(
-    qkv: &Tensor,
-    residual: &Tensor,
-    back: &FusedLinear,
-    op: &crate::cuda::AttentionRnlOp,
+    (a, b, c): (&Tensor, &Tensor, &Tensor),
+    op: &impl candle_core::CustomOp3,
+    rows: &Tensor,
     n: usize,
 ) -> Result<(Tensor, Tensor)> {
-    let (m, c) = residual.dims2()?;
-    let both = qkv.apply_op3_no_bwd(residual, back.weight(), op)?;
-    let x = both.narrow(0, 0, m * c)?.reshape((m, c))?;
-    let y = both.narrow(0, m * c, m * n)?.reshape((m, n))?;
+    let (m, width) = rows.dims2()?;
+    let both = a.apply_op3_no_bwd(b, c, op)?;
+    let x = both.narrow(0, 0, m * width)?.reshape((m, width))?;
+    let y = both.narrow(0, m * width, m * n)?.reshape((m, n))?;
     Ok((x, y))
 }
 
@@ -242,7 +247,8 @@ pub fn attention_block(
             )),
         };
         // W is fc1's weight; the second output is the next block's qkv.
-        launch(qkv, residual, w.fc1, &op, w.next_qkv.out_dim())
+        let operands = (qkv, residual, w.fc1.weight());
+        launch(operands, &op, residual, w.next_qkv.out_dim())
     }
     #[cfg(not(feature = "cuda"))]
     {
@@ -357,12 +363,8 @@ pub fn mlp_block(x1: &Tensor, w: &MlpTail) -> Result<(Tensor, Tensor)> {
             eps: w.norm2.eps() as f32,
             second: step_op(w.fc2, w.next_norm1, w.next_qkv, false),
         };
-        let (m, c) = x1.dims2()?;
-        let n2 = w.next_qkv.out_dim();
-        let both = x1.apply_op3_no_bwd(w.fc1.weight(), w.next_qkv.weight(), &op)?;
-        let x2 = both.narrow(0, 0, m * c)?.reshape((m, c))?;
-        let qkv = both.narrow(0, m * c, m * n2)?.reshape((m, n2))?;
-        Ok((x2, qkv))
+        let operands = (x1, w.fc1.weight(), w.next_qkv.weight());
+        launch(operands, &op, x1, w.next_qkv.out_dim())
     }
     #[cfg(not(feature = "cuda"))]
     unreachable!("mlp_block_applies is false without the cuda feature")

@@ -86,16 +86,16 @@ const ATTENTION_RNL_NAMES: [&str; 8] = [
 ];
 /// [`AttentionRnlOp`]'s kernels with `next` (compute capability 9.0 and up): f16, bf16, then the same two
 /// issuing the first step's weights late ([`ARNL_LATE_W_ROWS`]).
-/// [`MlpBlockOp`]'s kernels (kernels/fastpath.cu, MLP_BLOCK_ENTRY), by dtype.
-const MLP_BLOCK_NAMES: [&str; 2] = [
-    "fastpath_mlp_block_f16_c192",
-    "fastpath_mlp_block_bf16_c192",
-];
 const ATTENTION_BLOCK_NAMES: [&str; 4] = [
     "fastpath_attention_block_f16_c192",
     "fastpath_attention_block_bf16_c192",
     "fastpath_attention_block_f16_c192_late",
     "fastpath_attention_block_bf16_c192_late",
+];
+/// [`MlpBlockOp`]'s kernels (kernels/fastpath.cu, MLP_BLOCK_ENTRY), by dtype.
+const MLP_BLOCK_NAMES: [&str; 2] = [
+    "fastpath_mlp_block_f16_c192",
+    "fastpath_mlp_block_bf16_c192",
 ];
 
 /// From this many rows [`AttentionRnlOp`] takes its `_late` kernels, which issue
