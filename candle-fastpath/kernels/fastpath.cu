@@ -495,6 +495,49 @@ __device__ __forceinline__ void nl_normalize_rows(T* rows, const uint4 (&wraw)[C
     }
 }
 
+// candle-ragged's kernels are built with --use_fast_math, this file without: to give the bits
+// theirs give, nl_row_norms spells out the instructions fast math makes of fmaf, + and sqrtf
+// (denormals flushed; sqrtf approximate).
+__device__ __forceinline__ float fma_ftz(float a, float b, float c) {
+    float d;
+    asm("fma.rn.ftz.f32 %0, %1, %2, %3;" : "=f"(d) : "f"(a), "f"(b), "f"(c));
+    return d;
+}
+__device__ __forceinline__ float add_ftz(float a, float b) {
+    float d;
+    asm("add.ftz.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b));
+    return d;
+}
+__device__ __forceinline__ float sqrt_approx_ftz(float a) {
+    float d;
+    asm("sqrt.approx.ftz.f32 %0, %1;" : "=f"(d) : "f"(a));
+    return d;
+}
+
+// Each row's L2 norm (f32) of the NL_BM rows `rows` (K wide, LDS apart, the storage type's rounded
+// values) into norms[m0 + row] for rows below M, one warp per row, by candle-ragged's row-norm
+// arithmetic (warp_sums_of_squares in kernels/ragged_attention.cu, the select kernel's
+// Threshold-L2 scores, compiled with fast math): lane l squares and fused-multiply-adds the 8
+// elements of its 16-byte chunk [8l, 8l + 8) in order from 0 (K = 192: lanes 24-31 hold 0), a
+// butterfly over lanes (xor 16, 8, 4, 2, 1) adds the lanes' sums, then sqrtf. So a step that
+// ranks these values keeps exactly the tokens the select kernel's own norms keep (lever 77).
+template <typename T, int K, int LDS>
+__device__ __forceinline__ void nl_row_norms(const T* rows, float* __restrict__ norms, int m0, int M) {
+    static_assert(K % 8 == 0 && K <= 256, "one 16-byte chunk per lane");
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (warp >= NL_BM) return;
+    float acc = 0.f;
+    if (lane * 8 < K) {
+        const uint4 raw = *reinterpret_cast<const uint4*>(rows + warp * LDS + lane * 8);
+        const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc = fma_ftz(to_f32(e[i]), to_f32(e[i]), acc);
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) acc = add_ftz(acc, __shfl_xor_sync(0xffffffffu, acc, o));
+    if (lane == 0 && m0 + warp < M) norms[m0 + warp] = sqrt_approx_ftz(acc);
+}
+
 // The bias pairs of a warp's 16 × 32 accumulator tile starting at column `col0` (zero past N).
 template <typename T>
 __device__ __forceinline__ void nl_load_bias(float (&bias_f)[4][2], const T* __restrict__ bias, int col0, int N) {
@@ -763,7 +806,7 @@ template <typename T, int K, int KF, int KW, int BN, bool GELU, bool ENTRY_WAIT,
 __device__ __forceinline__ void rnl_finish(T* sa, const T* sb, const T* so, const T* sp, float* spart,
                                            const RnlRegs<K>& g, T* __restrict__ x1, T* __restrict__ y, int M,
                                            int N, float eps, uint32_t xbar, uint32_t ybar = 0,
-                                           NlPair<T>* x1p = nullptr) {
+                                           NlPair<T>* x1p = nullptr, float* norms = nullptr) {
     constexpr int LDS = K + 8, VECS = K / 8, CHUNKS = (VECS + 31) / 32, LDF = KF + 8;
     constexpr int WARPS_N = BN / 32, MMA_WARPS = (NL_BM / 16) * WARPS_N, SLICE = K / RNL_SPLIT;
     constexpr int KSLICE = KF / KW, RNL_PAIRS = NL_BM * SLICE / 2;
@@ -815,7 +858,9 @@ __device__ __forceinline__ void rnl_finish(T* sa, const T* sb, const T* so, cons
     // for, so each may exit once its own exchanges have landed.
     xbar_wait(xbar);
 
-    // 4. The rows normalised in place.
+    // 4. The rows normalised in place; first, with `norms`, cluster rank 0 records their L2
+    // norms (a Threshold-L2 step ranks them next).
+    if (norms != nullptr && rank == 0) nl_row_norms<T, K, LDS>(sa, norms, m0, M);
     nl_normalize_rows<CHUNKS, T, K, LDS>(sa, g.wraw, g.braw, eps);
     asm volatile("cp.async.wait_group 0;" ::: "memory");
     __syncthreads();
@@ -952,6 +997,7 @@ struct ArnlNext {
     T *x2, *qkv;
     int N2;
     float eps;
+    float* norms;  // x2's row L2 norms (nl_row_norms), or null: not wanted
 };
 
 template <typename T, int K, int BN, bool GELU, bool LATE_W, bool BLOCK = false>
@@ -1114,7 +1160,7 @@ __device__ void attention_residual_norm_linear_tile(const T* __restrict__ qkv, c
     // The second step's partial sums where the attention tile, Wp's slice and the first step's
     // partial sums were (31.5 KB for 24 KB).
     rnl_finish<T, K, 4 * K, 12, 96, false, false>(sa, swq, sh, sw2, reinterpret_cast<float*>(so), g2, nx.x2, nx.qkv,
-                                                  M, nx.N2, nx.eps, bars + 8 * BAR_X2);
+                                                  M, nx.N2, nx.eps, bars + 8 * BAR_X2, 0, nullptr, nx.norms);
 }
 
 // One entry per storage type, with and without the GELU, each with W's loads issued at once or
@@ -1145,16 +1191,17 @@ ATTENTION_RESIDUAL_NORM_LINEAR_ENTRY(bf16, __nv_bfloat16, true, true, _gelu_late
 // shared memory like x1; fc2's and qkv's weights are loaded into K / V's space once the attention
 // is done. Dynamic shared memory: attention_block_smem_bytes(M) (the host's), the attention
 // kernel's with the K / V region at least 88,064 bytes. Named as ATTENTION_BLOCK_NAMES expects.
+// `norms`, unless null, receives x2's row L2 norms (f32, M of them; nl_row_norms).
 #define ATTENTION_BLOCK_ENTRY(SUFFIX, T, LATE, TAIL)                                                          \
     extern "C" __global__ void __cluster_dims__(RNL_SPLIT, 1, 1) __launch_bounds__(NL_WARPS * 32)           \
         fastpath_attention_block_##SUFFIX##_c192##TAIL(                                                      \
             const T* qkv, const uint32_t* cu_seqlens, const T* wp, const T* bp, const T* r, const T* ln2_w,  \
             const T* ln2_b, const T* w1, const T* b1, const T* w2, const T* b2, const T* ln1_w,              \
             const T* ln1_b, const T* wq, const T* bq, T* x2, T* qkv_next, int M, int N1, int N2, float eps2, \
-            float eps1, float scale_log2) {                                                                  \
+            float eps1, float scale_log2, float* norms) {                                                    \
         attention_residual_norm_linear_tile<T, 192, 128, true, LATE, true>(                                  \
             qkv, cu_seqlens, wp, bp, r, ln2_w, ln2_b, w1, b1, nullptr, nullptr, M, N1, eps2, scale_log2,    \
-            ArnlNext<T>{w2, b2, ln1_w, ln1_b, wq, bq, x2, qkv_next, N2, eps1});                             \
+            ArnlNext<T>{w2, b2, ln1_w, ln1_b, wq, bq, x2, qkv_next, N2, eps1, norms});                      \
     }
 ATTENTION_BLOCK_ENTRY(f16, __half, false, )
 ATTENTION_BLOCK_ENTRY(bf16, __nv_bfloat16, false, )
@@ -1246,7 +1293,7 @@ __device__ void mlp_block_tile(const T* __restrict__ x1, const T* __restrict__ l
                                            const T* ln1_b, const T* wq, const T* bq, T* x2, T* qkv_next,     \
                                            int M, int N1, int N2, float eps2, float eps1) {                 \
         mlp_block_tile<T, 192>(x1, ln2_w, ln2_b, w1, b1, M, N1, eps2,                                       \
-                               ArnlNext<T>{w2, b2, ln1_w, ln1_b, wq, bq, x2, qkv_next, N2, eps1});          \
+                               ArnlNext<T>{w2, b2, ln1_w, ln1_b, wq, bq, x2, qkv_next, N2, eps1, nullptr}); \
     }
 MLP_BLOCK_ENTRY(f16, __half)
 MLP_BLOCK_ENTRY(bf16, __nv_bfloat16)

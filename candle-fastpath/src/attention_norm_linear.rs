@@ -78,6 +78,7 @@ pub fn attention_residual_norm_linear(
             scale_log2: (scale * std::f64::consts::LOG2_E) as f32,
             first: step_op(proj, norm, linear, gelu),
             next: None,
+            norms: None,
         };
         launch(
             (qkv, residual, linear.weight()),
@@ -221,6 +222,45 @@ pub fn attention_block(
     residual: &Tensor,
     w: &BlockTail,
 ) -> Result<(Tensor, Tensor)> {
+    let (x2, next_qkv, _) =
+        attention_block_launch(qkv, cu_seqlens, heads, scale, residual, w, false)?;
+    Ok((x2, next_qkv))
+}
+
+/// [`attention_block`] that also returns the L2 norm of each row of `x2`, computed in the same
+/// launch (lever 77): what a Threshold-L2 step before the next block ranks, without reading x2
+/// back.
+///
+/// # Returns
+/// `(x2, qkv', norms)`: the first two as [`attention_block`]'s; `norms` `[M]` f32, row `i`'s
+/// `sqrt(Σ x2[i, c]²)` over the stored (rounded) values, by candle-ragged's row-norm arithmetic
+/// (`select_top_k` with `ScoreSource::RowL2Norm`: each 8-element chunk's squares fused-multiply-
+/// added in column order from 0, the chunks' sums added by a butterfly over 32 lanes, xor 16, 8,
+/// 4, 2, 1; C = 192 fills 24 lanes), so ranking them keeps the same tokens bit for bit.
+pub fn attention_block_with_norms(
+    qkv: &Tensor,
+    cu_seqlens: &Tensor,
+    heads: usize,
+    scale: f64,
+    residual: &Tensor,
+    w: &BlockTail,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let (x2, next_qkv, norms) =
+        attention_block_launch(qkv, cu_seqlens, heads, scale, residual, w, true)?;
+    let norms = norms.unwrap_or_else(|| unreachable!("the launch was asked for the norms"));
+    Ok((x2, next_qkv, norms))
+}
+
+/// [`attention_block`]'s one launch, with x2's row norms when `with_norms`.
+fn attention_block_launch(
+    qkv: &Tensor,
+    cu_seqlens: &Tensor,
+    heads: usize,
+    scale: f64,
+    residual: &Tensor,
+    w: &BlockTail,
+    with_norms: bool,
+) -> Result<(Tensor, Tensor, Option<Tensor>)> {
     if !attention_block_applies(qkv, cu_seqlens, heads, residual, w) {
         return Err(FastpathError::NotApplicable {
             op: "attention_block",
@@ -245,14 +285,34 @@ pub fn attention_block(
                 step_op(w.fc2, w.next_norm1, w.next_qkv, false),
                 w.next_qkv.weight().clone(),
             )),
+            norms: with_norms.then(Default::default),
         };
         // W is fc1's weight; the second output is the next block's qkv.
         let operands = (qkv, residual, w.fc1.weight());
-        launch(operands, &op, residual, w.next_qkv.out_dim())
+        let (x2, next_qkv) = launch(operands, &op, residual, w.next_qkv.out_dim())?;
+        let norms = match (&op.norms, residual.device()) {
+            (Some(cell), candle_core::Device::Cuda(dev)) => {
+                let slice = cell.lock().unwrap_or_else(|e| e.into_inner()).take();
+                let slice =
+                    slice.unwrap_or_else(|| unreachable!("the op's launch leaves the norms"));
+                let storage = candle_core::Storage::Cuda(
+                    candle_core::CudaStorage::wrap_cuda_slice(slice, dev.clone()),
+                );
+                let rows = x2.dim(0)?;
+                Some(Tensor::from_storage(
+                    storage,
+                    rows,
+                    candle_core::op::BackpropOp::none(),
+                    false,
+                ))
+            }
+            _ => None,
+        };
+        Ok((x2, next_qkv, norms))
     }
     #[cfg(not(feature = "cuda"))]
     {
-        let _ = scale;
+        let _ = (scale, with_norms);
         unreachable!("attention_block_applies is false without the cuda feature")
     }
 }

@@ -1465,7 +1465,14 @@ pub(crate) struct AttentionRnlOp {
     pub first: ResidualNormLinearOp,
     /// attention_block's second step and the next block's qkv weight.
     pub next: Option<(ResidualNormLinearOp, Tensor)>,
+    /// attention_block only: where the launch leaves x2's row L2 norms (`[M]` f32, the kernel's
+    /// nl_row_norms), for the caller to take once the op has run; `None`: not computed.
+    pub norms: Option<RowNormsOut>,
 }
+
+/// The f32 buffer a fused op writes besides its output (one CustomOp returns one storage), handed
+/// to the caller through the op.
+pub(crate) type RowNormsOut = std::sync::Mutex<Option<CudaSlice<f32>>>;
 
 impl AttentionRnlOp {
     fn run<T>(
@@ -1557,6 +1564,11 @@ impl AttentionRnlOp {
         // next qkv) by their tiles, as ResidualNormLinearOp's.
         let mut out = unsafe { dev.alloc::<T>(m * c + m * n_out)? };
         let (mut x_out, mut y_out) = out.split_at_mut(m * c);
+        // SAFETY: rank 0 of each row tile writes the norm of every row of its tile below M.
+        let mut norms = match (&self.next, &self.norms) {
+            (Some(_), Some(_)) => Some(unsafe { dev.alloc::<f32>(m)? }),
+            _ => None,
+        };
         let late = (m >= arnl_late_rows()) as usize;
         let func = {
             let mut states = STATE.lock().unwrap_or_else(|e| e.into_inner());
@@ -1620,11 +1632,25 @@ impl AttentionRnlOp {
             }
         }
         builder.arg(&self.scale_log2);
+        // attention_block's last argument: where x2's row norms go (null: nowhere).
+        let no_norms: u64 = 0;
+        match (&self.next, &mut norms) {
+            (Some(_), Some(buf)) => {
+                builder.arg(buf);
+            }
+            (Some(_), None) => {
+                builder.arg(&no_norms);
+            }
+            (None, _) => {}
+        }
         // SAFETY: shapes, contiguity and alignment checked above; the kernel reads rows < M of
         // qkv and r, cu_seqlens[1] (clamped to M), the weights' rows (past N zero-filled), and
-        // writes the M · C and M · N_out elements of `out` only; clusters as
-        // ResidualNormLinearOp's.
+        // writes the M · C and M · N_out elements of `out` only (and, given, the M norms);
+        // clusters as ResidualNormLinearOp's.
         unsafe { builder.launch(cfg) }.map_err(candle_core::Error::wrap)?;
+        if let (Some(cell), Some(buf)) = (&self.norms, norms) {
+            *cell.lock().unwrap_or_else(|e| e.into_inner()) = Some(buf);
+        }
         Ok((
             CudaStorage::wrap_cuda_slice(out, dev.clone()),
             Shape::from(m * c + m * n_out),

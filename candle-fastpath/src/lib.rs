@@ -71,7 +71,7 @@ mod small_block;
 mod switches;
 
 pub use attention_norm_linear::{
-    attention_block, attention_block_applies, attention_block_enabled,
+    attention_block, attention_block_applies, attention_block_enabled, attention_block_with_norms,
     attention_residual_norm_linear, attention_residual_norm_linear_applies,
     attention_residual_norm_linear_enabled, mlp_block, mlp_block_applies, mlp_block_enabled,
     BlockTail, MlpTail,

@@ -15,10 +15,10 @@ mod common;
 
 use candle_core::{DType, Device, Tensor};
 use candle_fastpath::{
-    attention_block, attention_block_applies, attention_residual_norm_linear,
-    attention_residual_norm_linear_applies, mlp_block, mlp_block_applies, norm_linear,
-    norm_linear_applies, residual_norm_linear, BlockTail, Epilogue, FastpathError, FusedLinear,
-    LayerNorm, MlpTail,
+    attention_block, attention_block_applies, attention_block_with_norms,
+    attention_residual_norm_linear, attention_residual_norm_linear_applies, mlp_block,
+    mlp_block_applies, norm_linear, norm_linear_applies, residual_norm_linear, BlockTail, Epilogue,
+    FastpathError, FusedLinear, LayerNorm, MlpTail,
 };
 use common::{device, has_clusters, host, poison, quantize, randn};
 use rand::{rngs::StdRng, SeedableRng};
@@ -375,6 +375,8 @@ fn block_matches_the_two_kernels() {
             poison(&dev, rows * (C + 3 * C), dtype);
             let got = attention_block(&qkv_t, &cu, HEADS, scale, &r_t, &tail);
             let Some((x2, next_qkv)) = fused_or_refused(got, fused_expected, &what) else {
+                let with_norms = attention_block_with_norms(&qkv_t, &cu, HEADS, scale, &r_t, &tail);
+                fused_or_refused(with_norms, false, &format!("{what}, with norms"));
                 continue;
             };
             assert_eq!(x2.dims(), &[rows, C]);
@@ -386,7 +388,74 @@ fn block_matches_the_two_kernels() {
             let (want_x2, want_qkv) =
                 residual_norm_linear(&hidden, &x1, &fc2, &next.norm, &next.fc1, false).unwrap();
             assert_same_bits(&what, (&x2, &next_qkv), (&want_x2, &want_qkv));
+            check_row_norms(
+                &dev,
+                &qkv_t,
+                &cu,
+                scale,
+                &r_t,
+                &tail,
+                (&x2, &next_qkv),
+                &what,
+            );
         }
+    }
+}
+
+/// `attention_block_with_norms` (lever 77): the same x2 and next qkv as `attention_block`, and
+/// x2's row L2 norms, which must be the bits candle-ragged's select kernel computes for a
+/// Threshold-L2 step (a step ranking the given norms keeps the same tokens). Checked through
+/// `select_top_k_by` with a weighted-sum fused row and one token kept: the fused row sums every
+/// other row times its score, so the outputs from the kernel's own norms (`RowL2Norm`) and from
+/// these (`Given`) are equal to the bit only if every norm is. Also within 1e-5 of a host
+/// `sqrt(Σ x²)` over the stored values.
+#[allow(clippy::too_many_arguments)]
+fn check_row_norms(
+    dev: &Device,
+    qkv: &Tensor,
+    cu: &Tensor,
+    scale: f64,
+    r: &Tensor,
+    tail: &BlockTail,
+    plain: (&Tensor, &Tensor),
+    what: &str,
+) {
+    use candle_ragged::{select_top_k_by, DroppedFusion, TokenScores};
+    let rows = r.dim(0).unwrap();
+    poison(dev, rows * (C + 3 * C) + rows, r.dtype());
+    let (x2, next_qkv, norms) = attention_block_with_norms(qkv, cu, HEADS, scale, r, tail).unwrap();
+    assert_same_bits(&format!("{what}, with norms"), (&x2, &next_qkv), plain);
+    assert_eq!(norms.dims(), &[rows]);
+    assert_eq!(norms.dtype(), DType::F32);
+    let got = norms.to_vec1::<f32>().unwrap();
+    let x = host(&x2);
+    for (i, g) in got.iter().enumerate() {
+        let want = x[i * C..(i + 1) * C]
+            .iter()
+            .map(|&v| (v as f64) * (v as f64))
+            .sum::<f64>()
+            .sqrt();
+        assert!(
+            g.is_finite() && ((*g as f64) - want).abs() <= 1e-5 * want.max(1e-3),
+            "{what}: row {i} norm {g}, host {want}"
+        );
+    }
+    if rows < 3 {
+        return; // no token to drop besides the one kept
+    }
+    let select = |scores| {
+        let fused = Some(DroppedFusion::WeightedSum);
+        let (out, _) = select_top_k_by(&x2, 1, scores, 1, 1, fused).unwrap();
+        host(&out)
+    };
+    let given = norms.reshape((1, rows)).unwrap();
+    let from_norms = select(TokenScores::Given(&given));
+    let own = select(TokenScores::RowL2Norm);
+    for (i, (g, e)) in from_norms.iter().zip(own.iter()).enumerate() {
+        assert!(
+            g.to_bits() == e.to_bits(),
+            "{what}: select from the block's norms gives {g} at element {i}, from its own {e}"
+        );
     }
 }
 

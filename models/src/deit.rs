@@ -157,6 +157,11 @@ impl Module for Mlp {
 }
 
 /// Pre-norm transformer block: `x = x + attn(norm1(x)); x = x + mlp(norm2(x))`.
+/// What [`Block::forward_chained_with_norms`] returns: the block's output, the next block's qkv
+/// projection of it (when this block computed it) and the L2 norm of each of its rows (when asked
+/// for and computed on the way).
+pub type ChainedBlock = (Tensor, Option<Tensor>, Option<Tensor>);
+
 #[derive(Debug, Clone)]
 pub struct Block {
     pub norm1: LayerNorm,
@@ -218,6 +223,23 @@ impl Block {
         next: Option<&Block>,
         inputs: &AttentionInputs,
     ) -> Result<(Tensor, Option<Tensor>)> {
+        let (y, next_qkv, _) = self.forward_chained_with_norms(x, qkv, next, inputs, false)?;
+        Ok((y, next_qkv))
+    }
+
+    /// [`Self::forward_chained`] that, with `want_norms`, also returns the L2 norm of each row of
+    /// the block's output (`[rows]` f32) where the block runs as one launch that can compute them
+    /// on the way (`candle_fastpath::attention_block_with_norms`, lever 77): the scores of a
+    /// Threshold-L2 step before the next block, bit for bit the ones its selection kernel would
+    /// compute from the rows. `None` otherwise (the step then computes them itself).
+    pub fn forward_chained_with_norms(
+        &self,
+        x: &Tensor,
+        qkv: Option<Tensor>,
+        next: Option<&Block>,
+        inputs: &AttentionInputs,
+        want_norms: bool,
+    ) -> Result<ChainedBlock> {
         if qkv.is_none() {
             if let Some(batch) = self.small_block_batch(x, inputs) {
                 let y = candle_fastpath::small_block(
@@ -226,7 +248,7 @@ impl Block {
                     batch.max_len(),
                     &self.fused_weights(),
                 )?;
-                return Ok((y, None));
+                return Ok((y, None, None));
             }
         }
         // norm1 + qkv, the attention, proj + residual + norm2 + fc1 + GELU, then fc2 + residual
@@ -235,23 +257,27 @@ impl Block {
         // image, three (attention_residual_norm_linear), or one from this block's qkv to the
         // next one's (attention_block).
         let qkv = self.qkv_of(x, qkv)?;
-        if let Some(done) = self.whole_block(x, &qkv, next, inputs)? {
+        if let Some(done) = self.whole_block(x, &qkv, next, inputs, want_norms)? {
             return Ok(done);
         }
         let (x1, hidden) = self.attention_through_fc1(x, &qkv, inputs)?;
-        self.fc2_chained(&hidden, &x1, next, inputs)
+        let (y, next_qkv) = self.fc2_chained(&hidden, &x1, next, inputs)?;
+        Ok((y, next_qkv, None))
     }
 
     /// The block's output and the next block's qkv in one launch
     /// (`candle_fastpath::attention_block`) where it applies: one image's packed tokens at
     /// DeiT-T's width, with a next block that does not run as one launch itself; else `None`.
+    /// With `want_norms`, the output's row norms too
+    /// ([`Self::forward_chained_with_norms`]).
     fn whole_block(
         &self,
         x: &Tensor,
         qkv: &Tensor,
         next: Option<&Block>,
         inputs: &AttentionInputs,
-    ) -> Result<Option<(Tensor, Option<Tensor>)>> {
+        want_norms: bool,
+    ) -> Result<Option<ChainedBlock>> {
         let (AttentionInputs::Ragged { batch }, Some(next)) = (
             inputs,
             next.filter(|n| n.small_block_batch(x, inputs).is_none()),
@@ -271,9 +297,14 @@ impl Block {
         if !candle_fastpath::attention_block_applies(qkv, cu, heads, x, &tail) {
             return Ok(None);
         }
-        let (y, next_qkv) =
-            candle_fastpath::attention_block(qkv, cu, heads, self.attn.scale, x, &tail)?;
-        Ok(Some((y, Some(next_qkv))))
+        let scale = self.attn.scale;
+        if want_norms {
+            let (y, next_qkv, norms) =
+                candle_fastpath::attention_block_with_norms(qkv, cu, heads, scale, x, &tail)?;
+            return Ok(Some((y, Some(next_qkv), Some(norms))));
+        }
+        let (y, next_qkv) = candle_fastpath::attention_block(qkv, cu, heads, scale, x, &tail)?;
+        Ok(Some((y, Some(next_qkv), None)))
     }
 
     /// From the block's input `x` and its qkv projection to `(x1, gelu(fc1(norm2(x1))))` with

@@ -421,6 +421,9 @@ impl DeiT {
         // The next block's qkv, computed by the block before it (or with the embedding) when no
         // pruning step lies between them (Block::forward_chained).
         let mut next_qkv = qkv0;
+        // The L2 norms of x's rows, computed by the block before a Threshold-L2 step on the way
+        // (Block::forward_chained_with_norms), which the step then ranks as given scores.
+        let mut row_norms: Option<Tensor> = None;
         let last = self.blocks.len().saturating_sub(1);
         let prefix_only = crate::deit::last_block_prefix_only(b);
         for (i, block) in self.blocks.iter().enumerate() {
@@ -435,7 +438,18 @@ impl DeiT {
                     });
                 }
                 let next = self.chainable_next_fixed(i, peek_step(steps.peek()), b);
-                (x, next_qkv) = block.forward_chained(&x, next_qkv.take(), next, &inputs)?;
+                let want_norms = steps.peek().is_some_and(|((blk, pruner), _)| {
+                    *blk == i + 1
+                        && pruner.site() == PruneSite::BeforeBlock
+                        && pruner.score_recipe() == ScoreRecipe::TokenL2Norm
+                });
+                (x, next_qkv, row_norms) = block.forward_chained_with_norms(
+                    &x,
+                    next_qkv.take(),
+                    next,
+                    &inputs,
+                    want_norms,
+                )?;
                 continue;
             };
             let site = pruner.site();
@@ -455,9 +469,15 @@ impl DeiT {
             let (tokens, qkv) = block.tokens_at(site, &x, chained, &inputs)?;
             let given;
             let recipe = pruner.score_recipe();
-            let scores = match computed_scores(recipe, site, qkv.as_ref(), heads, scale as f32) {
-                Some(s) => s,
-                None => {
+            let computed = computed_scores(recipe, site, qkv.as_ref(), heads, scale as f32);
+            let scores = match (computed, row_norms.take()) {
+                // The block before computed them: the bits the selection kernel would.
+                (Some(TokenScores::RowL2Norm), Some(norms)) => {
+                    given = norms.reshape((b, len))?;
+                    TokenScores::Given(&given)
+                }
+                (Some(s), _) => s,
+                (None, _) => {
                     given = match pruner.packed_scores(&tokens, &batch, num_prefix)? {
                         // Equal lengths: the packed `[B·len]` scores are the `[B, len]` ones.
                         Some(packed) => packed.reshape((b, len))?,
