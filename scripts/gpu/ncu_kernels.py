@@ -29,7 +29,7 @@ def main():
         a[1] += float(r[vi].replace(",", "")) / 1000
     total = sum(v[1] for v in agg.values())
     f = args.forwards
-    print(f"== ncu dense, {args.label}: per forward {len(data) // f} kernels, {total / f:.1f} us")
+    print(f"== ncu {args.label}: per forward {len(data) // f} kernels, {total / f:.1f} us")
     print("launches/fwd  us/fwd  us/launch  share  kernel")
     for k, (n, t) in sorted(agg.items(), key=lambda kv: -kv[1][1])[: args.top]:
         print(f"{n / f:8.1f} {t / f:9.1f} {t / n:9.2f} {100 * t / total:5.1f}%  {k}")
