@@ -11,12 +11,14 @@
 #            for bit the select kernel's, through a weighted-sum fused row), under memcheck and
 #            (quick cases) racecheck; test-graph; paths at DeiT-T batch 1 and 8; graphs_check
 #            (the one-image graphs against the padded path)
-#   anatomy  bench --graph-anatomy, DeiT-T batch 1, f16 and bf16, dense and Threshold-L2 fixed,
-#            prev and new interleaved, ROUNDS (default 3) rounds
-#   ab       bench DeiT-T, batch 1, f16 and bf16, dense and Threshold-L2 fixed, ragged path, prev /
-#            new interleaved, two rounds; per-row prev/new ratios
+#   anatomy  bench --graph-anatomy, DeiT-T batch 1, f16 and bf16, PRUNERS (default dense and
+#            Threshold-L2 fixed; the second call: Threshold-L2 fixed and adaptive), prev and new
+#            interleaved, ROUNDS (default 3) rounds
+#   ab       bench DeiT-T, batch 1, f16 and bf16, PRUNERS, ragged path, prev / new interleaved,
+#            two rounds; per-row prev/new ratios
 set -u
 stages=${STAGES:-checks anatomy ab}
+pruners=${PRUNERS:-none,threshold-l2-fixed}
 . scripts/gpu/lib.sh
 unpack bench test-attention_norm_linear test-graph test-paths_agreement
 unpack_prev bench || exit 1
@@ -40,12 +42,12 @@ if has anatomy; then
     for a in prev new; do
       echo "== graph anatomy, $a, round $r" >> "$C"
       timeout 200 $(prev_or_new "$a" bench) --device cuda --models deit-tiny --dtype f16,bf16 --batch 1 \
-        --pruners none,threshold-l2-fixed --paths ragged --reps 200 \
+        --pruners "$pruners" --paths ragged --reps 200 \
         --graph-anatomy --out /tmp/anat.json 2>&1 | grep -E "^graph|rror" | grep -v "only:" >> "$C"
     done
   done
 fi
-norms_run() { $(prev_or_new "$1" bench) --device cuda --models deit-tiny --dtype f16,bf16 --batch 1 --pruners none,threshold-l2-fixed --paths ragged --reps 50 --out "$2"; }
+norms_run() { $(prev_or_new "$1" bench) --device cuda --models deit-tiny --dtype f16,bf16 --batch 1 --pruners "$pruners" --paths ragged --reps 50 --out "$2"; }
 ARMS="prev new"
 has ab && ab_rounds norms norms_run
 pack norms-json.tgz 'norms-*.json'
