@@ -62,6 +62,17 @@ __device__ void gelu_inplace(T* __restrict__ x, unsigned long long n) {
     }
 }
 
+// Holds the GPU for `ns` nanoseconds (one thread of one block): FusedLinear's autotuning (lever
+// 79) queues the launches it times behind it, so that its CUDA events measure the kernels and
+// not the rate at which the host can launch them.
+extern "C" __global__ void fastpath_spin(unsigned long long ns) {
+    unsigned long long t0, t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    do {
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    } while (t - t0 < ns);
+}
+
 // One entry per form and storage type, named as the Rust side's GELU_NAMES table expects.
 #define GELU_ENTRY(FORM, Functor, SUFFIX, T)                                                    \
     extern "C" __global__ void fastpath_gelu_##FORM##_##SUFFIX(T* x, unsigned long long n) {    \
