@@ -662,9 +662,8 @@ fn tune_plan(
         }
         times.push((ms, algo));
     }
-    let fastest = times.iter().min_by(|a, b| a.0.total_cmp(&b.0));
-    if let (Some(&(first_ms, first)), Some(&(ms, algo))) = (times.first(), fastest) {
-        plan.algo = if ms < 0.97 * first_ms { algo } else { first };
+    if let Some(algo) = crate::tuning::fastest_or_first(&times, 0.03) {
+        plan.algo = algo;
     }
     Ok(())
 }

@@ -69,6 +69,8 @@ mod small_block;
 // Read only by CUDA code; compiled everywhere so its unit test runs in CI.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 mod switches;
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+mod tuning;
 
 pub use attention_norm_linear::{
     attention_block, attention_block_applies, attention_block_enabled, attention_block_with_norms,
