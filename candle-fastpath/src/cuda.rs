@@ -587,13 +587,15 @@ fn make_plan(handle: sys::cublasLtHandle_t, key: PlanKey) -> candle_core::Result
             return Err(cublas_err(sys::cublasStatus_t::CUBLAS_STATUS_NOT_SUPPORTED));
         };
         plan.algo = first;
-        // Split-K picks sum each output's K in parts and then the parts: another rounding than the
-        // first pick's single pass. Only single-pass ones are timed, so tuning changes speed, not
-        // results (lever 79's probe: every pick it timed gave the first pick's bits).
-        plan.candidates = found
-            .into_iter()
-            .filter(|algo| splitk_num(algo).is_some_and(|n| n <= 1))
-            .collect();
+        // Split-K picks sum each output's K in parts and then the parts: another rounding than a
+        // single pass. Only single-pass picks are timed, and only when the first pick is one, so
+        // tuning changes speed, not results (lever 79's probe: every pick it timed gave the
+        // first pick's bits).
+        let single_pass =
+            |algo: &sys::cublasLtMatmulAlgo_t| splitk_num(algo).is_some_and(|n| n <= 1);
+        if single_pass(&first) {
+            plan.candidates = found.into_iter().filter(single_pass).collect();
+        }
     }
     Ok(plan)
 }
@@ -618,9 +620,10 @@ fn splitk_num(algo: &sys::cublasLtMatmulAlgo_t) -> Option<u32> {
 /// Lever 79: times each of `plan`'s candidates on this call's operands (an untimed launch first,
 /// for lazily loaded kernels; then [`TUNE_SPIN_NS`] of `fastpath_spin` so that the host has
 /// queued all [`TUNE_REPS`] timed launches before the GPU reaches them; CUDA events around
-/// those) and keeps the fastest, the first pick unless another is at least 3 % faster; only for
-/// GEMMs whose first pick takes under [`TUNE_MAX_US`]. `run`
-/// launches the GEMM with `algo` (the output is written again by the real launch after).
+/// those) and keeps the fastest, the first pick unless another is at least 3 % faster
+/// ([`crate::tuning::fastest_or_first`]); only for GEMMs whose first pick takes under
+/// [`TUNE_MAX_US`]. `run` launches the GEMM with `algo` (its output is written again by the
+/// real launch after).
 fn tune_plan(
     plan: &mut Plan,
     spin: &CudaFunction,

@@ -4,7 +4,8 @@
 // batch 1, 8, 64 and 256 (197 tokens an image) and at pruned counts. Each algorithm timed in a
 // graph of 20 dependent launches (graph_us_per_call), so the times are a replay's; the one with
 // the least time is reported with its ratio to pick 0, and with the max |difference| of its
-// output from pick 0's (a different accumulation order). Run on the GPU from the repo root:
+// output from pick 0's (a different accumulation order), and both picks' split-K counts. Run on the GPU
+// from the repo root:
 //   nvcc -O3 -std=c++17 -arch=sm_90a -o /tmp/lt_autotune scripts/gpu/probes/lt_autotune.cu -lcublasLt -lcuda
 //   /tmp/lt_autotune [ALGOS]        (default 16)
 #include "probe_common.cuh"
@@ -25,7 +26,7 @@ int main(int argc, char** argv) {
     const Shape shapes[] = {{"qkv", 3, 1, false}, {"proj", 1, 1, true}, {"fc1", 4, 1, false}, {"fc2", 1, 4, true}};
     const int dims[] = {192, 384, 768};
     const int rows[] = {197, 138, 69, 1576, 12608, 50432};
-    printf("model C, rows, GEMM: pick-0 us | best us (pick #) | best / pick 0 | max |diff| | candidates\n");
+    printf("model C, rows, GEMM: pick-0 us | best us (pick #) | best / pick 0 | max |diff| | candidates | split-K of pick 0 / best\n");
     for (int c : dims) {
         for (int m : rows) {
             for (const Shape& sh : shapes) {
@@ -64,8 +65,16 @@ int main(int argc, char** argv) {
                 run_gemm(lt, g, x, y1, r, ws, ws_bytes, s);
                 CK(cudaStreamSynchronize(s));
                 const float d = max_diff_half(y0, y1, (size_t)m * n);
-                printf("C %4d rows %5d %-4s  %7.2f | %7.2f (#%d) | %.3f | %.3g | %d\n", c, m, sh.name, t0, best, best_i,
-                       best / t0, d, found);
+                auto splitk = [](const cublasLtMatmulAlgo_t& a) {
+                    uint32_t v = 0;
+                    size_t w = 0;
+                    return cublasLtMatmulAlgoConfigGetAttribute(&a, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &v, sizeof(v), &w) ==
+                                   CUBLAS_STATUS_SUCCESS
+                               ? (int)v
+                               : -1;
+                };
+                printf("C %4d rows %5d %-4s  %7.2f | %7.2f (#%d) | %.3f | %.3g | %d | split-K %d / %d\n", c, m, sh.name, t0,
+                       best, best_i, best / t0, d, found, splitk(res[0].algo), splitk(res[best_i].algo));
                 fflush(stdout);
                 for (void* p : {w, b, x, r, y0, y1})
                     if (p) CK(cudaFree(p));
