@@ -39,11 +39,12 @@ fn main() {
     // fastpath.cu: GELU, LayerNorm, patchify, embedding, the pruner head; small_block.cu: a
     // whole ViT block in one launch for small token counts (its own module: a change there
     // leaves the other kernels' PTX untouched).
-    // candle-ragged's kernel folder (its `links` metadata): attention_warp.cuh.
+    // candle-ragged's kernel folder (its `links` metadata): attention_warp.cuh, row_norm.cuh.
     let ragged_include = std::env::var("DEP_CANDLE_RAGGED_INCLUDE")
         .expect("candle-ragged publishes its kernel folder (links metadata `include`)");
     println!("cargo:rerun-if-changed={ragged_include}/attention_warp.cuh");
     println!("cargo:rerun-if-changed={ragged_include}/attention_common.cuh");
+    println!("cargo:rerun-if-changed={ragged_include}/row_norm.cuh");
     for name in ["fastpath", "small_block"] {
         let out = PathBuf::from(std::env::var("OUT_DIR").unwrap()).join(format!("{name}.ptx"));
         let status = Command::new(&nvcc)

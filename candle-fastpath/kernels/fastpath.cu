@@ -17,6 +17,7 @@
 // candle-ragged's warp-level attention (its build metadata puts the folder on the include path):
 // attention_residual_norm_linear runs the same online softmax inside its cluster.
 #include "attention_warp.cuh"
+#include "row_norm.cuh"
 
 struct GeluErf {
     __device__ __forceinline__ float operator()(float x) const {
@@ -506,31 +507,10 @@ __device__ __forceinline__ void nl_normalize_rows(T* rows, const uint4 (&wraw)[C
     }
 }
 
-// candle-ragged's kernels are built with --use_fast_math, this file without: to give the bits
-// theirs give, nl_row_norms spells out the instructions fast math makes of fmaf, + and sqrtf
-// (denormals flushed; sqrtf approximate).
-__device__ __forceinline__ float fma_ftz(float a, float b, float c) {
-    float d;
-    asm("fma.rn.ftz.f32 %0, %1, %2, %3;" : "=f"(d) : "f"(a), "f"(b), "f"(c));
-    return d;
-}
-__device__ __forceinline__ float add_ftz(float a, float b) {
-    float d;
-    asm("add.ftz.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b));
-    return d;
-}
-__device__ __forceinline__ float sqrt_approx_ftz(float a) {
-    float d;
-    asm("sqrt.approx.ftz.f32 %0, %1;" : "=f"(d) : "f"(a));
-    return d;
-}
-
 // Each row's L2 norm (f32) of the NL_BM rows `rows` (K wide, LDS apart, the storage type's rounded
 // values) into norms[m0 + row] for rows below M, one warp per row, by candle-ragged's row-norm
-// arithmetic (warp_sums_of_squares in kernels/ragged_attention.cu, the select kernel's
-// Threshold-L2 scores, compiled with fast math): lane l squares and fused-multiply-adds the 8
-// elements of its 16-byte chunk [8l, 8l + 8) in order from 0 (K = 192: lanes 24-31 hold 0), a
-// butterfly over lanes (xor 16, 8, 4, 2, 1) adds the lanes' sums, then sqrtf. So a step that
+// arithmetic (row_norm.cuh, as its select kernels score rows for Threshold-L2): lane l takes the
+// 8 elements of its 16-byte chunk [8l, 8l + 8) (K = 192: lanes 24-31 hold 0). So a step that
 // ranks these values keeps exactly the tokens the select kernel's own norms keep (lever 77).
 template <typename T, int K, int LDS>
 __device__ __forceinline__ void nl_row_norms(const T* rows, float* __restrict__ norms, int m0, int M) {
@@ -542,11 +522,10 @@ __device__ __forceinline__ void nl_row_norms(const T* rows, float* __restrict__ 
         const uint4 raw = *reinterpret_cast<const uint4*>(rows + warp * LDS + lane * 8);
         const T* e = reinterpret_cast<const T*>(&raw);
 #pragma unroll
-        for (int i = 0; i < 8; ++i) acc = fma_ftz(to_f32(e[i]), to_f32(e[i]), acc);
+        for (int i = 0; i < 8; ++i) acc = row_norm_sq_add(to_f32(e[i]), acc);
     }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) acc = add_ftz(acc, __shfl_xor_sync(0xffffffffu, acc, o));
-    if (lane == 0 && m0 + warp < M) norms[m0 + warp] = sqrt_approx_ftz(acc);
+    acc = row_norm_lane_sum(acc);
+    if (lane == 0 && m0 + warp < M) norms[m0 + warp] = row_norm_sqrt(acc);
 }
 
 // The bias pairs of a warp's 16 × 32 accumulator tile starting at column `col0` (zero past N).

@@ -22,6 +22,7 @@
 #include <stdint.h>
 
 #include "attention_warp.cuh"
+#include "row_norm.cuh"
 
 #define QUERIES_PER_BLOCK 64
 #define WARPS 4
@@ -513,7 +514,7 @@ __device__ __forceinline__ float dot_row(const float *a, const T *row, int n, bo
 // row_stride elements apart from base), in f32, by one warp: every lane gets every sum. The rows'
 // loads are issued together: at batch 1 one block scores a whole image, and a row at a time left
 // each warp waiting on one load after another (a 197-token step took ~25 µs). Per row the
-// arithmetic order is fixed (each lane's columns ascending, then a butterfly over lanes).
+// arithmetic is row_norm.cuh's (each lane's columns ascending, then a butterfly over lanes).
 // 16-byte loads when `vec` (C a multiple of the vector and the rows aligned).
 #define SQ_ROWS 8
 template <typename T>
@@ -536,7 +537,7 @@ __device__ __forceinline__ void warp_sums_of_squares(float (&acc)[SQ_ROWS], cons
             for (int u = 0; u < SQ_ROWS; ++u) {
                 const T *e = reinterpret_cast<const T *>(&raw[u]);
 #pragma unroll
-                for (int i = 0; i < V; ++i) acc[u] = fmaf(to_f32(e[i]), to_f32(e[i]), acc[u]);
+                for (int i = 0; i < V; ++i) acc[u] = row_norm_sq_add(to_f32(e[i]), acc[u]);
             }
         }
     } else {
@@ -548,14 +549,11 @@ __device__ __forceinline__ void warp_sums_of_squares(float (&acc)[SQ_ROWS], cons
                 v[u] = j < len ? to_f32(base[(size_t)j * row_stride + c]) : 0.f;
             }
 #pragma unroll
-            for (int u = 0; u < SQ_ROWS; ++u) acc[u] = fmaf(v[u], v[u], acc[u]);
+            for (int u = 0; u < SQ_ROWS; ++u) acc[u] = row_norm_sq_add(v[u], acc[u]);
         }
     }
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-#pragma unroll
-        for (int u = 0; u < SQ_ROWS; ++u) acc[u] += __shfl_xor_sync(0xffffffffu, acc[u], o);
-    }
+    for (int u = 0; u < SQ_ROWS; ++u) acc[u] = row_norm_lane_sum(acc[u]);
 }
 
 // f(j, Σ row_j²) for every row j < len (rows row_stride elements apart from base), on lane 0 of
@@ -623,7 +621,7 @@ __device__ void sequence_scores(float *sc, float *tmp, int tmp_floats, float *re
     } else if (mode == 1) {
         const T *xb = x + (size_t)start * C;
         const bool vec = C % V == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0;
-        for_each_row_sum_of_squares<T>(xb, C, len, C, vec, [&](int j, float ss) { sc[j] = sqrtf(ss); });
+        for_each_row_sum_of_squares<T>(xb, C, len, C, vec, [&](int j, float ss) { sc[j] = row_norm_sqrt(ss); });
     } else {
         const int D = C / heads;
         const size_t stride = 3 * (size_t)C;
