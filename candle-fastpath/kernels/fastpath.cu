@@ -1289,3 +1289,341 @@ MLP_BLOCK_ENTRY(f16, __half)
 MLP_BLOCK_ENTRY(bf16, __nv_bfloat16)
 
 #endif
+
+// ---------------------------------------------------------------------------------------------
+// pooled_mlp_log_prob: DynamicViT's score head (its `out_conv` and log-softmax) over packed rows,
+// in two launches where the composed path runs eight (lever 80 in docs/BENCHMARKS.md):
+//   g_b   = round(mean_b(h[:, H:2H]) · W0[:, H:2H]ᵀ + b0)               per sequence b
+//   y0_r  = round(gelu(round(h_r[0:H] · W0[:, 0:H]ᵀ + g_{seq(r)})))      per row r
+//   y1_r  = round(gelu(round(y0_r · W1ᵀ + b1)))
+//   out_r = log_softmax(round(y1_r · W2ᵀ + b2))[cls]                     (f32)
+// h [rows, 2H] is in_conv's output; the mean runs over each sequence's rows after its first
+// `skip` (class / distillation tokens), with sequence_mean's arithmetic (candle-ragged); W0
+// [H, 2H] (both halves read in place), W1 [Q, H] with Q = H / 2, W2 [K, Q]. Every rounding point
+// is the composed path's (cuBLASLt epilogues, the GELU pass in its Φ form, linear_log_prob's
+// row); only the GEMMs' summation order differs. At batch 1–8 the composed path's kernels are a
+// few hundred KB of work each, so their launches and dependent ramps are what it costs.
+constexpr int PH_WARPS = 8, PH_THREADS = PH_WARPS * 32;
+constexpr int PH_BM = 16;         // rows per tail CTA
+constexpr int PH_POOL_COLS = 32;  // g outputs per pooling CTA
+constexpr int PH_MAX_CU = 1024;   // sequences whose offsets the tail stages in shared memory
+
+// Kernel 1, grid (B, ceil(H / PH_POOL_COLS)): each CTA averages its sequence's pooled half (all
+// H columns; each CTA of the sequence does, rather than wait on another) and computes
+// PH_POOL_COLS outputs of g_b. Its rows of W0's pooled half are requested first, so that they
+// arrive while the mean is summed.
+template <typename T, int H>
+__device__ void pooled_head_pool(const T* __restrict__ h, const uint32_t* __restrict__ cu, int skip,
+                                 const T* __restrict__ w0, const T* __restrict__ b0, T* __restrict__ g) {
+    constexpr int VECS = H / 8, LDW = H + 8;  // 16-byte chunks of a row's pooled half
+    static_assert(H % 8 == 0 && VECS <= 64, "pooled half width");
+    __shared__ float partial[PH_WARPS][H];
+    __shared__ __align__(16) float mean[H];
+    __shared__ __align__(16) T sw[PH_POOL_COLS * LDW];
+    const int b = blockIdx.x, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int n0 = blockIdx.y * PH_POOL_COLS;
+    for (int i = threadIdx.x; i < PH_POOL_COLS * VECS; i += PH_THREADS) {
+        const int r = i / VECS, c = i % VECS;
+        const bool ok = n0 + r < H;
+        nl_cp_async16(sw + r * LDW + c * 8, w0 + (size_t)(ok ? n0 + r : 0) * (2 * H) + H + c * 8, ok);
+    }
+    asm volatile("cp.async.commit_group;" ::: "memory");
+    const int first = (int)cu[b] + skip, end = (int)cu[b + 1];
+    // sequence_mean's order: warp w sums rows first + w, first + w + 8, ... per column.
+#pragma unroll
+    for (int v0 = 0; v0 < VECS; v0 += 32) {
+        const int v = v0 + lane;
+        if (v < VECS) {
+            float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+            // Four rows' loads in flight before their adds (the adds stay in row order).
+            const T* col = h + H + v * 8;
+            for (int r = first + warp; r < end; r += 4 * PH_WARPS) {
+                uint4 raw[4];
+#pragma unroll
+                for (int u = 0; u < 4; ++u) {
+                    const int ru = r + u * PH_WARPS;
+                    raw[u] = ru < end ? *reinterpret_cast<const uint4*>(col + (size_t)ru * (2 * H)) : make_uint4(0, 0, 0, 0);
+                }
+#pragma unroll
+                for (int u = 0; u < 4; ++u) {
+                    if (r + u * PH_WARPS >= end) break;
+                    const T* e = reinterpret_cast<const T*>(&raw[u]);
+#pragma unroll
+                    for (int i = 0; i < 8; ++i) acc[i] += to_f32(e[i]);
+                }
+            }
+#pragma unroll
+            for (int i = 0; i < 8; ++i) partial[warp][v * 8 + i] = acc[i];
+        }
+    }
+    asm volatile("cp.async.wait_group 0;" ::: "memory");
+    __syncthreads();
+    for (int c = threadIdx.x; c < H; c += PH_THREADS) {
+        float s = 0.f;
+#pragma unroll
+        for (int i = 0; i < PH_WARPS; ++i) s += partial[i][c];
+        mean[c] = to_f32(from_f32<T>(__fdiv_rn(s, (float)(end - first))));
+    }
+    __syncthreads();
+    // g_b[n]: lane l dots the 16-byte chunks l, l + 32 of W0's row n with the mean, in element
+    // order, then a butterfly over the lanes; PH_POOL_COLS / PH_WARPS outputs per warp.
+#pragma unroll
+    for (int j = 0; j < PH_POOL_COLS / PH_WARPS; ++j) {
+        const int r = warp * (PH_POOL_COLS / PH_WARPS) + j, n = n0 + r;
+        float acc = 0.f;
+#pragma unroll
+        for (int v0 = 0; v0 < VECS; v0 += 32) {
+            const int v = v0 + lane;
+            if (v < VECS) {
+                const uint4 raw = *reinterpret_cast<const uint4*>(sw + r * LDW + v * 8);
+                const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+                for (int i = 0; i < 8; ++i) acc = fmaf(mean[v * 8 + i], to_f32(e[i]), acc);
+            }
+        }
+        acc = warp_sum(acc);
+        if (lane == 0 && n < H) g[(size_t)b * H + n] = from_f32<T>(acc + to_f32(b0[n]));
+    }
+}
+
+// acc (two m16n8 accumulators: columns n0..n0+15) += A · Bᵀ over K for one warp: A the 16 rows at
+// `a`, B's rows n0.. at `b`, both in shared memory (LDS elements apart), read by ldmatrix.
+template <typename T, int K, int LDS>
+__device__ __forceinline__ void ph_warp_mma_16x16(float (&acc)[2][4], const T* a, const T* b, int n0) {
+    const unsigned lane = threadIdx.x % 32;
+    const T* a_base = a + (lane % 16) * LDS + (lane / 16) * 8;
+    const T* b_base = b + (n0 + (lane % 8) + (lane / 16) * 8) * LDS + ((lane / 8) % 2) * 8;
+#pragma unroll 4
+    for (int k0 = 0; k0 < K; k0 += 16) {
+        unsigned ra[4], rb[4];
+        nl_ldmatrix_x4(ra, a_base + k0);
+        nl_ldmatrix_x4(rb, b_base + k0);
+        nl_mma<T>(acc[0], ra, rb[0], rb[1]);
+        nl_mma<T>(acc[1], ra, rb[2], rb[3]);
+    }
+}
+
+// The f32 log-probability of class `cls` of one row `x` (D elements) under W [K, D], b [K]:
+// linear_log_prob_rows' arithmetic, lane order and roundings (a warp per row).
+template <typename T>
+__device__ __forceinline__ float ph_row_log_prob(const T* x, const T* w, const T* b, int D, int K, int cls) {
+    const unsigned lane = threadIdx.x % 32;
+    float acc[HEAD_MAX_CLASSES];
+#pragma unroll
+    for (int j = 0; j < HEAD_MAX_CLASSES; ++j) acc[j] = 0.f;
+    for (int i = lane; i < D; i += 32) {
+        const float xv = to_f32(x[i]);
+#pragma unroll
+        for (int j = 0; j < HEAD_MAX_CLASSES; ++j)
+            if (j < K) acc[j] = fmaf(xv, to_f32(w[j * D + i]), acc[j]);
+    }
+    float m = __int_as_float(0xff800000);  // -inf
+#pragma unroll
+    for (int j = 0; j < HEAD_MAX_CLASSES; ++j) {
+        if (j < K) {
+            acc[j] = to_f32(from_f32<T>(warp_sum(acc[j]) + to_f32(b[j])));
+            m = fmaxf(m, acc[j]);
+        }
+    }
+    float s = 0.f, z = 0.f;
+#pragma unroll
+    for (int j = 0; j < HEAD_MAX_CLASSES; ++j) {
+        if (j < K) s += expf(acc[j] - m);
+        if (j == cls) z = acc[j];
+    }
+    return (z - m) - logf(s);
+}
+
+// The tail kernel's dynamic shared memory, in bytes, region by region (16-byte aligned each):
+// the rows (a0: local halves, two tiles' worth; a1: y0; a2: y1), the layers' weights (W0's local
+// half, W1, W2, b1, b2), the offsets (PH_MAX_CU + 1 of them) and each row's sequence.
+// pooled_head_rows_smem_bytes in candle-fastpath/src/cuda.rs computes the same total.
+__host__ __device__ constexpr int ph_align16(int bytes) { return (bytes + 15) / 16 * 16; }
+template <typename T, int H> struct PhLayout {
+    static constexpr int Q = H / 2, LDA = H + 8, LDQ = Q + 8;
+    static constexpr int A0 = 0;  // two buffers: the next tile's rows arrive during this one
+    static constexpr int A1 = A0 + 2 * ph_align16(PH_BM * LDA * (int)sizeof(T));
+    static constexpr int A2 = A1 + ph_align16(PH_BM * LDA * (int)sizeof(T));
+    static constexpr int W0 = A2 + ph_align16(PH_BM * LDQ * (int)sizeof(T));
+    static constexpr int W1 = W0 + ph_align16(H * LDA * (int)sizeof(T));
+    static constexpr int W2 = W1 + ph_align16(Q * LDA * (int)sizeof(T));
+    static constexpr int B1 = W2 + ph_align16(HEAD_MAX_CLASSES * Q * (int)sizeof(T));
+    static constexpr int B2 = B1 + ph_align16(Q * (int)sizeof(T));
+    static constexpr int CU = B2 + ph_align16(HEAD_MAX_CLASSES * (int)sizeof(T));
+    static constexpr int SEQ = CU + ph_align16((PH_MAX_CU + 1) * 4);
+    static constexpr int BYTES = SEQ + ph_align16(PH_BM * 4);
+};
+
+// Kernel 2, persistent: grid at most ceil(rows / PH_BM), PhLayout<T, H>::BYTES of dynamic shared
+// memory; CTA i takes row tiles i, i + gridDim.x, ... of PH_BM rows each through the three
+// layers, the intermediate rows kept in shared memory. The weights and offsets are requested
+// once per CTA, with its first tile; each next tile's rows are requested before
+// the current one is computed. A thread's g pairs are requested once its rows' sequences are
+// known, before the first product, so that they arrive during it.
+template <typename T, int H>
+__device__ __forceinline__ void ph_stage_tile(T* dst, const T* __restrict__ h, int m0, int rows) {
+    constexpr int LDA = H + 8;
+    for (int i = threadIdx.x; i < PH_BM * (H / 8); i += PH_THREADS) {
+        const int r = i / (H / 8), c = i % (H / 8);
+        const bool ok = m0 + r < rows;
+        nl_cp_async16(dst + r * LDA + c * 8, h + (size_t)(ok ? m0 + r : 0) * (2 * H) + c * 8, ok);
+    }
+}
+
+template <typename T, int H>
+__device__ void pooled_head_rows(const T* __restrict__ h, const T* __restrict__ g, const uint32_t* __restrict__ cu,
+                                 int nseq, const T* __restrict__ w0, const T* __restrict__ w1,
+                                 const T* __restrict__ b1, const T* __restrict__ w2, const T* __restrict__ b2,
+                                 int K, int cls, float* __restrict__ out, int rows) {
+    using L = PhLayout<T, H>;
+    constexpr int Q = L::Q, LDA = L::LDA, LDQ = L::LDQ;
+    constexpr int A_TILE = L::A1 / 2 / (int)sizeof(T);  // elements between the two row buffers
+    static_assert(H % 32 == 0 && H <= 192, "tail widths: the weights must fit in shared memory");
+    extern __shared__ __align__(16) unsigned char ph_smem[];
+    T* a0 = reinterpret_cast<T*>(ph_smem + L::A0);
+    T* a1 = reinterpret_cast<T*>(ph_smem + L::A1);
+    T* a2 = reinterpret_cast<T*>(ph_smem + L::A2);
+    T* sw0 = reinterpret_cast<T*>(ph_smem + L::W0);
+    T* sw1 = reinterpret_cast<T*>(ph_smem + L::W1);
+    uint32_t* scu = reinterpret_cast<uint32_t*>(ph_smem + L::CU);
+    int* seq = reinterpret_cast<int*>(ph_smem + L::SEQ);
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    const int tiles = (rows + PH_BM - 1) / PH_BM;
+    const bool cu_staged = nseq + 1 <= PH_MAX_CU + 1;
+
+    // One wave of requests: the first tile's rows, the offsets and the weights.
+    ph_stage_tile<T, H>(a0, h, blockIdx.x * PH_BM, rows);
+    if (cu_staged) {
+        for (int i = tid; i <= nseq; i += PH_THREADS) {
+            const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(scu + i));
+            asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(d), "l"(cu + i) : "memory");
+        }
+    }
+    {
+        for (int i = tid; i < H * (H / 8); i += PH_THREADS) {
+            const int r = i / (H / 8), c = i % (H / 8);
+            nl_cp_async16(sw0 + r * LDA + c * 8, w0 + (size_t)r * (2 * H) + c * 8, true);
+        }
+        for (int i = tid; i < Q * (H / 8); i += PH_THREADS) {
+            const int r = i / (H / 8), c = i % (H / 8);
+            nl_cp_async16(sw1 + r * LDA + c * 8, w1 + (size_t)r * H + c * 8, true);
+        }
+        T* sw2 = reinterpret_cast<T*>(ph_smem + L::W2);
+        T* sb1 = reinterpret_cast<T*>(ph_smem + L::B1);
+        T* sb2 = reinterpret_cast<T*>(ph_smem + L::B2);
+        for (int i = tid; i < K * Q; i += PH_THREADS) sw2[i] = w2[i];
+        for (int i = tid; i < Q; i += PH_THREADS) sb1[i] = b1[i];
+        if (tid < K) sb2[tid] = b2[tid];
+    }
+    asm volatile("cp.async.commit_group;" ::: "memory");
+    const T* sb1 = reinterpret_cast<const T*>(ph_smem + L::B1);
+    const T* sw2 = reinterpret_cast<const T*>(ph_smem + L::W2);
+    const T* sb2 = reinterpret_cast<const T*>(ph_smem + L::B2);
+
+    int buf = 0;
+    for (int t = blockIdx.x; t < tiles; t += gridDim.x, buf ^= 1) {
+        const int m0 = t * PH_BM;
+        const T* at = a0 + buf * A_TILE;
+        // 1. The next tile's rows requested; this tile's (and, the first time, everything else)
+        //    awaited.
+        if (t + (int)gridDim.x < tiles) {
+            ph_stage_tile<T, H>(a0 + (buf ^ 1) * A_TILE, h, (t + gridDim.x) * PH_BM, rows);
+            asm volatile("cp.async.commit_group;" ::: "memory");
+            asm volatile("cp.async.wait_group 1;" ::: "memory");
+        } else {
+            asm volatile("cp.async.wait_group 0;" ::: "memory");
+        }
+        __syncthreads();
+
+        // 2. Each row's sequence: the last b with cu[b] <= row (rows past cu[nseq], a capacity
+        //    tail, take the last sequence: their values are never read).
+        if (tid < PH_BM) {
+            const unsigned r = (unsigned)(m0 + tid);
+            const uint32_t* c = cu_staged ? scu : cu;
+            int lo = 0, hi = nseq - 1;
+            while (lo < hi) {
+                const int mid = (lo + hi + 1) / 2;
+                if (c[mid] <= r) lo = mid;
+                else hi = mid - 1;
+            }
+            seq[tid] = lo;
+        }
+        __syncthreads();
+
+        // 3. y0 = round(gelu(round(local · W0[:, :H]ᵀ + g))), 16 columns per warp unit.
+        for (int n0 = warp * 16; n0 < H; n0 += PH_WARPS * 16) {
+            NlPair<T> gv[2][2];
+#pragma unroll
+            for (int j = 0; j < 2; ++j)
+#pragma unroll
+                for (int hh = 0; hh < 2; ++hh)
+                    gv[j][hh] = *reinterpret_cast<const NlPair<T>*>(g + (size_t)seq[lane / 4 + hh * 8] * H + n0 +
+                                                                     j * 8 + (lane % 4) * 2);
+            float acc[2][4] = {};
+            ph_warp_mma_16x16<T, H, LDA>(acc, at, sw0, n0);
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+                const int col = n0 + j * 8 + (lane % 4) * 2;
+#pragma unroll
+                for (int hh = 0; hh < 2; ++hh) {
+                    const int row = lane / 4 + hh * 8;
+                    const T v0 = from_f32<T>(acc[j][2 * hh] + to_f32(gv[j][hh].a));
+                    const T v1 = from_f32<T>(acc[j][2 * hh + 1] + to_f32(gv[j][hh].b));
+                    *reinterpret_cast<NlPair<T>*>(a1 + row * LDA + col) =
+                        NlPair<T>{from_f32<T>(gelu_phi(to_f32(v0))), from_f32<T>(gelu_phi(to_f32(v1)))};
+                }
+            }
+        }
+        __syncthreads();
+
+        // 4. y1 = round(gelu(round(y0 · W1ᵀ + b1))).
+        for (int n0 = warp * 16; n0 < Q; n0 += PH_WARPS * 16) {
+            float bb[2][2];
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+                const int col = n0 + j * 8 + (lane % 4) * 2;
+                bb[j][0] = to_f32(sb1[col]);
+                bb[j][1] = to_f32(sb1[col + 1]);
+            }
+            float acc[2][4] = {};
+            ph_warp_mma_16x16<T, H, LDA>(acc, a1, sw1, n0);
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+                const int col = n0 + j * 8 + (lane % 4) * 2;
+#pragma unroll
+                for (int hh = 0; hh < 2; ++hh) {
+                    const int row = lane / 4 + hh * 8;
+                    const T v0 = from_f32<T>(acc[j][2 * hh] + bb[j][0]);
+                    const T v1 = from_f32<T>(acc[j][2 * hh + 1] + bb[j][1]);
+                    *reinterpret_cast<NlPair<T>*>(a2 + row * LDQ + col) =
+                        NlPair<T>{from_f32<T>(gelu_phi(to_f32(v0))), from_f32<T>(gelu_phi(to_f32(v1)))};
+                }
+            }
+        }
+        __syncthreads();
+
+        // 5. The keep log-probability, a warp per row. The next iteration's first barrier keeps
+        //    a2 and seq from being overwritten before every warp is done with them.
+        for (int row = warp; row < PH_BM; row += PH_WARPS) {
+            const float lp = ph_row_log_prob<T>(a2 + row * LDQ, sw2, sb2, Q, K, cls);
+            if (lane == 0 && m0 + row < rows) out[m0 + row] = lp;
+        }
+    }
+}
+
+#define POOLED_HEAD_ENTRY(SUFFIX, T, H)                                                                      \
+    extern "C" __global__ void __launch_bounds__(PH_THREADS)                                                \
+        fastpath_pooled_head_pool_##SUFFIX##_h##H(const T* h, const uint32_t* cu, int skip, const T* w0,   \
+                                                  const T* b0, T* g) {                                     \
+        pooled_head_pool<T, H>(h, cu, skip, w0, b0, g);                                                     \
+    }                                                                                                       \
+    extern "C" __global__ void __launch_bounds__(PH_THREADS)                                                \
+        fastpath_pooled_head_rows_##SUFFIX##_h##H(const T* h, const T* g, const uint32_t* cu, int nseq,    \
+                                                  const T* w0, const T* w1, const T* b1, const T* w2,      \
+                                                  const T* b2, int K, int cls, float* out, int rows) {     \
+        pooled_head_rows<T, H>(h, g, cu, nseq, w0, w1, b1, w2, b2, K, cls, out, rows);                      \
+    }
+POOLED_HEAD_ENTRY(f16, __half, 96)
+POOLED_HEAD_ENTRY(f16, __half, 192)
+POOLED_HEAD_ENTRY(bf16, __nv_bfloat16, 96)
+POOLED_HEAD_ENTRY(bf16, __nv_bfloat16, 192)

@@ -337,6 +337,8 @@ struct DeviceState {
     attention_block: Option<Vec<CudaFunction>>,
     /// [`MlpBlockOp`]'s kernels, as `attention_rnl` (the same shared-memory limit).
     mlp_block: Option<Vec<CudaFunction>>,
+    /// [`PooledHeadOp`]'s kernels, pool then tail, by (dtype - 1, width) as POOLED_HEAD_NAMES.
+    pooled_head: Vec<CudaFunction>,
     /// Streaming multiprocessors, for the CUTLASS kernel's persistent tile scheduler and
     /// [`crate::norm_linear_applies`]'s one-wave rule.
     sm_count: usize,
@@ -457,6 +459,7 @@ fn new_state(dev: &CudaDevice) -> candle_core::Result<DeviceState> {
         attention_rnl: at_opt_in(&ATTENTION_RNL_NAMES)?.map(|f| (f, opt_in_smem as usize)),
         attention_block: at_opt_in(&ATTENTION_BLOCK_NAMES)?,
         mlp_block: at_opt_in(&MLP_BLOCK_NAMES)?,
+        pooled_head: load_pooled_head(load)?,
         sm_count: attribute(CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?.max(1) as usize,
         hopper: (
             attribute(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
@@ -2490,4 +2493,253 @@ pub(crate) fn stream_is_capturing(dev: &CudaDevice) -> bool {
     let r = unsafe { sys::cuStreamIsCapturing(stream.cu_stream(), &mut status) };
     r == sys::CUresult::CUDA_SUCCESS
         && status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE
+}
+
+// ---------------------------------------------------------------------------------------------
+// DynamicViT's score head over packed rows (crate::PooledMlpHead), two launches.
+
+/// `fastpath_pooled_head_{pool,rows}_*`, by [dtype - 1][width index (crate::POOLED_HEAD_WIDTHS)],
+/// pool then rows.
+const POOLED_HEAD_NAMES: [[[&str; 2]; 2]; 2] = [
+    [
+        [
+            "fastpath_pooled_head_pool_f16_h96",
+            "fastpath_pooled_head_rows_f16_h96",
+        ],
+        [
+            "fastpath_pooled_head_pool_f16_h192",
+            "fastpath_pooled_head_rows_f16_h192",
+        ],
+    ],
+    [
+        [
+            "fastpath_pooled_head_pool_bf16_h96",
+            "fastpath_pooled_head_rows_bf16_h96",
+        ],
+        [
+            "fastpath_pooled_head_pool_bf16_h192",
+            "fastpath_pooled_head_rows_bf16_h192",
+        ],
+    ],
+];
+/// `PH_BM`, `PH_POOL_COLS`, `PH_THREADS` and `PH_MAX_CU` in kernels/fastpath.cu.
+const PH_BM: usize = 16;
+const PH_POOL_COLS: usize = 32;
+const PH_THREADS: u32 = 256;
+const PH_MAX_CU: usize = 1024;
+
+/// The tail kernel's dynamic shared memory for pooled-half width `h` and element size `elem`:
+/// `PhLayout<T, H>::BYTES` in kernels/fastpath.cu (the rows, the layers' weights, PH_MAX_CU + 1
+/// offsets and the rows' sequences, each region rounded up to 16 bytes).
+fn pooled_head_rows_smem_bytes(h: usize, elem: usize) -> usize {
+    let a16 = |b: usize| b.div_ceil(16) * 16;
+    let (q, lda, ldq) = (h / 2, h + 8, h / 2 + 8);
+    // Two tiles of local halves, then y0 and y1.
+    let rows = 3 * a16(PH_BM * lda * elem) + a16(PH_BM * ldq * elem);
+    let weights = a16(h * lda * elem)
+        + a16(q * lda * elem)
+        + a16(crate::HEAD_MAX_CLASSES * q * elem)
+        + a16(q * elem)
+        + a16(crate::HEAD_MAX_CLASSES * elem);
+    rows + weights + a16((PH_MAX_CU + 1) * 4) + a16(PH_BM * 4)
+}
+
+/// The two kernels for (dtype, width), loaded once per device ([`DeviceState::pooled_head`]),
+/// the tail's shared memory, and the most tail CTAs worth launching: as many as the SMs hold at
+/// once (the tail is persistent: more would only queue, and each CTA stages the weights).
+fn pooled_head_funcs(
+    dev: &CudaDevice,
+    bf16: bool,
+    width: usize,
+) -> candle_core::Result<([CudaFunction; 2], usize, usize)> {
+    let mut states = STATE.lock().unwrap_or_else(|e| e.into_inner());
+    let state = device_state(&mut states, dev)?;
+    let n = crate::POOLED_HEAD_WIDTHS.len();
+    let i = 2 * (n * bf16 as usize + width);
+    let smem = pooled_head_rows_smem_bytes(crate::POOLED_HEAD_WIDTHS[width], 2);
+    // 227 KB of shared memory per SM on Hopper; at most 4 CTAs of PH_THREADS each.
+    let per_sm = (227 * 1024 / smem).clamp(1, 4);
+    Ok((
+        [
+            state.pooled_head[i].clone(),
+            state.pooled_head[i + 1].clone(),
+        ],
+        smem,
+        state.sm_count * per_sm,
+    ))
+}
+
+/// Loads every pooled-head kernel, the tails opted into the shared memory they need.
+fn load_pooled_head(
+    load: impl Fn(&[&str]) -> candle_core::Result<Vec<CudaFunction>>,
+) -> candle_core::Result<Vec<CudaFunction>> {
+    use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES as MAX_SMEM;
+    let names: Vec<&str> = POOLED_HEAD_NAMES
+        .iter()
+        .flatten()
+        .flatten()
+        .copied()
+        .collect();
+    let funcs = load(&names)?;
+    for (i, f) in funcs.iter().enumerate() {
+        if i % 2 == 1 {
+            let h = crate::POOLED_HEAD_WIDTHS[(i / 2) % crate::POOLED_HEAD_WIDTHS.len()];
+            f.set_attribute(MAX_SMEM, pooled_head_rows_smem_bytes(h, 2) as i32)
+                .map_err(candle_core::Error::wrap)?;
+        }
+    }
+    Ok(funcs)
+}
+
+/// The CustomOp behind [`crate::PooledMlpHead::forward`] on CUDA: `(h [rows, 2H], cu_seqlens
+/// [B + 1])` → `[rows]` f32; the layers' weights are carried here (shapes, dtypes and devices
+/// checked by the caller; counts, contiguity and alignment again here, so that a direct use
+/// cannot make the kernels misread memory).
+pub(crate) struct PooledHeadOp<'a> {
+    pub w0: &'a Tensor,
+    pub b0: &'a Tensor,
+    pub w1: &'a Tensor,
+    pub b1: &'a Tensor,
+    pub w2: &'a Tensor,
+    pub b2: &'a Tensor,
+    pub skip: usize,
+    pub class: usize,
+}
+
+impl PooledHeadOp<'_> {
+    fn run<T>(
+        &self,
+        (h, lh): (&CudaStorage, &Layout),
+        (cu, lcu): (&CudaStorage, &Layout),
+    ) -> candle_core::Result<(CudaStorage, Shape)>
+    where
+        T: candle_core::cuda_backend::CudaDType
+            + candle_core::cuda_backend::cudarc::driver::DeviceRepr
+            + candle_core::WithDType,
+    {
+        const WHAT: &str = "pooled_mlp_log_prob";
+        let dev = &h.device;
+        let (rows, c) = lh.shape().dims2()?;
+        let half = c / 2;
+        let width = crate::POOLED_HEAD_WIDTHS
+            .iter()
+            .position(|&w| w == half && 2 * w == c)
+            .ok_or_else(|| candle_core::Error::Msg(format!("{WHAT}: no kernel for C = {c}")))?;
+        if !contiguous_16b(lh, size_of::<T>()) {
+            return Err(not_contiguous("pooled_mlp_log_prob h", lh));
+        }
+        let nseq = lcu.shape().elem_count().saturating_sub(1);
+        if !lcu.is_contiguous() || nseq == 0 || cu.dtype() != DType::U32 {
+            candle_core::bail!("{WHAT}: cu_seqlens must be a contiguous u32 [B + 1], B >= 1");
+        }
+        let k = self.w2.elem_count() / (half / 2).max(1);
+        if k == 0 || k > crate::HEAD_MAX_CLASSES || self.class >= k {
+            candle_core::bail!("{WHAT}: {k} classes, class {}", self.class);
+        }
+        let carried = [self.w0, self.b0, self.w1, self.b1, self.w2, self.b2];
+        let guards = carried.map(|t| t.storage_and_layout());
+        // W0 is read in 16-byte chunks by the pooling kernel; the rest as pairs or scalars.
+        let specs = [
+            (half * c, true),
+            (half, false),
+            (half / 2 * half, false),
+            (half / 2, false),
+            (k * half / 2, false),
+            (k, false),
+        ];
+        let views = carried_views::<T>(WHAT, &guards, &specs)?;
+        let hs = h.as_cuda_slice::<T>()?.slice(lh.start_offset()..);
+        let cus = cu.as_cuda_slice::<u32>()?.slice(lcu.start_offset()..);
+        let ([pool, tail], tail_smem, max_ctas) =
+            pooled_head_funcs(dev, T::DTYPE == DType::BF16, width)?;
+        let stream = dev.cuda_stream();
+        // SAFETY: the pooling kernel writes every element of g (B · H: grid (B, ⌈H / 32⌉), each
+        // output once) before the tail kernel, queued after it on the same stream, reads it;
+        // the tail kernel writes out[r] for every r < rows.
+        let g = unsafe { dev.alloc::<T>(nseq * half)? };
+        let out = unsafe { dev.alloc::<f32>(rows)? };
+        let (skip_i, nseq_i, k_i, cls_i, rows_i) = (
+            self.skip as i32,
+            nseq as i32,
+            k as i32,
+            self.class as i32,
+            rows as i32,
+        );
+        {
+            let mut b = stream.launch_builder(&pool);
+            b.arg(&hs)
+                .arg(&cus)
+                .arg(&skip_i)
+                .arg(&views[0])
+                .arg(&views[1])
+                .arg(&g);
+            let cfg = LaunchConfig {
+                grid_dim: (nseq as u32, half.div_ceil(PH_POOL_COLS) as u32, 1),
+                block_dim: (PH_THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: arguments match fastpath_pooled_head_pool_* in kernels/fastpath.cu; it
+            // reads h's rows cu[b] + skip .. cu[b + 1] (offsets of this batch, within rows),
+            // W0 [H, 2H] and b0 [H] (checked above), and writes g [B, H].
+            unsafe { b.launch(cfg) }.map_err(candle_core::Error::wrap)?;
+        }
+        {
+            let mut b = stream.launch_builder(&tail);
+            b.arg(&hs).arg(&g).arg(&cus).arg(&nseq_i);
+            b.arg(&views[0])
+                .arg(&views[2])
+                .arg(&views[3])
+                .arg(&views[4])
+                .arg(&views[5]);
+            b.arg(&k_i).arg(&cls_i).arg(&out).arg(&rows_i);
+            let cfg = LaunchConfig {
+                grid_dim: (rows.div_ceil(PH_BM).min(max_ctas) as u32, 1, 1),
+                block_dim: (PH_THREADS, 1, 1),
+                shared_mem_bytes: tail_smem as u32,
+            };
+            // SAFETY: arguments match fastpath_pooled_head_rows_*; it reads h's first H columns
+            // of rows < rows (zero-filled past them), g rows below B (each row's sequence is
+            // clamped to B - 1), the weights checked above, and writes out[r], r < rows.
+            unsafe { b.launch(cfg) }.map_err(candle_core::Error::wrap)?;
+        }
+        drop(g);
+        Ok((
+            CudaStorage::wrap_cuda_slice(out, dev.clone()),
+            Shape::from(rows),
+        ))
+    }
+}
+
+impl candle_core::CustomOp2 for PooledHeadOp<'_> {
+    fn name(&self) -> &'static str {
+        "fastpath-pooled-head"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        candle_core::bail!("pooled_mlp_log_prob: the CUDA op was dispatched on a CPU tensor")
+    }
+
+    fn cuda_fwd(
+        &self,
+        h: &CudaStorage,
+        lh: &Layout,
+        cu: &CudaStorage,
+        lcu: &Layout,
+    ) -> candle_core::Result<(CudaStorage, Shape)> {
+        match h.dtype() {
+            DType::F16 => self.run::<half::f16>((h, lh), (cu, lcu)),
+            DType::BF16 => self.run::<half::bf16>((h, lh), (cu, lcu)),
+            dtype => Err(FastpathError::UnsupportedDType {
+                op: "pooled_mlp_log_prob",
+                dtype,
+            }
+            .into()),
+        }
+    }
 }

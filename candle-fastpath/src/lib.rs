@@ -65,6 +65,7 @@ mod norm;
 mod norm_linear;
 mod patch;
 mod pool;
+mod pooled_head;
 mod small_block;
 // Read only by CUDA code; compiled everywhere so its unit test runs in CI.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
@@ -92,6 +93,7 @@ pub use norm_linear::{
 };
 pub use patch::{patchify, patchify_after_zero_rows};
 pub use pool::{retain_freed_memory, track_buffer_events, PeakMemory};
+pub use pooled_head::{pooled_head_enabled, PooledMlpHead, POOLED_HEAD_WIDTHS};
 pub use small_block::{
     small_block, small_block_applies, small_block_max_rows, small_block_mode, BlockWeights,
     SmallBlockMode, SMALL_BLOCK_DIMS, SMALL_BLOCK_HEAD_DIM, SMALL_BLOCK_MAX_LEN,

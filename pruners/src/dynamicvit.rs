@@ -25,9 +25,9 @@
 use std::sync::OnceLock;
 
 use candle_core::{DType, Device, Module, Tensor, D};
-use candle_fastpath::{linear_log_prob, Epilogue, FusedLinear, LayerNorm};
+use candle_fastpath::{norm_linear, FusedLinear, LayerNorm, PooledMlpHead};
 use candle_nn::VarBuilder;
-use candle_ragged::{pack, sequence_mean, RaggedBatch};
+use candle_ragged::{pack, RaggedBatch};
 
 use crate::error::{PruneError, Result};
 use crate::input::PruneInput;
@@ -144,43 +144,31 @@ struct PredictorModules {
     packed: PackedLayers,
 }
 
-/// The same weights arranged for packed tokens ([`PredictorLG::keep_log_probs_packed`]):
-/// `out_conv.0` split by its input halves, so that the concatenation `[local, pooled]` is never
-/// formed (`W·[l; g] + b = W_l·l + (W_g·g + b)`, the second term once per image), and the last
-/// layer kept as weights for the one-kernel keep log-probability.
+/// The same weights arranged for packed tokens ([`PredictorLG::keep_log_probs_packed`]): `out_conv`
+/// as one [`PooledMlpHead`] (the concatenation `[local, pooled]` never formed; on CUDA two kernels
+/// for the three layers and the log-softmax).
 #[derive(Debug, Clone)]
 struct PackedLayers {
-    /// `out_conv.0.weight[:, :C/2]`, no bias.
-    out0_local: FusedLinear,
-    /// `out_conv.0.weight[:, C/2:]` with `out_conv.0.bias`.
-    out0_pooled: FusedLinear,
-    /// `out_conv.4.weight` `[2, C/4]` and its bias.
-    head_weight: Tensor,
-    head_bias: Tensor,
+    head: PooledMlpHead,
 }
 
 impl PackedLayers {
     fn new(out: &[FusedLinear; 3]) -> Result<Self> {
-        let fused = |e| candle_core::Error::from(e);
-        let w0 = out[0].weight();
-        let (c_in, half) = (w0.dim(1)?, w0.dim(1)? / 2);
-        let b0 = out[0].bias().ok_or_else(|| {
-            PruneError::InvalidConfig("dynamicvit: out_conv.0 has no bias".into())
-        })?;
-        let head_bias = out[2]
-            .bias()
-            .ok_or_else(|| PruneError::InvalidConfig("dynamicvit: out_conv.4 has no bias".into()))?
-            .clone();
+        let bias = |l: &FusedLinear, name: &str| {
+            l.bias()
+                .cloned()
+                .ok_or_else(|| PruneError::InvalidConfig(format!("dynamicvit: {name} has no bias")))
+        };
         Ok(Self {
-            out0_local: FusedLinear::new(w0.narrow(1, 0, half)?.contiguous()?, None)
-                .map_err(fused)?,
-            out0_pooled: FusedLinear::new(
-                w0.narrow(1, half, c_in - half)?.contiguous()?,
-                Some(b0.clone()),
+            head: PooledMlpHead::new(
+                out[0].weight().clone(),
+                bias(&out[0], "out_conv.0")?,
+                out[1].weight().clone(),
+                bias(&out[1], "out_conv.2")?,
+                out[2].weight().clone(),
+                bias(&out[2], "out_conv.4")?,
             )
-            .map_err(fused)?,
-            head_weight: out[2].weight().clone(),
-            head_bias,
+            .map_err(candle_core::Error::from)?,
         })
     }
 }
@@ -396,13 +384,13 @@ impl PredictorLG {
     /// meaningless: a rule never reads them) and pools each image's mean over its patch rows
     /// only, as [`Self::forward_masked`] does over valid patch tokens; same precision policy.
     ///
-    /// Built for the packed path: no concatenation, no image-shaped copy, no host work. On CUDA,
-    /// eleven kernels: LayerNorm, `in_conv` (matmul + GELU), the pooled mean
-    /// ([`candle_ragged::sequence_mean`]), `out_conv.0`'s pooled half per image and its copy to
-    /// every row, its local half read in place with that copy and the GELU in the epilogue
-    /// (matmul + GELU), `out_conv.2` (matmul + GELU), and `out_conv.4` with the log-softmax
-    /// ([`candle_fastpath::linear_log_prob`]). The values equal [`Self::forward_masked`]'s up
-    /// to the dtype's rounding (the pooled half's product is rounded once more, on its own).
+    /// Built for the packed path: no concatenation, no image-shaped copy, no host work. On CUDA
+    /// at DeiT's widths, f16 / bf16: LayerNorm → `in_conv` → GELU ([`norm_linear`]: one kernel
+    /// at DeiT-T's width and small batches, else LayerNorm and matmul + GELU), then `out_conv`
+    /// and the log-softmax as [`PooledMlpHead`]'s two kernels (the pooled mean with its
+    /// per-image product, then the rows through the three layers); elsewhere the composed ops
+    /// ([`PooledMlpHead::forward_composed`]). The values equal [`Self::forward_masked`]'s up to
+    /// the dtype's rounding (the pooled half's product is rounded once more, on its own).
     pub fn keep_log_probs_packed(
         &self,
         x: &Tensor,
@@ -424,31 +412,13 @@ impl PredictorLG {
         let fused = |e| candle_core::Error::from(e);
         let (dtype, m) = self.modules(x.dtype())?;
         let x = x.to_dtype(dtype)?;
-        let h = m
-            .in_linear
-            .forward_gelu(&m.norm.forward(&x)?)
-            .map_err(fused)?;
-        let half = c / 2;
-        let pooled = sequence_mean(&h.narrow(1, half, c - half)?, batch, num_prefix)?;
-        let per_image = m.packed.out0_pooled.forward(&pooled)?;
-        // Each image's term on each of its rows: pack reads the broadcast view in place.
-        let (b, width) = per_image.dims2()?;
-        let tokens = if batch.positions().is_some() {
-            batch.min_tokens_per_image()
-        } else {
-            batch.max_len()
-        };
-        let per_row = pack(
-            &per_image.unsqueeze(1)?.broadcast_as((b, tokens, width))?,
-            batch,
-        )?;
-        let y = m
-            .packed
-            .out0_local
-            .forward_with(&h.narrow(1, 0, half)?, Epilogue::ResidualGelu(&per_row))
-            .map_err(fused)?;
-        let y = m.out[1].forward_gelu(&y).map_err(fused)?;
-        Ok(linear_log_prob(&y, &m.packed.head_weight, &m.packed.head_bias, 0).map_err(fused)?)
+        // LayerNorm → in_conv → GELU: one kernel where norm_linear's fused kernel applies
+        // (DeiT-T's width at small batches), else the two steps.
+        let h = norm_linear(&x, &m.norm, &m.in_linear, true).map_err(fused)?;
+        Ok(m.packed
+            .head
+            .forward(&h, batch, num_prefix, 0)
+            .map_err(fused)?)
     }
 
     /// The compute dtype for tokens of `dtype` (f16 and bf16 as themselves, anything else f32)
