@@ -283,12 +283,90 @@ fn check_padded_vs_ragged(what: &str, model: &DeiT, pixels: &Tensor, pruners: &P
     let ragged = model
         .forward_pruned(pixels, pruners, ExecutionPath::Ragged)
         .unwrap();
+    let max_diff = assert_agree(what, model, &padded, &ragged);
+    Outcome {
+        padded,
+        ragged,
+        max_diff,
+    }
+}
+
+/// Both forwards well formed, the same decisions, logits within the tolerance; max |Δlogit|.
+fn assert_agree(what: &str, model: &DeiT, padded: &PrunedForward, ragged: &PrunedForward) -> f32 {
+    let np = model.config.num_prefix_tokens();
+    assert_well_formed(what, padded, np);
+    assert_well_formed(what, ragged, np);
+    assert_same_decisions(what, padded, ragged);
+    let (lp, lr) = (logits(padded), logits(ragged));
+    assert_logits_agree(what, &lp, &lr, tolerance(model.dtype(), &lp))
+}
+
+/// Per image whose padded and ragged decisions differ: (stage, image, size of the symmetric
+/// difference of its kept indices at the first stage where they differ).
+fn first_differences(p: &PrunedForward, r: &PrunedForward) -> Vec<(usize, usize, usize)> {
+    let images = p.stages.first().map_or(0, |s| s.keep_indices.len());
+    (0..images)
+        .filter_map(|i| {
+            p.stages
+                .iter()
+                .zip(&r.stages)
+                .enumerate()
+                .find_map(|(st, (sp, sr))| {
+                    let (a, b) = (&sp.keep_indices[i], &sr.keep_indices[i]);
+                    (a != b).then(|| {
+                        let only_a = a.iter().filter(|x| !b.contains(x)).count();
+                        let only_b = b.iter().filter(|x| !a.contains(x)).count();
+                        (st, i, only_a + only_b)
+                    })
+                })
+        })
+        .collect()
+}
+
+/// As [`check_padded_vs_ragged`], except that the two paths may order a near-tie differently:
+/// their f32 blocks round differently at the ~1e-6 level, and at DeiT-B's size a learned
+/// pruner's keep-probabilities of two tokens can be that close (DynamicViT at batch 8, block 6).
+/// So where decisions differ, each differing image's first difference must be one token kept in
+/// place of another, in at most ⌈batch / 16⌉ images (a real disagreement differs wholesale),
+/// and the execution is then compared with the padded run's plans replayed on the ragged path
+/// (`fresh` builds the pruners again for that run).
+fn check_padded_vs_ragged_allowing_near_ties(
+    what: &str,
+    model: &DeiT,
+    pixels: &Tensor,
+    pruners: &Pruners,
+    fresh: impl Fn() -> Pruners,
+) -> Outcome {
+    let padded = model
+        .forward_pruned(pixels, pruners, ExecutionPath::Padded)
+        .unwrap();
+    let ragged = model
+        .forward_pruned(pixels, pruners, ExecutionPath::Ragged)
+        .unwrap();
+    let diffs = first_differences(&padded, &ragged);
+    if diffs.is_empty() {
+        let max_diff = assert_agree(what, model, &padded, &ragged);
+        return Outcome {
+            padded,
+            ragged,
+            max_diff,
+        };
+    }
     let np = model.config.num_prefix_tokens();
     assert_well_formed(what, &padded, np);
     assert_well_formed(what, &ragged, np);
-    assert_same_decisions(what, &padded, &ragged);
-    let (lp, lr) = (logits(&padded), logits(&ragged));
-    let max_diff = assert_logits_agree(what, &lp, &lr, tolerance(model.dtype(), &lp));
+    let batch = padded.stages[0].keep_indices.len();
+    assert!(
+        diffs.len() <= batch.div_ceil(16) && diffs.iter().all(|&(_, _, d)| d <= 2),
+        "{what}: padded and ragged decide differently beyond a near-tie: (stage, image, tokens \
+         differing) {diffs:?}"
+    );
+    eprintln!(
+        "{what}: {} image(s) order a near-tie differently (stage, image, tokens differing: \
+         {diffs:?}); execution compared with the padded run's plans replayed",
+        diffs.len()
+    );
+    let max_diff = check_with_replayed_plans(what, model, pixels, fresh());
     Outcome {
         padded,
         ragged,
@@ -445,9 +523,10 @@ impl TokenPruner for Replay {
 
 /// Half precision rounds differently on the two paths (the padded attention rounds scores and
 /// probabilities to f16/bf16; the ragged kernel keeps them in f32), so decisions near a threshold
-/// flip between paths. The execution is compared with the decisions held fixed: the padded run's
-/// plans are replayed on the ragged path; the logits then agree within the half tolerance.
-fn check_half_with_replayed_plans(what: &str, m: &DeiT, pixels: &Tensor, pruners: Pruners) -> f32 {
+/// flip between paths (and near-ties can in f32). The execution is compared with the decisions
+/// held fixed: the padded run's plans are replayed on the ragged path; the logits then agree
+/// within the dtype's tolerance.
+fn check_with_replayed_plans(what: &str, m: &DeiT, pixels: &Tensor, pruners: Pruners) -> f32 {
     let recorded: Vec<Arc<Mutex<Vec<KeepPlan>>>> = pruners.iter().map(|_| Arc::default()).collect();
     let recording: Pruners = pruners
         .into_iter()
@@ -514,7 +593,7 @@ fn half_precision_padded_equals_ragged() {
                 let s = schedule(&BLOCKS, |st| {
                     small_config(kind, mode, st, cfg.num_patches())
                 });
-                let d = check_half_with_replayed_plans(&what, &m, &pixels, build(&m, &s, &dev));
+                let d = check_with_replayed_plans(&what, &m, &pixels, build(&m, &s, &dev));
                 eprintln!("{what}: max |Δlogit| {d:.2e}");
             }
         }
@@ -1063,8 +1142,9 @@ fn env_device() -> Device {
 }
 
 /// DeiT-T/S/B with the default schedules (blocks 3/6/9, keep 0.7, default adaptive rules),
-/// random weights: padded vs ragged for every pruner × mode × dtype (f32: same decisions; f16 /
-/// bf16 and ATS: the padded run's decisions replayed on the ragged path), and unpruned vs dense.
+/// random weights: padded vs ragged for every pruner × mode × dtype (f32: same decisions but for
+/// a near-tie ordered differently in a few images; f16 / bf16 and ATS: the padded run's decisions
+/// replayed on the ragged path), and unpruned vs dense.
 #[test]
 #[ignore = "published sizes: slow on the CPU; run on the GPU with PATHS_DEVICE=cuda"]
 fn published_sizes_padded_equals_ragged() {
@@ -1103,7 +1183,13 @@ fn published_sizes_padded_equals_ragged() {
                     // differences between the paths move picks at this size even in f32, so its
                     // execution is compared with replayed plans (as in half precision).
                     if dtype == DType::F32 && kind != PrunerKind::Ats {
-                        let o = check_padded_vs_ragged(&what, &m, &pixels, &pruners);
+                        let o = check_padded_vs_ragged_allowing_near_ties(
+                            &what,
+                            &m,
+                            &pixels,
+                            &pruners,
+                            || build(&m, &s, &dev),
+                        );
                         eprintln!(
                             "{what}: max |Δlogit| {:.2e}, mean final tokens {:.1}",
                             o.max_diff,
@@ -1132,7 +1218,7 @@ fn published_sizes_padded_equals_ragged() {
                             );
                         }
                         let differ = images_deciding_differently(&m, &pixels, &pruners);
-                        let d = check_half_with_replayed_plans(&what, &m, &pixels, pruners);
+                        let d = check_with_replayed_plans(&what, &m, &pixels, pruners);
                         eprintln!(
                             "{what}: {differ}/{batch} images decide differently on their own; \
                              with replayed plans max |Δlogit| {d:.2e}"
