@@ -104,6 +104,10 @@ impl PooledMlpHead {
         ] {
             crate::linear::check_like(OP, &w0, what, t, t.shape())?;
         }
+        // The kernels read the weights as dense rows: views (a transposed or narrowed tensor)
+        // are copied once here rather than refused at every call.
+        let [w0, b0, w1, b1, w2, b2] = [w0, b0, w1, b1, w2, b2].map(|t| t.contiguous());
+        let (w0, b0, w1, b1, w2, b2) = (w0?, b0?, w1?, b1?, w2?, b2?);
         let local = FusedLinear::new(w0.narrow(1, 0, h)?.contiguous()?, None)?;
         let pooled = FusedLinear::new(w0.narrow(1, h, h)?.contiguous()?, Some(b0.clone()))?;
         let middle = FusedLinear::new(w1.clone(), Some(b1.clone()))?;

@@ -2,6 +2,7 @@
 //! op's rounding points, on fresh random inputs: every dtype, DeiT-T / S / B widths, one to 32
 //! images of 2 to 197 rows (partial row tiles, a single patch after the prefix), one or two
 //! prefix rows, 60 images (more row tiles than a persistent tail CTA count: tiles in turn),
+//! 1,100 short images (more offsets than the tail stages in shared memory),
 //! memory poisoned before each call. On CUDA the two-kernel path is asserted to run for f16 /
 //! bf16 at DeiT-T / S widths and compared with the composed ops as well; bad inputs are clear
 //! errors.
@@ -150,6 +151,8 @@ fn matches_the_reference_and_the_composed_ops() {
     ];
     batches.push((0..32).map(|_| rng.random_range(3..=197)).collect());
     batches.push((0..60).map(|_| rng.random_range(150..=197)).collect());
+    // More images than the tail stages offsets for (1,024): it searches them in global memory.
+    batches.push((0..1100).map(|_| rng.random_range(3..=5)).collect());
     for dtype in [DType::F32, DType::F16, DType::BF16] {
         // The log-probability moves by what one rounding of a logit moves it, and a flipped
         // rounding of an intermediate (a different summation order) a little more.
@@ -251,4 +254,40 @@ fn bad_inputs_are_clear_errors() {
         t(&[1]),
     );
     assert!(one_class.is_err());
+}
+
+/// Weights handed over as views (here W0 as the transpose of its transpose) give the same bits
+/// as contiguous ones: the head copies them once.
+#[test]
+fn strided_weights_give_the_same_result() {
+    let dev = device();
+    let mut rng = StdRng::seed_from_u64(82);
+    let (c, dtype) = (192usize, DType::F16);
+    let (half, q) = (c / 2, c / 4);
+    let l = random_layers(&mut rng, c, 2, dtype);
+    let dense = head(&l, c, dtype, &dev);
+    let w0t = tensor(&l.w0, &[half, c], dtype, &dev)
+        .t()
+        .unwrap()
+        .contiguous()
+        .unwrap()
+        .t()
+        .unwrap();
+    assert!(!w0t.is_contiguous());
+    let strided = PooledMlpHead::new(
+        w0t,
+        tensor(&l.b0, &[half], dtype, &dev),
+        tensor(&l.w1, &[q, half], dtype, &dev),
+        tensor(&l.b1, &[q], dtype, &dev),
+        tensor(&l.w2, &[2, q], dtype, &dev),
+        tensor(&l.b2, &[2], dtype, &dev),
+    )
+    .unwrap();
+    let lengths = [197usize, 64, 3];
+    let rows: usize = lengths.iter().sum();
+    let h = tensor(&randn(&mut rng, rows * c, 1.0), &[rows, c], dtype, &dev);
+    let batch = RaggedBatch::from_lengths(&lengths, &dev).unwrap();
+    let a = host(&dense.forward(&h, &batch, 1, 0).unwrap());
+    let b = host(&strided.forward(&h, &batch, 1, 0).unwrap());
+    assert_eq!(a, b);
 }
