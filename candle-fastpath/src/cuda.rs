@@ -2638,11 +2638,12 @@ impl PooledHeadOp<'_> {
         }
         let carried = [self.w0, self.b0, self.w1, self.b1, self.w2, self.b2];
         let guards = carried.map(|t| t.storage_and_layout());
-        // W0 is read in 16-byte chunks by the pooling kernel; the rest as pairs or scalars.
+        // W0 and W1 are read in 16-byte chunks (the pooling kernel's rows of W0, the tail's
+        // staging of both); the rest as scalars.
         let specs = [
             (half * c, true),
             (half, false),
-            (half / 2 * half, false),
+            (half / 2 * half, true),
             (half / 2, false),
             (k * half / 2, false),
             (k, false),
