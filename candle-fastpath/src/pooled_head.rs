@@ -192,7 +192,9 @@ impl PooledMlpHead {
 
     /// Whether [`Self::forward`] runs the two CUDA kernels for `h`: on CUDA, f16 / bf16, `H` in
     /// [`POOLED_HEAD_WIDTHS`] with `Q = H / 2`, the GELU in its default Φ form (the kernels
-    /// have no other), `h` contiguous and 16-byte aligned, and the switch on.
+    /// have no other), `h`, `W0` and `W1` contiguous and 16-byte aligned (the kernels move them
+    /// in 16-byte pieces; a weight view at an odd offset takes the composed ops), and the switch
+    /// on.
     pub fn fused_applies(&self, h: &Tensor) -> bool {
         #[cfg(not(feature = "cuda"))]
         {
@@ -207,7 +209,9 @@ impl PooledMlpHead {
                 && POOLED_HEAD_WIDTHS.contains(&half)
                 && self.w1.dims()[0] * 2 == half
                 && crate::gelu_form::gelu_form() == crate::gelu_form::GeluForm::Phi
-                && crate::cuda::contiguous_16b(h.layout(), h.dtype().size_in_bytes())
+                && [h, &self.w0, &self.w1]
+                    .iter()
+                    .all(|t| crate::cuda::contiguous_16b(t.layout(), t.dtype().size_in_bytes()))
                 && pooled_head_enabled()
         }
     }
