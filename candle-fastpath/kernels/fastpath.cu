@@ -350,19 +350,18 @@ extern "C" __global__ void fastpath_embed_tokens_bf16(const __nv_bfloat16* patch
 // matmul, a cast and the six passes of a log-softmax over two columns.)
 #define HEAD_MAX_CLASSES 8
 
+// The f32 log-probability of class `cls` of one row `x` (D elements, read with lane stride 32)
+// under W [K, D], b [K]: one warp, every lane returns it. Shared by linear_log_prob and the
+// pooled head's tail, so both give the same bits for the same row.
 template <typename T>
-__device__ void linear_log_prob_rows(const T* __restrict__ x, const T* __restrict__ w,
-                                     const T* __restrict__ b, float* __restrict__ out,
-                                     unsigned rows, unsigned long long ldx, int D, int K, int cls) {
-    const unsigned row = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
+__device__ __forceinline__ float row_log_prob(const T* x, const T* __restrict__ w, const T* __restrict__ b, int D,
+                                              int K, int cls) {
     const unsigned lane = threadIdx.x % 32;
-    if (row >= rows) return;
-    const T* xr = x + (unsigned long long)row * ldx;
     float acc[HEAD_MAX_CLASSES];
 #pragma unroll
     for (int j = 0; j < HEAD_MAX_CLASSES; ++j) acc[j] = 0.f;
     for (int i = lane; i < D; i += 32) {
-        const float xv = to_f32(xr[i]);
+        const float xv = to_f32(x[i]);
 #pragma unroll
         for (int j = 0; j < HEAD_MAX_CLASSES; ++j)
             if (j < K) acc[j] = fmaf(xv, to_f32(w[j * D + i]), acc[j]);
@@ -381,7 +380,18 @@ __device__ void linear_log_prob_rows(const T* __restrict__ x, const T* __restric
         if (j < K) s += expf(acc[j] - m);
         if (j == cls) z = acc[j];
     }
-    if (lane == 0) out[row] = (z - m) - logf(s);
+    return (z - m) - logf(s);
+}
+
+template <typename T>
+__device__ void linear_log_prob_rows(const T* __restrict__ x, const T* __restrict__ w,
+                                     const T* __restrict__ b, float* __restrict__ out,
+                                     unsigned rows, unsigned long long ldx, int D, int K, int cls) {
+    const unsigned row = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
+    const unsigned lane = threadIdx.x % 32;
+    if (row >= rows) return;
+    const float lp = row_log_prob<T>(x + (unsigned long long)row * ldx, w, b, D, K, cls);
+    if (lane == 0) out[row] = lp;
 }
 
 extern "C" __global__ void fastpath_linear_log_prob_f32(const float* x, const float* w, const float* b,
@@ -1403,37 +1413,6 @@ __device__ __forceinline__ void ph_warp_mma_16x16(float (&acc)[2][4], const T* a
     }
 }
 
-// The f32 log-probability of class `cls` of one row `x` (D elements) under W [K, D], b [K]:
-// linear_log_prob_rows' arithmetic, lane order and roundings (a warp per row).
-template <typename T>
-__device__ __forceinline__ float ph_row_log_prob(const T* x, const T* w, const T* b, int D, int K, int cls) {
-    const unsigned lane = threadIdx.x % 32;
-    float acc[HEAD_MAX_CLASSES];
-#pragma unroll
-    for (int j = 0; j < HEAD_MAX_CLASSES; ++j) acc[j] = 0.f;
-    for (int i = lane; i < D; i += 32) {
-        const float xv = to_f32(x[i]);
-#pragma unroll
-        for (int j = 0; j < HEAD_MAX_CLASSES; ++j)
-            if (j < K) acc[j] = fmaf(xv, to_f32(w[j * D + i]), acc[j]);
-    }
-    float m = __int_as_float(0xff800000);  // -inf
-#pragma unroll
-    for (int j = 0; j < HEAD_MAX_CLASSES; ++j) {
-        if (j < K) {
-            acc[j] = to_f32(from_f32<T>(warp_sum(acc[j]) + to_f32(b[j])));
-            m = fmaxf(m, acc[j]);
-        }
-    }
-    float s = 0.f, z = 0.f;
-#pragma unroll
-    for (int j = 0; j < HEAD_MAX_CLASSES; ++j) {
-        if (j < K) s += expf(acc[j] - m);
-        if (j == cls) z = acc[j];
-    }
-    return (z - m) - logf(s);
-}
-
 // The tail kernel's dynamic shared memory, in bytes, region by region (16-byte aligned each):
 // the rows (a0: local halves, two tiles' worth; a1: y0; a2: y1), the layers' weights (W0's local
 // half, W1, W2, b1, b2), the offsets (PH_MAX_CU + 1 of them) and each row's sequence.
@@ -1605,7 +1584,7 @@ __device__ void pooled_head_rows(const T* __restrict__ h, const T* __restrict__ 
         // 5. The keep log-probability, a warp per row. The next iteration's first barrier keeps
         //    a2 and seq from being overwritten before every warp is done with them.
         for (int row = warp; row < PH_BM; row += PH_WARPS) {
-            const float lp = ph_row_log_prob<T>(a2 + row * LDQ, sw2, sb2, Q, K, cls);
+            const float lp = row_log_prob<T>(a2 + row * LDQ, sw2, sb2, Q, K, cls);
             if (lane == 0 && m0 + row < rows) out[m0 + row] = lp;
         }
     }

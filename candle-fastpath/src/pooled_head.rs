@@ -155,7 +155,7 @@ impl PooledMlpHead {
             };
             return Ok(h.apply_op2_no_bwd(batch.cu_seqlens(), &op)?);
         }
-        self.forward_composed(h, batch, skip, class)
+        self.composed(h, batch, skip, class)
     }
 
     /// The same as eight ops on any device (what the CUDA kernels are tested against).
@@ -167,6 +167,17 @@ impl PooledMlpHead {
         class: usize,
     ) -> Result<Tensor> {
         self.check_input(h, batch, skip, class)?;
+        self.composed(h, batch, skip, class)
+    }
+
+    /// [`Self::forward_composed`] on checked inputs.
+    fn composed(
+        &self,
+        h: &Tensor,
+        batch: &RaggedBatch,
+        skip: usize,
+        class: usize,
+    ) -> Result<Tensor> {
         let half = self.w0.dim(0)?;
         let pooled = sequence_mean(&h.narrow(1, half, half)?, batch, skip)
             .map_err(candle_core::Error::from)?;

@@ -275,14 +275,19 @@ struct Outcome {
     max_diff: f32,
 }
 
+/// The padded and the ragged forward of `pixels` with `pruners`.
+fn padded_and_ragged(
+    model: &DeiT,
+    pixels: &Tensor,
+    pruners: &Pruners,
+) -> (PrunedForward, PrunedForward) {
+    let run = |path| model.forward_pruned(pixels, pruners, path).unwrap();
+    (run(ExecutionPath::Padded), run(ExecutionPath::Ragged))
+}
+
 /// Runs padded and ragged and checks they agree.
 fn check_padded_vs_ragged(what: &str, model: &DeiT, pixels: &Tensor, pruners: &Pruners) -> Outcome {
-    let padded = model
-        .forward_pruned(pixels, pruners, ExecutionPath::Padded)
-        .unwrap();
-    let ragged = model
-        .forward_pruned(pixels, pruners, ExecutionPath::Ragged)
-        .unwrap();
+    let (padded, ragged) = padded_and_ragged(model, pixels, pruners);
     let max_diff = assert_agree(what, model, &padded, &ragged);
     Outcome {
         padded,
@@ -337,36 +342,27 @@ fn check_padded_vs_ragged_allowing_near_ties(
     pruners: &Pruners,
     fresh: impl Fn() -> Pruners,
 ) -> Outcome {
-    let padded = model
-        .forward_pruned(pixels, pruners, ExecutionPath::Padded)
-        .unwrap();
-    let ragged = model
-        .forward_pruned(pixels, pruners, ExecutionPath::Ragged)
-        .unwrap();
+    let (padded, ragged) = padded_and_ragged(model, pixels, pruners);
     let diffs = first_differences(&padded, &ragged);
-    if diffs.is_empty() {
-        let max_diff = assert_agree(what, model, &padded, &ragged);
-        return Outcome {
-            padded,
-            ragged,
-            max_diff,
-        };
-    }
-    let np = model.config.num_prefix_tokens();
-    assert_well_formed(what, &padded, np);
-    assert_well_formed(what, &ragged, np);
-    let batch = padded.stages[0].keep_indices.len();
-    assert!(
-        diffs.len() <= batch.div_ceil(16) && diffs.iter().all(|&(_, _, d)| d <= 2),
-        "{what}: padded and ragged decide differently beyond a near-tie: (stage, image, tokens \
-         differing) {diffs:?}"
-    );
-    eprintln!(
-        "{what}: {} image(s) order a near-tie differently (stage, image, tokens differing: \
-         {diffs:?}); execution compared with the padded run's plans replayed",
-        diffs.len()
-    );
-    let max_diff = check_with_replayed_plans(what, model, pixels, fresh());
+    let max_diff = if diffs.is_empty() {
+        assert_agree(what, model, &padded, &ragged)
+    } else {
+        let np = model.config.num_prefix_tokens();
+        assert_well_formed(what, &padded, np);
+        assert_well_formed(what, &ragged, np);
+        let batch = padded.stages[0].keep_indices.len();
+        assert!(
+            diffs.len() <= batch.div_ceil(16) && diffs.iter().all(|&(_, _, d)| d <= 2),
+            "{what}: padded and ragged decide differently beyond a near-tie: (stage, image, tokens \
+             differing) {diffs:?}"
+        );
+        eprintln!(
+            "{what}: {} image(s) order a near-tie differently (stage, image, tokens differing: \
+             {diffs:?}); execution compared with the padded run's plans replayed",
+            diffs.len()
+        );
+        check_with_replayed_plans(what, model, pixels, fresh())
+    };
     Outcome {
         padded,
         ragged,

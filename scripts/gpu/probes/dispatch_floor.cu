@@ -2,7 +2,7 @@
 // ragged-attention issue's "host ≤ 5 µs per call" target, measured the way bench-attention
 // measures host time (a loop of calls without a sync, divided; the GPU keeps up because the
 // kernels are empty). Standalone (nvcc + the driver API); run on the GPU machine:
-//   nvcc -O3 -std=c++17 -arch=sm_90a -o /tmp/dispatch_floor scripts/gpu/probes/dispatch_floor.cu -lcuda
+//   nvcc -O3 -std=c++17 -arch=sm_90a -o /tmp/dispatch_floor scripts/gpu/probes/dispatch_floor.cu -lcuda -lcublasLt
 //   /tmp/dispatch_floor
 // Each row: CALLS calls timed on the host (steady_clock), ROUNDS rounds, the median and the
 // smallest round in µs per call:
@@ -15,26 +15,9 @@
 //   event record + wait: cuEventRecord then cuStreamWaitEvent on one event (cudarc's per-operand
 //     stream ordering when its event tracking is on);
 //   event create + destroy, twice: cudarc's two events per allocation under event tracking.
-#include <cuda.h>
-#include <cuda_runtime.h>
-
-#include <algorithm>
 #include <chrono>
-#include <cstdio>
-#include <cstdlib>
-#include <functional>
-#include <vector>
 
-#define CU(x)                                                              \
-    do {                                                                   \
-        CUresult r_ = (x);                                                 \
-        if (r_ != CUDA_SUCCESS) {                                          \
-            const char* m_;                                                \
-            cuGetErrorString(r_, &m_);                                     \
-            fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, m_); \
-            exit(1);                                                       \
-        }                                                                  \
-    } while (0)
+#include "probe_common.cuh"  // CU (driver-call checks) and the headers
 
 extern "C" __global__ void empty4(void*, void*, void*, int) {}
 extern "C" __global__ void empty14(void*, void*, void*, void*, void*, long long, long long, long long, long long,
