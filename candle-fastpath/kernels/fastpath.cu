@@ -507,12 +507,14 @@ struct __align__(4) NlPair {
 // one warp per row (the first NL_BM warps; NL_BM <= NL_WARPS): the LayerNorm kernel's own row
 // code, so the rows are its output bit for bit. `wraw` / `braw`: the LayerNorm's parameters as
 // layer_norm_params loads them.
-template <int CHUNKS, typename T, int K, int LDS>
+// ROWS > NL_WARPS (the 64-row tile of norm_linear): warp w takes rows w, w + NL_WARPS, ...
+template <int CHUNKS, typename T, int K, int LDS, int ROWS = NL_BM>
 __device__ __forceinline__ void nl_normalize_rows(T* rows, const uint4 (&wraw)[CHUNKS], const uint4 (&braw)[CHUNKS],
                                                   float eps) {
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    if (warp < NL_BM) {
-        uint4* row = reinterpret_cast<uint4*>(rows + warp * LDS);
+#pragma unroll
+    for (int r = warp; r < ROWS; r += NL_WARPS) {
+        uint4* row = reinterpret_cast<uint4*>(rows + r * LDS);
         layer_norm_warp_row<CHUNKS, T>(row, row, wraw, braw, K / 8, K, eps, lane);
     }
 }
@@ -586,23 +588,27 @@ __device__ __forceinline__ void nl_store_tile(const float (&acc)[4][4], const fl
 }
 
 // x [M, K], ln_w / ln_b [K], w [N, K], bias [N], y [M, N]; all contiguous and 16-byte aligned,
-// N even (checked on the host). Grid (ceil(N / NL_BN), ceil(M / NL_BM)), NL_WARPS · 32 threads,
-// (NL_BM + NL_BN) · (K + 8) · sizeof(T) bytes of dynamic shared memory.
-template <typename T, int K, bool GELU>
+// N even (checked on the host). Grid (ceil(N / NL_BN), ceil(M / BM)), NL_WARPS · 32 threads,
+// (BM + NL_BN) · (K + 8) · sizeof(T) bytes of dynamic shared memory.
+// BM = NL_BM (16 rows) is lever 58's tile, for grids of one wave at one CTA per SM. BM = 64
+// (lever 81) is for a few thousand rows (DeiT-T at batch 8: 1,576): a quarter of the CTAs, each
+// staging its 128 weight rows once for 64 input rows, every warp normalising four rows and then
+// running one 16 × 32 slice of the MMA; two CTAs fit per SM.
+template <typename T, int K, int BM, bool GELU>
 __device__ void norm_linear_tile(const T* __restrict__ x, const T* __restrict__ ln_w, const T* __restrict__ ln_b,
                                  const T* __restrict__ w, const T* __restrict__ bias, T* __restrict__ y, int M, int N,
                                  float eps) {
     constexpr int LDS = K + 8, VECS = K / 8, CHUNKS = (VECS + 31) / 32;
-    constexpr int WARPS_N = NL_BN / 32, MMA_WARPS = (NL_BM / 16) * WARPS_N;
-    static_assert(K % 16 == 0 && MMA_WARPS <= NL_WARPS && NL_BM <= NL_WARPS, "tile shape");
+    constexpr int WARPS_N = NL_BN / 32, MMA_WARPS = (BM / 16) * WARPS_N;
+    static_assert(K % 16 == 0 && BM % 16 == 0 && MMA_WARPS <= NL_WARPS, "tile shape");
     extern __shared__ __align__(16) unsigned char nl_smem[];
     T* sa = reinterpret_cast<T*>(nl_smem);
-    T* sb = sa + NL_BM * LDS;
-    const int m0 = blockIdx.y * NL_BM, n0 = blockIdx.x * NL_BN;
+    T* sb = sa + BM * LDS;
+    const int m0 = blockIdx.y * BM, n0 = blockIdx.x * NL_BN;
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
 
     // 1. Input rows first (the LayerNorm waits on them), then the weight rows.
-    nl_stage_rows<T, K, NL_BM>(sa, x, m0, M);
+    nl_stage_rows<T, K, BM>(sa, x, m0, M);
     asm volatile("cp.async.commit_group;" ::: "memory");
     nl_stage_rows<T, K, NL_BN>(sb, w, n0, N);
     asm volatile("cp.async.commit_group;" ::: "memory");
@@ -615,7 +621,7 @@ __device__ void norm_linear_tile(const T* __restrict__ x, const T* __restrict__ 
     __syncthreads();
 
     // 2. The rows normalised in place.
-    nl_normalize_rows<CHUNKS, T, K, LDS>(sa, wraw, braw, eps);
+    nl_normalize_rows<CHUNKS, T, K, LDS, BM>(sa, wraw, braw, eps);
     asm volatile("cp.async.wait_group 0;" ::: "memory");
     __syncthreads();
     if (warp >= MMA_WARPS) return;
@@ -630,16 +636,20 @@ __device__ void norm_linear_tile(const T* __restrict__ x, const T* __restrict__ 
 
 // One entry per storage type, width and epilogue, named as the Rust side's NORM_LINEAR_NAMES
 // table expects.
-#define NORM_LINEAR_ENTRY(SUFFIX, T, K, GELU, TAIL)                                                           \
+#define NORM_LINEAR_ENTRY(SUFFIX, T, K, BM, GELU, TAIL)                                                       \
     extern "C" __global__ void __launch_bounds__(NL_WARPS * 32)                                               \
         fastpath_norm_linear_##SUFFIX##_c##K##TAIL(const T* x, const T* ln_w, const T* ln_b, const T* w,     \
                                                     const T* bias, T* y, int M, int N, float eps) {          \
-        norm_linear_tile<T, K, GELU>(x, ln_w, ln_b, w, bias, y, M, N, eps);                                   \
+        norm_linear_tile<T, K, BM, GELU>(x, ln_w, ln_b, w, bias, y, M, N, eps);                               \
     }
-NORM_LINEAR_ENTRY(f16, __half, 192, false, )
-NORM_LINEAR_ENTRY(f16, __half, 192, true, _gelu)
-NORM_LINEAR_ENTRY(bf16, __nv_bfloat16, 192, false, )
-NORM_LINEAR_ENTRY(bf16, __nv_bfloat16, 192, true, _gelu)
+NORM_LINEAR_ENTRY(f16, __half, 192, NL_BM, false, )
+NORM_LINEAR_ENTRY(f16, __half, 192, NL_BM, true, _gelu)
+NORM_LINEAR_ENTRY(bf16, __nv_bfloat16, 192, NL_BM, false, )
+NORM_LINEAR_ENTRY(bf16, __nv_bfloat16, 192, NL_BM, true, _gelu)
+NORM_LINEAR_ENTRY(f16, __half, 192, 64, false, _m64)
+NORM_LINEAR_ENTRY(f16, __half, 192, 64, true, _gelu_m64)
+NORM_LINEAR_ENTRY(bf16, __nv_bfloat16, 192, 64, false, _m64)
+NORM_LINEAR_ENTRY(bf16, __nv_bfloat16, 192, 64, true, _gelu_m64)
 
 // ---------------------------------------------------------------------------------------------
 // residual_norm_linear: the attention's output projection with its residual, then norm2 → fc1

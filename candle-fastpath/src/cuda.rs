@@ -53,14 +53,22 @@ const LN_NAMES: [&str; 12] = [
     "fastpath_layer_norm_bf16_c8",
 ];
 
-/// [`NormLinearOp`]'s kernels: per width of [`crate::NORM_LINEAR_DIMS`], then f16 / bf16, then
-/// plain / GELU.
-const NORM_LINEAR_NAMES: [&str; 4] = [
+/// [`NormLinearOp`]'s kernels: per width of [`crate::NORM_LINEAR_DIMS`], then per tile height
+/// ([`NORM_LINEAR_TILE_ROWS`]), then f16 / bf16, then plain / GELU.
+const NORM_LINEAR_NAMES: [&str; 8] = [
     "fastpath_norm_linear_f16_c192",
     "fastpath_norm_linear_f16_c192_gelu",
     "fastpath_norm_linear_bf16_c192",
     "fastpath_norm_linear_bf16_c192_gelu",
+    "fastpath_norm_linear_f16_c192_m64",
+    "fastpath_norm_linear_f16_c192_gelu_m64",
+    "fastpath_norm_linear_bf16_c192_m64",
+    "fastpath_norm_linear_bf16_c192_gelu_m64",
 ];
+
+/// The input rows of one [`NormLinearOp`] CTA, per kernel form: lever 58's 16-row tile (one wave
+/// of one CTA per SM) and lever 81's 64-row tile (a few thousand rows, two CTAs per SM).
+pub(crate) const NORM_LINEAR_TILE_ROWS: [usize; 2] = [16, 64];
 /// [`ResidualNormLinearOp`]'s kernels (compute capability 9.0 and up: thread-block clusters):
 /// f16 / bf16, then the form: [`RnlForm::Proj`] plain, the same with GELU, [`RnlForm::Fc2`].
 const RESIDUAL_NORM_LINEAR_NAMES: [&str; 6] = [
@@ -211,10 +219,10 @@ const NL_BM: usize = 16;
 const NL_BN: usize = 128;
 const NL_THREADS: u32 = 512;
 
-/// Dynamic shared memory of a [`NormLinearOp`] launch at width `c`, 16-bit storage: the tile's
-/// input and weight rows, each padded by 8 elements.
-fn norm_linear_smem_bytes(c: usize) -> usize {
-    (NL_BM + NL_BN) * (c + 8) * 2
+/// Dynamic shared memory of a [`NormLinearOp`] launch at width `c` with `tile_rows`-row tiles,
+/// 16-bit storage: the tile's input and weight rows, each padded by 8 elements.
+fn norm_linear_smem_bytes(c: usize, tile_rows: usize) -> usize {
+    (tile_rows + NL_BN) * (c + 8) * 2
 }
 
 /// Index into [`LN_NAMES`]: the smallest size class whose `32 · chunks` lanes' worth of 16-byte
@@ -431,8 +439,9 @@ fn new_state(dev: &CudaDevice) -> candle_core::Result<DeviceState> {
             let funcs = load(&NORM_LINEAR_NAMES)?;
             for (i, f) in funcs.iter().enumerate() {
                 // Past 48 KB of dynamic shared memory a kernel must opt in.
-                let c = crate::NORM_LINEAR_DIMS[i / 4];
-                f.set_attribute(MAX_SMEM, norm_linear_smem_bytes(c) as i32)
+                let c = crate::NORM_LINEAR_DIMS[i / 8];
+                let tile_rows = NORM_LINEAR_TILE_ROWS[(i / 4) % 2];
+                f.set_attribute(MAX_SMEM, norm_linear_smem_bytes(c, tile_rows) as i32)
                     .map_err(candle_core::Error::wrap)?;
             }
             funcs
@@ -1121,6 +1130,8 @@ pub(crate) struct NormLinearOp {
     pub ln_bias: Tensor,
     pub eps: f32,
     pub gelu: bool,
+    /// Input rows per CTA, one of [`NORM_LINEAR_TILE_ROWS`].
+    pub tile_rows: usize,
 }
 
 impl NormLinearOp {
@@ -1144,6 +1155,15 @@ impl NormLinearOp {
         let aligned = |l: &Layout| contiguous_16b(l, size);
         let Some(width) = width else {
             candle_core::bail!("norm_linear: no fused kernel for C = {c}");
+        };
+        let Some(tile) = NORM_LINEAR_TILE_ROWS
+            .iter()
+            .position(|&r| r == self.tile_rows)
+        else {
+            candle_core::bail!(
+                "norm_linear: no fused kernel with {}-row tiles (it has {NORM_LINEAR_TILE_ROWS:?})",
+                self.tile_rows
+            );
         };
         if c2 != c
             || m == 0
@@ -1183,13 +1203,17 @@ impl NormLinearOp {
         let func = {
             let mut states = STATE.lock().unwrap_or_else(|e| e.into_inner());
             device_state(&mut states, dev)?.norm_linear
-                [width * 4 + 2 * bf16 as usize + self.gelu as usize]
+                [(width * 2 + tile) * 4 + 2 * bf16 as usize + self.gelu as usize]
                 .clone()
         };
         let cfg = LaunchConfig {
-            grid_dim: (n.div_ceil(NL_BN) as u32, m.div_ceil(NL_BM) as u32, 1),
+            grid_dim: (
+                n.div_ceil(NL_BN) as u32,
+                m.div_ceil(self.tile_rows) as u32,
+                1,
+            ),
             block_dim: (NL_THREADS, 1, 1),
-            shared_mem_bytes: norm_linear_smem_bytes(c) as u32,
+            shared_mem_bytes: norm_linear_smem_bytes(c, self.tile_rows) as u32,
         };
         let (m32, n32) = (m as i32, n as i32);
         let stream = dev.cuda_stream();

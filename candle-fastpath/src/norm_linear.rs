@@ -9,7 +9,10 @@
 //! GEMM with tensor cores and applies bias (and GELU) before its one store (lever 58 in
 //! `docs/BENCHMARKS.md`). Its GEMM reads whole rows per tile, so it only pays where rows are
 //! narrow and few: the widths in [`NORM_LINEAR_DIMS`] (DeiT-T's 192; at 384 and up cuBLASLt's
-//! GEMM is faster than the launches saved) and grids of at most one wave.
+//! GEMM is faster than the launches saved) and grids of at most one wave: 16-row tiles at one
+//! CTA per SM (batch 1), else, outside CUDA-graph captures, 64-row tiles at two (a few thousand
+//! rows, DeiT-T at batch 8; lever 81: fewer launches for eager forwards, which the host bounds;
+//! inside a graph the two steps run faster).
 
 use candle_core::{Shape, Tensor};
 
@@ -24,23 +27,58 @@ pub const NORM_LINEAR_DIMS: &[usize] = &[192];
 /// When [`norm_linear`] takes the fused kernel, from `CANDLE_FASTPATH_NORM_LINEAR` (read once).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum NormLinearMode {
-    /// The default: eligible operands whose grid (16-row × 128-column tiles) fits one wave of
-    /// one CTA per SM (at batch 1 and pruned batch-1 row counts for DeiT-T).
+    /// The default: eligible operands whose grid of 16-row × 128-column tiles fits one wave of
+    /// one CTA per SM (batch 1 and pruned batch-1 row counts for DeiT-T), else, while the
+    /// device's stream is not being captured, whose grid of 64-row tiles fits one wave of two
+    /// CTAs per SM (DeiT-T at batch 8: 1,576 rows).
     OneWave,
-    /// Every eligible call, whatever its row count (`=always`; for A/B measurements).
+    /// Only the first of those (`=narrow`: the rule before lever 81; for A/B measurements).
+    Narrow,
+    /// Every eligible call, whatever its row count, in 16-row tiles (`=always`; for A/B
+    /// measurements).
     Always,
     /// Never (`=0`): the LayerNorm kernel, then [`FusedLinear`].
     Off,
 }
 
-/// The mode `CANDLE_FASTPATH_NORM_LINEAR` selects (read once): unset, `always`, `0`.
+/// The mode `CANDLE_FASTPATH_NORM_LINEAR` selects (read once): unset, `narrow`, `always`, `0`.
 pub fn norm_linear_mode() -> NormLinearMode {
     static MODE: std::sync::OnceLock<NormLinearMode> = std::sync::OnceLock::new();
     crate::switches::read_once(&MODE, "CANDLE_FASTPATH_NORM_LINEAR", |v| match v {
         Some("always") => NormLinearMode::Always,
+        Some("narrow") => NormLinearMode::Narrow,
         Some("0") | Some("off") => NormLinearMode::Off,
         _ => NormLinearMode::OneWave,
     })
+}
+
+/// The tile height (input rows per CTA) the fused kernel takes for `rows` rows and `n` output
+/// columns under [`norm_linear_mode`] on a GPU of `sms` SMs, or `None` where the two-step path
+/// runs: 16 where that grid fits one wave of one CTA per SM; else 64 where that grid fits one
+/// wave of two (its 76.8 KB of shared memory and 512 threads allow two) and `eager()` (the
+/// stream is not being captured).
+///
+/// Why eager only (lever 81's A/B, DeiT-T at batch 8, H100): launched one by one, a forward's
+/// ~100 kernels cost more host time than GPU time, and the fused kernel takes 34 of them away
+/// (eager rows 1.2–1.5× faster); replayed in a CUDA graph, where the GPU's time is the forward's,
+/// the 64-row kernel (~12 µs under ncu: one CTA per SM, four warps per scheduler, each warp a
+/// ~1,200-instruction chain at ~11 cycles an instruction) is slower than the LayerNorm kernel and
+/// cuBLASLt's GEMM it replaces (dense graph 0.404 → 0.483 ms).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+fn tile_rows_rule(
+    rows: usize,
+    n: usize,
+    sms: usize,
+    eager: impl FnOnce() -> bool,
+) -> Option<usize> {
+    let tiles = |tile_rows: usize| rows.div_ceil(tile_rows) * n.div_ceil(128);
+    match norm_linear_mode() {
+        NormLinearMode::Off => None,
+        NormLinearMode::Always => Some(16),
+        NormLinearMode::Narrow => (tiles(16) <= sms).then_some(16),
+        NormLinearMode::OneWave if tiles(16) <= sms => Some(16),
+        NormLinearMode::OneWave => (tiles(64) <= 2 * sms && eager()).then_some(64),
+    }
 }
 
 /// `norm(x)·Wᵀ + b`, then the exact GELU when `gelu`.
@@ -70,8 +108,12 @@ pub fn norm_linear(
             found: linear.weight().shape().clone(),
         });
     }
+    // A shape's first call with 64-row tiles takes the two steps instead (first_wide_call).
     #[cfg(feature = "cuda")]
-    if let (true, Some(bias)) = (norm_linear_applies(x, norm, linear, gelu), linear.bias()) {
+    let tile_rows = fused_tile_rows(x, norm, linear, gelu)
+        .filter(|&t| t != 64 || !first_wide_call(x, linear.out_dim(), gelu));
+    #[cfg(feature = "cuda")]
+    if let (Some(tile_rows), Some(bias)) = (tile_rows, linear.bias()) {
         let rows = x.elem_count() / c;
         let mut out_dims = x.dims().to_vec();
         if let Some(last) = out_dims.last_mut() {
@@ -82,6 +124,7 @@ pub fn norm_linear(
             ln_bias: norm.bias().clone(),
             eps: norm.eps() as f32,
             gelu,
+            tile_rows,
         };
         let y = x
             .reshape((rows, c))?
@@ -101,9 +144,9 @@ pub fn norm_linear(
 
 /// Whether [`norm_linear`] runs `x` through the fused kernel: CUDA (the `cuda` feature), f16 or
 /// bf16 everywhere, `C` in [`NORM_LINEAR_DIMS`], a bias, `N` even, every operand contiguous and
-/// 16-byte aligned on `x`'s device, the GELU in its default (Φ) form, and what
-/// [`norm_linear_mode`] allows (by default a grid of at most one CTA per SM). Anything else
-/// takes the two-step path, which checks its inputs and reports errors.
+/// 16-byte aligned on `x`'s device, the GELU in its default (Φ) form, and a grid
+/// [`norm_linear_tile_rows`] accepts (by default one wave). Anything else takes the two-step
+/// path, which checks its inputs and reports errors.
 pub fn norm_linear_applies(x: &Tensor, norm: &LayerNorm, linear: &FusedLinear, gelu: bool) -> bool {
     #[cfg(not(feature = "cuda"))]
     {
@@ -112,16 +155,82 @@ pub fn norm_linear_applies(x: &Tensor, norm: &LayerNorm, linear: &FusedLinear, g
     }
     #[cfg(feature = "cuda")]
     {
-        let candle_core::Device::Cuda(dev) = x.device() else {
-            return false;
-        };
-        let c = norm.weight().elem_count();
-        norm_linear_eligible(x, norm, linear, gelu)
-            && fits_one_wave(
-                dev,
-                (x.elem_count() / c).div_ceil(16) * linear.out_dim().div_ceil(128),
-            )
+        fused_tile_rows(x, norm, linear, gelu).is_some()
     }
+}
+
+/// The rows of `x` each CTA of the fused kernel takes (16 or 64), `None` where
+/// [`norm_linear_applies`] is false (`norm_linear` then runs the two steps).
+pub fn norm_linear_tile_rows(
+    x: &Tensor,
+    norm: &LayerNorm,
+    linear: &FusedLinear,
+    gelu: bool,
+) -> Option<usize> {
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (x, norm, linear, gelu);
+        None
+    }
+    #[cfg(feature = "cuda")]
+    {
+        fused_tile_rows(x, norm, linear, gelu)
+    }
+}
+
+/// Whether this is the first eager call with 64-row tiles for `x`'s (device, dtype, rows), output
+/// width `n` and epilogue in this process, recording it. Such a call runs the two steps instead, so
+/// that the GEMM's cuBLASLt plan is made and timed eagerly (lever 79 times a plan on its first
+/// call outside a capture only): a CUDA graph captured later runs those two steps (the wide
+/// kernel is eager-only) with the tuned pick. Without this, lever 81's A/B measured DeiT-T's
+/// batch-8 graphs ~2 % slower (replay events 392.9 → 401.6 µs): their plans were first made
+/// inside the capture.
+#[cfg(feature = "cuda")]
+fn first_wide_call(x: &Tensor, n: usize, gelu: bool) -> bool {
+    type Shape = (
+        candle_core::DeviceLocation,
+        candle_core::DType,
+        usize,
+        usize,
+        bool,
+    );
+    static SEEN: std::sync::Mutex<Vec<Shape>> = std::sync::Mutex::new(Vec::new());
+    let rows = x.elem_count() / x.dims().last().copied().unwrap_or(1).max(1);
+    let shape = (x.device().location(), x.dtype(), rows, n, gelu);
+    let mut seen = SEEN.lock().unwrap_or_else(|e| e.into_inner());
+    if seen.contains(&shape) {
+        return false;
+    }
+    // A model has a handful of such shapes per batch size; a bound keeps a long-running
+    // process with ever-new row counts from growing the list without end.
+    if seen.len() >= 1024 {
+        seen.clear();
+    }
+    seen.push(shape);
+    true
+}
+
+/// [`norm_linear_tile_rows`] on CUDA.
+#[cfg(feature = "cuda")]
+fn fused_tile_rows(
+    x: &Tensor,
+    norm: &LayerNorm,
+    linear: &FusedLinear,
+    gelu: bool,
+) -> Option<usize> {
+    let candle_core::Device::Cuda(dev) = x.device() else {
+        return None;
+    };
+    if !norm_linear_eligible(x, norm, linear, gelu) {
+        return None;
+    }
+    let rows = x.elem_count() / norm.weight().elem_count();
+    tile_rows_rule(
+        rows,
+        linear.out_dim(),
+        crate::cuda::sm_count(dev).ok()?,
+        || !crate::cuda::stream_is_capturing(dev),
+    )
 }
 
 /// [`norm_linear_applies`] but for the grid's size: everything the fused kernel requires of its
@@ -347,5 +456,36 @@ pub fn residual_norm_linear_step_applies(
         eligible
             && crate::cuda::has_residual_norm_linear(dev)
             && fits_one_wave(dev, rows.div_ceil(16) * crate::cuda::RNL_SPLIT)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{norm_linear_mode, tile_rows_rule, NormLinearMode};
+
+    #[test]
+    fn tile_rows_follow_the_wave_rule() {
+        // The rule of the mode this process runs under (unset in CI: the default).
+        if norm_linear_mode() != NormLinearMode::OneWave {
+            return;
+        }
+        let h100 = 132;
+        let rule = |rows, n| tile_rows_rule(rows, n, h100, || true);
+        // DeiT-T at batch 1: 13 row tiles × 5 (qkv) or 6 (fc1) column tiles, one wave, captured
+        // or not.
+        assert_eq!(rule(197, 576), Some(16));
+        assert_eq!(rule(197, 768), Some(16));
+        assert_eq!(tile_rows_rule(197, 768, h100, || false), Some(16));
+        // Batch 8 (1,576 rows): 495 / 594 narrow tiles; 125 / 150 of 64 rows, two per SM, but
+        // only outside a capture.
+        assert_eq!(rule(1576, 576), Some(64));
+        assert_eq!(rule(1576, 768), Some(64));
+        assert_eq!(tile_rows_rule(1576, 576, h100, || false), None);
+        // DynamicViT's in_conv (N = C = 192) at batch 8: 25 × 2 wide tiles.
+        assert_eq!(rule(1576, 192), Some(64));
+        // Past one wave of two wide CTAs per SM (batch 64): the two steps.
+        assert_eq!(rule(12608, 576), None);
+        assert_eq!(rule(45 * 64, 768), None);
+        assert_eq!(rule(44 * 64, 768), Some(64));
     }
 }
