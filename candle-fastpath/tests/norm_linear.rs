@@ -13,8 +13,9 @@ mod common;
 
 use candle_core::{DType, Device, Tensor};
 use candle_fastpath::{
-    norm_linear, norm_linear_applies, norm_linear_tile_rows, residual_norm_linear,
-    residual_norm_linear_applies, Epilogue, FastpathError, FusedLinear, LayerNorm,
+    norm_linear, norm_linear_applies, norm_linear_mode, norm_linear_tile_rows,
+    residual_norm_linear, residual_norm_linear_applies, Epilogue, FastpathError, FusedLinear,
+    LayerNorm, NormLinearMode,
 };
 use common::{device, has_clusters, host, poison, quantize, randn};
 use rand::{rngs::StdRng, SeedableRng};
@@ -93,7 +94,12 @@ fn matches_the_two_steps() {
                             "{dtype:?} rows {rows} n {n}: fused kernel expected"
                         );
                     }
-                    if dev.is_cuda() && dtype != DType::F32 && rows >= 1100 && n > c {
+                    if dev.is_cuda()
+                        && dtype != DType::F32
+                        && rows >= 1100
+                        && n > c
+                        && norm_linear_mode() == NormLinearMode::OneWave
+                    {
                         // Past one wave of 16-row tiles, within one of 64-row tiles at two
                         // CTAs per SM, on any GPU of 75 to 340 SMs (the H100 has 132).
                         assert_eq!(tile_rows, Some(64), "{dtype:?} rows {rows} n {n}");
@@ -103,7 +109,7 @@ fn matches_the_two_steps() {
                     }
                     poison(&dev, rows * n, dtype);
                     let mut y = norm_linear(&x, &w.norm, &w.linear, gelu).unwrap();
-                    if tile_rows == Some(64) {
+                    if matches!(tile_rows, Some(t) if t != 16) {
                         // A shape's first call with 64-row tiles runs the two steps (so that
                         // its GEMM plan is timed eagerly); the second runs the kernel.
                         assert_eq!(host(&y), want, "{dtype:?} rows {rows} n {n}: first call");
