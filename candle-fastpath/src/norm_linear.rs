@@ -91,8 +91,8 @@ fn tile_rows_rule(
 /// # Returns
 /// `[.., N]`, what `linear.forward_with(&norm.forward(x)?, Epilogue::Gelu or Plain)` returns.
 /// On CUDA, where [`norm_linear_applies`] says so, one kernel computes it (the same normalised
-/// rows and roundings as the two-step path; only the GEMM's summation order differs);
-/// everywhere else it is those two steps.
+/// rows and roundings as the two-step path; only the GEMM's summation order differs), except a
+/// shape's first call with 64-row tiles; everywhere else it is those two steps.
 pub fn norm_linear(
     x: &Tensor,
     norm: &LayerNorm,
@@ -146,7 +146,8 @@ pub fn norm_linear(
 /// bf16 everywhere, `C` in [`NORM_LINEAR_DIMS`], a bias, `N` even, every operand contiguous and
 /// 16-byte aligned on `x`'s device, the GELU in its default (Φ) form, and a grid
 /// [`norm_linear_tile_rows`] accepts (by default one wave). Anything else takes the two-step
-/// path, which checks its inputs and reports errors.
+/// path, which checks its inputs and reports errors. With 64-row tiles, a shape's first call in
+/// the process still takes the two steps (so that its GEMM plan is timed eagerly).
 pub fn norm_linear_applies(x: &Tensor, norm: &LayerNorm, linear: &FusedLinear, gelu: bool) -> bool {
     #[cfg(not(feature = "cuda"))]
     {
