@@ -110,8 +110,14 @@ pub fn norm_linear(
     }
     // A shape's first call with 64-row tiles takes the two steps instead (first_wide_call).
     #[cfg(feature = "cuda")]
-    let tile_rows = fused_tile_rows(x, norm, linear, gelu)
-        .filter(|&t| t != 64 || !first_wide_call(x, linear.out_dim(), gelu));
+    let tile_rows = match (fused_tile_rows(x, norm, linear, gelu), x.device()) {
+        (Some(64), candle_core::Device::Cuda(dev))
+            if first_wide_call(dev, x, linear.out_dim(), gelu) =>
+        {
+            None
+        }
+        (t, _) => t,
+    };
     #[cfg(feature = "cuda")]
     if let (Some(tile_rows), Some(bias)) = (tile_rows, linear.bias()) {
         let rows = x.elem_count() / c;
@@ -179,17 +185,23 @@ pub fn norm_linear_tile_rows(
     }
 }
 
-/// Whether this is the first eager call with 64-row tiles for `x`'s (device, dtype, rows), output
-/// width `n` and epilogue in this process, recording it. Such a call runs the two steps instead, so
+/// Whether this is the first eager call with 64-row tiles on `dev` (candle's device instance, as
+/// the cuBLASLt plans are kept per instance) for `x`'s (dtype, rows), output width `n` and
+/// epilogue in this process, recording it. Such a call runs the two steps instead, so
 /// that the GEMM's cuBLASLt plan is made and timed eagerly (lever 79 times a plan on its first
 /// call outside a capture only): a CUDA graph captured later runs those two steps (the wide
 /// kernel is eager-only) with the tuned pick. Without this, lever 81's A/B measured DeiT-T's
 /// batch-8 graphs ~2 % slower (replay events 392.9 → 401.6 µs): their plans were first made
 /// inside the capture.
 #[cfg(feature = "cuda")]
-fn first_wide_call(x: &Tensor, n: usize, gelu: bool) -> bool {
+fn first_wide_call(
+    dev: &candle_core::cuda_backend::CudaDevice,
+    x: &Tensor,
+    n: usize,
+    gelu: bool,
+) -> bool {
     type Shape = (
-        candle_core::DeviceLocation,
+        candle_core::cuda_backend::DeviceId,
         candle_core::DType,
         usize,
         usize,
@@ -197,7 +209,7 @@ fn first_wide_call(x: &Tensor, n: usize, gelu: bool) -> bool {
     );
     static SEEN: std::sync::Mutex<Vec<Shape>> = std::sync::Mutex::new(Vec::new());
     let rows = x.elem_count() / x.dims().last().copied().unwrap_or(1).max(1);
-    let shape = (x.device().location(), x.dtype(), rows, n, gelu);
+    let shape = (dev.id(), x.dtype(), rows, n, gelu);
     let mut seen = SEEN.lock().unwrap_or_else(|e| e.into_inner());
     if seen.contains(&shape) {
         return false;
