@@ -22,22 +22,13 @@ PRUNERS_ALL=none,threshold-l2-fixed,threshold-l2-adaptive,dynamicvit-fixed,dynam
 if has checks; then
   echo "== test-norm_linear" >> "$C"
   timeout 200 $B/test-norm_linear --test-threads=1 2>&1 | grep -E "test result|panicked|rror" >> "$C"
-  echo "== test-norm_linear under memcheck" >> "$C"
-  timeout 300 compute-sanitizer --tool memcheck --error-exitcode 9 $B/test-norm_linear --test-threads=1 matches_the_two_steps 2>&1 | grep -E "ERROR SUMMARY|test result" >> "$C"
-  echo "== test-norm_linear under racecheck" >> "$C"
-  timeout 400 compute-sanitizer --tool racecheck --error-exitcode 9 $B/test-norm_linear --test-threads=1 matches_the_two_steps 2>&1 | grep -E "RACECHECK SUMMARY|ERROR SUMMARY|test result" >> "$C"
+  sanitize norm_linear matches_the_two_steps
   paths_check deit-tiny 8 300
   paths_check deit-tiny 16 300
   graphs_check 200
 fi
-if has anatomy; then
-  for arm in narrow default; do
-    echo "== graph anatomy, CANDLE_FASTPATH_NORM_LINEAR=${arm#default}" >> "$C"
-    CANDLE_FASTPATH_NORM_LINEAR=${arm#default} timeout 200 $B/bench --device cuda --models deit-tiny --dtype f16 --batch 8 \
-      --pruners none,threshold-l2-fixed,dynamicvit-fixed,evit-fixed --paths ragged --reps 100 --graph-anatomy --out /tmp/anat.json 2>&1 \
-      | grep -E "^graph|rror" | grep -v "only:" >> "$C"
-  done
-fi
+has anatomy && anatomy CANDLE_FASTPATH_NORM_LINEAR "narrow default" --models deit-tiny --dtype f16 --batch 8 \
+  --pruners none,threshold-l2-fixed,dynamicvit-fixed,evit-fixed
 if has ncu; then
   for arm in narrow default; do
     CANDLE_FASTPATH_NORM_LINEAR=${arm#default} ncu --metrics gpu__time_duration.sum --csv --print-units base $B/bench --device cuda --models deit-tiny --dtype f16 --batch 8 \

@@ -26,22 +26,12 @@ if has checks; then
   done
   echo "== test-select_rule" >> "$C"
   timeout 200 $B/test-select_rule --test-threads=1 2>&1 | grep -E "test result|panicked|rror" >> "$C"
-  echo "== test-select_bounded under memcheck" >> "$C"
-  timeout 300 compute-sanitizer --tool memcheck --error-exitcode 9 $B/test-select_bounded --test-threads=1 bounded_steps_keep_what_exact_steps_keep 2>&1 | grep -E "ERROR SUMMARY|test result" >> "$C"
-  echo "== test-select_bounded under racecheck" >> "$C"
-  timeout 400 compute-sanitizer --tool racecheck --error-exitcode 9 $B/test-select_bounded --test-threads=1 bounded_steps_keep_what_exact_steps_keep 2>&1 | grep -E "RACECHECK SUMMARY|ERROR SUMMARY|test result" >> "$C"
+  sanitize select_bounded bounded_steps_keep_what_exact_steps_keep
   paths_check deit-tiny,deit-small 8 300
   paths_check deit-base 32 300
   graphs_check 200
 fi
-if has anatomy; then
-  for arm in 0 default; do
-    echo "== graph anatomy, CANDLE_RAGGED_FUSED_STEP=${arm#default}" >> "$C"
-    CANDLE_RAGGED_FUSED_STEP=${arm#default} timeout 200 $B/bench --device cuda --models deit-tiny --dtype f16 --batch 1,8 \
-      --pruners none,$RULE_PRUNERS --paths ragged --reps 100 --graph-anatomy --out /tmp/anat.json 2>&1 \
-      | grep -E "^graph|rror" | grep -v "only:" >> "$C"
-  done
-fi
+has anatomy && anatomy CANDLE_RAGGED_FUSED_STEP "0 default" --models deit-tiny --dtype f16 --batch 1,8 --pruners none,$RULE_PRUNERS
 e2e_run() { CANDLE_RAGGED_FUSED_STEP=${1#default} timeout 280 $B/bench --device cuda --models deit-tiny,deit-small,deit-base --dtype ${DTYPES:-f16} --batch 1,8,64 --pruners none,$RULE_PRUNERS --paths ragged --reps 10 --out "$2"; }
 ARMS=${ARMS:-0 default}
 has e2e && ab_rounds rs e2e_run

@@ -54,6 +54,28 @@ tests_memcheck() {
   done
 }
 
+# sanitize NAME [TEST_FILTER]: test-NAME (its TEST_FILTER tests, or all) under compute-sanitizer
+# memcheck, then racecheck; each run's error / hazard summary and result line appended to $C.
+sanitize() {
+  echo "== test-$1 ${2:-} under memcheck" >> "$C"
+  timeout 300 compute-sanitizer --tool memcheck --error-exitcode 9 $B/test-$1 --test-threads=1 ${2:-} 2>&1 | grep -E "ERROR SUMMARY|test result" >> "$C"
+  echo "== test-$1 ${2:-} under racecheck" >> "$C"
+  timeout 400 compute-sanitizer --tool racecheck --error-exitcode 9 $B/test-$1 --test-threads=1 ${2:-} 2>&1 | grep -E "RACECHECK SUMMARY|ERROR SUMMARY|test result" >> "$C"
+}
+
+# anatomy VAR "ARMS" BENCH_ARGS...: for each arm of ARMS (`default`: VAR unset), `bench
+# --graph-anatomy` with VAR set to it and BENCH_ARGS (models, dtype, batch, pruners); its
+# per-graph lines appended to $C under a header naming the arm.
+anatomy() {
+  local var=$1 arms=$2 arm
+  shift 2
+  for arm in $arms; do
+    echo "== graph anatomy, $var=${arm#default}" >> "$C"
+    env "$var=${arm#default}" timeout 200 $B/bench --device cuda "$@" --paths ragged --reps 100 --graph-anatomy --out /tmp/anat.json 2>&1 \
+      | grep -E "^graph|rror" | grep -v "only:" >> "$C"
+  done
+}
+
 # graphs_check [LIMIT]: test-paths_agreement's one_image_graphs_agree_with_the_padded_path on CUDA
 # (DeiT-T and DeiT-T distilled, batch 1, f16 / bf16: dense and fixed-pruner CUDA graphs, where
 # the chained batch-1 kernels run, against the padded path); appends its exit status, its

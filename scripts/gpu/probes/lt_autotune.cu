@@ -12,40 +12,22 @@
 
 int main(int argc, char** argv) {
     const int algos = argc > 1 ? atoi(argv[1]) : 16;
-    cublasLtHandle_t lt;
-    LT(cublasLtCreate(&lt));
-    cudaStream_t s;
-    CK(cudaStreamCreate(&s));
-    const size_t ws_bytes = 32u << 20;
-    void* ws = dalloc(ws_bytes);
-    struct Shape {
-        const char* name;
-        int n_mult, k_mult;
-        bool residual;
-    };
-    const Shape shapes[] = {{"qkv", 3, 1, false}, {"proj", 1, 1, true}, {"fc1", 4, 1, false}, {"fc2", 1, 4, true}};
+    LtSetup setup;
+    cublasLtHandle_t lt = setup.lt;
+    cudaStream_t s = setup.s;
+    const size_t ws_bytes = setup.ws_bytes;
+    void* ws = setup.ws;
     const int dims[] = {192, 384, 768};
     const int rows[] = {197, 138, 69, 1576, 12608, 50432};
     printf("model C, rows, GEMM: pick-0 us | best us (pick #) | best / pick 0 | max |diff| | candidates | split-K of pick 0 / best\n");
     for (int c : dims) {
         for (int m : rows) {
-            for (const Shape& sh : shapes) {
-                const int n = sh.n_mult * c, k = sh.k_mult * c;
-                void* w = drandom_host((size_t)n * k, 1 + n + k, 1.f / sqrtf((float)k));
-                void* b = drandom_host(n, 7 + n, 0.5f);
-                void* x = drandom_host((size_t)m * k, 3 + m, 1.f);
-                void* r = sh.residual ? drandom_host((size_t)m * n, 5 + m, 1.f) : nullptr;
-                void* y0 = dalloc((size_t)m * n * 2);
-                void* y1 = dalloc((size_t)m * n * 2);
-                Gemm g = make_gemm(lt, m, n, k, w, b, ws_bytes);
-                cublasLtMatmulPreference_t pref;
-                LT(cublasLtMatmulPreferenceCreate(&pref));
-                LT(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_bytes,
-                                                        sizeof(ws_bytes)));
-                std::vector<cublasLtMatmulHeuristicResult_t> res(algos);
-                int found = 0;
-                LT(cublasLtMatmulAlgoGetHeuristic(lt, g.op, g.lw, g.lx, g.ly, g.ly, pref, algos, res.data(), &found));
-                LT(cublasLtMatmulPreferenceDestroy(pref));
+            for (const DeitGemm& sh : kDeitGemms) {
+                GemmCase gc(lt, m, sh.n_mult * c, sh.k_mult * c, sh.residual, algos, ws_bytes);
+                const int n = gc.n, found = (int)gc.picks.size();
+                Gemm& g = gc.g;
+                const auto& res = gc.picks;
+                void *x = gc.x, *r = gc.r, *y0 = gc.y0, *y1 = gc.y1;
                 const int calls = 20, reps = m > 20000 ? 30 : 100;
                 double t0 = 0, best = 1e30;
                 int best_i = 0;
@@ -76,12 +58,6 @@ int main(int argc, char** argv) {
                 printf("C %4d rows %5d %-4s  %7.2f | %7.2f (#%d) | %.3f | %.3g | %d | split-K %d / %d\n", c, m, sh.name, t0,
                        best, best_i, best / t0, d, found, splitk(res[0].algo), splitk(res[best_i].algo));
                 fflush(stdout);
-                for (void* p : {w, b, x, r, y0, y1})
-                    if (p) CK(cudaFree(p));
-                LT(cublasLtMatmulDescDestroy(g.op));
-                LT(cublasLtMatrixLayoutDestroy(g.lw));
-                LT(cublasLtMatrixLayoutDestroy(g.lx));
-                LT(cublasLtMatrixLayoutDestroy(g.ly));
             }
         }
     }

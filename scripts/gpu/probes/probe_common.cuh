@@ -170,3 +170,65 @@ static float max_diff_half(const void* a, const void* b, size_t n) {
     }
     return m;
 }
+
+// One of DeiT's GEMMs (`y = x W^T + b`, plus a residual when `residual`) with random operands on
+// the device, two output buffers, and cuBLASLt's first `algos` heuristic picks for it (what the
+// autotuning probes time); everything freed on destruction.
+struct GemmCase {
+    int m, n, k;
+    void *w, *b, *x, *r, *y0, *y1;
+    Gemm g;
+    std::vector<cublasLtMatmulHeuristicResult_t> picks;
+
+    GemmCase(cublasLtHandle_t lt, int m_, int n_, int k_, bool residual, int algos, size_t ws_bytes)
+        : m(m_), n(n_), k(k_) {
+        w = drandom_host((size_t)n * k, 1 + n + k, 1.f / sqrtf((float)k));
+        b = drandom_host(n, 7 + n, 0.5f);
+        x = drandom_host((size_t)m * k, 3 + m, 1.f);
+        r = residual ? drandom_host((size_t)m * n, 5 + m, 1.f) : nullptr;
+        y0 = dalloc((size_t)m * n * 2);
+        y1 = dalloc((size_t)m * n * 2);
+        g = make_gemm(lt, m, n, k, w, b, ws_bytes);
+        cublasLtMatmulPreference_t pref;
+        LT(cublasLtMatmulPreferenceCreate(&pref));
+        LT(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_bytes,
+                                                sizeof(ws_bytes)));
+        picks.resize(algos);
+        int found = 0;
+        LT(cublasLtMatmulAlgoGetHeuristic(lt, g.op, g.lw, g.lx, g.ly, g.ly, pref, algos, picks.data(), &found));
+        LT(cublasLtMatmulPreferenceDestroy(pref));
+        picks.resize(found);
+    }
+    GemmCase(const GemmCase&) = delete;
+    GemmCase& operator=(const GemmCase&) = delete;
+    ~GemmCase() {
+        for (void* p : {w, b, x, r, y0, y1})
+            if (p) CK(cudaFree(p));
+        LT(cublasLtMatmulDescDestroy(g.op));
+        LT(cublasLtMatrixLayoutDestroy(g.lw));
+        LT(cublasLtMatrixLayoutDestroy(g.lx));
+        LT(cublasLtMatrixLayoutDestroy(g.ly));
+    }
+};
+
+// DeiT's four GEMMs per block, sized as multiples of the width C: qkv, proj (+ residual), fc1,
+// fc2 (+ residual).
+struct DeitGemm {
+    const char* name;
+    int n_mult, k_mult;
+    bool residual;
+};
+static const DeitGemm kDeitGemms[] = {{"qkv", 3, 1, false}, {"proj", 1, 1, true}, {"fc1", 4, 1, false}, {"fc2", 1, 4, true}};
+
+// A cuBLASLt handle, a stream and a 32 MB workspace, as the autotuning probes run their GEMMs.
+struct LtSetup {
+    cublasLtHandle_t lt;
+    cudaStream_t s;
+    size_t ws_bytes = 32u << 20;
+    void* ws;
+    LtSetup() {
+        LT(cublasLtCreate(&lt));
+        CK(cudaStreamCreate(&s));
+        ws = dalloc(ws_bytes);
+    }
+};
