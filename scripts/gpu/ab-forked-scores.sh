@@ -20,12 +20,8 @@ unpack bench test-forked_scores test-select test-paths_agreement
 C="$out/forked-scores.txt"
 nvidia-smi --query-gpu=name --format=csv,noheader >> "$C"
 if has checks; then
-  for arm in default 0; do
-    echo "== test-forked_scores, CANDLE_RAGGED_FORKED_SCORES=${arm#default}" >> "$C"
-    CANDLE_RAGGED_FORKED_SCORES=${arm#default} timeout 200 $B/test-forked_scores --test-threads=1 2>&1 | grep -E "test result|panicked|rror" >> "$C"
-  done
-  echo "== test-select" >> "$C"
-  timeout 200 $B/test-select --test-threads=1 2>&1 | grep -E "test result|panicked" >> "$C"
+  test_arms CANDLE_RAGGED_FORKED_SCORES "default 0" forked_scores
+  test_arms CANDLE_RAGGED_FORKED_SCORES default select
   sanitize forked_scores
   paths_check deit-tiny,deit-small 8 300
   paths_check deit-base 32 300

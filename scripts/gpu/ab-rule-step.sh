@@ -20,12 +20,8 @@ C="$out/rule-step.txt"
 nvidia-smi --query-gpu=name --format=csv,noheader >> "$C"
 RULE_PRUNERS=threshold-l2-adaptive,dynamicvit-adaptive,evit-adaptive,ats-fixed,ats-adaptive
 if has checks; then
-  for arm in default 0; do
-    echo "== test-select_bounded, CANDLE_RAGGED_FUSED_STEP=${arm#default}" >> "$C"
-    CANDLE_RAGGED_FUSED_STEP=${arm#default} timeout 200 $B/test-select_bounded --test-threads=1 2>&1 | grep -E "test result|panicked|rror" >> "$C"
-  done
-  echo "== test-select_rule" >> "$C"
-  timeout 200 $B/test-select_rule --test-threads=1 2>&1 | grep -E "test result|panicked|rror" >> "$C"
+  test_arms CANDLE_RAGGED_FUSED_STEP "default 0" select_bounded
+  test_arms CANDLE_RAGGED_FUSED_STEP default select_rule
   sanitize select_bounded bounded_steps_keep_what_exact_steps_keep
   paths_check deit-tiny,deit-small 8 300
   paths_check deit-base 32 300

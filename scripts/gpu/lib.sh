@@ -54,6 +54,17 @@ tests_memcheck() {
   done
 }
 
+# test_arms VAR "ARMS" NAME: test-NAME once per arm of ARMS with VAR set to it (`default`: VAR
+# empty, the library's default), its result and panic lines appended to $C under a header naming
+# the arm; with ARMS "default", just the test.
+test_arms() {
+  local var=$1 arms=$2 name=$3 arm
+  for arm in $arms; do
+    echo "== test-$name, $var=${arm#default}" >> "$C"
+    env "$var=${arm#default}" timeout 200 $B/test-$name --test-threads=1 2>&1 | grep -E "test result|panicked|rror" >> "$C"
+  done
+}
+
 # sanitize NAME [TEST_FILTER]: test-NAME (its TEST_FILTER tests, or all) under compute-sanitizer
 # memcheck, then racecheck; each run's error / hazard summary and result line appended to $C.
 sanitize() {
