@@ -653,10 +653,15 @@ __device__ void sequence_scores(float *sc, float *tmp, int tmp_floats, float *re
                 }
             }
             __syncthreads();
-            // Heads added in order, as the host's mean over heads adds them.
+            // Heads added in order, as the host's mean over heads adds them. Each probability is
+            // rounded before it is added (__fadd_rn: under --use_fast_math the division is a
+            // multiply by the reciprocal, which the compiler would otherwise fuse into the add),
+            // as cls_probs stores it and modes 4 / 5 add it: the same bits whether a batch's
+            // scores are split over (sequence, head) blocks or not.
             for (int j = threadIdx.x; j < len; j += blockDim.x) {
                 float acc = sc[j];
-                for (int h = 0; h < hn; ++h) acc += expf(logit[h * len + j] - red[2 * h]) / red[2 * h + 1];
+                for (int h = 0; h < hn; ++h)
+                    acc = __fadd_rn(acc, expf(logit[h * len + j] - red[2 * h]) / red[2 * h + 1]);
                 sc[j] = acc;
             }
             __syncthreads();  // qs, logits and red are rewritten by the next group

@@ -135,7 +135,8 @@ struct Kernels {
     /// Whether `select_by_rule` (lever 33) and `select_top_k` (lever 39) compute class-attention
     /// scores in their own (sequence, head) blocks first: below `sm_count` sequences by default,
     /// `CANDLE_RAGGED_SPLIT_SCORES=1` always, `=0` never (the decide / select blocks compute them
-    /// themselves; same bits either way).
+    /// themselves; same bits either way, checked by `a_sequence_selects_the_same_in_any_batch`
+    /// in tests/select.rs).
     split_scores: Option<bool>,
     /// Whether the attention kernels take equal-length sequences' spans from their length
     /// instead of `cu_seqlens` (lever 54; `CANDLE_RAGGED_UNIFORM_SPANS=0` reads `cu_seqlens`

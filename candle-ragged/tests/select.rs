@@ -7,7 +7,8 @@ mod common;
 
 use candle_core::{DType, Tensor};
 use candle_ragged::{
-    select_top_k, select_top_k_by, select_top_k_gathering, DroppedFusion, TokenScores,
+    select_by_rule, select_top_k, select_top_k_by, select_top_k_gathering, DroppedFusion, KeepRule,
+    RaggedBatch, TokenScores,
 };
 use common::{cls_attention_by_tensor_ops, device, host, poison, quantize, randn, rng};
 use rand::Rng;
@@ -402,4 +403,114 @@ fn gathering_keeps_the_same_rows_of_both() {
     assert!(select_top_k_gathering(&x, &short, 2, TokenScores::Given(&s), 1, 2).is_err());
     let half = Tensor::zeros((8, 4), DType::F16, &dev).unwrap();
     assert!(select_top_k_gathering(&x, &half, 2, TokenScores::Given(&s), 1, 2).is_err());
+}
+
+/// A sequence's scores must not depend on the batch around it: on CUDA, below one sequence per
+/// SM the class-attention scores are computed in (sequence, head) blocks first (`cls_probs`),
+/// from one per SM inside the selection kernels, and the two must give the same bits. 132
+/// sequences are the H100's SM count, 131 below it; both launch the selection with two blocks
+/// per sequence (`264 / B`), so EViT's fused row, whose summation order follows the launch
+/// shape, is summed the same way too. The first 131 sequences' rows (kept rows and fused row,
+/// whose weights are the scores) are compared bit for bit, for `select_top_k_by` and
+/// `select_by_rule`.
+#[test]
+fn a_sequence_selects_the_same_in_any_batch() {
+    let dev = device();
+    let mut r = rng(139);
+    let (heads, d) = (3, 32);
+    let c = heads * d;
+    let scale = (d as f32).powf(-0.5);
+    for dtype in [DType::F32, DType::F16, DType::BF16] {
+        // Equal lengths: select_top_k_by.
+        let len = 17;
+        let (big, small) = (132, 131);
+        let qkv = Tensor::from_slice(
+            &randn(&mut r, big * len * 3 * c, 1.0),
+            (big * len, 3 * c),
+            &dev,
+        )
+        .unwrap()
+        .to_dtype(dtype)
+        .unwrap();
+        let x = Tensor::from_slice(&randn(&mut r, big * len * c, 1.0), (big * len, c), &dev)
+            .unwrap()
+            .to_dtype(dtype)
+            .unwrap();
+        for (name, fusion) in [
+            ("cls attention", Some(DroppedFusion::WeightedMean)),
+            ("significance", None),
+        ] {
+            let run = |b: usize| {
+                let (qkv, x) = (
+                    qkv.narrow(0, 0, b * len).unwrap(),
+                    x.narrow(0, 0, b * len).unwrap(),
+                );
+                let scores = if name == "significance" {
+                    TokenScores::Significance {
+                        qkv: &qkv,
+                        heads,
+                        scale,
+                    }
+                } else {
+                    TokenScores::ClsAttention {
+                        qkv: &qkv,
+                        heads,
+                        scale,
+                    }
+                };
+                poison(&dev, b * len * c, dtype);
+                let (out, new_len) = select_top_k_by(&x, b, scores, 1, 11, fusion).unwrap();
+                (host(&out), new_len)
+            };
+            let ((all, n_all), (part, n_part)) = (run(big), run(small));
+            assert_eq!(n_all, n_part);
+            assert_eq!(
+                &all[..small * n_all * c],
+                &part[..],
+                "{dtype:?} {name}: the first {small} sequences of {big} against {small} alone"
+            );
+        }
+        // Varied lengths: select_by_rule with EViT's adaptive rule.
+        let lengths: Vec<usize> = (0..big).map(|_| r.random_range(2..40)).collect();
+        let total: usize = lengths.iter().sum();
+        let small_total: usize = lengths[..small].iter().sum();
+        let qkv = Tensor::from_slice(&randn(&mut r, total * 3 * c, 1.0), (total, 3 * c), &dev)
+            .unwrap()
+            .to_dtype(dtype)
+            .unwrap();
+        let x = Tensor::from_slice(&randn(&mut r, total * c, 1.0), (total, c), &dev)
+            .unwrap()
+            .to_dtype(dtype)
+            .unwrap();
+        let run = |n: usize, rows: usize| {
+            let batch = RaggedBatch::from_lengths(&lengths[..n], &dev).unwrap();
+            let (qkv, x) = (
+                qkv.narrow(0, 0, rows).unwrap(),
+                x.narrow(0, 0, rows).unwrap(),
+            );
+            poison(&dev, rows * c, dtype);
+            let (out, new_batch) = select_by_rule(
+                &x,
+                &batch,
+                TokenScores::ClsAttention {
+                    qkv: &qkv,
+                    heads,
+                    scale,
+                },
+                1,
+                KeepRule::MassShare(0.5),
+                Some(DroppedFusion::WeightedMean),
+            )
+            .unwrap();
+            (host(&out), new_batch.lengths().unwrap())
+        };
+        let ((all, l_all), (part, l_part)) = (run(big, total), run(small, small_total));
+        assert_eq!(&l_all[..small], &l_part[..], "{dtype:?}: new lengths");
+        let rows: usize = l_part.iter().sum();
+        assert_eq!(
+            &all[..rows * c],
+            &part[..],
+            "{dtype:?} mass share: the first {small} sequences of {big} against {small} alone"
+        );
+    }
 }
