@@ -936,42 +936,54 @@ impl LinearOp {
     }
 }
 
-impl candle_core::CustomOp2 for LinearOp {
-    fn name(&self) -> &'static str {
-        "fused-linear"
-    }
-
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        // FusedLinear::forward_with runs CPU tensors through plain candle ops and never
-        // dispatches this op there.
-        candle_core::bail!("fused_linear: the CUDA op was dispatched on a CPU tensor")
-    }
-
-    fn cuda_fwd(
-        &self,
-        x: &CudaStorage,
-        lx: &Layout,
-        w: &CudaStorage,
-        lw: &Layout,
-    ) -> candle_core::Result<(CudaStorage, Shape)> {
-        match x.dtype() {
-            DType::F32 => self.run::<f32>((x, lx), (w, lw)),
-            DType::F16 => self.run::<half::f16>((x, lx), (w, lw)),
-            DType::BF16 => self.run::<half::bf16>((x, lx), (w, lw)),
-            dtype => Err(FastpathError::UnsupportedDType {
-                op: "fused_linear",
-                dtype,
+/// `CustomOp2` for an op that only exists on CUDA: `cpu_fwd` refuses (the public function runs
+/// candle ops there instead, or never dispatches the op on the CPU), `cuda_fwd` dispatches on the
+/// first operand's dtype, among the listed ones, to the op's `run::<T>(a, b)`; any other dtype is
+/// an unsupported-dtype error naming `$what`.
+macro_rules! cuda_only_op2 {
+    ($op:ty, $name:literal, $what:literal, [$($dtype:ident => $t:ty),+]) => {
+        impl candle_core::CustomOp2 for $op {
+            fn name(&self) -> &'static str {
+                $name
             }
-            .into()),
+
+            fn cpu_fwd(
+                &self,
+                _: &CpuStorage,
+                _: &Layout,
+                _: &CpuStorage,
+                _: &Layout,
+            ) -> candle_core::Result<(CpuStorage, Shape)> {
+                candle_core::bail!(concat!(
+                    $what,
+                    ": the CUDA op was dispatched on a CPU tensor"
+                ))
+            }
+
+            fn cuda_fwd(
+                &self,
+                a: &CudaStorage,
+                la: &Layout,
+                b: &CudaStorage,
+                lb: &Layout,
+            ) -> candle_core::Result<(CudaStorage, Shape)> {
+                match a.dtype() {
+                    $(DType::$dtype => self.run::<$t>((a, la), (b, lb)),)+
+                    dtype => Err(FastpathError::UnsupportedDType { op: $what, dtype }.into()),
+                }
+            }
         }
-    }
+    };
 }
+
+// FusedLinear::forward_with runs CPU tensors through plain candle ops and never dispatches this
+// op there.
+cuda_only_op2!(
+    LinearOp,
+    "fused-linear",
+    "fused_linear",
+    [F32 => f32, F16 => half::f16, BF16 => half::bf16]
+);
 
 /// Whether a tensor with `layout` and `elem_size`-byte elements is contiguous and starts on a
 /// 16-byte boundary (candle's allocations do; views at odd offsets do not): what the kernels that
@@ -2415,39 +2427,12 @@ impl SmallBlockOp<'_> {
     }
 }
 
-impl candle_core::CustomOp2 for SmallBlockOp<'_> {
-    fn name(&self) -> &'static str {
-        "fastpath-small-block"
-    }
-
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        candle_core::bail!("small_block: the CUDA op was dispatched on a CPU tensor")
-    }
-
-    fn cuda_fwd(
-        &self,
-        x: &CudaStorage,
-        lx: &Layout,
-        cu: &CudaStorage,
-        lcu: &Layout,
-    ) -> candle_core::Result<(CudaStorage, Shape)> {
-        match x.dtype() {
-            DType::F16 => self.run::<half::f16>((x, lx), (cu, lcu)),
-            DType::BF16 => self.run::<half::bf16>((x, lx), (cu, lcu)),
-            dtype => Err(FastpathError::UnsupportedDType {
-                op: "small_block",
-                dtype,
-            }
-            .into()),
-        }
-    }
-}
+cuda_only_op2!(
+    SmallBlockOp<'_>,
+    "fastpath-small-block",
+    "small_block",
+    [F16 => half::f16, BF16 => half::bf16]
+);
 
 /// How the fused block is launched (`CANDLE_FASTPATH_SMALL_BLOCK_LAUNCH`): `cooperative`
 /// (the default), `plain` (an ordinary launch, as CUTLASS's stream-K GEMMs, which also wait on
@@ -2735,36 +2720,9 @@ impl PooledHeadOp<'_> {
     }
 }
 
-impl candle_core::CustomOp2 for PooledHeadOp<'_> {
-    fn name(&self) -> &'static str {
-        "fastpath-pooled-head"
-    }
-
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        candle_core::bail!("pooled_mlp_log_prob: the CUDA op was dispatched on a CPU tensor")
-    }
-
-    fn cuda_fwd(
-        &self,
-        h: &CudaStorage,
-        lh: &Layout,
-        cu: &CudaStorage,
-        lcu: &Layout,
-    ) -> candle_core::Result<(CudaStorage, Shape)> {
-        match h.dtype() {
-            DType::F16 => self.run::<half::f16>((h, lh), (cu, lcu)),
-            DType::BF16 => self.run::<half::bf16>((h, lh), (cu, lcu)),
-            dtype => Err(FastpathError::UnsupportedDType {
-                op: "pooled_mlp_log_prob",
-                dtype,
-            }
-            .into()),
-        }
-    }
-}
+cuda_only_op2!(
+    PooledHeadOp<'_>,
+    "fastpath-pooled-head",
+    "pooled_mlp_log_prob",
+    [F16 => half::f16, BF16 => half::bf16]
+);
