@@ -20,23 +20,14 @@ nvidia-smi --query-gpu=name --format=csv,noheader >> "$C"
 if has checks; then
   echo "== test-pooled_head" >> "$C"
   timeout 200 $B/test-pooled_head --test-threads=1 --nocapture 2>&1 | grep -E "test result|panicked|worst|rror" >> "$C"
-  echo "== test-pooled_head under memcheck" >> "$C"
-  timeout 300 compute-sanitizer --tool memcheck --error-exitcode 9 $B/test-pooled_head --test-threads=1 2>&1 | grep -E "ERROR SUMMARY|test result" >> "$C"
-  echo "== test-pooled_head under racecheck" >> "$C"
-  timeout 400 compute-sanitizer --tool racecheck --error-exitcode 9 $B/test-pooled_head --test-threads=1 2>&1 | grep -E "RACECHECK SUMMARY|ERROR SUMMARY|test result" >> "$C"
+  sanitize pooled_head
   paths_check deit-tiny,deit-small 8 300
   paths_check deit-base 32 300
   paths_check deit-tiny 1 200
   graphs_check 200
 fi
-if has anatomy; then
-  for arm in 0 default; do
-    echo "== graph anatomy, CANDLE_FASTPATH_POOLED_HEAD=${arm#default}" >> "$C"
-    CANDLE_FASTPATH_POOLED_HEAD=${arm#default} timeout 200 $B/bench --device cuda --models deit-tiny --dtype f16 --batch 1,8 \
-      --pruners none,dynamicvit-fixed,dynamicvit-adaptive --paths ragged --reps 100 --graph-anatomy --out /tmp/anat.json 2>&1 \
-      | grep -E "^graph|rror" | grep -v "only:" >> "$C"
-  done
-fi
+has anatomy && anatomy CANDLE_FASTPATH_POOLED_HEAD "0 default" --models deit-tiny --dtype f16 --batch 1,8 \
+  --pruners none,dynamicvit-fixed,dynamicvit-adaptive
 if has ncu; then
   for arm in 0 default; do
     CANDLE_FASTPATH_POOLED_HEAD=${arm#default} ncu --metrics gpu__time_duration.sum --csv --print-units base $B/bench --device cuda --models deit-tiny --dtype f16 --batch 8 \
