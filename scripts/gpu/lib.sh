@@ -68,9 +68,9 @@ test_arms() {
 # sanitize NAME [TEST_FILTER]: test-NAME (its TEST_FILTER tests, or all) under compute-sanitizer
 # memcheck, then racecheck; each run's error / hazard summary and result line appended to $C.
 sanitize() {
-  echo "== test-$1 ${2:-} under memcheck" >> "$C"
+  echo "== test-$1${2:+ $2} under memcheck" >> "$C"
   timeout 300 compute-sanitizer --tool memcheck --error-exitcode 9 $B/test-$1 --test-threads=1 ${2:-} 2>&1 | grep -E "ERROR SUMMARY|test result" >> "$C"
-  echo "== test-$1 ${2:-} under racecheck" >> "$C"
+  echo "== test-$1${2:+ $2} under racecheck" >> "$C"
   timeout 400 compute-sanitizer --tool racecheck --error-exitcode 9 $B/test-$1 --test-threads=1 ${2:-} 2>&1 | grep -E "RACECHECK SUMMARY|ERROR SUMMARY|test result" >> "$C"
 }
 
