@@ -45,6 +45,7 @@ fn main() {
     println!("cargo:rerun-if-changed={ragged_include}/attention_warp.cuh");
     println!("cargo:rerun-if-changed={ragged_include}/attention_common.cuh");
     println!("cargo:rerun-if-changed={ragged_include}/row_norm.cuh");
+    println!("cargo:rerun-if-changed={ragged_include}/select_common.cuh");
     for name in ["fastpath", "small_block"] {
         let out = PathBuf::from(std::env::var("OUT_DIR").unwrap()).join(format!("{name}.ptx"));
         let status = Command::new(&nvcc)

@@ -18,6 +18,7 @@
 // attention_residual_norm_linear runs the same online softmax inside its cluster.
 #include "attention_warp.cuh"
 #include "row_norm.cuh"
+#include "select_common.cuh"
 
 struct GeluErf {
     __device__ __forceinline__ float operator()(float x) const {
@@ -761,7 +762,9 @@ struct RnlRegs {
     float res[2], pbias[2];
 };
 
-template <typename T, int K, int BN>
+// BACK false (attention_residual: no LayerNorm or back GEMM follows): the residual pairs and
+// the front bias only.
+template <typename T, int K, int BN, bool BACK = true>
 __device__ __forceinline__ void rnl_load_regs(RnlRegs<K>& g, const T* __restrict__ ln_w, const T* __restrict__ ln_b,
                                               const T* __restrict__ bias, const T* __restrict__ r,
                                               const T* __restrict__ bp, int M, int N) {
@@ -769,8 +772,10 @@ __device__ __forceinline__ void rnl_load_regs(RnlRegs<K>& g, const T* __restrict
     constexpr int RNL_PAIRS = NL_BM * SLICE / 2;
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int m0 = blockIdx.y * NL_BM, n0 = blockIdx.x * BN, c0 = blockIdx.x * SLICE;
-    layer_norm_params<CHUNKS>(ln_w, ln_b, g.wraw, g.braw, VECS, lane);
-    nl_load_bias(g.bias_f, bias, n0 + warp % WARPS_N * 32, N);
+    if (BACK) {
+        layer_norm_params<CHUNKS>(ln_w, ln_b, g.wraw, g.braw, VECS, lane);
+        nl_load_bias(g.bias_f, bias, n0 + warp % WARPS_N * 32, N);
+    }
     const int prow = tid / (SLICE / 2), pcol = c0 + (tid % (SLICE / 2)) * 2;
     g.res[0] = g.res[1] = g.pbias[0] = g.pbias[1] = 0.f;
     if (tid < RNL_PAIRS) {
@@ -812,7 +817,11 @@ __device__ __forceinline__ void nl_slice_to_cluster(const T* a, const T* b, cons
 // in *x1p for the step after), and the back GEMM's tile goes, after the epilogue, into every cluster CTA's
 // `y` rows (shared memory, NL_BM rows of RNL_SPLIT · BN + 8 elements: the next step's input)
 // instead of global memory.
-template <typename T, int K, int KF, int KW, int BN, bool GELU, bool ENTRY_WAIT, bool TO_CLUSTER = false>
+//
+// X1_ONLY (attention_residual, lever 86): x1 to global memory and nothing after it (no exchange,
+// no LayerNorm, no back GEMM).
+template <typename T, int K, int KF, int KW, int BN, bool GELU, bool ENTRY_WAIT, bool TO_CLUSTER = false,
+          bool X1_ONLY = false>
 __device__ __forceinline__ void rnl_finish(T* sa, const T* sb, const T* so, const T* sp, float* spart,
                                            const RnlRegs<K>& g, T* __restrict__ x1, T* __restrict__ y, int M,
                                            int N, float eps, uint32_t xbar, uint32_t ybar = 0,
@@ -855,14 +864,17 @@ __device__ __forceinline__ void rnl_finish(T* sa, const T* sb, const T* so, cons
         }
         const NlPair<T> p{from_f32<T>((sum.x + g.res[0]) + g.pbias[0]),
                           from_f32<T>((sum.y + g.res[1]) + g.pbias[1])};
-        const uint32_t dst = smem_addr(sa + prow * LDS + pcol);
+        if (!X1_ONLY) {
+            const uint32_t dst = smem_addr(sa + prow * LDS + pcol);
 #pragma unroll
-        for (int q = 0; q < RNL_SPLIT; ++q) xbar_push(dst, xbar, q, pair_bits(p));
+            for (int q = 0; q < RNL_SPLIT; ++q) xbar_push(dst, xbar, q, pair_bits(p));
+        }
         if (TO_CLUSTER)
             *x1p = p;
         else if (m0 + prow < M)
             *reinterpret_cast<NlPair<T>*>(x1 + (size_t)(m0 + prow) * K + pcol) = p;
     }
+    if (X1_ONLY) return;
     // Every rank's x1 pairs in this CTA's rows. No CTA writes another's shared memory after this
     // but through the next exchange (TO_CLUSTER: `y`, on `ybar`), whose bytes its receiver waits
     // for, so each may exit once its own exchanges have landed.
@@ -1010,7 +1022,9 @@ struct ArnlNext {
     float* norms;  // x2's row L2 norms (nl_row_norms), or null: not wanted
 };
 
-template <typename T, int K, int BN, bool GELU, bool LATE_W, bool BLOCK = false>
+// X1_ONLY (attention_residual, lever 86): x1 only, neither W's rows nor the LayerNorm's
+// parameters loaded (w, bias, ln_w, ln_b and y unused).
+template <typename T, int K, int BN, bool GELU, bool LATE_W, bool BLOCK = false, bool X1_ONLY = false>
 __device__ void attention_residual_norm_linear_tile(const T* __restrict__ qkv, const uint32_t* __restrict__ cu_seqlens,
                                                     const T* __restrict__ wp, const T* __restrict__ bp,
                                                     const T* __restrict__ r, const T* __restrict__ ln_w,
@@ -1064,13 +1078,13 @@ __device__ void attention_residual_norm_linear_tile(const T* __restrict__ qkv, c
     auto load_weights = [&] {
         nl_stage_rows<T, KF, SLICE>(sp, wp, c0, K);  // Wp has K = C rows: all of the slice
         asm volatile("cp.async.commit_group;" ::: "memory");
-        nl_stage_rows<T, K, BN>(sb, w, n0, N);
-        asm volatile("cp.async.commit_group;" ::: "memory");
+        if (!X1_ONLY) nl_stage_rows<T, K, BN>(sb, w, n0, N);
+        asm volatile("cp.async.commit_group;" ::: "memory");  // (X1_ONLY: an empty group)
     };
     if (!LATE_W) load_weights();
     const int len = min(static_cast<int>(cu_seqlens[1]), M);
     RnlRegs<K> g;
-    rnl_load_regs<T, K, BN>(g, ln_w, ln_b, bias, r, bp, M, N);
+    rnl_load_regs<T, K, BN, !X1_ONLY>(g, ln_w, ln_b, bias, r, bp, M, N);
     if (LATE_W)
         asm volatile("cp.async.wait_group 0;" ::: "memory");
     else
@@ -1148,7 +1162,8 @@ __device__ void attention_residual_norm_linear_tile(const T* __restrict__ qkv, c
     xbar_wait(bars + 8 * BAR_ATTN);
     __syncthreads();
     if (!BLOCK) {
-        rnl_finish<T, K, KF, KW, BN, GELU, false>(sa, sb, so, sp, spart, g, x1, y, M, N, eps, bars + 8 * BAR_X1);
+        rnl_finish<T, K, KF, KW, BN, GELU, false, false, X1_ONLY>(sa, sb, so, sp, spart, g, x1, y, M, N, eps,
+                                                                  bars + 8 * BAR_X1);
         return;
     }
     // BLOCK (lever 65): fc1's GELU output goes into every cluster CTA's rows `sh` (where the
@@ -1195,6 +1210,22 @@ ATTENTION_RESIDUAL_NORM_LINEAR_ENTRY(f16, __half, true, true, _gelu_late)
 ATTENTION_RESIDUAL_NORM_LINEAR_ENTRY(bf16, __nv_bfloat16, false, true, _late)
 ATTENTION_RESIDUAL_NORM_LINEAR_ENTRY(bf16, __nv_bfloat16, true, true, _gelu_late)
 
+// attention_residual (lever 86): the same kernel ending at x1 = r + o·Wpᵀ + bp, for a pruning step
+// right after the attention (EViT's), which decides which rows the MLP half sees: the norm2 →
+// fc1 tile attention_residual_norm_linear computes would be thrown away. W's loads issued at
+// once (Wp's 12 KB slice does not delay K and V as W's 48 KB did). Named as the Rust side's
+// ATTENTION_RESIDUAL_NAMES expects; dynamic shared memory attention_rnl_smem_bytes(M), as
+// attention_residual_norm_linear's (its W region unused).
+#define ATTENTION_RESIDUAL_ENTRY(SUFFIX, T)                                                                   \
+    extern "C" __global__ void __cluster_dims__(RNL_SPLIT, 1, 1) __launch_bounds__(NL_WARPS * 32)           \
+        fastpath_attention_residual_##SUFFIX##_c192(const T* qkv, const uint32_t* cu_seqlens, const T* wp,  \
+                                                    const T* bp, const T* r, T* x1, int M, float scale_log2) { \
+        attention_residual_norm_linear_tile<T, 192, 128, false, false, false, true>(                          \
+            qkv, cu_seqlens, wp, bp, r, nullptr, nullptr, nullptr, nullptr, x1, nullptr, M, 0, 0.f, scale_log2); \
+    }
+ATTENTION_RESIDUAL_ENTRY(f16, __half)
+ATTENTION_RESIDUAL_ENTRY(bf16, __nv_bfloat16)
+
 // attention_block (lever 65): attention_residual_norm_linear's kernel (with the GELU) continuing
 // into fc2 + residual → the next block's norm1 → qkv: a whole pre-norm block of one image, from
 // its qkv to the next block's, as one launch. The fc1 tile is exchanged through distributed
@@ -1232,10 +1263,82 @@ ATTENTION_BLOCK_ENTRY(bf16, __nv_bfloat16, true, _late)
 // Constraints (the host's, mlp_block in candle-fastpath): C = 192, N1 = 4C, N2 in (480, 576],
 // compute capability 9.0; grid (RNL_SPLIT, ceil(M / NL_BM)), clusters of RNL_SPLIT along x,
 // NL_WARPS · 32 threads, mlp_block_smem_bytes() (the host's) of dynamic shared memory.
+// select_mlp_block (lever 87): a fixed-count pruning step after a block's attention (EViT's) run
+// at the head of mlp_block instead of in a launch of its own. Every CTA scores the sequence's
+// tokens (select_common::step_score over the rows cls_probs wrote, or given scores), ranks them,
+// places the kept ones, and stages its tile's rows straight from the step's input x1 (all `len`
+// tokens) through that placement; the CTAs whose tile holds the fused token compute it
+// (select_common::fused_columns) into their staged rows. The selection is select_top_k's, one
+// header for both, so x2 and qkv' are bit for bit select_top_k followed by mlp_block. At batch 1
+// the select launch was ~10 µs under ncu for ~40k comparisons and a 60 KB copy: a chain of
+// dependent steps, most of which overlaps the weights' loads here.
+struct StepSelect {
+    const float* scores;  // the sequence's score rows (step_score's `p`), `len` floats apart
+    int len, prefix, keep, fuse, mode, heads;
+};
+
+// Shared memory of the selection, in floats (it lives where fc2's partial sums go later):
+// scores, keys (then src), kept flags, dropped positions (len each), 32 warp counts, the fused
+// row's partial sums (2 · FUSE_COLS · NL_WARPS · 32) and its weights' total.
+constexpr int SELECT_MLP_MAX_LEN = 512;
+constexpr int select_scratch_floats(int len) {
+    return 4 * len + 32 + 2 * select_common::FUSE_COLS * NL_WARPS * 32 + 1;
+}
+static_assert(select_scratch_floats(SELECT_MLP_MAX_LEN) <= 12 * NL_BM * 32, "selection scratch in spart");
+
+// This CTA's NL_BM output rows of the step (rows m0 .. m0 + NL_BM - 1 of the kept tokens in
+// ascending position, then the fused token) into `sa` (K + 8 apart): kept rows by cp.async (one
+// group, committed here; rows past the output zero-filled), the fused row by the CTA itself.
+// Every thread must call it (barriers).
+// `v`: thread t's token's score inputs (select_common::step_score_load, token t; the host keeps
+// len <= the block's threads), loaded before the weights' cp.async were issued.
 template <typename T, int K>
+__device__ void select_stage_rows(T* sa, const T* __restrict__ x1, const StepSelect& sel, int m0, float* scratch,
+                                  const float (&v)[select_common::STEP_SCORE_ROWS]) {
+    using namespace select_common;
+    constexpr int LDS = K + 8, VECS = K / 8;
+    const int len = sel.len, kept_n = sel.prefix + sel.keep;
+    float* sc = scratch;
+    int* key = reinterpret_cast<int*>(sc + len);
+    int* kept = key + len;
+    int* dropped = kept + len;
+    int* counts = dropped + len;
+    float* part = reinterpret_cast<float*>(counts + 32);
+    float* total = part + 2 * select_common::FUSE_COLS * NL_WARPS * 32;
+    if ((int)threadIdx.x < len) {
+        const float s = step_score_from(v, sel.mode, sel.heads);
+        sc[threadIdx.x] = s;
+        key[threadIdx.x] = total_key(s);
+    }
+    __syncthreads();
+    rank_tokens(key, kept, len, sel.prefix, sel.keep);
+    __syncthreads();
+    int* src = key;  // the keys are dead
+    place_tokens(kept, len, src, dropped, counts);
+    const bool fused_here = sel.fuse && kept_n >= m0 && kept_n < m0 + NL_BM;
+    for (int i = threadIdx.x; i < NL_BM * VECS; i += blockDim.x) {
+        const int row = i / VECS, c = i % VECS, r = m0 + row;
+        if (fused_here && r == kept_n) continue;  // written below, not by a cp.async
+        const bool ok = r < kept_n;
+        nl_cp_async16(sa + row * LDS + c * 8, x1 + (size_t)(ok ? src[r] : 0) * K + c * 8, ok);
+    }
+    asm volatile("cp.async.commit_group;" ::: "memory");
+    if (!fused_here) return;  // uniform over the CTA
+    const int nd = len - kept_n;
+    fused_weight_total(sc, dropped, nd, total);
+    __syncthreads();
+    T* fused = sa + (kept_n - m0) * LDS;
+    fused_columns(
+        sc, dropped, nd, sel.fuse, *total, 0, K, part, [&](int j, int c) { return to_f32(x1[(size_t)j * K + c]); },
+        [&](int c, float f) { fused[c] = from_f32<T>(f); });
+}
+
+// SELECT (select_mlp_block): x1 holds the step's `sel.len` input tokens, M = the kept tokens and
+// the fused one; the rows come through select_stage_rows, after the weights' loads are issued.
+template <typename T, int K, bool SELECT = false>
 __device__ void mlp_block_tile(const T* __restrict__ x1, const T* __restrict__ ln_w, const T* __restrict__ ln_b,
                                const T* __restrict__ w1, const T* __restrict__ b1, int M, int N1, float eps2,
-                               ArnlNext<T> nx) {
+                               ArnlNext<T> nx, StepSelect sel = StepSelect{}) {
     constexpr int LDS = K + 8, VECS = K / 8, CHUNKS = (VECS + 31) / 32, BN = 128, SLICE = K / RNL_SPLIT;
     constexpr int WARPS_N = BN / 32, MMA_WARPS = (NL_BM / 16) * WARPS_N, LDY = RNL_SPLIT * BN + 8;
     static_assert(RNL_SPLIT * BN == 4 * K && SLICE == 32 && NL_BM <= NL_WARPS, "tile shape");
@@ -1258,21 +1361,50 @@ __device__ void mlp_block_tile(const T* __restrict__ x1, const T* __restrict__ l
     // cp.async groups. The LayerNorm's parameters and fc1's bias pairs, and the second step's
     // registers (the next LayerNorm's parameters, the qkv tile's bias pairs, the x1 pair and
     // fc2's bias pair a thread below RNL_PAIRS finishes).
-    nl_stage_rows<T, K, NL_BM>(sa, x1, m0, M);
-    asm volatile("cp.async.commit_group;" ::: "memory");
+    // SELECT: the scores' loads first (a few floats a thread, ahead of every weight byte in the
+    // SM's queue), then fc1's weights, which land while the tokens are ranked; the rows once
+    // placed, then W2's slice and the qkv tile (needed ~2 µs later), so that the rows do not
+    // queue behind those 86 KB.
+    float score_in[select_common::STEP_SCORE_ROWS];
+    if (SELECT) {
+        if (tid < sel.len) select_common::step_score_load(sel.scores, sel.len, tid, sel.mode, sel.heads, score_in);
+    } else {
+        nl_stage_rows<T, K, NL_BM>(sa, x1, m0, M);
+        asm volatile("cp.async.commit_group;" ::: "memory");
+    }
     nl_stage_rows<T, K, BN>(sb, w1, n0, N1);
     asm volatile("cp.async.commit_group;" ::: "memory");
-    nl_stage_rows<T, 4 * K, SLICE>(sw2, nx.w2, rank * SLICE, K);
-    nl_stage_rows<T, K, 96>(swq, nx.wq, rank * 96, nx.N2);
-    asm volatile("cp.async.commit_group;" ::: "memory");
+    auto stage_second_weights = [&] {
+        nl_stage_rows<T, 4 * K, SLICE>(sw2, nx.w2, rank * SLICE, K);
+        nl_stage_rows<T, K, 96>(swq, nx.wq, rank * 96, nx.N2);
+        asm volatile("cp.async.commit_group;" ::: "memory");
+    };
+    if (!SELECT) stage_second_weights();
     uint4 wraw[CHUNKS], braw[CHUNKS];
     layer_norm_params<CHUNKS>(ln_w, ln_b, wraw, braw, VECS, lane);
     float bias_f[4][2];
     nl_load_bias(bias_f, b1, n0 + wn * 32, N1);
     RnlRegs<K> g2;
-    rnl_load_regs<T, K, 96>(g2, nx.ln_w, nx.ln_b, nx.bq, x1, nx.b2, M, nx.N2);
-    asm volatile("cp.async.wait_group 2;" ::: "memory");
-    __syncthreads();
+    // SELECT: the residual pair comes from the staged rows below (0 rows: no read here).
+    rnl_load_regs<T, K, 96>(g2, nx.ln_w, nx.ln_b, nx.bq, x1, nx.b2, SELECT ? 0 : M, nx.N2);
+    if (SELECT) {
+        select_stage_rows<T, K>(sa, x1, sel, m0, spart, score_in);
+        stage_second_weights();
+        asm volatile("cp.async.wait_group 1;" ::: "memory");  // fc1's weights and the rows
+        __syncthreads();
+        // The x1 pair this thread finishes (rnl_load_regs's), before norm2 overwrites the rows.
+        constexpr int RNL_PAIRS = NL_BM * SLICE / 2;
+        if (tid < RNL_PAIRS) {
+            const int prow = tid / (SLICE / 2), pcol = rank * SLICE + (tid % (SLICE / 2)) * 2;
+            const NlPair<T> p = *reinterpret_cast<const NlPair<T>*>(sa + prow * LDS + pcol);
+            g2.res[0] = to_f32(p.a);
+            g2.res[1] = to_f32(p.b);
+        }
+        __syncthreads();
+    } else {
+        asm volatile("cp.async.wait_group 2;" ::: "memory");
+        __syncthreads();
+    }
 
     // 2. norm2, the rows normalised in place.
     nl_normalize_rows<CHUNKS, T, K, LDS>(sa, wraw, braw, eps2);
@@ -1307,6 +1439,22 @@ __device__ void mlp_block_tile(const T* __restrict__ x1, const T* __restrict__ l
     }
 MLP_BLOCK_ENTRY(f16, __half)
 MLP_BLOCK_ENTRY(bf16, __nv_bfloat16)
+
+// select_mlp_block's entries, named as the Rust side's SELECT_MLP_BLOCK_NAMES expects: x1 the
+// step's input [len, C], `scores` its score rows, M = prefix + keep (+ 1 with fuse) output rows.
+#define SELECT_MLP_BLOCK_ENTRY(SUFFIX, T)                                                                    \
+    extern "C" __global__ void __cluster_dims__(RNL_SPLIT, 1, 1) __launch_bounds__(NL_WARPS * 32)           \
+        fastpath_select_mlp_block_##SUFFIX##_c192(                                                           \
+            const T* x1, const float* scores, int len, int prefix, int keep, int fuse, int mode, int heads,  \
+            const T* ln2_w, const T* ln2_b, const T* w1, const T* b1, const T* w2, const T* b2,             \
+            const T* ln1_w, const T* ln1_b, const T* wq, const T* bq, T* x2, T* qkv_next, int M, int N1,    \
+            int N2, float eps2, float eps1) {                                                                \
+        mlp_block_tile<T, 192, true>(x1, ln2_w, ln2_b, w1, b1, M, N1, eps2,                                 \
+                                     ArnlNext<T>{w2, b2, ln1_w, ln1_b, wq, bq, x2, qkv_next, N2, eps1, nullptr}, \
+                                     StepSelect{scores, len, prefix, keep, fuse, mode, heads});              \
+    }
+SELECT_MLP_BLOCK_ENTRY(f16, __half)
+SELECT_MLP_BLOCK_ENTRY(bf16, __nv_bfloat16)
 
 #endif
 

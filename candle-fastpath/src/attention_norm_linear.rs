@@ -181,6 +181,122 @@ pub fn attention_residual_norm_linear_applies(
     }
 }
 
+/// Whether [`attention_residual`] may run, from `CANDLE_FASTPATH_ATTENTION_RESIDUAL` (read
+/// once): unset (yes), `0` / `off` (no: [`attention_residual_norm_linear`], whose norm2 → fc1
+/// output the caller drops; for A/B measurements).
+pub fn attention_residual_enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    crate::switches::on_unless_off(&ON, "CANDLE_FASTPATH_ATTENTION_RESIDUAL")
+}
+
+/// Attention over one sequence's tokens from their fused qkv projection, then the output
+/// projection and the residual, `x1 = residual + o·Wpᵀ + bp`, in one launch (lever 86):
+/// [`attention_residual_norm_linear`]'s kernel stopping at x1, for a pruning step right after
+/// the attention (EViT's), which decides which rows norm2 and fc1 see.
+///
+/// Arguments as [`attention_residual_norm_linear`]'s (`proj`: `Wp` `[C, C]` with its bias).
+///
+/// # Returns
+/// `x1` `[M, C]`, bit for bit the first output of [`attention_residual_norm_linear`] (the same
+/// arithmetic; rows past `len` as there).
+///
+/// Only where [`attention_residual_applies`] says so; anything else is an error.
+pub fn attention_residual(
+    qkv: &Tensor,
+    cu_seqlens: &Tensor,
+    heads: usize,
+    scale: f64,
+    residual: &Tensor,
+    proj: &FusedLinear,
+) -> Result<Tensor> {
+    if !attention_residual_applies(qkv, cu_seqlens, heads, residual, proj) {
+        return Err(FastpathError::NotApplicable {
+            op: "attention_residual",
+            inputs: format!(
+                "qkv {:?} {:?} on {:?}, {heads} heads, cu_seqlens {:?} {:?}, residual {:?}, proj {:?}",
+                qkv.dims(),
+                qkv.dtype(),
+                qkv.device().location(),
+                cu_seqlens.dims(),
+                cu_seqlens.dtype(),
+                residual.dims(),
+                proj.weight().dims()
+            ),
+        });
+    }
+    #[cfg(feature = "cuda")]
+    {
+        let op = crate::cuda::AttentionResidualOp {
+            cu_seqlens: cu_seqlens.clone(),
+            scale_log2: (scale * std::f64::consts::LOG2_E) as f32,
+            proj_bias: proj
+                .bias()
+                .cloned()
+                .unwrap_or_else(|| unreachable!("attention_residual_applies requires the bias")),
+        };
+        Ok(qkv.apply_op3_no_bwd(residual, proj.weight(), &op)?)
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = scale;
+        unreachable!("attention_residual_applies is false without the cuda feature")
+    }
+}
+
+/// Whether [`attention_residual`] runs: CUDA with the kernel (compute capability 9.0) and the
+/// shared memory of M rows, f16 / bf16, C = 192 in `heads` heads of 64, `proj` `[C, C]` with a
+/// bias, `qkv` `[M, 3C]` and `residual` `[M, C]` contiguous and 16-byte aligned in one dtype and
+/// device, `cu_seqlens` a contiguous u32 `[2]` there, a grid of one wave (six CTAs per 16 rows),
+/// and `CANDLE_FASTPATH_ATTENTION_RESIDUAL` not `0`.
+pub fn attention_residual_applies(
+    qkv: &Tensor,
+    cu_seqlens: &Tensor,
+    heads: usize,
+    residual: &Tensor,
+    proj: &FusedLinear,
+) -> bool {
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (qkv, cu_seqlens, heads, residual, proj);
+        false
+    }
+    #[cfg(feature = "cuda")]
+    {
+        let candle_core::Device::Cuda(dev) = residual.device() else {
+            return false;
+        };
+        let Ok((m, c)) = residual.dims2() else {
+            return false;
+        };
+        let aligned =
+            |t: &Tensor| crate::cuda::contiguous_16b(t.layout(), t.dtype().size_in_bytes());
+        let dtype = residual.dtype();
+        let same = |t: &Tensor| t.dtype() == dtype && t.device().same_device(residual.device());
+        attention_residual_enabled()
+            && matches!(dtype, candle_core::DType::F16 | candle_core::DType::BF16)
+            && m > 0
+            && c == crate::cuda::RNL_DIM
+            && heads * crate::cuda::ARNL_HEAD_DIM == c
+            && proj.weight().dims() == [c, c]
+            && same(proj.weight())
+            && aligned(proj.weight())
+            && proj
+                .bias()
+                .is_some_and(|b| same(b) && b.is_contiguous() && b.elem_count() == c)
+            && qkv.dims() == [m, 3 * c]
+            && same(qkv)
+            && aligned(qkv)
+            && aligned(residual)
+            && cu_seqlens.dtype() == candle_core::DType::U32
+            && cu_seqlens.dims() == [2]
+            && cu_seqlens.is_contiguous()
+            && cu_seqlens.device().same_device(residual.device())
+            && crate::cuda::sm_count(dev)
+                .is_ok_and(|sms| m.div_ceil(16) * crate::cuda::RNL_SPLIT <= sms)
+            && crate::cuda::has_attention_residual(dev, m)
+    }
+}
+
 /// Whether [`attention_block`] may run, from `CANDLE_FASTPATH_ATTENTION_BLOCK` (read once): unset
 /// (yes), `0` / `off` (no: [`attention_residual_norm_linear`], then
 /// [`crate::residual_norm_linear`]'s fc2 form; for A/B measurements).
@@ -422,6 +538,7 @@ pub fn mlp_block(x1: &Tensor, w: &MlpTail) -> Result<(Tensor, Tensor)> {
             fc1_bias: bias(w.fc1),
             eps: w.norm2.eps() as f32,
             second: step_op(w.fc2, w.next_norm1, w.next_qkv, false),
+            select: None,
         };
         let operands = (x1, w.fc1.weight(), w.next_qkv.weight());
         launch(operands, &op, x1, w.next_qkv.out_dim())
@@ -459,5 +576,127 @@ pub fn mlp_block_applies(x1: &Tensor, w: &MlpTail) -> bool {
                 false,
             )
             && crate::cuda::has_mlp_block(dev)
+    }
+}
+
+/// Whether [`select_mlp_block`] may run, from `CANDLE_FASTPATH_SELECT_MLP_BLOCK` (read once):
+/// unset (yes), `0` / `off` (no: candle-ragged's `select_top_k_by`, then [`mlp_block`]; for A/B
+/// measurements).
+pub fn select_mlp_block_enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    crate::switches::on_unless_off(&ON, "CANDLE_FASTPATH_SELECT_MLP_BLOCK")
+}
+
+/// A fixed-count pruning step after a block's attention and then the block's MLP half and the
+/// next block's qkv, in one launch (lever 87): what candle-ragged's `select_top_k_by` (keep the
+/// `prefix` tokens and the `keep` best-scored patches, in position order, then the dropped
+/// patches fused into one row when `fusion` says so) followed by [`mlp_block`] on its output
+/// compute, with the selection run by every CTA of the MLP kernel at its head (the ranking and
+/// the fused row by candle-ragged's own arithmetic, one header for both kernels).
+///
+/// # Arguments
+/// * `x1` - `[len, C]`: one sequence's hidden states after attention + residual (the step's
+///   input).
+/// * `scores` - that sequence's scores from `candle_ragged::step_scores` (batch 1, `len`).
+/// * `prefix`, `keep`, `fusion` - as `select_top_k_by`'s (no fused row when nothing is dropped).
+/// * `w` - the MLP half's weights and the next block's norm1 and qkv ([`MlpTail`]).
+///
+/// # Returns
+/// `(x2, qkv')`: `[M, C]` and `[M, N2]` with `M = prefix + keep` (+ 1 for the fused row),
+/// contiguous views of one buffer, bit for bit what `select_top_k_by` and then [`mlp_block`]
+/// return.
+///
+/// Only where [`select_mlp_block_applies`] says so; anything else is an error.
+pub fn select_mlp_block(
+    x1: &Tensor,
+    scores: &candle_ragged::StepScores,
+    prefix: usize,
+    keep: usize,
+    fusion: Option<candle_ragged::DroppedFusion>,
+    w: &MlpTail,
+) -> Result<(Tensor, Tensor)> {
+    let scores_fit = scores.batch_size() == 1
+        && x1.dim(0).is_ok_and(|len| len == scores.len())
+        && scores.tensor().device().same_device(x1.device());
+    if !scores_fit || !select_mlp_block_applies(x1, w) {
+        return Err(FastpathError::NotApplicable {
+            op: "select_mlp_block",
+            inputs: format!(
+                "x1 {:?} {:?} on {:?}, scores {:?} of {} sequence(s) on {:?}, fc1 N {}, next qkv N {}",
+                x1.dims(),
+                x1.dtype(),
+                x1.device().location(),
+                scores.layout(),
+                scores.batch_size(),
+                scores.tensor().device().location(),
+                w.fc1.out_dim(),
+                w.next_qkv.out_dim()
+            ),
+        });
+    }
+    #[cfg(feature = "cuda")]
+    {
+        let len = x1.dim(0)?;
+        let fuse = match fusion.filter(|_| keep < len.saturating_sub(prefix)) {
+            None => 0,
+            Some(candle_ragged::DroppedFusion::WeightedMean) => 1,
+            Some(candle_ragged::DroppedFusion::WeightedSum) => 2,
+        };
+        let bias = |l: &FusedLinear| {
+            l.bias()
+                .cloned()
+                .unwrap_or_else(|| unreachable!("mlp_block_applies requires every bias"))
+        };
+        let select = crate::cuda::MlpSelect {
+            scores: scores.tensor().flatten_all()?,
+            prefix,
+            keep,
+            fuse,
+            mode: scores.layout().kernel_mode(),
+            heads: scores.heads(),
+        };
+        let (m, c, n2) = (select.out_rows(), x1.dim(1)?, w.next_qkv.out_dim());
+        let op = crate::cuda::MlpBlockOp {
+            ln_weight: w.norm2.weight().clone(),
+            ln_bias: w.norm2.bias().clone(),
+            fc1_bias: bias(w.fc1),
+            eps: w.norm2.eps() as f32,
+            second: step_op(w.fc2, w.next_norm1, w.next_qkv, false),
+            select: Some(select),
+        };
+        let both = x1.apply_op3_no_bwd(w.fc1.weight(), w.next_qkv.weight(), &op)?;
+        let x2 = both.narrow(0, 0, m * c)?.reshape((m, c))?;
+        let next_qkv = both.narrow(0, m * c, m * n2)?.reshape((m, n2))?;
+        Ok((x2, next_qkv))
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (prefix, keep, fusion);
+        unreachable!("select_mlp_block_applies is false without the cuda feature")
+    }
+}
+
+/// Whether [`select_mlp_block`] runs: [`mlp_block_applies`] for `x1` and `w` (its grid then
+/// fits one wave for any step output, which has at most x1's rows), `x1` at most 512 rows (the
+/// kernel's selection scratch), the kernel on the device, and `CANDLE_FASTPATH_SELECT_MLP_BLOCK`
+/// not `0`. The step's own arguments are checked by the call, which errs on scores that are not
+/// one sequence of x1's tokens on its device, and on bad `prefix` / `keep`.
+pub fn select_mlp_block_applies(x1: &Tensor, w: &MlpTail) -> bool {
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (x1, w);
+        false
+    }
+    #[cfg(feature = "cuda")]
+    {
+        let candle_core::Device::Cuda(dev) = x1.device() else {
+            return false;
+        };
+        select_mlp_block_enabled()
+            && x1
+                .dims2()
+                .is_ok_and(|(len, _)| len <= crate::cuda::SELECT_MLP_MAX_LEN)
+            && mlp_block_applies(x1, w)
+            && crate::cuda::has_select_mlp_block(dev)
     }
 }

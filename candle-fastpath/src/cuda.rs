@@ -100,11 +100,29 @@ const ATTENTION_BLOCK_NAMES: [&str; 4] = [
     "fastpath_attention_block_f16_c192_late",
     "fastpath_attention_block_bf16_c192_late",
 ];
+/// [`AttentionResidualOp`]'s kernels (kernels/fastpath.cu, ATTENTION_RESIDUAL_ENTRY), by dtype.
+const ATTENTION_RESIDUAL_NAMES: [&str; 2] = [
+    "fastpath_attention_residual_f16_c192",
+    "fastpath_attention_residual_bf16_c192",
+];
 /// [`MlpBlockOp`]'s kernels (kernels/fastpath.cu, MLP_BLOCK_ENTRY), by dtype.
 const MLP_BLOCK_NAMES: [&str; 2] = [
     "fastpath_mlp_block_f16_c192",
     "fastpath_mlp_block_bf16_c192",
 ];
+
+/// [`MlpBlockOp`]'s kernels with a selection step at their head ([`MlpSelect`],
+/// kernels/fastpath.cu's SELECT_MLP_BLOCK_ENTRY), by dtype.
+const SELECT_MLP_BLOCK_NAMES: [&str; 2] = [
+    "fastpath_select_mlp_block_f16_c192",
+    "fastpath_select_mlp_block_bf16_c192",
+];
+/// The longest step input [`MlpSelect`]'s kernels take (SELECT_MLP_MAX_LEN: their selection
+/// scratch lives where fc2's partial sums go later).
+pub(crate) const SELECT_MLP_MAX_LEN: usize = 512;
+/// The score rows (heads, and the value norms' row) [`MlpSelect`]'s kernels load per token
+/// (STEP_SCORE_ROWS in select_common.cuh).
+const SELECT_MLP_MAX_SCORE_ROWS: usize = 8;
 
 /// From this many rows [`AttentionRnlOp`] takes its `_late` kernels, which issue
 /// the proj and fc1 weights' loads only once K and V have landed: with 78 CTAs (197 rows) those
@@ -341,10 +359,14 @@ struct DeviceState {
     /// [`AttentionRnlOp`]'s kernels and the most dynamic shared memory a block
     /// may opt into (its K / V rows grow with the sequence); `None` as `residual_norm_linear`.
     attention_rnl: Option<(Vec<CudaFunction>, usize)>,
+    /// [`AttentionResidualOp`]'s kernels, as `attention_rnl` (the same shared-memory limit).
+    attention_residual: Option<Vec<CudaFunction>>,
     /// [`AttentionRnlOp`] (with `next`)'s kernels, as `attention_rnl` (the same shared-memory limit).
     attention_block: Option<Vec<CudaFunction>>,
     /// [`MlpBlockOp`]'s kernels, as `attention_rnl` (the same shared-memory limit).
     mlp_block: Option<Vec<CudaFunction>>,
+    /// [`MlpBlockOp`]'s kernels with [`MlpSelect`], as `mlp_block`.
+    select_mlp_block: Option<Vec<CudaFunction>>,
     /// [`PooledHeadOp`]'s kernels, pool then tail, by (dtype - 1, width) as POOLED_HEAD_NAMES.
     pooled_head: Vec<CudaFunction>,
     /// Streaming multiprocessors, for the CUTLASS kernel's persistent tile scheduler and
@@ -466,8 +488,10 @@ fn new_state(dev: &CudaDevice) -> candle_core::Result<DeviceState> {
             }
         },
         attention_rnl: at_opt_in(&ATTENTION_RNL_NAMES)?.map(|f| (f, opt_in_smem as usize)),
+        attention_residual: at_opt_in(&ATTENTION_RESIDUAL_NAMES)?,
         attention_block: at_opt_in(&ATTENTION_BLOCK_NAMES)?,
         mlp_block: at_opt_in(&MLP_BLOCK_NAMES)?,
+        select_mlp_block: at_opt_in(&SELECT_MLP_BLOCK_NAMES)?,
         pooled_head: load_pooled_head(load)?,
         sm_count: attribute(CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?.max(1) as usize,
         hopper: (
@@ -1504,6 +1528,18 @@ pub(crate) fn has_attention_rnl(dev: &CudaDevice, m: usize) -> bool {
     })
 }
 
+/// Whether `dev` has [`AttentionResidualOp`]'s kernels and a launch over `m` rows fits its
+/// shared memory.
+pub(crate) fn has_attention_residual(dev: &CudaDevice, m: usize) -> bool {
+    let mut states = STATE.lock().unwrap_or_else(|e| e.into_inner());
+    device_state(&mut states, dev).is_ok_and(|s| {
+        s.attention_residual.is_some()
+            && s.attention_rnl
+                .as_ref()
+                .is_some_and(|(_, max)| attention_rnl_smem_bytes(m) <= *max)
+    })
+}
+
 /// Whether `dev` has [`AttentionRnlOp`] (with `next`)'s kernels and a launch over `m` rows fits its shared
 /// memory.
 pub(crate) fn has_attention_block(dev: &CudaDevice, m: usize) -> bool {
@@ -1528,18 +1564,100 @@ pub(crate) fn has_mlp_block(dev: &CudaDevice) -> bool {
     })
 }
 
+/// Whether `dev` has [`MlpBlockOp`]'s kernels with [`MlpSelect`] and their shared memory.
+pub(crate) fn has_select_mlp_block(dev: &CudaDevice) -> bool {
+    let mut states = STATE.lock().unwrap_or_else(|e| e.into_inner());
+    device_state(&mut states, dev).is_ok_and(|s| {
+        s.select_mlp_block.is_some()
+            && s.attention_rnl
+                .as_ref()
+                .is_some_and(|(_, max)| mlp_block_smem_bytes() <= *max)
+    })
+}
+
+/// A fixed-count selection step at the head of [`MlpBlockOp`] (lever 87, [`crate::select_mlp_block`]):
+/// the op's x1 holds the step's `len` input tokens (one sequence), and its M output rows are
+/// the `prefix + keep` kept ones, then the fused one when `fuse` is 1 (weighted mean) or 2
+/// (weighted sum). `scores`: f32, `len` (mode 0) or `(heads + 1) · len` (modes 4 / 5) elements,
+/// as candle-ragged's [`candle_ragged::StepScores`] holds them.
+pub(crate) struct MlpSelect {
+    pub scores: Tensor,
+    pub prefix: usize,
+    pub keep: usize,
+    pub fuse: i32,
+    pub mode: i32,
+    pub heads: usize,
+}
+
+impl MlpSelect {
+    /// The output rows of a step over `len` tokens.
+    pub(crate) fn out_rows(&self) -> usize {
+        self.prefix + self.keep + (self.fuse != 0) as usize
+    }
+
+    /// What the kernel requires of the step over `len` tokens, as an error message.
+    fn check(&self, len: usize) -> std::result::Result<(), String> {
+        let score_elems = match self.mode {
+            0 => len,
+            4 | 5 => (self.heads + 1) * len,
+            m => return Err(format!("unknown score mode {m}")),
+        };
+        if len > SELECT_MLP_MAX_LEN {
+            return Err(format!(
+                "{len} tokens, over the kernel's {SELECT_MLP_MAX_LEN}"
+            ));
+        }
+        if self.prefix >= len || self.keep == 0 || self.keep > len - self.prefix {
+            return Err(format!(
+                "need prefix < len and 1 <= keep <= len - prefix, got prefix {}, keep {}, len {len}",
+                self.prefix, self.keep
+            ));
+        }
+        if !(0..=2).contains(&self.fuse) || (self.fuse != 0 && self.keep == len - self.prefix) {
+            return Err(format!(
+                "fuse {} with {} of {} patches kept",
+                self.fuse,
+                self.keep,
+                len - self.prefix
+            ));
+        }
+        // select_common.cuh's step_score_load: heads + 1 rows at most (STEP_SCORE_ROWS).
+        if self.heads == 0 || (self.mode != 0 && self.heads + 1 > SELECT_MLP_MAX_SCORE_ROWS) {
+            return Err(format!(
+                "{} heads; the kernel reads at most {} score rows",
+                self.heads, SELECT_MLP_MAX_SCORE_ROWS
+            ));
+        }
+        if self.scores.dtype() != DType::F32
+            || !self.scores.is_contiguous()
+            || self.scores.elem_count() != score_elems
+        {
+            return Err(format!(
+                "scores must be a contiguous f32 of {score_elems} elements, got {:?} {:?}",
+                self.scores.dtype(),
+                self.scores.dims()
+            ));
+        }
+        Ok(())
+    }
+}
+
 /// The CustomOp behind [`crate::mlp_block`] (lever 72): `(x1 [M, C], W1 [4C, C], Wq [N2, C])` →
 /// `h = GELU(LayerNorm2(x1)·W1ᵀ + b1)`, `x2 = x1 + h·W2ᵀ + b2` and
 /// `qkv' = LayerNorm1'(x2)·Wqᵀ + bq`, returned as one 1-D buffer of `M·C + M·N2` elements (x2's
 /// rows, then qkv''s). C = [`RNL_DIM`]. norm2's parameters and fc1's bias are carried here, the
 /// second step (fc2, the next norm1 and qkv's bias) as [`ResidualNormLinearOp`]'s fc2 form
 /// carries them. Shapes, strides and alignment are checked again here.
+///
+/// With `select` ([`crate::select_mlp_block`]) x1 is `[len, C]`, a step's input, and M its output
+/// rows ([`MlpSelect::out_rows`]).
 pub(crate) struct MlpBlockOp {
     pub ln_weight: Tensor,
     pub ln_bias: Tensor,
     pub fc1_bias: Tensor,
     pub eps: f32,
     pub second: ResidualNormLinearOp,
+    pub select: Option<MlpSelect>,
 }
 
 impl MlpBlockOp {
@@ -1554,13 +1672,22 @@ impl MlpBlockOp {
             + candle_core::cuda_backend::cudarc::driver::DeviceRepr
             + candle_core::WithDType,
     {
-        const WHAT: &str = "mlp_block";
+        let what = match self.select {
+            None => "mlp_block",
+            Some(_) => "select_mlp_block",
+        };
         let dev = &x1.device;
         let size = size_of::<T>();
-        let (m, c) = lx.shape().dims2()?;
+        let (len, c) = lx.shape().dims2()?;
+        if let Some(sel) = &self.select {
+            if let Err(e) = sel.check(len) {
+                candle_core::bail!("{what}: {e}");
+            }
+        }
+        let m = self.select.as_ref().map_or(len, |s| s.out_rows());
         let (n1, c1) = lw1.shape().dims2()?;
         let (n2, c2) = lwq.shape().dims2()?;
-        let bf16 = is_bf16::<T>(WHAT)?;
+        let bf16 = is_bf16::<T>(what)?;
         let aligned = |l: &Layout| contiguous_16b(l, size);
         if c != RNL_DIM
             || m == 0
@@ -1572,7 +1699,7 @@ impl MlpBlockOp {
             || !aligned(lwq)
         {
             candle_core::bail!(
-                "{WHAT}: unsupported layout for the fused kernel (x1 {:?} strides {:?}, fc1 {:?}, next qkv {:?})",
+                "{what}: unsupported layout for the fused kernel (x1 {:?} strides {:?}, fc1 {:?}, next qkv {:?})",
                 lx.shape().dims(),
                 lx.stride(),
                 lw1.shape().dims(),
@@ -1585,22 +1712,26 @@ impl MlpBlockOp {
             (&self.fc1_bias, n1, false),
         ];
         let guards1 = first.map(|(t, _, _)| t.storage_and_layout());
-        let views1 = carried_views::<T>(WHAT, &guards1, &first.map(|(_, n, v)| (n, v)))?;
+        let views1 = carried_views::<T>(what, &guards1, &first.map(|(_, n, v)| (n, v)))?;
         let second = self.second.carried(c, 4 * c, n2);
         let guards2 = second.map(|(t, _, _)| t.storage_and_layout());
-        let views2 = carried_views::<T>(WHAT, &guards2, &second.map(|(_, n, v)| (n, v)))?;
+        let views2 = carried_views::<T>(what, &guards2, &second.map(|(_, n, v)| (n, v)))?;
         let smem = mlp_block_smem_bytes();
         let func = {
             let mut states = STATE.lock().unwrap_or_else(|e| e.into_inner());
             let state = device_state(&mut states, dev)?;
             let max_smem = state.attention_rnl.as_ref().map_or(0, |(_, max)| *max);
-            match &state.mlp_block {
+            let funcs = match self.select {
+                None => &state.mlp_block,
+                Some(_) => &state.select_mlp_block,
+            };
+            match funcs {
                 Some(funcs) if smem <= max_smem => funcs[bf16 as usize].clone(),
                 Some(_) => candle_core::bail!(
-                    "{WHAT}: needs {smem} bytes of shared memory, the device allows {max_smem}"
+                    "{what}: needs {smem} bytes of shared memory, the device allows {max_smem}"
                 ),
                 None => candle_core::bail!(
-                    "{WHAT}: the fused kernel needs compute capability 9.0 (thread-block clusters)"
+                    "{what}: the fused kernel needs compute capability 9.0 (thread-block clusters)"
                 ),
             }
         };
@@ -1619,6 +1750,35 @@ impl MlpBlockOp {
         // x1, norm2, fc1, then fc2, the next norm1 and qkv (views2: W2, b2, its LayerNorm's
         // weight and bias, bq), the outputs, M, N1, N2, both epsilons.
         builder.arg(&xs);
+        // select_mlp_block: the step's scores and shape after x1.
+        let scores_guard = self.select.as_ref().map(|s| s.scores.storage_and_layout());
+        let select_args = match (&self.select, &scores_guard) {
+            (Some(sel), Some((storage, layout))) => {
+                let Storage::Cuda(sc) = &**storage else {
+                    candle_core::bail!("{what}: the scores are not on the CUDA device");
+                };
+                if sc.device.id() != dev.id() {
+                    candle_core::bail!("{what}: the scores are on another CUDA device");
+                }
+                let view = sc.as_cuda_slice::<f32>()?.slice(layout.start_offset()..);
+                let ints = [
+                    len as i32,
+                    sel.prefix as i32,
+                    sel.keep as i32,
+                    sel.fuse,
+                    sel.mode,
+                    sel.heads as i32,
+                ];
+                Some((view, ints))
+            }
+            _ => None,
+        };
+        if let Some((view, ints)) = &select_args {
+            builder.arg(view);
+            for v in ints {
+                builder.arg(v);
+            }
+        }
         builder.arg(&views1[0]);
         builder.arg(&views1[1]);
         builder.arg(&w1s);
@@ -1635,9 +1795,11 @@ impl MlpBlockOp {
         builder.arg(&n2_32);
         builder.arg(&self.eps);
         builder.arg(&self.second.eps);
-        // SAFETY: shapes, contiguity and alignment checked above; the kernel reads rows < M of
-        // x1, the weights' rows (past N zero-filled), and writes the M · C and M · N2 elements
-        // of `out` only; clusters as ResidualNormLinearOp's.
+        // SAFETY: shapes, contiguity and alignment checked above (with `select`, the step's
+        // shape and its scores' size by MlpSelect::check); the kernel reads rows < M of x1 (with
+        // `select`, rows < len, through positions it computed below len), the scores' elements,
+        // the weights' rows (past N zero-filled), and writes the M · C and M · N2 elements of
+        // `out` only; clusters as ResidualNormLinearOp's.
         unsafe { builder.launch(cfg) }.map_err(candle_core::Error::wrap)?;
         Ok((
             CudaStorage::wrap_cuda_slice(out, dev.clone()),
@@ -2725,4 +2887,106 @@ cuda_only_op2!(
     "fastpath-pooled-head",
     "pooled_mlp_log_prob",
     [F16 => half::f16, BF16 => half::bf16]
+);
+
+/// The CustomOp behind [`crate::attention_residual`] (lever 86): `(qkv [M, 3C], r [M, C], Wp [C, C])`
+/// with one sequence of `cu_seqlens = [0, len]` (u32, `len ≤ M`, read on the device) →
+/// `x1 = r + o·Wpᵀ + bp`, `o` the attention of [`AttentionRnlOp`]: that op's kernel stopping at
+/// x1. C = [`RNL_DIM`]. Shapes, strides and alignment are checked again here.
+pub(crate) struct AttentionResidualOp {
+    pub cu_seqlens: Tensor,
+    /// The softmax scale times log2(e) (the kernel's exponentials are exp2).
+    pub scale_log2: f32,
+    pub proj_bias: Tensor,
+}
+
+impl AttentionResidualOp {
+    fn run<T>(
+        &self,
+        (qkv, lq): (&CudaStorage, &Layout),
+        (r, lr): (&CudaStorage, &Layout),
+        (wp, lw): (&CudaStorage, &Layout),
+    ) -> candle_core::Result<(CudaStorage, Shape)>
+    where
+        T: candle_core::cuda_backend::CudaDType
+            + candle_core::cuda_backend::cudarc::driver::DeviceRepr
+            + candle_core::WithDType,
+    {
+        const WHAT: &str = "attention_residual";
+        let dev = &qkv.device;
+        let size = size_of::<T>();
+        let (m, c3) = lq.shape().dims2()?;
+        let c = c3 / 3;
+        let bf16 = is_bf16::<T>(WHAT)?;
+        let aligned = |l: &Layout| contiguous_16b(l, size);
+        if c != RNL_DIM
+            || c3 != 3 * c
+            || m == 0
+            || lr.shape().dims() != [m, c]
+            || lw.shape().dims() != [c, c]
+            || !aligned(lq)
+            || !aligned(lr)
+            || !aligned(lw)
+        {
+            candle_core::bail!(
+                "{WHAT}: unsupported layout for the fused kernel (qkv {:?} strides {:?}, residual {:?} strides {:?}, proj {:?})",
+                lq.shape().dims(),
+                lq.stride(),
+                lr.shape().dims(),
+                lr.stride(),
+                lw.shape().dims()
+            );
+        }
+        let guards = [self.proj_bias.storage_and_layout()];
+        let views = carried_views::<T>(WHAT, &guards, &[(c, false)])?;
+        let (cu_storage, cu_layout) = self.cu_seqlens.storage_and_layout();
+        let cus = one_sequence_offsets(WHAT, &cu_storage, cu_layout)?;
+        let smem = attention_rnl_smem_bytes(m);
+        let func = {
+            let mut states = STATE.lock().unwrap_or_else(|e| e.into_inner());
+            let state = device_state(&mut states, dev)?;
+            let max_smem = state.attention_rnl.as_ref().map_or(0, |(_, max)| *max);
+            match &state.attention_residual {
+                Some(funcs) if smem <= max_smem => funcs[bf16 as usize].clone(),
+                Some(_) => candle_core::bail!(
+                    "{WHAT}: {m} rows need {smem} bytes of shared memory, the device allows {max_smem}"
+                ),
+                None => candle_core::bail!(
+                    "{WHAT}: the fused kernel needs compute capability 9.0 (thread-block clusters)"
+                ),
+            }
+        };
+        let qs = qkv.as_cuda_slice::<T>()?.slice(lq.start_offset()..);
+        let rs = r.as_cuda_slice::<T>()?.slice(lr.start_offset()..);
+        let ws = wp.as_cuda_slice::<T>()?.slice(lw.start_offset()..);
+        // SAFETY: every element is written by the kernel: x1's (row < M, column < C) by the
+        // cluster rank owning the column's slice in the row's tile.
+        let mut out = unsafe { dev.alloc::<T>(m * c)? };
+        let cfg = rnl_launch_config(m, smem);
+        let m32 = m as i32;
+        let stream = dev.cuda_stream();
+        let mut builder = stream.launch_builder(&func);
+        builder.arg(&qs);
+        builder.arg(&cus);
+        builder.arg(&ws);
+        builder.arg(&views[0]);
+        builder.arg(&rs);
+        builder.arg(&mut out);
+        builder.arg(&m32);
+        builder.arg(&self.scale_log2);
+        // SAFETY: shapes, contiguity and alignment checked above; the kernel reads rows < M of
+        // qkv and r, cu_seqlens[1] (clamped to M), Wp and bp, and writes the M · C elements of
+        // `out` only; clusters as ResidualNormLinearOp's.
+        unsafe { builder.launch(cfg) }.map_err(candle_core::Error::wrap)?;
+        Ok((
+            CudaStorage::wrap_cuda_slice(out, dev.clone()),
+            Shape::from((m, c)),
+        ))
+    }
+}
+
+cuda_only_op3!(
+    AttentionResidualOp,
+    "fastpath-attention-residual",
+    "attention_residual"
 );

@@ -15,10 +15,11 @@ mod common;
 
 use candle_core::{DType, Device, Tensor};
 use candle_fastpath::{
-    attention_block, attention_block_applies, attention_block_with_norms,
-    attention_residual_norm_linear, attention_residual_norm_linear_applies, mlp_block,
-    mlp_block_applies, norm_linear, norm_linear_applies, residual_norm_linear, BlockTail, Epilogue,
-    FastpathError, FusedLinear, LayerNorm, MlpTail,
+    attention_block, attention_block_applies, attention_block_with_norms, attention_residual,
+    attention_residual_applies, attention_residual_norm_linear,
+    attention_residual_norm_linear_applies, mlp_block, mlp_block_applies, norm_linear,
+    norm_linear_applies, residual_norm_linear, select_mlp_block, select_mlp_block_applies,
+    BlockTail, Epilogue, FastpathError, FusedLinear, LayerNorm, MlpTail,
 };
 use common::{device, has_clusters, host, poison, quantize, randn};
 use rand::{rngs::StdRng, SeedableRng};
@@ -508,4 +509,219 @@ fn mlp_block_matches_the_two_kernels() {
             assert_same_bits(&what, (&x2, &next_qkv), (&want_x2, &want_qkv));
         }
     }
+}
+
+/// `attention_residual` (lever 86: the attention kernel stopping at x1, for a step right after
+/// the attention) gives x1 bit for bit as `attention_residual_norm_linear` does (the same
+/// kernel and arithmetic up to x1), over the cases of the block test (rows past the sequence
+/// included), outputs poisoned first; on the CPU it does not apply and calling it is a clear
+/// error; and it refuses what it does not take (two sequences, heads of another width, the
+/// one-wave limit, a projection without its bias).
+#[test]
+fn attention_residual_is_the_fused_kernels_x1() {
+    let dev = device();
+    let fused_expected = dev.is_cuda() && has_clusters(&dev);
+    let mut rng = StdRng::seed_from_u64(86);
+    let scale = (HEAD_DIM as f64).powf(-0.5);
+    let (dtypes, cases) = under_test(&[
+        (1, 1),
+        (2, 2),
+        (17, 17),
+        (63, 63),
+        (64, 64),
+        (65, 65),
+        (138, 138),
+        (197, 197),
+        (352, 352),
+        (197, 190),
+        (70, 64),
+    ]);
+    for &dtype in dtypes {
+        let w = weights(&dev, &mut rng, dtype, 4 * C);
+        for &(rows, len) in cases {
+            let (_, qkv_t, r_t, cu) = sequence(&dev, &mut rng, dtype, rows, len);
+            let what = format!("{dtype:?} rows {rows} len {len}");
+            let applies = attention_residual_applies(&qkv_t, &cu, HEADS, &r_t, &w.proj);
+            assert_eq!(applies, fused_expected, "{what}: applies");
+            poison(&dev, rows * C, dtype);
+            let got = attention_residual(&qkv_t, &cu, HEADS, scale, &r_t, &w.proj);
+            let Some(x1) = fused_or_refused(got, fused_expected, &what) else {
+                continue;
+            };
+            assert_eq!(x1.dims(), &[rows, C]);
+            let (want, _) = attention_residual_norm_linear(
+                &qkv_t, &cu, HEADS, scale, &r_t, &w.proj, &w.norm, &w.fc1, true,
+            )
+            .unwrap();
+            for (i, (g, e)) in host(&x1).iter().zip(host(&want).iter()).enumerate() {
+                assert!(
+                    g.is_finite() && g.to_bits() == e.to_bits(),
+                    "{what}: x1 element {i} is {g}, attention_residual_norm_linear gives {e}"
+                );
+            }
+        }
+    }
+    let dtype = DType::F16;
+    let w = weights(&dev, &mut rng, dtype, 4 * C);
+    let (_, qkv, r, cu) = sequence(&dev, &mut rng, dtype, 8, 8);
+    let two = Tensor::from_slice(&[0u32, 4, 8], 3, &dev).unwrap();
+    let no_bias = FusedLinear::new(w.proj.weight().clone(), None).unwrap();
+    let (_, qkv_big, r_big, cu_big) = sequence(&dev, &mut rng, dtype, 577, 577);
+    for (what, qkv, cu, heads, r, proj) in [
+        ("two sequences", &qkv, &two, HEADS, &r, &w.proj),
+        ("heads of 32", &qkv, &cu, 6, &r, &w.proj),
+        ("577 rows", &qkv_big, &cu_big, HEADS, &r_big, &w.proj),
+        ("no proj bias", &qkv, &cu, HEADS, &r, &no_bias),
+    ] {
+        assert!(
+            !attention_residual_applies(qkv, cu, heads, r, proj),
+            "{what}"
+        );
+        let got = attention_residual(qkv, cu, heads, scale, r, proj);
+        fused_or_refused(got, false, what);
+    }
+}
+
+/// `select_mlp_block` (lever 87: a fixed-count step's selection at the head of `mlp_block`)
+/// gives exactly what candle-ragged's `select_top_k_by` and then `mlp_block` on its output give:
+/// class-attention (EViT), significance (ATS) and given scores (with ties, negatives and a NaN),
+/// fused rows by weighted mean and sum and none, keep from one token to all of them, sequences
+/// of 2 to 352 tokens, outputs poisoned before the call. On the CPU it does not apply and
+/// calling it is a clear error; bad steps and scores of another sequence are errors.
+#[test]
+fn select_mlp_block_matches_select_then_mlp_block() {
+    use candle_ragged::{select_top_k_by, step_scores, DroppedFusion, TokenScores};
+    let dev = device();
+    let fused_expected = dev.is_cuda() && has_clusters(&dev);
+    let mut rng = StdRng::seed_from_u64(87);
+    let scale = (HEAD_DIM as f32).powf(-0.5);
+    // Quick (racecheck): 197 tokens, keep 0.7, class attention and given scores, fused by mean
+    // or not.
+    let (dtypes, _) = under_test(&[]);
+    let quick = dtypes.len() == 1;
+    let lens: &[usize] = if quick {
+        &[197]
+    } else {
+        &[2, 17, 64, 65, 138, 197, 352]
+    };
+    for &dtype in dtypes {
+        let w = weights(&dev, &mut rng, dtype, 4 * C);
+        let fc2 = fc2_layer(&dev, &mut rng, dtype);
+        let next = weights(&dev, &mut rng, dtype, 3 * C);
+        let tail = MlpTail {
+            norm2: &w.norm,
+            fc1: &w.fc1,
+            fc2: &fc2,
+            next_norm1: &next.norm,
+            next_qkv: &next.fc1,
+        };
+        for &len in lens {
+            let x1 = tensor(&dev, &randn(&mut rng, len * C, 3.0), &[len, C], dtype);
+            let qkv = tensor(
+                &dev,
+                &randn(&mut rng, len * 3 * C, 1.0),
+                &[len, 3 * C],
+                dtype,
+            );
+            let mut given = randn(&mut rng, len, 1.0);
+            if len > 4 {
+                given[3] = f32::NAN;
+                given[2] = given[len - 1];
+            }
+            let given = Tensor::from_slice(&given, (1, len), &dev).unwrap();
+            let patches = len - 1;
+            let keeps = if quick {
+                vec![(patches * 7).div_ceil(10)]
+            } else {
+                vec![1, patches.div_ceil(2), (patches * 7).div_ceil(10), patches]
+            };
+            for (name, scores) in [
+                (
+                    "cls attention",
+                    TokenScores::ClsAttention {
+                        qkv: &qkv,
+                        heads: HEADS,
+                        scale,
+                    },
+                ),
+                (
+                    "significance",
+                    TokenScores::Significance {
+                        qkv: &qkv,
+                        heads: HEADS,
+                        scale,
+                    },
+                ),
+                ("given", TokenScores::Given(&given)),
+            ] {
+                if quick && name == "significance" {
+                    continue;
+                }
+                let step = step_scores(&x1, 1, scores).unwrap();
+                assert_eq!(
+                    select_mlp_block_applies(&x1, &tail),
+                    fused_expected,
+                    "{dtype:?} len {len}: applies"
+                );
+                for &keep in &keeps {
+                    for fusion in [
+                        None,
+                        Some(DroppedFusion::WeightedMean),
+                        Some(DroppedFusion::WeightedSum),
+                    ] {
+                        if quick && fusion == Some(DroppedFusion::WeightedSum) {
+                            continue;
+                        }
+                        let what = format!("{dtype:?} len {len} {name} keep {keep} {fusion:?}");
+                        let (kept, out_len) =
+                            select_top_k_by(&x1, 1, scores, 1, keep, fusion).unwrap();
+                        poison(&dev, out_len * (C + 3 * C), dtype);
+                        let got = select_mlp_block(&x1, &step, 1, keep, fusion, &tail);
+                        let Some((x2, next_qkv)) = fused_or_refused(got, fused_expected, &what)
+                        else {
+                            continue;
+                        };
+                        assert_eq!(x2.dims(), &[out_len, C], "{what}");
+                        assert_eq!(next_qkv.dims(), &[out_len, 3 * C], "{what}");
+                        let (want_x2, want_qkv) = mlp_block(&kept, &tail).unwrap();
+                        assert_same_bits(&what, (&x2, &next_qkv), (&want_x2, &want_qkv));
+                    }
+                }
+            }
+        }
+    }
+    // Bad steps (prefix past the tokens, keep 0 or more than the patches), and scores of another
+    // sequence (other length, two sequences).
+    let dtype = DType::F16;
+    let w = weights(&dev, &mut rng, dtype, 4 * C);
+    let fc2 = fc2_layer(&dev, &mut rng, dtype);
+    let next = weights(&dev, &mut rng, dtype, 3 * C);
+    let tail = MlpTail {
+        norm2: &w.norm,
+        fc1: &w.fc1,
+        fc2: &fc2,
+        next_norm1: &next.norm,
+        next_qkv: &next.fc1,
+    };
+    let x1 = tensor(&dev, &randn(&mut rng, 20 * C, 1.0), &[20, C], dtype);
+    let s20 = Tensor::from_slice(&randn(&mut rng, 20, 1.0), (1, 20), &dev).unwrap();
+    let step = step_scores(&x1, 1, TokenScores::Given(&s20)).unwrap();
+    for (prefix, keep) in [(20, 1), (1, 0), (1, 20)] {
+        let got = select_mlp_block(&x1, &step, prefix, keep, None, &tail);
+        assert!(got.is_err(), "prefix {prefix} keep {keep}: {got:?}");
+    }
+    let s10 = Tensor::from_slice(&randn(&mut rng, 10, 1.0), (1, 10), &dev).unwrap();
+    let x10 = x1.narrow(0, 0, 10).unwrap();
+    let other = step_scores(&x10, 1, TokenScores::Given(&s10)).unwrap();
+    let two = step_scores(&x1, 2, TokenScores::Given(&s20.reshape((2, 10)).unwrap())).unwrap();
+    for (what, s) in [("10 tokens' scores", &other), ("two sequences", &two)] {
+        let got = select_mlp_block(&x1, s, 1, 5, None, &tail);
+        assert!(
+            matches!(got, Err(FastpathError::NotApplicable { .. })),
+            "{what}: {got:?}"
+        );
+    }
+    // Over the kernel's 512 tokens: not applicable.
+    let x_long = tensor(&dev, &randn(&mut rng, 513 * C, 1.0), &[513, C], dtype);
+    assert!(!select_mlp_block_applies(&x_long, &tail));
 }

@@ -23,6 +23,7 @@
 
 #include "attention_warp.cuh"
 #include "row_norm.cuh"
+#include "select_common.cuh"
 
 #define QUERIES_PER_BLOCK 64
 #define WARPS 4
@@ -476,18 +477,8 @@ template <> __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(flo
     return __float2bfloat16_rn(x);
 }
 
-// NaN → -inf, then the integer key whose order is f32's total order.
-__device__ __forceinline__ int total_key(float s) {
-    int bits = __float_as_int(s);
-    if ((bits & 0x7fffffff) > 0x7f800000) bits = __float_as_int(-INFINITY);
-    return bits ^ ((bits >> 31) & 0x7fffffff);
-}
-
-// max(score, 0) with NaN → 0.
-__device__ __forceinline__ float weight(float s) {
-    const int bits = __float_as_int(s);
-    return ((bits & 0x7fffffff) > 0x7f800000) ? 0.f : fmaxf(s, 0.f);
-}
+using select_common::total_key;
+using select_common::weight;
 
 // Dot product of an f32 vector (shared memory) with n elements of T (global), in ascending
 // order whichever path loads them; 16-byte loads when the row allows it.
@@ -612,12 +603,8 @@ __device__ void sequence_scores(float *sc, float *tmp, int tmp_floats, float *re
         // scores[b·(heads + 1)·score_stride ..], row `heads` the sums of squares. The same
         // operations in the same order as below, so the same bits.
         const float *p = scores + (size_t)b * (heads + 1) * score_stride;
-        const float inv_heads = 1.f / (float)heads;
-        for (int j = threadIdx.x; j < len; j += blockDim.x) {
-            float acc = 0.f;
-            for (int h = 0; h < heads; ++h) acc += p[(size_t)h * score_stride + j];
-            sc[j] = mode == 4 ? acc * inv_heads : acc * __fsqrt_rn(p[(size_t)heads * score_stride + j]);
-        }
+        for (int j = threadIdx.x; j < len; j += blockDim.x)
+            sc[j] = select_common::step_score(p, score_stride, j, mode, heads);
     } else if (mode == 1) {
         const T *xb = x + (size_t)start * C;
         const bool vec = C % V == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0;
@@ -654,26 +641,27 @@ __device__ void sequence_scores(float *sc, float *tmp, int tmp_floats, float *re
             }
             __syncthreads();
             // Heads added in order, as the host's mean over heads adds them. Each probability is
-            // rounded before it is added (__fadd_rn: under --use_fast_math the division is a
-            // multiply by the reciprocal, which the compiler would otherwise fuse into the add),
+            // rounded before it is added (sel_add, an add instruction of its own: under
+            // --use_fast_math the division is a multiply by the reciprocal, which the compiler
+            // would otherwise fuse into the add),
             // as cls_probs stores it and modes 4 / 5 add it: the same bits whether a batch's
             // scores are split over (sequence, head) blocks or not.
             for (int j = threadIdx.x; j < len; j += blockDim.x) {
                 float acc = sc[j];
                 for (int h = 0; h < hn; ++h)
-                    acc = __fadd_rn(acc, expf(logit[h * len + j] - red[2 * h]) / red[2 * h + 1]);
+                    acc = select_common::sel_add(acc, expf(logit[h * len + j] - red[2 * h]) / red[2 * h + 1]);
                 sc[j] = acc;
             }
             __syncthreads();  // qs, logits and red are rewritten by the next group
         }
         if (mode == 2) {
-            const float inv_heads = 1.f / (float)heads;
-            for (int j = threadIdx.x; j < len; j += blockDim.x) sc[j] *= inv_heads;
+            const float inv_heads = select_common::sel_rcp((float)heads);
+            for (int j = threadIdx.x; j < len; j += blockDim.x) sc[j] = select_common::sel_mul(sc[j], inv_heads);
         } else {
             // Times ‖v_j‖, a warp per row (the head loop ended on a barrier).
             const bool vvec = C % V == 0 && reinterpret_cast<uintptr_t>(qkv) % 16 == 0;
             for_each_row_sum_of_squares<T>(qb + 2 * C, stride, len, C, vvec,
-                                           [&](int j, float ss) { sc[j] *= __fsqrt_rn(ss); });
+                                           [&](int j, float ss) { sc[j] = select_common::sel_mul(sc[j], select_common::sel_sqrt(ss)); });
         }
     }
     __syncthreads();
@@ -724,9 +712,12 @@ template <typename T>
 __device__ void select_top_k(const T *__restrict__ x, const float *__restrict__ scores, const T *__restrict__ qkv,
                              T *__restrict__ out, int len, int C, int prefix, int keep, int fuse, int mode, int heads,
                              float scale, const T *__restrict__ also, T *__restrict__ also_out, int C2) {
+    using namespace select_common;
     __shared__ int scratch[2 * SELECT_MAX_LEN];
-    int *key = scratch;
-    int *row_of = scratch + SELECT_MAX_LEN;  // output row within the sequence, -1: dropped
+    int *key = scratch;                      // each token's key; then src (place_tokens)
+    int *kept = scratch + SELECT_MAX_LEN;    // 0 / 1 per token
+    // (then both, the fused row's partial sums)
+    __shared__ int dropped[SELECT_MAX_LEN];  // the dropped tokens' positions, ascending
     __shared__ float sc[SELECT_MAX_LEN];     // the sequence's scores
     __shared__ float red[32];
     const int b = blockIdx.x;
@@ -736,56 +727,34 @@ __device__ void select_top_k(const T *__restrict__ x, const float *__restrict__ 
     const float *s = sc;
     for (int j = threadIdx.x; j < len; j += blockDim.x) key[j] = total_key(s[j]);
     __syncthreads();
-    for (int j = threadIdx.x; j < len; j += blockDim.x) {
-        int kept = 1;
-        if (j >= prefix) {
-            const int kj = key[j];
-            int rank = 0;
-            for (int i = prefix; i < len; ++i) {
-                const int ki = key[i];
-                rank += (ki > kj) || (ki == kj && i < j);
-            }
-            kept = rank < keep;
-        }
-        row_of[j] = kept;
-    }
+    rank_tokens(key, kept, len, prefix, keep);
     __syncthreads();
-    // Kept rows in ascending position: a kept patch's output row is the prefix plus the number of
-    // kept patches before it. Written into `key`, no longer needed.
-    for (int j = threadIdx.x; j < len; j += blockDim.x) {
-        int r = -1;
-        if (j < prefix) {
-            r = j;
-        } else if (row_of[j]) {
-            r = prefix;
-            for (int i = prefix; i < j; ++i) r += row_of[i];
-        }
-        key[j] = r;
-    }
-    __syncthreads();
+    // Kept tokens in ascending position: output row r is token src[r]. Written over `key`, no
+    // longer needed.
+    int *src = key;
+    place_tokens(kept, len, src, dropped, reinterpret_cast<int *>(red));
     const int out_len = prefix + keep + (fuse ? 1 : 0);
     const T *xb = x + (size_t)b * len * C;
     T *ob = out + (size_t)b * out_len * C;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
-    // This block copies input rows blockIdx.y, blockIdx.y + gridDim.y, ... (every block of a
+    // This block copies output rows blockIdx.y, blockIdx.y + gridDim.y, ... (every block of a
     // sequence ranks the whole sequence, which is cheap, so the copy spreads over many SMs even
     // at batch 1). 16-byte vectors when rows allow it.
     const bool vec = ((C * sizeof(T)) % 16 == 0) && ((reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(out)) % 16 == 0);
     const bool also_vec = ((C2 * sizeof(T)) % 16 == 0) &&
                           ((reinterpret_cast<uintptr_t>(also) | reinterpret_cast<uintptr_t>(also_out)) % 16 == 0);
     // One warp copies a row: 16-byte vectors when the row allows it.
-    auto copy_row = [](const T *src, T *dst, int n_elems, bool vectors, int lane) {
+    auto copy_row = [](const T *src_row, T *dst, int n_elems, bool vectors, int lane) {
         if (vectors) {
             const int n = n_elems * sizeof(T) / 16;
             for (int c = lane; c < n; c += 32)
-                reinterpret_cast<uint4 *>(dst)[c] = reinterpret_cast<const uint4 *>(src)[c];
+                reinterpret_cast<uint4 *>(dst)[c] = reinterpret_cast<const uint4 *>(src_row)[c];
         } else {
-            for (int c = lane; c < n_elems; c += 32) dst[c] = src[c];
+            for (int c = lane; c < n_elems; c += 32) dst[c] = src_row[c];
         }
     };
-    for (int j = blockIdx.y + gridDim.y * warp; j < len; j += gridDim.y * warps) {
-        const int r = key[j];
-        if (r < 0) continue;
+    for (int r = blockIdx.y + gridDim.y * warp; r < prefix + keep; r += gridDim.y * warps) {
+        const int j = src[r];
         copy_row(xb + (size_t)j * C, ob + (size_t)r * C, C, vec, lane);
         // `also` (never with fuse): the same rows of a second [B·len, C2] tensor, e.g. the next
         // block's qkv projection, gathered with the tokens.
@@ -793,58 +762,23 @@ __device__ void select_top_k(const T *__restrict__ x, const float *__restrict__ 
             copy_row(also + ((size_t)b * len + j) * C2, also_out + ((size_t)b * out_len + r) * C2, C2, also_vec, lane);
     }
     if (!fuse) return;
-    // The fused row. Its columns are split over the sequence's blocks (a slice per blockIdx.y),
-    // and a block's threads over (row group g, column c): thread (g, c) sums the dropped rows
-    // prefix + g, prefix + g + G, ... of column c, then the G partials are added in order. One
-    // thread walking every row of a column left a step waiting on ~60 loads in a row at batch 1.
+    // The fused row. Its columns are split over the sequence's blocks (a slice per blockIdx.y);
+    // select_common's order, which no launch shape enters (lever 87: at batch 1 it used to sum
+    // in as many groups as a block's threads spread over its slice, at 132 sequences and more in
+    // two, so the fused row's bits depended on the batch size).
     const int cols = (C + (int)gridDim.y - 1) / (int)gridDim.y;
     const int c_begin = blockIdx.y * cols, c_end = min(C, c_begin + cols);
     if (c_begin >= c_end) return;  // the whole block leaves: no barrier below is split
-    float part = 0.f;
-    for (int j = prefix + threadIdx.x; j < len; j += blockDim.x)
-        if (key[j] < 0) part += weight(s[j]);
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) part += __shfl_xor_sync(0xffffffffu, part, o);
-    if (lane == 0) red[warp] = part;
-    __syncthreads();
-    float total = 0.f;
-    for (int w = 0; w < warps; ++w) total += red[w];
-    const int dropped = len - prefix - keep;
-    const int width = min(c_end - c_begin, (int)blockDim.x);
-    const int groups = blockDim.x / width;
-    const int g = threadIdx.x / width, ci = threadIdx.x % width;
-    // row_of is free now: the groups' partial sums, [2][groups][width] floats (<= 2 · blockDim.x).
-    float *part_acc = reinterpret_cast<float *>(row_of);
-    float *part_plain = part_acc + groups * width;
-    for (int c0 = c_begin; c0 < c_end; c0 += width) {
-        const int c = c0 + ci;
-        float acc = 0.f, plain = 0.f;
-        if (g < groups && c < c_end) {
-            for (int j = prefix + g; j < len; j += groups) {
-                if (key[j] >= 0) continue;
-                const float v = to_f32(xb[(size_t)j * C + c]);
-                acc += weight(s[j]) * v;
-                plain += v;
-            }
-        }
-        __syncthreads();  // the previous chunk's partials have been read
-        if (g < groups) {
-            part_acc[g * width + ci] = acc;
-            part_plain[g * width + ci] = plain;
-        }
-        __syncthreads();
-        if (threadIdx.x < width && c < c_end) {
-            float a = 0.f, p = 0.f;
-            for (int q = 0; q < groups; ++q) {
-                a += part_acc[q * width + ci];
-                p += part_plain[q * width + ci];
-            }
-            float f;
-            if (fuse == 2) f = a;
-            else f = total > 0.f ? a / total : p / (float)dropped;
-            ob[(size_t)(prefix + keep) * C + c] = from_f32<T>(f);
-        }
-    }
+    const int nd = len - prefix - keep;
+    fused_weight_total(s, dropped, nd, &red[0]);
+    __syncthreads();  // also: every warp's copies (which read src) are done
+    const float total = red[0];
+    // src and kept are free now: 2 · FUSE_COLS · blockDim.x <= 2 · SELECT_MAX_LEN floats.
+    float *part = reinterpret_cast<float *>(scratch);
+    T *fused = ob + (size_t)(prefix + keep) * C;
+    fused_columns(
+        s, dropped, nd, fuse, total, c_begin, c_end, part, [&](int j, int c) { return to_f32(xb[(size_t)j * C + c]); },
+        [&](int c, float f) { fused[c] = from_f32<T>(f); });
 }
 
 }  // namespace select_detail

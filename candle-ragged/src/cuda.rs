@@ -639,6 +639,61 @@ pub(crate) fn unpack(
     Ok((storage, shape))
 }
 
+/// The class token's attention probabilities of `b` sequences of `len` tokens each, from their
+/// fused projection `qkv` (`[b·len, 3c]`, contiguous, f32 / f16 / bf16): one `cls_probs` block
+/// per (sequence, head), `[b, heads + 1, len]` f32 whose row `h < heads` holds head h's
+/// probabilities and, with `value_norms`, row `heads` the value rows' sums of squares (without,
+/// that row is left unwritten: the caller must not read it). The rows selection modes 4 / 5
+/// read (select_common.cuh's step_score).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn class_attention_probs(
+    (s, ls): (&CudaStorage, &Layout),
+    b: usize,
+    len: usize,
+    c: usize,
+    heads: i32,
+    scale: f32,
+    value_norms: bool,
+) -> Result<CudaSlice<f32>> {
+    let dev = &s.device;
+    let k = kernels(dev)?;
+    if !ls.is_contiguous() || ls.shape().elem_count() != b * len * 3 * c || heads <= 0 {
+        candle_core::bail!(
+            "cls_probs: qkv must be a contiguous [{}, {}]",
+            b * len,
+            3 * c
+        );
+    }
+    let head_dim = c / heads as usize;
+    // SAFETY: cls_probs writes the first `len` entries of every (sequence, row) it is given,
+    // and every sequence has exactly `len` tokens here: the whole buffer but, without
+    // `value_norms`, each sequence's row `heads` (documented above).
+    let buf = unsafe { dev.alloc::<f32>(b * (heads as usize + 1) * len)? };
+    let cfg = LaunchConfig {
+        grid_dim: (b as u32, heads as u32 + value_norms as u32, 1),
+        block_dim: (256, 1, 1),
+        // (round_up(D, 4) + len) floats: see cls_probs.
+        shared_mem_bytes: (4 * (head_dim.next_multiple_of(4) + len)) as u32,
+    };
+    let stream = dev.cuda_stream();
+    let (len_i, c_i) = (len as i32, c as i32);
+    let null: u64 = 0;
+    macro_rules! run {
+        ($t:ty, $i:expr) => {{
+            let qkv = s.as_cuda_slice::<$t>()?.slice(ls.start_offset()..);
+            let mut builder = stream.launch_builder(&k.cls_probs[$i]);
+            // A null cu_seqlens: sequences of `len` (the out_stride) tokens each.
+            builder.arg(&qkv).arg(&null).arg(&buf);
+            builder.arg(&len_i).arg(&heads).arg(&c_i).arg(&scale);
+            // SAFETY: arguments match ragged_cls_probs_* in kernels/ragged_attention.cu; qkv
+            // holds B · len rows of 3 · C (checked above), the buffer B · (heads + 1) rows.
+            unsafe { builder.launch(cfg) }.w()?;
+        }};
+    }
+    by_float_dtype!(s.dtype(), "cls_probs", run);
+    Ok(buf)
+}
+
 /// [`crate::select_top_k`] on CUDA: blocks of 512 threads, one or more per sequence.
 pub(crate) fn select_top_k(
     op: &crate::select::SelectTopK,
@@ -690,33 +745,16 @@ pub(crate) fn select_top_k(
     // modes 4 / 5 read (the same bits as modes 2 / 3).
     let split = op.source.reads_qkv() && k.split_scores.unwrap_or(b < k.sm_count);
     let probs = if split {
-        let head_dim = c / heads.max(1) as usize;
         let vnorm = matches!(op.source, ScoreSource::Significance { .. });
-        // SAFETY: cls_probs writes the first `len` entries of every (sequence, row) it is given,
-        // and every sequence has exactly `len` tokens here: the whole buffer.
-        let buf = unsafe { dev.alloc::<f32>(b * (heads as usize + 1) * op.len)? };
-        let cfg = LaunchConfig {
-            grid_dim: (b as u32, heads as u32 + vnorm as u32, 1),
-            block_dim: (256, 1, 1),
-            // (round_up(D, 4) + len) floats: see cls_probs.
-            shared_mem_bytes: (4 * (head_dim.next_multiple_of(4) + op.len)) as u32,
-        };
-        let stream = dev.cuda_stream();
-        let c_i = c as i32;
-        macro_rules! run {
-            ($t:ty, $i:expr) => {{
-                let qkv = s.as_cuda_slice::<$t>()?.slice(ls.start_offset()..);
-                let mut builder = stream.launch_builder(&k.cls_probs[$i]);
-                // A null cu_seqlens: sequences of `len` (the out_stride) tokens each.
-                builder.arg(&qkv).arg(&null).arg(&buf);
-                builder.arg(&len).arg(&heads).arg(&c_i).arg(&scale);
-                // SAFETY: arguments match ragged_cls_probs_* in kernels/ragged_attention.cu; qkv
-                // holds B · len rows of 3 · C (checked above), the buffer B · (heads + 1) rows.
-                unsafe { builder.launch(cfg) }.w()?;
-            }};
-        }
-        by_float_dtype!(x.dtype(), "select_top_k", run);
-        Some(buf)
+        Some(class_attention_probs(
+            (s, ls),
+            b,
+            op.len,
+            c,
+            heads,
+            scale,
+            vnorm,
+        )?)
     } else {
         None
     };

@@ -45,6 +45,7 @@ mod resident_plan;
 mod scores;
 mod select;
 mod select_rule;
+mod step_scores;
 
 pub use attention::{ragged_attention, RaggedAttention, SUPPORTED_HEAD_DIMS};
 pub use batch::{RaggedBatch, MAX_SEQ_LEN};
@@ -55,3 +56,4 @@ pub use reduce::{sequence_mean, SequenceMean};
 pub use scores::TokenScores;
 pub use select::{select_top_k, select_top_k_by, select_top_k_gathering, DroppedFusion};
 pub use select_rule::{select_by_rule, select_by_rule_bounded};
+pub use step_scores::{step_scores, StepScoreLayout, StepScores};

@@ -464,11 +464,16 @@ fn a_sequence_selects_the_same_in_any_batch() {
             };
             let ((all, n_all), (part, n_part)) = (run(big), run(small));
             assert_eq!(n_all, n_part);
-            assert_eq!(
-                &all[..small * n_all * c],
-                &part[..],
-                "{dtype:?} {name}: the first {small} sequences of {big} against {small} alone"
-            );
+            for (i, (a, p)) in all[..small * n_all * c].iter().zip(&part).enumerate() {
+                assert!(
+                    a.to_bits() == p.to_bits(),
+                    "{dtype:?} {name}: the first {small} sequences of {big} against {small} \
+                     alone differ at sequence {} row {} column {}: {a} / {p}",
+                    i / (n_all * c),
+                    i / c % n_all,
+                    i % c
+                );
+            }
         }
         // Varied lengths: select_by_rule with EViT's adaptive rule.
         let lengths: Vec<usize> = (0..big).map(|_| r.random_range(2..40)).collect();

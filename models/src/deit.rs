@@ -502,9 +502,10 @@ impl Block {
     /// block's qkv projection: what a pruning step after the attention sees
     /// ([`Self::tokens_at`]). `qkv`, when given, is that projection of `x`, computed by the block
     /// before ([`Self::forward_chained`]). For one image at DeiT-T's width the attention and the
-    /// projection are one kernel (`candle_fastpath::attention_residual_norm_linear`, whose
-    /// norm2 + fc1 output is dropped: the step decides which rows the MLP half sees, and the
-    /// fused token it may add has to go through norm2 + fc1 itself), else two.
+    /// projection are one kernel (`candle_fastpath::attention_residual`, lever 86; with it
+    /// switched off `attention_residual_norm_linear`, whose norm2 + fc1 output is dropped: the
+    /// step decides which rows the MLP half sees, and the fused token it may add has to go
+    /// through norm2 + fc1 itself), else two.
     pub fn attention_residual_chained(
         &self,
         x: &Tensor,
@@ -512,10 +513,77 @@ impl Block {
         inputs: &AttentionInputs,
     ) -> Result<(Tensor, Tensor)> {
         let qkv = self.qkv_of(x, qkv)?;
+        // One launch from qkv to x1 (lever 86), else the one through fc1 whose fc1 is dropped.
+        if let AttentionInputs::Ragged { batch } = inputs {
+            let cu = batch.cu_seqlens();
+            if candle_fastpath::attention_residual_applies(
+                &qkv,
+                cu,
+                self.attn.heads,
+                x,
+                &self.attn.proj,
+            ) {
+                let x1 = candle_fastpath::attention_residual(
+                    &qkv,
+                    cu,
+                    self.attn.heads,
+                    self.attn.scale,
+                    x,
+                    &self.attn.proj,
+                )?;
+                return Ok((x1, qkv));
+            }
+        }
         if let Some((x1, _)) = self.fused_attention_through_fc1(x, &qkv, inputs)? {
             return Ok((x1, qkv));
         }
         Ok((self.attn.residual_from_qkv(&qkv, x, inputs)?, qkv))
+    }
+
+    /// A fixed-count pruning step after this block's attention on `x1` (one image's tokens: its
+    /// hidden states after attention + residual), then the block's MLP half and the `next`
+    /// block's qkv, as one launch where it applies (candle_fastpath::select_mlp_block, lever 87:
+    /// DeiT-T's width, one image, with a next block that does not run as a small block of its
+    /// own over `after`, the kept tokens' batch): `Some((x2, qkv'))`, bit for bit what
+    /// candle_ragged::select_top_k_by and then [`Self::rest_after_chained`] give. `None` where it
+    /// does not apply, before any work: the caller selects, then runs the rest.
+    #[allow(clippy::too_many_arguments)]
+    pub fn select_then_mlp_chained(
+        &self,
+        x1: &Tensor,
+        scores: candle_ragged::TokenScores<'_>,
+        prefix: usize,
+        keep: usize,
+        fusion: Option<candle_ragged::DroppedFusion>,
+        next: Option<&Block>,
+        after: &AttentionInputs,
+    ) -> Result<Option<(Tensor, Tensor)>> {
+        let Some(next) = next else {
+            return Ok(None);
+        };
+        let tail = candle_fastpath::MlpTail {
+            norm2: &self.norm2,
+            fc1: &self.mlp.fc1,
+            fc2: &self.mlp.fc2,
+            next_norm1: &next.norm1,
+            next_qkv: &next.attn.qkv,
+        };
+        if !candle_fastpath::select_mlp_block_applies(x1, &tail) {
+            return Ok(None);
+        }
+        let patches = x1.dim(0)?.saturating_sub(prefix);
+        let out_rows = prefix + keep + (fusion.is_some() && keep < patches) as usize;
+        // rest_after_chained's rule: a next block running as one launch computes its own qkv.
+        if next
+            .small_block_batch(&x1.narrow(0, 0, out_rows.min(x1.dim(0)?))?, after)
+            .is_some()
+        {
+            return Ok(None);
+        }
+        let step = candle_ragged::step_scores(x1, 1, scores)?;
+        let (x2, next_qkv) =
+            candle_fastpath::select_mlp_block(x1, &step, prefix, keep, fusion, &tail)?;
+        Ok(Some((x2, next_qkv)))
     }
 
     /// The rest of the block after a pruning step at `site` on the kept tokens `x` (laid out as

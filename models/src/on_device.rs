@@ -499,6 +499,24 @@ impl DeiT {
                     TokenScores::Given(&given)
                 }
             };
+            // After the attention, one image: the selection at the head of the MLP half's
+            // kernel where that applies (Block::select_then_mlp_chained, lever 87).
+            if site == PruneSite::AfterAttention && b == 1 {
+                let out_len = num_prefix + keep + (fusion.is_some() && keep < patches) as usize;
+                let after = self.uniform_batches.get(b, out_len, &dev)?;
+                let next = self.chainable_next_fixed(i, peek_step(steps.peek()), b);
+                let inputs = AttentionInputs::Ragged { batch: &after };
+                if let Some((x2, qkv2)) = block.select_then_mlp_chained(
+                    &tokens, scores, num_prefix, keep, fusion, next, &inputs,
+                )? {
+                    len = out_len;
+                    x = x2;
+                    kept_tokens.push(vec![len; b]);
+                    batch = after;
+                    next_qkv = Some(qkv2);
+                    continue;
+                }
+            }
             let (next, kept_qkv, next_len) = match qkv_to_gather {
                 Some(qkv) if fusion.is_none() => {
                     let (next, kept_qkv, next_len) =

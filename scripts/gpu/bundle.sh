@@ -13,7 +13,7 @@ export CARGO_TARGET_DIR=$target
 cargo build --release --features cuda -p bin --bins
 # Test executables: cargo names them in its JSON messages.
 cargo test --release --features cuda -p candle-ragged -p candle-fastpath -p workspace-tests \
-  --test attention --test pack --test select --test select_rule --test select_bounded --test sequence_mean --test linear --test head --test norm --test patch --test embed --test small_block --test norm_linear --test attention_norm_linear --test graph --test paths_agreement \
+  --test attention --test pack --test select --test step_scores --test select_rule --test select_bounded --test sequence_mean --test linear --test head --test norm --test patch --test embed --test small_block --test norm_linear --test attention_norm_linear --test graph --test paths_agreement \
   --no-run --message-format=json 2>/dev/null \
   | python3 -c '
 import json, sys
