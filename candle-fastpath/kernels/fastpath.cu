@@ -1022,6 +1022,67 @@ struct ArnlNext {
     float* norms;  // x2's row L2 norms (nl_row_norms), or null: not wanted
 };
 
+// attention_residual's class-token scores (lever 88): what candle-ragged's cls_probs writes for
+// a pruning step after this attention (EViT's and ATS's scores), computed by the warps the
+// attention leaves idle (ARNL_PARTS .. NL_WARPS - 1) of row tile 0's CTAs while the others attend:
+// `probs` [HEADS + 1, M] f32, row h < HEADS head h's probabilities of the class token over the
+// sequence's keys (rank h, from its K rows in shared memory), row HEADS the value rows' sums of
+// squares (ranks HEADS .. 2·HEADS - 1, rows j ≡ rank - HEADS mod HEADS, from global memory);
+// entries past `len` are 0. select_common.cuh's and row_norm.cuh's arithmetic in cls_probs'
+// order, so the same bits. `scratch`: D + len floats of shared memory no other warp uses now.
+template <typename T, int D, int HEADS>
+__device__ void arnl_cls_rows(const T* __restrict__ qkv, const T* ks, int len, int M, int rank, float* __restrict__ probs,
+                              float scale, float* scratch) {
+    using namespace select_common;
+    constexpr int ROW = TileCfg<D>::ROW, C = HEADS * D, FIRST = ARNL_PARTS * 32;
+    constexpr int THREADS = NL_WARPS * 32 - FIRST, WARPS = THREADS / 32, V = 8;
+    static_assert(D % V == 0 && C / V <= 32 && sizeof(T) == 2, "one 16-byte chunk of a value row per lane");
+    const int t = threadIdx.x - FIRST, head = rank % HEADS;
+    if (rank < HEADS) {
+        float* qs = scratch;
+        float* logit = scratch + D;
+        if (t < D) qs[t] = to_f32(from_f32<T>(cls_query(to_f32(qkv[head * D + t]), scale)));
+        asm volatile("bar.sync 1, %0;" ::"r"(THREADS) : "memory");
+        for (int j = t; j < len; j += THREADS) {
+            uint4 raw[D / V];
+#pragma unroll
+            for (int c = 0; c < D / V; ++c) raw[c] = *reinterpret_cast<const uint4*>(ks + j * ROW + c * V);
+            const T* k = reinterpret_cast<const T*>(raw);
+            logit[j] = to_f32(from_f32<T>(cls_dot(qs, D, [&](int i) { return to_f32(k[i]); })));
+        }
+        asm volatile("bar.sync 1, %0;" ::"r"(THREADS) : "memory");
+        float m, sum;
+        cls_softmax_stats(logit, len, m, sum);
+        float* out = probs + (size_t)head * M;
+        for (int j = t; j < M; j += THREADS) out[j] = j < len ? cls_prob(logit[j], m, sum) : 0.f;
+        return;
+    }
+    // Value rows j ≡ head (mod HEADS), four at a time per warp, their loads issued together.
+    constexpr int U = 4;
+    const int warp = t / 32, lane = t % 32;
+    float* out = probs + (size_t)HEADS * M;
+    for (int j0 = head + HEADS * warp; j0 < M; j0 += HEADS * WARPS * U) {
+        uint4 raw[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int j = j0 + u * HEADS * WARPS;
+            raw[u] = j < len && lane < C / V
+                         ? *reinterpret_cast<const uint4*>(qkv + (size_t)j * 3 * C + 2 * C + lane * V)
+                         : make_uint4(0u, 0u, 0u, 0u);
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const T* e = reinterpret_cast<const T*>(&raw[u]);
+            float acc = 0.f;
+#pragma unroll
+            for (int i = 0; i < V; ++i) acc = row_norm_sq_add(to_f32(e[i]), acc);
+            acc = row_norm_lane_sum(acc);
+            const int j = j0 + u * HEADS * WARPS;
+            if (lane == 0 && j < M) out[j] = j < len ? acc : 0.f;
+        }
+    }
+}
+
 // X1_ONLY (attention_residual, lever 86): x1 only, neither W's rows nor the LayerNorm's
 // parameters loaded (w, bias, ln_w, ln_b and y unused).
 template <typename T, int K, int BN, bool GELU, bool LATE_W, bool BLOCK = false, bool X1_ONLY = false>
@@ -1031,7 +1092,8 @@ __device__ void attention_residual_norm_linear_tile(const T* __restrict__ qkv, c
                                                     const T* __restrict__ ln_b, const T* __restrict__ w,
                                                     const T* __restrict__ bias, T* __restrict__ x1, T* __restrict__ y,
                                                     int M, int N, float eps, float scale_log2,
-                                                    ArnlNext<T> nx = ArnlNext<T>{}) {
+                                                    ArnlNext<T> nx = ArnlNext<T>{}, float* probs = nullptr,
+                                                    float cls_scale = 0.f) {
     constexpr int D = ARNL_HEAD_DIM, HEADS = K / D, ROW = TileCfg<D>::ROW, PARTS = ARNL_PARTS, STATE = ARNL_STATE;
     constexpr int THREADS = NL_WARPS * 32, LDS = K + 8;
     constexpr int KF = K, KW = 6, LDF = KF + 8, QKV = 3 * K;
@@ -1110,6 +1172,9 @@ __device__ void attention_residual_norm_linear_tile(const T* __restrict__ qkv, c
         const int key0 = warp * kt / PARTS * 16, key_end = min(len, (warp + 1) * kt / PARTS * 16);
         if (key0 < key_end) attend_keys<T, D, 32, false>(st, ks, vs, key0, key_end, scale_log2, lane);
         save_state<D>(st, sstate + warp * STATE * 32 + lane);
+    } else if (X1_ONLY && probs != nullptr && blockIdx.y == 0) {
+        // Lever 88: the step's scores beside the attention (spart is unused until the merge).
+        arnl_cls_rows<T, D, HEADS>(qkv, ks, len, M, rank, probs, cls_scale, spart);
     }
     __syncthreads();
     // BLOCK: K and V are dead; the second step's weights go where they were (W2's slice of 32
@@ -1216,12 +1281,16 @@ ATTENTION_RESIDUAL_NORM_LINEAR_ENTRY(bf16, __nv_bfloat16, true, true, _gelu_late
 // once (Wp's 12 KB slice does not delay K and V as W's 48 KB did). Named as the Rust side's
 // ATTENTION_RESIDUAL_NAMES expects; dynamic shared memory attention_rnl_smem_bytes(M), as
 // attention_residual_norm_linear's (its W region unused).
+// `probs` (lever 88), unless null: the class-token scores of arnl_cls_rows, [3 + 1, M] f32, with
+// the softmax scale `cls_scale` (the selection's, as f32).
 #define ATTENTION_RESIDUAL_ENTRY(SUFFIX, T)                                                                   \
     extern "C" __global__ void __cluster_dims__(RNL_SPLIT, 1, 1) __launch_bounds__(NL_WARPS * 32)           \
         fastpath_attention_residual_##SUFFIX##_c192(const T* qkv, const uint32_t* cu_seqlens, const T* wp,  \
-                                                    const T* bp, const T* r, T* x1, int M, float scale_log2) { \
+                                                    const T* bp, const T* r, T* x1, int M, float scale_log2, \
+                                                    float* probs, float cls_scale) {                          \
         attention_residual_norm_linear_tile<T, 192, 128, false, false, false, true>(                          \
-            qkv, cu_seqlens, wp, bp, r, nullptr, nullptr, nullptr, nullptr, x1, nullptr, M, 0, 0.f, scale_log2); \
+            qkv, cu_seqlens, wp, bp, r, nullptr, nullptr, nullptr, nullptr, x1, nullptr, M, 0, 0.f, scale_log2, \
+            ArnlNext<T>{}, probs, cls_scale);                                                                 \
     }
 ATTENTION_RESIDUAL_ENTRY(f16, __half)
 ATTENTION_RESIDUAL_ENTRY(bf16, __nv_bfloat16)

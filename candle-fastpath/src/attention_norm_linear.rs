@@ -226,21 +226,113 @@ pub fn attention_residual(
     }
     #[cfg(feature = "cuda")]
     {
-        let op = crate::cuda::AttentionResidualOp {
-            cu_seqlens: cu_seqlens.clone(),
-            scale_log2: (scale * std::f64::consts::LOG2_E) as f32,
-            proj_bias: proj
-                .bias()
-                .cloned()
-                .unwrap_or_else(|| unreachable!("attention_residual_applies requires the bias")),
-        };
-        Ok(qkv.apply_op3_no_bwd(residual, proj.weight(), &op)?)
+        let (x1, _) = attention_residual_launch(qkv, cu_seqlens, scale, residual, proj, false)?;
+        Ok(x1)
     }
     #[cfg(not(feature = "cuda"))]
     {
         let _ = scale;
         unreachable!("attention_residual_applies is false without the cuda feature")
     }
+}
+
+/// Whether [`attention_residual_with_cls_probs`] may run, from
+/// `CANDLE_FASTPATH_ATTENTION_CLS_PROBS` (read once): unset (yes), `0` / `off` (no: the caller
+/// computes the step's scores itself, candle-ragged's `cls_probs` launch; for A/B measurements).
+pub fn attention_cls_probs_enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    crate::switches::on_unless_off(&ON, "CANDLE_FASTPATH_ATTENTION_CLS_PROBS")
+}
+
+/// [`attention_residual`] that also returns the class token's attention scores a pruning step
+/// after this attention ranks (EViT's, ATS's), computed in the same launch by the warps the
+/// attention leaves idle (lever 88): `[1, heads + 1, M]` f32, row `h < heads` head h's softmax
+/// over the sequence's keys of `r(r(q_cls · scale) · k_j)` (`r` rounding to the storage type),
+/// row `heads` the sum of squares of each token's value row (all heads), entries past the
+/// sequence's `len` 0. These are bit for bit the rows candle-ragged's `step_scores` returns for
+/// `ClsAttention` / `Significance` scores with the same `scale` (as f32) on the same qkv: one
+/// header (candle-ragged's select_common.cuh) holds the arithmetic of both, so ranking these
+/// keeps the tokens `select_top_k_by` keeps. Wrap them with
+/// `candle_ragged::StepScores::from_head_probs`.
+///
+/// Only where [`attention_residual_applies`] says so and [`attention_cls_probs_enabled`];
+/// anything else is an error.
+pub fn attention_residual_with_cls_probs(
+    qkv: &Tensor,
+    cu_seqlens: &Tensor,
+    heads: usize,
+    scale: f64,
+    residual: &Tensor,
+    proj: &FusedLinear,
+) -> Result<(Tensor, Tensor)> {
+    if !attention_cls_probs_enabled()
+        || !attention_residual_applies(qkv, cu_seqlens, heads, residual, proj)
+    {
+        return Err(FastpathError::NotApplicable {
+            op: "attention_residual_with_cls_probs",
+            inputs: format!(
+                "qkv {:?} {:?} on {:?}, {heads} heads, residual {:?}",
+                qkv.dims(),
+                qkv.dtype(),
+                qkv.device().location(),
+                residual.dims()
+            ),
+        });
+    }
+    #[cfg(feature = "cuda")]
+    {
+        let (x1, probs) = attention_residual_launch(qkv, cu_seqlens, scale, residual, proj, true)?;
+        let probs = probs.unwrap_or_else(|| unreachable!("the launch was asked for the scores"));
+        Ok((x1, probs))
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = scale;
+        unreachable!("attention_residual_applies is false without the cuda feature")
+    }
+}
+
+/// [`attention_residual`]'s launch, with the class-token scores when `with_probs`.
+#[cfg(feature = "cuda")]
+fn attention_residual_launch(
+    qkv: &Tensor,
+    cu_seqlens: &Tensor,
+    scale: f64,
+    residual: &Tensor,
+    proj: &FusedLinear,
+    with_probs: bool,
+) -> Result<(Tensor, Option<Tensor>)> {
+    let op = crate::cuda::AttentionResidualOp {
+        cu_seqlens: cu_seqlens.clone(),
+        scale_log2: (scale * std::f64::consts::LOG2_E) as f32,
+        proj_bias: proj
+            .bias()
+            .cloned()
+            .unwrap_or_else(|| unreachable!("attention_residual_applies requires the bias")),
+        cls_probs: with_probs.then(|| (scale as f32, Default::default())),
+    };
+    let x1 = qkv.apply_op3_no_bwd(residual, proj.weight(), &op)?;
+    let probs = match (&op.cls_probs, residual.device()) {
+        (Some((_, cell)), candle_core::Device::Cuda(dev)) => {
+            let slice = cell.lock().unwrap_or_else(|e| e.into_inner()).take();
+            let slice = slice.unwrap_or_else(|| unreachable!("the op's launch leaves the scores"));
+            let storage = candle_core::Storage::Cuda(candle_core::CudaStorage::wrap_cuda_slice(
+                slice,
+                dev.clone(),
+            ));
+            let (m, c) = residual.dims2()?;
+            let heads = c / crate::cuda::ARNL_HEAD_DIM;
+            let t = Tensor::from_storage(
+                storage,
+                (heads + 1) * m,
+                candle_core::op::BackpropOp::none(),
+                false,
+            );
+            Some(t.reshape((1, heads + 1, m))?)
+        }
+        _ => None,
+    };
+    Ok((x1, probs))
 }
 
 /// Whether [`attention_residual`] runs: CUDA with the kernel (compute capability 9.0) and the

@@ -2898,6 +2898,10 @@ pub(crate) struct AttentionResidualOp {
     /// The softmax scale times log2(e) (the kernel's exponentials are exp2).
     pub scale_log2: f32,
     pub proj_bias: Tensor,
+    /// Lever 88: the class-token scores the kernel computes beside the attention (kernels/
+    /// fastpath.cu's arnl_cls_rows), with the selection's softmax scale, left here for the
+    /// caller: `[heads + 1, M]` f32.
+    pub cls_probs: Option<(f32, RowNormsOut)>,
 }
 
 impl AttentionResidualOp {
@@ -2974,10 +2978,32 @@ impl AttentionResidualOp {
         builder.arg(&mut out);
         builder.arg(&m32);
         builder.arg(&self.scale_log2);
+        // SAFETY: row h < heads of the scores is written for every j < M by cluster rank h of
+        // row tile 0, row `heads` by ranks heads .. 2·heads - 1 (rows j ≡ rank - heads).
+        let heads = c / ARNL_HEAD_DIM;
+        let mut probs = match &self.cls_probs {
+            Some(_) => Some(unsafe { dev.alloc::<f32>((heads + 1) * m)? }),
+            None => None,
+        };
+        let no_probs: u64 = 0;
+        let cls_scale = self.cls_probs.as_ref().map_or(0.0, |(scale, _)| *scale);
+        match &mut probs {
+            Some(buf) => {
+                builder.arg(buf);
+            }
+            None => {
+                builder.arg(&no_probs);
+            }
+        }
+        builder.arg(&cls_scale);
         // SAFETY: shapes, contiguity and alignment checked above; the kernel reads rows < M of
         // qkv and r, cu_seqlens[1] (clamped to M), Wp and bp, and writes the M · C elements of
-        // `out` only; clusters as ResidualNormLinearOp's.
+        // `out` only (and, asked, the (heads + 1) · M scores); clusters as
+        // ResidualNormLinearOp's.
         unsafe { builder.launch(cfg) }.map_err(candle_core::Error::wrap)?;
+        if let (Some((_, cell)), Some(buf)) = (&self.cls_probs, probs) {
+            *cell.lock().unwrap_or_else(|e| e.into_inner()) = Some(buf);
+        }
         Ok((
             CudaStorage::wrap_cuda_slice(out, dev.clone()),
             Shape::from((m, c)),

@@ -75,9 +75,10 @@ mod tuning;
 
 pub use attention_norm_linear::{
     attention_block, attention_block_applies, attention_block_enabled, attention_block_with_norms,
-    attention_residual, attention_residual_applies, attention_residual_enabled,
-    attention_residual_norm_linear, attention_residual_norm_linear_applies,
-    attention_residual_norm_linear_enabled, mlp_block, mlp_block_applies, mlp_block_enabled,
+    attention_cls_probs_enabled, attention_residual, attention_residual_applies,
+    attention_residual_enabled, attention_residual_norm_linear,
+    attention_residual_norm_linear_applies, attention_residual_norm_linear_enabled,
+    attention_residual_with_cls_probs, mlp_block, mlp_block_applies, mlp_block_enabled,
     select_mlp_block, select_mlp_block_applies, select_mlp_block_enabled, BlockTail, MlpTail,
 };
 pub use embed::embed_tokens;

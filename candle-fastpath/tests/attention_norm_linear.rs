@@ -17,9 +17,9 @@ use candle_core::{DType, Device, Tensor};
 use candle_fastpath::{
     attention_block, attention_block_applies, attention_block_with_norms, attention_residual,
     attention_residual_applies, attention_residual_norm_linear,
-    attention_residual_norm_linear_applies, mlp_block, mlp_block_applies, norm_linear,
-    norm_linear_applies, residual_norm_linear, select_mlp_block, select_mlp_block_applies,
-    BlockTail, Epilogue, FastpathError, FusedLinear, LayerNorm, MlpTail,
+    attention_residual_norm_linear_applies, attention_residual_with_cls_probs, mlp_block,
+    mlp_block_applies, norm_linear, norm_linear_applies, residual_norm_linear, select_mlp_block,
+    select_mlp_block_applies, BlockTail, Epilogue, FastpathError, FusedLinear, LayerNorm, MlpTail,
 };
 use common::{device, has_clusters, host, poison, quantize, randn};
 use rand::{rngs::StdRng, SeedableRng};
@@ -724,4 +724,76 @@ fn select_mlp_block_matches_select_then_mlp_block() {
     // Over the kernel's 512 tokens: not applicable.
     let x_long = tensor(&dev, &randn(&mut rng, 513 * C, 1.0), &[513, C], dtype);
     assert!(!select_mlp_block_applies(&x_long, &tail));
+}
+
+/// `attention_residual_with_cls_probs` (lever 88: the class token's attention scores computed
+/// beside the attention by its idle warps): x1 bit for bit `attention_residual`'s, and the
+/// scores bit for bit candle-ragged's `step_scores` rows (`cls_probs`) for class attention
+/// with the same scale — each head's probabilities and the value rows' sums of squares — over
+/// the sequence's tokens, 0 past them in a longer buffer; outputs poisoned first. On the CPU it
+/// does not apply and calling it is a clear error.
+#[test]
+fn attention_cls_probs_are_step_scores_bits() {
+    use candle_ragged::{step_scores, TokenScores};
+    let dev = device();
+    let fused_expected = dev.is_cuda() && has_clusters(&dev);
+    let mut rng = StdRng::seed_from_u64(88);
+    let scale = (HEAD_DIM as f64).powf(-0.5);
+    let (dtypes, cases) = under_test(&[
+        (1, 1),
+        (2, 2),
+        (17, 17),
+        (64, 64),
+        (65, 65),
+        (138, 138),
+        (197, 197),
+        (352, 352),
+        (70, 64),
+    ]);
+    for &dtype in dtypes {
+        let w = weights(&dev, &mut rng, dtype, 4 * C);
+        for &(rows, len) in cases {
+            let (_, qkv_t, r_t, cu) = sequence(&dev, &mut rng, dtype, rows, len);
+            let what = format!("{dtype:?} rows {rows} len {len}");
+            poison(&dev, rows * C + (HEADS + 1) * rows, dtype);
+            let got = attention_residual_with_cls_probs(&qkv_t, &cu, HEADS, scale, &r_t, &w.proj);
+            let Some((x1, probs)) = fused_or_refused(got, fused_expected, &what) else {
+                continue;
+            };
+            assert_eq!(probs.dims(), &[1, HEADS + 1, rows], "{what}");
+            let plain = attention_residual(&qkv_t, &cu, HEADS, scale, &r_t, &w.proj).unwrap();
+            for (i, (g, e)) in host(&x1).iter().zip(host(&plain).iter()).enumerate() {
+                assert!(
+                    g.to_bits() == e.to_bits(),
+                    "{what}: x1 element {i} is {g}, attention_residual gives {e}"
+                );
+            }
+            // The reference: cls_probs over the sequence's own rows.
+            let (qkv_seq, x_seq) = (
+                qkv_t.narrow(0, 0, len).unwrap(),
+                r_t.narrow(0, 0, len).unwrap(),
+            );
+            let scores = TokenScores::Significance {
+                qkv: &qkv_seq,
+                heads: HEADS,
+                scale: scale as f32,
+            };
+            let want = host(step_scores(&x_seq, 1, scores).unwrap().tensor());
+            let got = host(&probs);
+            for h in 0..=HEADS {
+                for j in 0..rows {
+                    let g = got[h * rows + j];
+                    if j >= len {
+                        assert_eq!(g, 0.0, "{what}: row {h} entry {j} past the sequence");
+                        continue;
+                    }
+                    let e = want[h * len + j];
+                    assert!(
+                        g.to_bits() == e.to_bits(),
+                        "{what}: row {h} entry {j} is {g}, cls_probs gives {e}"
+                    );
+                }
+            }
+        }
+    }
 }

@@ -493,10 +493,10 @@ __device__ __forceinline__ float dot_row(const float *a, const T *row, int n, bo
             const uint4 u = *reinterpret_cast<const uint4 *>(row + d0);
             const T *e = reinterpret_cast<const T *>(&u);
 #pragma unroll
-            for (int i = 0; i < V; ++i) acc = fmaf(a[d0 + i], to_f32(e[i]), acc);
+            for (int i = 0; i < V; ++i) acc = select_common::sel_fma(a[d0 + i], to_f32(e[i]), acc);
         }
     } else {
-        for (int d = 0; d < n; ++d) acc = fmaf(a[d], to_f32(row[d]), acc);
+        acc = select_common::cls_dot(a, n, [&](int d) { return to_f32(row[d]); });
     }
     return acc;
 }
@@ -565,16 +565,9 @@ __device__ __forceinline__ void for_each_row_sum_of_squares(const T *base, size_
 // The max and the exp-sum of l[0..len) by one warp, every lane getting both: lane-strided, then a
 // butterfly. The one order every class-attention score uses (sequence_scores, cls_probs), so they
 // give the same bits wherever they run.
+// (select_common.cuh's cls_softmax_stats: candle-fastpath's attention_residual computes the same.)
 __device__ __forceinline__ void warp_softmax_stats(const float *l, int len, float &m, float &sum) {
-    const int lane = threadIdx.x % 32;
-    m = -INFINITY;
-    for (int j = lane; j < len; j += 32) m = fmaxf(m, l[j]);
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-    sum = 0.f;
-    for (int j = lane; j < len; j += 32) sum += expf(l[j] - m);
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    select_common::cls_softmax_stats(l, len, m, sum);
 }
 
 // The scores of sequence b = blockIdx.x, packed rows start..start + len, into sc (shared), by `mode`:
@@ -623,7 +616,7 @@ __device__ void sequence_scores(float *sc, float *tmp, int tmp_floats, float *re
         for (int h0 = 0; h0 < heads; h0 += group) {
             const int hn = min(group, heads - h0);
             for (int i = threadIdx.x; i < hn * D; i += blockDim.x)
-                qs[i] = to_f32(from_f32<T>(to_f32(qb[h0 * D + i]) * scale));
+                qs[i] = to_f32(from_f32<T>(select_common::cls_query(to_f32(qb[h0 * D + i]), scale)));
             __syncthreads();
             for (int p = threadIdx.x; p < hn * len; p += blockDim.x) {
                 const int h = p / len, j = p % len;
@@ -649,7 +642,7 @@ __device__ void sequence_scores(float *sc, float *tmp, int tmp_floats, float *re
             for (int j = threadIdx.x; j < len; j += blockDim.x) {
                 float acc = sc[j];
                 for (int h = 0; h < hn; ++h)
-                    acc = select_common::sel_add(acc, expf(logit[h * len + j] - red[2 * h]) / red[2 * h + 1]);
+                    acc = select_common::sel_add(acc, select_common::cls_prob(logit[h * len + j], red[2 * h], red[2 * h + 1]));
                 sc[j] = acc;
             }
             __syncthreads();  // qs, logits and red are rewritten by the next group
@@ -696,7 +689,8 @@ __device__ void cls_probs(const T *__restrict__ qkv, const uint32_t *__restrict_
     float *qs = reinterpret_cast<float *>(smem);  // [round_up(D, 4)]
     float *logit = qs + ((D + 3) & ~3);           // [len]
     const bool vec = D % V == 0 && C % V == 0 && reinterpret_cast<uintptr_t>(qkv) % 16 == 0;
-    for (int i = threadIdx.x; i < D; i += blockDim.x) qs[i] = to_f32(from_f32<T>(to_f32(qb[h * D + i]) * scale));
+    for (int i = threadIdx.x; i < D; i += blockDim.x)
+        qs[i] = to_f32(from_f32<T>(select_common::cls_query(to_f32(qb[h * D + i]), scale)));
     __syncthreads();
     for (int j = threadIdx.x; j < len; j += blockDim.x)
         logit[j] = to_f32(from_f32<T>(dot_row<T>(qs, qb + (size_t)j * stride + C + h * D, D, vec)));
@@ -705,7 +699,7 @@ __device__ void cls_probs(const T *__restrict__ qkv, const uint32_t *__restrict_
     // own share of the row: no shared result to hand between warps.
     float m, sum;
     warp_softmax_stats(logit, len, m, sum);
-    for (int j = threadIdx.x; j < len; j += blockDim.x) o[j] = expf(logit[j] - m) / sum;
+    for (int j = threadIdx.x; j < len; j += blockDim.x) o[j] = select_common::cls_prob(logit[j], m, sum);
 }
 
 template <typename T>

@@ -56,6 +56,61 @@ __device__ __forceinline__ float sel_sqrt(float x) {
     return d;
 }
 
+__device__ __forceinline__ float sel_sub(float a, float b) {
+    float d;
+    asm("sub.rn.ftz.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b));
+    return d;
+}
+__device__ __forceinline__ float sel_max(float a, float b) {
+    float d;
+    asm("max.ftz.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b));
+    return d;
+}
+// expf as fast math computes it: 2^(x · log2 e), the product rounded first.
+__device__ __forceinline__ float sel_exp(float x) {
+    float t, d;
+    asm("mul.rn.ftz.f32 %0, %1, 0f3FB8AA3B;" : "=f"(t) : "f"(x));
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(d) : "f"(t));
+    return d;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The class token's attention probabilities of one head, the arithmetic of cls_probs (and of the
+// selection kernels' in-kernel scores, and of candle-fastpath's attention_residual, which
+// computes them beside the attention: lever 88): the query q_cls · scale rounded to the storage
+// type (cls_query), each key's logit as the fused multiply-adds of the query and the key in
+// ascending order rounded to the storage type (cls_dot, by the caller's rounding), the maximum
+// and the exp-sum of the logits by one warp (cls_softmax_stats), and each probability
+// exp(l - max) / sum (cls_prob).
+
+// q · scale, rounded by the caller to the storage type.
+__device__ __forceinline__ float cls_query(float q, float scale) { return sel_mul(q, scale); }
+
+// Σ qs[i] · k(i) over i < n, ascending, one fused multiply-add each; `k(i)`: the key's element i
+// as f32.
+template <typename Key>
+__device__ __forceinline__ float cls_dot(const float *qs, int n, Key k) {
+    float acc = 0.f;
+    for (int i = 0; i < n; ++i) acc = sel_fma(qs[i], k(i), acc);
+    return acc;
+}
+
+// The max and the exp-sum of l[0 .. len) by one warp, every lane getting both: lane-strided, then
+// a butterfly (xor 16, 8, 4, 2, 1). Every warp that calls it gets the same bits.
+__device__ __forceinline__ void cls_softmax_stats(const float *l, int len, float &m, float &sum) {
+    const int lane = threadIdx.x % 32;
+    m = -INFINITY;
+    for (int j = lane; j < len; j += 32) m = sel_max(m, l[j]);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) m = sel_max(m, __shfl_xor_sync(0xffffffffu, m, o));
+    sum = 0.f;
+    for (int j = lane; j < len; j += 32) sum = sel_add(sum, sel_exp(sel_sub(l[j], m)));
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) sum = sel_add(sum, __shfl_xor_sync(0xffffffffu, sum, o));
+}
+
+__device__ __forceinline__ float cls_prob(float l, float m, float sum) { return sel_div(sel_exp(sel_sub(l, m)), sum); }
+
 // NaN → -inf, then the integer key whose order is f32's total order (Rust's total_cmp).
 __device__ __forceinline__ int total_key(float s) {
     int bits = __float_as_int(s);

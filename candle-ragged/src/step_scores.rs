@@ -76,6 +76,39 @@ impl StepScores {
     pub fn batch_size(&self) -> usize {
         self.scores.dim(0).unwrap_or(0)
     }
+
+    /// Scores another kernel computed in `layout`'s form with the arithmetic of this crate's
+    /// (e.g. candle-fastpath's `attention_residual_with_cls_probs`, beside the attention):
+    /// `scores` f32, `[B, len]` for [`StepScoreLayout::Final`], else `[B, heads + 1, len]`
+    /// (`heads` ≥ 1). Made contiguous; anything else is an error.
+    pub fn from_parts(scores: Tensor, layout: StepScoreLayout, heads: usize) -> Result<Self> {
+        let bad = |what: String| msg(format!("from_parts: {what}"));
+        if scores.dtype() != candle_core::DType::F32 {
+            return Err(bad(format!("scores must be f32, got {:?}", scores.dtype())));
+        }
+        let len = match (layout, scores.dims()) {
+            (StepScoreLayout::Final, &[_, len]) if heads == 1 => len,
+            (
+                StepScoreLayout::HeadProbs | StepScoreLayout::HeadProbsTimesValueNorm,
+                &[_, rows, len],
+            ) if heads >= 1 && rows == heads + 1 => len,
+            _ => {
+                return Err(bad(format!(
+                    "{layout:?} with {heads} heads does not take shape {:?}",
+                    scores.dims()
+                )))
+            }
+        };
+        if len == 0 || scores.dim(0)? == 0 {
+            return Err(bad(format!("empty scores {:?}", scores.dims())));
+        }
+        Ok(Self {
+            scores: scores.contiguous()?,
+            layout,
+            heads,
+            len,
+        })
+    }
 }
 
 /// The scores [`crate::select_top_k_by`] would rank for `x` (`[batch_size·len, C]`, sequences

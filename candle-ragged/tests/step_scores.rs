@@ -10,7 +10,8 @@ mod common;
 
 use candle_core::{DType, Tensor};
 use candle_ragged::{
-    select_top_k_by, step_scores, DroppedFusion, RaggedError, StepScoreLayout, TokenScores,
+    select_top_k_by, step_scores, DroppedFusion, RaggedError, StepScoreLayout, StepScores,
+    TokenScores,
 };
 use common::{device, host, poison, quantize, randn, rng};
 
@@ -205,4 +206,35 @@ fn the_fused_row_is_the_same_in_any_batch() {
             }
         }
     }
+}
+
+/// `StepScores::from_parts` (scores another kernel computed in a layout's form): the shapes each
+/// layout takes, f32 only; anything else is an error naming the op.
+#[test]
+fn step_scores_from_parts_checks_its_layout() {
+    let dev = device();
+    let probs = Tensor::zeros((1, 4, 10), DType::F32, &dev).unwrap();
+    let s = StepScores::from_parts(probs.clone(), StepScoreLayout::HeadProbs, 3).unwrap();
+    assert_eq!((s.batch_size(), s.len(), s.heads()), (1, 10, 3));
+    let s = StepScores::from_parts(probs.clone(), StepScoreLayout::HeadProbsTimesValueNorm, 3);
+    assert_eq!(s.unwrap().layout().kernel_mode(), 5);
+    let fin = Tensor::zeros((2, 7), DType::F32, &dev).unwrap();
+    let s = StepScores::from_parts(fin.clone(), StepScoreLayout::Final, 1).unwrap();
+    assert_eq!(
+        (s.batch_size(), s.len(), s.layout().kernel_mode()),
+        (2, 7, 0)
+    );
+    for (what, t, layout, heads) in [
+        ("4 rows for 2 heads", &probs, StepScoreLayout::HeadProbs, 2),
+        ("no heads", &probs, StepScoreLayout::HeadProbs, 0),
+        ("final of rank 3", &probs, StepScoreLayout::Final, 1),
+        ("head rows of rank 2", &fin, StepScoreLayout::HeadProbs, 3),
+    ] {
+        let e = StepScores::from_parts(t.clone(), layout, heads).expect_err(what);
+        assert!(e.to_string().contains("step_scores"), "{what}: {e}");
+    }
+    let half = probs.to_dtype(DType::F16).unwrap();
+    assert!(StepScores::from_parts(half, StepScoreLayout::HeadProbs, 3).is_err());
+    let empty = Tensor::zeros((1, 4, 0), DType::F32, &dev).unwrap();
+    assert!(StepScores::from_parts(empty, StepScoreLayout::HeadProbs, 3).is_err());
 }

@@ -498,6 +498,38 @@ impl Block {
         }
     }
 
+    /// [`Self::attention_residual_chained`] that also returns the class token's attention
+    /// scores a step after the attention ranks (`[1, heads + 1, len]`, candle-ragged's
+    /// `StepScores` rows), computed inside the attention kernel where that applies
+    /// (candle_fastpath::attention_residual_with_cls_probs, lever 88: one image at DeiT-T's
+    /// width); `None` otherwise (the step computes them).
+    pub fn attention_residual_with_cls_probs(
+        &self,
+        x: &Tensor,
+        qkv: Option<Tensor>,
+        inputs: &AttentionInputs,
+    ) -> Result<(Tensor, Tensor, Option<Tensor>)> {
+        let qkv = self.qkv_of(x, qkv)?;
+        if let AttentionInputs::Ragged { batch } = inputs {
+            let (heads, cu) = (self.attn.heads, batch.cu_seqlens());
+            if candle_fastpath::attention_cls_probs_enabled()
+                && candle_fastpath::attention_residual_applies(&qkv, cu, heads, x, &self.attn.proj)
+            {
+                let (x1, probs) = candle_fastpath::attention_residual_with_cls_probs(
+                    &qkv,
+                    cu,
+                    heads,
+                    self.attn.scale,
+                    x,
+                    &self.attn.proj,
+                )?;
+                return Ok((x1, qkv, Some(probs)));
+            }
+        }
+        let (x1, qkv) = self.attention_residual_chained(x, Some(qkv), inputs)?;
+        Ok((x1, qkv, None))
+    }
+
     /// The hidden states after attention + residual, `x + proj(attention(norm1(x)))`, and the
     /// block's qkv projection: what a pruning step after the attention sees
     /// ([`Self::tokens_at`]). `qkv`, when given, is that projection of `x`, computed by the block
@@ -547,11 +579,14 @@ impl Block {
     /// own over `after`, the kept tokens' batch): `Some((x2, qkv'))`, bit for bit what
     /// candle_ragged::select_top_k_by and then [`Self::rest_after_chained`] give. `None` where it
     /// does not apply, before any work: the caller selects, then runs the rest.
+    /// `given`: the step's scores when the attention kernel computed them
+    /// ([`Self::attention_residual_with_cls_probs`]), else computed here from `scores`.
     #[allow(clippy::too_many_arguments)]
     pub fn select_then_mlp_chained(
         &self,
         x1: &Tensor,
         scores: candle_ragged::TokenScores<'_>,
+        given: Option<candle_ragged::StepScores>,
         prefix: usize,
         keep: usize,
         fusion: Option<candle_ragged::DroppedFusion>,
@@ -580,7 +615,10 @@ impl Block {
         {
             return Ok(None);
         }
-        let step = candle_ragged::step_scores(x1, 1, scores)?;
+        let step = match given {
+            Some(step) => step,
+            None => candle_ragged::step_scores(x1, 1, scores)?,
+        };
         let (x2, next_qkv) =
             candle_fastpath::select_mlp_block(x1, &step, prefix, keep, fusion, &tail)?;
         Ok(Some((x2, next_qkv)))

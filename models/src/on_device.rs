@@ -35,7 +35,7 @@
 use candle_core::{DType, Tensor};
 use candle_ragged::{
     leading_rows, select_by_rule, select_by_rule_bounded, select_top_k_by, select_top_k_gathering,
-    unpack, DroppedFusion, RaggedBatch, TokenScores,
+    unpack, DroppedFusion, RaggedBatch, StepScoreLayout, StepScores, TokenScores,
 };
 use pruners::{EvitFusion, FixedCount, PruneInput, PruneSite, ScoreRecipe, TokenPruner};
 
@@ -466,9 +466,23 @@ impl DeiT {
                 PruneSite::AfterAttention => (next_qkv.take(), None),
                 PruneSite::BeforeBlock => (None, next_qkv.take()),
             };
-            let (tokens, qkv) = block.tokens_at(site, &x, chained, &inputs)?;
-            let given;
             let recipe = pruner.score_recipe();
+            // One image, class-attention scores after the attention: the attention kernel
+            // computes them beside the attention where it can (lever 88).
+            let cls_recipe = matches!(
+                recipe,
+                ScoreRecipe::ClsAttentionMean | ScoreRecipe::Significance
+            );
+            let (tokens, qkv, kernel_probs) =
+                if site == PruneSite::AfterAttention && b == 1 && cls_recipe {
+                    let (t, q, p) =
+                        block.attention_residual_with_cls_probs(&x, chained, &inputs)?;
+                    (t, Some(q), p)
+                } else {
+                    let (t, q) = block.tokens_at(site, &x, chained, &inputs)?;
+                    (t, q, None)
+                };
+            let given;
             let computed = computed_scores(recipe, site, qkv.as_ref(), heads, scale as f32);
             let scores = match (computed, row_norms.take()) {
                 // The block before computed them: the bits the selection kernel would.
@@ -506,8 +520,22 @@ impl DeiT {
                 let after = self.uniform_batches.get(b, out_len, &dev)?;
                 let next = self.chainable_next_fixed(i, peek_step(steps.peek()), b);
                 let inputs = AttentionInputs::Ragged { batch: &after };
+                let layout = match recipe {
+                    ScoreRecipe::Significance => StepScoreLayout::HeadProbsTimesValueNorm,
+                    _ => StepScoreLayout::HeadProbs,
+                };
+                let kernel_scores = kernel_probs
+                    .map(|p| StepScores::from_parts(p, layout, heads))
+                    .transpose()?;
                 if let Some((x2, qkv2)) = block.select_then_mlp_chained(
-                    &tokens, scores, num_prefix, keep, fusion, next, &inputs,
+                    &tokens,
+                    scores,
+                    kernel_scores,
+                    num_prefix,
+                    keep,
+                    fusion,
+                    next,
+                    &inputs,
                 )? {
                     len = out_len;
                     x = x2;

@@ -4,9 +4,11 @@
 # candle_fastpath::attention_residual, instead of attention_residual_norm_linear whose fc1 output
 # was dropped) and the selection run at the head of the MLP half's kernel (87,
 # candle_fastpath::select_mlp_block, instead of candle-ragged's select_top_k launch and then
-# mlp_block). One binary, three arms: `off` (both switched off:
-# CANDLE_FASTPATH_ATTENTION_RESIDUAL=0 CANDLE_FASTPATH_SELECT_MLP_BLOCK=0), `x1` (86 only:
-# CANDLE_FASTPATH_SELECT_MLP_BLOCK=0), `default` (both).
+# mlp_block), and (88, candle_fastpath::attention_residual_with_cls_probs) the step's
+# class-attention scores computed by the attention kernel's idle warps instead of candle-ragged's
+# cls_probs launch. One binary, four arms: `off` (all three switched off:
+# CANDLE_FASTPATH_ATTENTION_RESIDUAL=0 CANDLE_FASTPATH_SELECT_MLP_BLOCK=0
+# CANDLE_FASTPATH_ATTENTION_CLS_PROBS=0), `x1` (86 only), `sel` (86 and 87), `default` (all).
 # Needs .gpu/{bench,test-attention_norm_linear,test-select,test-step_scores,test-select_bounded,
 # test-select_rule,test-paths_agreement}.xz.
 # STAGES (default "checks anatomy e2e"):
@@ -29,12 +31,13 @@ PRUNERS_ALL=none,threshold-l2-fixed,threshold-l2-adaptive,dynamicvit-fixed,dynam
 # arm_env ARM: the switches of an arm, as env assignments.
 arm_env() {
   case $1 in
-    off) echo "CANDLE_FASTPATH_ATTENTION_RESIDUAL=0 CANDLE_FASTPATH_SELECT_MLP_BLOCK=0" ;;
-    x1) echo "CANDLE_FASTPATH_SELECT_MLP_BLOCK=0" ;;
+    off) echo "CANDLE_FASTPATH_ATTENTION_RESIDUAL=0 CANDLE_FASTPATH_SELECT_MLP_BLOCK=0 CANDLE_FASTPATH_ATTENTION_CLS_PROBS=0" ;;
+    x1) echo "CANDLE_FASTPATH_SELECT_MLP_BLOCK=0 CANDLE_FASTPATH_ATTENTION_CLS_PROBS=0" ;;
+    sel) echo "CANDLE_FASTPATH_ATTENTION_CLS_PROBS=0" ;;
     *) echo "" ;;
   esac
 }
-ARMS=${ARMS:-off x1 default}
+ARMS=${ARMS:-off x1 sel default}
 if has checks; then
   for t in attention_norm_linear select step_scores select_bounded select_rule; do
     [ -f "$B/test-$t" ] || { echo "== test-$t: not in this bundle" >> "$C"; continue; }
@@ -44,6 +47,7 @@ if has checks; then
   export ATTENTION_RNL_TEST_QUICK=1
   sanitize attention_norm_linear select_mlp_block
   sanitize attention_norm_linear attention_residual_is
+  sanitize attention_norm_linear attention_cls_probs
   unset ATTENTION_RNL_TEST_QUICK
   echo "== test-step_scores under memcheck" >> "$C"
   timeout 300 compute-sanitizer --tool memcheck --error-exitcode 9 $B/test-step_scores --test-threads=1 2>&1 | grep -E "ERROR SUMMARY|test result" >> "$C"
