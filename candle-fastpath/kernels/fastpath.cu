@@ -1645,6 +1645,28 @@ __device__ __forceinline__ void ph_warp_mma_16x16(float (&acc)[2][4], const T* a
 // half, W1, W2, b1, b2), the offsets (PH_MAX_CU + 1 of them) and each row's sequence.
 // pooled_head_rows_smem_bytes in candle-fastpath/src/cuda.rs computes the same total.
 __host__ __device__ constexpr int ph_align16(int bytes) { return (bytes + 15) / 16 * 16; }
+// Steps 3 and 4 of pooled_head_rows' epilogue for one warp's 16 × 16 unit (acc from
+// ph_warp_mma_16x16, columns n0 ..): round(gelu(round(acc + addend))) for each pair of columns,
+// into `dst` (LD elements a row). `addend(j, hh)`: the f32 pair added to the accumulators of
+// n-tile j, row half hh (rows lane / 4 + 8 hh, columns n0 + 8 j + 2 (lane % 4) and the next).
+template <typename T, int LD, typename Addend>
+__device__ __forceinline__ void ph_gelu_epilogue(const float (&acc)[2][4], int n0, T* dst, Addend addend) {
+    const int lane = threadIdx.x % 32;
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+        const int col = n0 + j * 8 + (lane % 4) * 2;
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            const int row = lane / 4 + hh * 8;
+            const float2 add = addend(j, hh);
+            const T v0 = from_f32<T>(acc[j][2 * hh] + add.x);
+            const T v1 = from_f32<T>(acc[j][2 * hh + 1] + add.y);
+            *reinterpret_cast<NlPair<T>*>(dst + row * LD + col) =
+                NlPair<T>{from_f32<T>(gelu_phi(to_f32(v0))), from_f32<T>(gelu_phi(to_f32(v1)))};
+        }
+    }
+}
+
 template <typename T, int H> struct PhLayout {
     static constexpr int Q = H / 2, LDA = H + 8, LDQ = Q + 8;
     static constexpr int A0 = 0;  // two buffers: the next tile's rows arrive during this one
@@ -1767,18 +1789,9 @@ __device__ void pooled_head_rows(const T* __restrict__ h, const T* __restrict__ 
                                                                      j * 8 + (lane % 4) * 2);
             float acc[2][4] = {};
             ph_warp_mma_16x16<T, H, LDA>(acc, at, sw0, n0);
-#pragma unroll
-            for (int j = 0; j < 2; ++j) {
-                const int col = n0 + j * 8 + (lane % 4) * 2;
-#pragma unroll
-                for (int hh = 0; hh < 2; ++hh) {
-                    const int row = lane / 4 + hh * 8;
-                    const T v0 = from_f32<T>(acc[j][2 * hh] + to_f32(gv[j][hh].a));
-                    const T v1 = from_f32<T>(acc[j][2 * hh + 1] + to_f32(gv[j][hh].b));
-                    *reinterpret_cast<NlPair<T>*>(a1 + row * LDA + col) =
-                        NlPair<T>{from_f32<T>(gelu_phi(to_f32(v0))), from_f32<T>(gelu_phi(to_f32(v1)))};
-                }
-            }
+            ph_gelu_epilogue<T, LDA>(acc, n0, a1, [&](int j, int hh) {
+                return make_float2(to_f32(gv[j][hh].a), to_f32(gv[j][hh].b));
+            });
         }
         __syncthreads();
 
@@ -1793,18 +1806,7 @@ __device__ void pooled_head_rows(const T* __restrict__ h, const T* __restrict__ 
             }
             float acc[2][4] = {};
             ph_warp_mma_16x16<T, H, LDA>(acc, a1, sw1, n0);
-#pragma unroll
-            for (int j = 0; j < 2; ++j) {
-                const int col = n0 + j * 8 + (lane % 4) * 2;
-#pragma unroll
-                for (int hh = 0; hh < 2; ++hh) {
-                    const int row = lane / 4 + hh * 8;
-                    const T v0 = from_f32<T>(acc[j][2 * hh] + bb[j][0]);
-                    const T v1 = from_f32<T>(acc[j][2 * hh + 1] + bb[j][1]);
-                    *reinterpret_cast<NlPair<T>*>(a2 + row * LDQ + col) =
-                        NlPair<T>{from_f32<T>(gelu_phi(to_f32(v0))), from_f32<T>(gelu_phi(to_f32(v1)))};
-                }
-            }
+            ph_gelu_epilogue<T, LDQ>(acc, n0, a2, [&](int j, int) { return make_float2(bb[j][0], bb[j][1]); });
         }
         __syncthreads();
 
