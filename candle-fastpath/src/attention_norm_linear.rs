@@ -111,6 +111,29 @@ fn launch(
     Ok((x, y))
 }
 
+/// The f32 buffer a launch of `op`-like ops left in `cell` (an output besides the op's one
+/// storage: attention_block's row norms, attention_residual's class-token scores) as a 1-D tensor
+/// on `device`.
+#[cfg(feature = "cuda")]
+fn side_output(cell: &crate::cuda::RowNormsOut, device: &candle_core::Device) -> Result<Tensor> {
+    let candle_core::Device::Cuda(dev) = device else {
+        unreachable!("the fused ops run on CUDA only");
+    };
+    let slice = cell.lock().unwrap_or_else(|e| e.into_inner()).take();
+    let slice = slice.unwrap_or_else(|| unreachable!("the op's launch leaves its side output"));
+    let n = slice.len();
+    let storage = candle_core::Storage::Cuda(candle_core::CudaStorage::wrap_cuda_slice(
+        slice,
+        dev.clone(),
+    ));
+    Ok(Tensor::from_storage(
+        storage,
+        n,
+        candle_core::op::BackpropOp::none(),
+        false,
+    ))
+}
+
 /// [`crate::cuda::ResidualNormLinearOp::from_layers`] for the fused kernels, whose `*_applies`
 /// checks required every bias.
 #[cfg(feature = "cuda")]
@@ -210,19 +233,8 @@ pub fn attention_residual(
     proj: &FusedLinear,
 ) -> Result<Tensor> {
     if !attention_residual_applies(qkv, cu_seqlens, heads, residual, proj) {
-        return Err(FastpathError::NotApplicable {
-            op: "attention_residual",
-            inputs: format!(
-                "qkv {:?} {:?} on {:?}, {heads} heads, cu_seqlens {:?} {:?}, residual {:?}, proj {:?}",
-                qkv.dims(),
-                qkv.dtype(),
-                qkv.device().location(),
-                cu_seqlens.dims(),
-                cu_seqlens.dtype(),
-                residual.dims(),
-                proj.weight().dims()
-            ),
-        });
+        let inputs = (qkv, cu_seqlens, heads, residual, proj);
+        return Err(attention_residual_refused("attention_residual", inputs));
     }
     #[cfg(feature = "cuda")]
     {
@@ -233,6 +245,27 @@ pub fn attention_residual(
     {
         let _ = scale;
         unreachable!("attention_residual_applies is false without the cuda feature")
+    }
+}
+
+/// The error of [`attention_residual`] and [`attention_residual_with_cls_probs`] where they do
+/// not apply, naming `op` and describing their inputs.
+fn attention_residual_refused(
+    op: &'static str,
+    (qkv, cu_seqlens, heads, residual, proj): (&Tensor, &Tensor, usize, &Tensor, &FusedLinear),
+) -> FastpathError {
+    FastpathError::NotApplicable {
+        op,
+        inputs: format!(
+            "qkv {:?} {:?} on {:?}, {heads} heads, cu_seqlens {:?} {:?}, residual {:?}, proj {:?}",
+            qkv.dims(),
+            qkv.dtype(),
+            qkv.device().location(),
+            cu_seqlens.dims(),
+            cu_seqlens.dtype(),
+            residual.dims(),
+            proj.weight().dims()
+        ),
     }
 }
 
@@ -253,7 +286,7 @@ pub fn attention_cls_probs_enabled() -> bool {
 /// `ClsAttention` / `Significance` scores with the same `scale` (as f32) on the same qkv: one
 /// header (candle-ragged's select_common.cuh) holds the arithmetic of both, so ranking these
 /// keeps the tokens `select_top_k_by` keeps. Wrap them with
-/// `candle_ragged::StepScores::from_head_probs`.
+/// `candle_ragged::StepScores::from_parts`.
 ///
 /// Only where [`attention_residual_applies`] says so and [`attention_cls_probs_enabled`];
 /// anything else is an error.
@@ -268,16 +301,11 @@ pub fn attention_residual_with_cls_probs(
     if !attention_cls_probs_enabled()
         || !attention_residual_applies(qkv, cu_seqlens, heads, residual, proj)
     {
-        return Err(FastpathError::NotApplicable {
-            op: "attention_residual_with_cls_probs",
-            inputs: format!(
-                "qkv {:?} {:?} on {:?}, {heads} heads, residual {:?}",
-                qkv.dims(),
-                qkv.dtype(),
-                qkv.device().location(),
-                residual.dims()
-            ),
-        });
+        let inputs = (qkv, cu_seqlens, heads, residual, proj);
+        return Err(attention_residual_refused(
+            "attention_residual_with_cls_probs",
+            inputs,
+        ));
     }
     #[cfg(feature = "cuda")]
     {
@@ -312,25 +340,13 @@ fn attention_residual_launch(
         cls_probs: with_probs.then(|| (scale as f32, Default::default())),
     };
     let x1 = qkv.apply_op3_no_bwd(residual, proj.weight(), &op)?;
-    let probs = match (&op.cls_probs, residual.device()) {
-        (Some((_, cell)), candle_core::Device::Cuda(dev)) => {
-            let slice = cell.lock().unwrap_or_else(|e| e.into_inner()).take();
-            let slice = slice.unwrap_or_else(|| unreachable!("the op's launch leaves the scores"));
-            let storage = candle_core::Storage::Cuda(candle_core::CudaStorage::wrap_cuda_slice(
-                slice,
-                dev.clone(),
-            ));
+    let probs = match &op.cls_probs {
+        Some((_, cell)) => {
             let (m, c) = residual.dims2()?;
             let heads = c / crate::cuda::ARNL_HEAD_DIM;
-            let t = Tensor::from_storage(
-                storage,
-                (heads + 1) * m,
-                candle_core::op::BackpropOp::none(),
-                false,
-            );
-            Some(t.reshape((1, heads + 1, m))?)
+            Some(side_output(cell, residual.device())?.reshape((1, heads + 1, m))?)
         }
-        _ => None,
+        None => None,
     };
     Ok((x1, probs))
 }
@@ -498,23 +514,9 @@ fn attention_block_launch(
         // W is fc1's weight; the second output is the next block's qkv.
         let operands = (qkv, residual, w.fc1.weight());
         let (x2, next_qkv) = launch(operands, &op, residual, w.next_qkv.out_dim())?;
-        let norms = match (&op.norms, residual.device()) {
-            (Some(cell), candle_core::Device::Cuda(dev)) => {
-                let slice = cell.lock().unwrap_or_else(|e| e.into_inner()).take();
-                let slice =
-                    slice.unwrap_or_else(|| unreachable!("the op's launch leaves the norms"));
-                let storage = candle_core::Storage::Cuda(
-                    candle_core::CudaStorage::wrap_cuda_slice(slice, dev.clone()),
-                );
-                let rows = x2.dim(0)?;
-                Some(Tensor::from_storage(
-                    storage,
-                    rows,
-                    candle_core::op::BackpropOp::none(),
-                    false,
-                ))
-            }
-            _ => None,
+        let norms = match &op.norms {
+            Some(cell) => Some(side_output(cell, residual.device())?),
+            None => None,
         };
         Ok((x2, next_qkv, norms))
     }

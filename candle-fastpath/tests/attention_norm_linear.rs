@@ -99,6 +99,33 @@ fn assert_same_bits(what: &str, got: (&Tensor, &Tensor), want: (&Tensor, &Tensor
     }
 }
 
+/// A block's MLP half (norm2, fc1 of 4C, fc2) and the next block's norm1 and qkv, random (drawn
+/// in that order): what `mlp_block` and `select_mlp_block` take, as [`Self::tail`].
+struct MlpWeights {
+    block: Weights,
+    fc2: FusedLinear,
+    next: Weights,
+}
+
+impl MlpWeights {
+    fn new(dev: &Device, rng: &mut StdRng, dtype: DType) -> Self {
+        let block = weights(dev, rng, dtype, 4 * C);
+        let fc2 = fc2_layer(dev, rng, dtype);
+        let next = weights(dev, rng, dtype, 3 * C);
+        Self { block, fc2, next }
+    }
+
+    fn tail(&self) -> MlpTail<'_> {
+        MlpTail {
+            norm2: &self.block.norm,
+            fc1: &self.block.fc1,
+            fc2: &self.fc2,
+            next_norm1: &self.next.norm,
+            next_qkv: &self.next.fc1,
+        }
+    }
+}
+
 /// A block's fc2, `[C, 4C]` with its bias, random (scaled so that its outputs stay a few units).
 fn fc2_layer(dev: &Device, rng: &mut StdRng, dtype: DType) -> FusedLinear {
     FusedLinear::new(
@@ -476,16 +503,8 @@ fn mlp_block_matches_the_two_kernels() {
         &[1, 2, 17, 64, 65, 139, 197, 352]
     };
     for &dtype in dtypes {
-        let w = weights(&dev, &mut rng, dtype, 4 * C);
-        let fc2 = fc2_layer(&dev, &mut rng, dtype);
-        let next = weights(&dev, &mut rng, dtype, 3 * C);
-        let tail = MlpTail {
-            norm2: &w.norm,
-            fc1: &w.fc1,
-            fc2: &fc2,
-            next_norm1: &next.norm,
-            next_qkv: &next.fc1,
-        };
+        let mlp = MlpWeights::new(&dev, &mut rng, dtype);
+        let tail = mlp.tail();
         for &rows in rows_under_test {
             let what = format!("{dtype:?} rows {rows}");
             let x1 = tensor(&dev, &randn(&mut rng, rows * C, 3.0), &[rows, C], dtype);
@@ -502,10 +521,20 @@ fn mlp_block_matches_the_two_kernels() {
             assert_eq!(x2.dims(), &[rows, C]);
             assert_eq!(next_qkv.dims(), &[rows, 3 * C]);
             // The reference is the two fused kernels (the same arithmetic in the same order).
-            assert!(norm_linear_applies(&x1, &w.norm, &w.fc1, true), "{what}");
-            let hidden = norm_linear(&x1, &w.norm, &w.fc1, true).unwrap();
-            let (want_x2, want_qkv) =
-                residual_norm_linear(&hidden, &x1, &fc2, &next.norm, &next.fc1, false).unwrap();
+            assert!(
+                norm_linear_applies(&x1, tail.norm2, tail.fc1, true),
+                "{what}"
+            );
+            let hidden = norm_linear(&x1, tail.norm2, tail.fc1, true).unwrap();
+            let (want_x2, want_qkv) = residual_norm_linear(
+                &hidden,
+                &x1,
+                tail.fc2,
+                tail.next_norm1,
+                tail.next_qkv,
+                false,
+            )
+            .unwrap();
             assert_same_bits(&what, (&x2, &next_qkv), (&want_x2, &want_qkv));
         }
     }
@@ -605,16 +634,8 @@ fn select_mlp_block_matches_select_then_mlp_block() {
         &[2, 17, 64, 65, 138, 197, 352]
     };
     for &dtype in dtypes {
-        let w = weights(&dev, &mut rng, dtype, 4 * C);
-        let fc2 = fc2_layer(&dev, &mut rng, dtype);
-        let next = weights(&dev, &mut rng, dtype, 3 * C);
-        let tail = MlpTail {
-            norm2: &w.norm,
-            fc1: &w.fc1,
-            fc2: &fc2,
-            next_norm1: &next.norm,
-            next_qkv: &next.fc1,
-        };
+        let mlp = MlpWeights::new(&dev, &mut rng, dtype);
+        let tail = mlp.tail();
         for &len in lens {
             let x1 = tensor(&dev, &randn(&mut rng, len * C, 3.0), &[len, C], dtype);
             let qkv = tensor(
@@ -693,16 +714,8 @@ fn select_mlp_block_matches_select_then_mlp_block() {
     // Bad steps (prefix past the tokens, keep 0 or more than the patches), and scores of another
     // sequence (other length, two sequences).
     let dtype = DType::F16;
-    let w = weights(&dev, &mut rng, dtype, 4 * C);
-    let fc2 = fc2_layer(&dev, &mut rng, dtype);
-    let next = weights(&dev, &mut rng, dtype, 3 * C);
-    let tail = MlpTail {
-        norm2: &w.norm,
-        fc1: &w.fc1,
-        fc2: &fc2,
-        next_norm1: &next.norm,
-        next_qkv: &next.fc1,
-    };
+    let mlp = MlpWeights::new(&dev, &mut rng, dtype);
+    let tail = mlp.tail();
     let x1 = tensor(&dev, &randn(&mut rng, 20 * C, 1.0), &[20, C], dtype);
     let s20 = Tensor::from_slice(&randn(&mut rng, 20, 1.0), (1, 20), &dev).unwrap();
     let step = step_scores(&x1, 1, TokenScores::Given(&s20)).unwrap();

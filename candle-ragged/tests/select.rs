@@ -10,7 +10,9 @@ use candle_ragged::{
     select_by_rule, select_top_k, select_top_k_by, select_top_k_gathering, DroppedFusion, KeepRule,
     RaggedBatch, TokenScores,
 };
-use common::{cls_attention_by_tensor_ops, device, host, poison, quantize, randn, rng};
+use common::{
+    class_scores, cls_attention_by_tensor_ops, device, host, poison, quantize, randn, rng,
+};
 use rand::Rng;
 
 /// Kept positions by the rule: total order with NaN lowest, ties to the lower position.
@@ -445,19 +447,7 @@ fn a_sequence_selects_the_same_in_any_batch() {
                     qkv.narrow(0, 0, b * len).unwrap(),
                     x.narrow(0, 0, b * len).unwrap(),
                 );
-                let scores = if name == "significance" {
-                    TokenScores::Significance {
-                        qkv: &qkv,
-                        heads,
-                        scale,
-                    }
-                } else {
-                    TokenScores::ClsAttention {
-                        qkv: &qkv,
-                        heads,
-                        scale,
-                    }
-                };
+                let scores = class_scores(&qkv, heads, scale, name == "significance");
                 poison(&dev, b * len * c, dtype);
                 let (out, new_len) = select_top_k_by(&x, b, scores, 1, 11, fusion).unwrap();
                 (host(&out), new_len)

@@ -13,7 +13,7 @@ use candle_ragged::{
     select_top_k_by, step_scores, DroppedFusion, RaggedError, StepScoreLayout, StepScores,
     TokenScores,
 };
-use common::{device, host, poison, quantize, randn, rng};
+use common::{class_scores, device, host, poison, quantize, randn, rng};
 
 /// Each head's class-token softmax of one sequence of `qkv` (`[len, 3c]` as host f32 values
 /// already rounded to the storage type), with the logits rounded as the kernels round them
@@ -77,19 +77,7 @@ fn step_scores_are_what_the_selection_ranks() {
                 .to_dtype(dtype)
                 .unwrap();
             for significance in [false, true] {
-                let scores = if significance {
-                    TokenScores::Significance {
-                        qkv: &qkv,
-                        heads,
-                        scale,
-                    }
-                } else {
-                    TokenScores::ClsAttention {
-                        qkv: &qkv,
-                        heads,
-                        scale,
-                    }
-                };
+                let scores = class_scores(&qkv, heads, scale, significance);
                 poison(&dev, b * (heads + 1) * len, DType::F32);
                 let step = step_scores(&x, b, scores).unwrap();
                 assert_eq!((step.batch_size(), step.len()), (b, len), "{what}");

@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 use candle_core::{DType, Device, Tensor};
+use candle_ragged::TokenScores;
 use rand::{rngs::StdRng, Rng, SeedableRng};
 
 /// CPU, or the first CUDA GPU when the crate is built with `cuda` and one is present: the same
@@ -187,3 +188,13 @@ pub fn tolerance(dtype: DType) -> f64 {
 }
 
 pub const DTYPES: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
+
+/// The class token's attention from `qkv` as a selection's scores: ATS's significance when
+/// `significance`, else EViT's mean over heads.
+pub fn class_scores(qkv: &Tensor, heads: usize, scale: f32, significance: bool) -> TokenScores<'_> {
+    if significance {
+        TokenScores::Significance { qkv, heads, scale }
+    } else {
+        TokenScores::ClsAttention { qkv, heads, scale }
+    }
+}
