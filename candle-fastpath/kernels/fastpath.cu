@@ -1010,6 +1010,37 @@ RESIDUAL_NORM_LINEAR_ENTRY(bf16, __nv_bfloat16, 192, 768, 12, 96, false, _k768)
 // below (lever 65), with the second step's parameters in `nx`.
 constexpr int ARNL_HEAD_DIM = 64, ARNL_PARTS = 8, ARNL_STATE = ARNL_HEAD_DIM / 2 + 4;
 
+// A fixed-count pruning step run at the head of the kernel that follows it: select_mlp_block's
+// (lever 87, after a block's attention) and select_attention_block's (lever 90, before a block).
+struct StepSelect {
+    const float* scores;  // the sequence's score rows (step_score's `p`), `len` floats apart
+    int len, prefix, keep, fuse, mode, heads;
+};
+// The longest step input (a token per thread loads its scores; the host's SELECT_STEP_MAX_LEN).
+constexpr int SELECT_STEP_MAX_LEN = 512;
+
+// select_attention_block (lever 90): every CTA of the step block's kernel ranks the step's `len`
+// tokens by their scores (select_common's ranking, select_top_k's tokens) and places the kept
+// ones: `src[r]`, r < prefix + keep, the input position of output row r, in shared memory
+// (`scratch`, 3 · len + 32 ints). `v`: thread t's token's score inputs (step_score_load, token
+// t), loaded before the weights' cp.async were issued. Every thread must call it; ends on a
+// barrier. No fused row (the step before a block gathers rows, as select_top_k_gathering).
+__device__ __forceinline__ const int* select_place(const StepSelect& sel, int* scratch,
+                                                  const float (&v)[select_common::STEP_SCORE_ROWS]) {
+    using namespace select_common;
+    const int len = sel.len;
+    int* key = scratch;
+    int* kept = key + len;
+    int* dropped = kept + len;
+    int* counts = dropped + len;
+    if ((int)threadIdx.x < len) key[threadIdx.x] = total_key(step_score_from(v, sel.mode, sel.heads));
+    __syncthreads();
+    rank_tokens(key, kept, len, sel.prefix, sel.keep);
+    __syncthreads();
+    place_tokens(kept, len, key, dropped, counts);  // src over the keys, which are dead
+    return key;
+}
+
 // The attention_block entries' second step (lever 65): fc2 + residual into the next block's
 // norm1 → qkv, as residual_norm_linear's fc2 form computes it (W2 [C, 4C] and b2, the next block's LayerNorm,
 // its qkv weight [N2, C] and bias), writing the block's output x2 [M, C] and that qkv [M, N2].
@@ -1085,7 +1116,13 @@ __device__ void arnl_cls_rows(const T* __restrict__ qkv, const T* ks, int len, i
 
 // X1_ONLY (attention_residual, lever 86): x1 only, neither W's rows nor the LayerNorm's
 // parameters loaded (w, bias, ln_w, ln_b and y unused).
-template <typename T, int K, int BN, bool GELU, bool LATE_W, bool BLOCK = false, bool X1_ONLY = false>
+// SELECT (select_attention_block, lever 90; BLOCK only): `qkv` and `r` hold the step's `sel.len`
+// input tokens and M = sel.prefix + sel.keep is the kept ones' count: every CTA ranks the tokens
+// (select_place) and reads its query rows, its head's K / V rows and its residual pairs through
+// that placement, so the block runs on the kept rows as if select_top_k_gathering had copied
+// them first (cu_seqlens unused: the sequence is the M kept rows).
+template <typename T, int K, int BN, bool GELU, bool LATE_W, bool BLOCK = false, bool X1_ONLY = false,
+          bool SELECT = false>
 __device__ void attention_residual_norm_linear_tile(const T* __restrict__ qkv, const uint32_t* __restrict__ cu_seqlens,
                                                     const T* __restrict__ wp, const T* __restrict__ bp,
                                                     const T* __restrict__ r, const T* __restrict__ ln_w,
@@ -1093,7 +1130,7 @@ __device__ void attention_residual_norm_linear_tile(const T* __restrict__ qkv, c
                                                     const T* __restrict__ bias, T* __restrict__ x1, T* __restrict__ y,
                                                     int M, int N, float eps, float scale_log2,
                                                     ArnlNext<T> nx = ArnlNext<T>{}, float* probs = nullptr,
-                                                    float cls_scale = 0.f) {
+                                                    float cls_scale = 0.f, StepSelect sel = StepSelect{}) {
     constexpr int D = ARNL_HEAD_DIM, HEADS = K / D, ROW = TileCfg<D>::ROW, PARTS = ARNL_PARTS, STATE = ARNL_STATE;
     constexpr int THREADS = NL_WARPS * 32, LDS = K + 8;
     constexpr int KF = K, KW = 6, LDF = KF + 8, QKV = 3 * K;
@@ -1101,6 +1138,9 @@ __device__ void attention_residual_norm_linear_tile(const T* __restrict__ qkv, c
     static_assert(RNL_SPLIT == 2 * HEADS && NL_WARPS == 2 * PARTS && SLICE == 32 && NL_BM == 16 &&
                       RNL_PAIRS <= THREADS,
                   "tile shape");
+    static_assert(!SELECT || (BLOCK && !LATE_W && !X1_ONLY), "a step before a whole block");
+    static_assert(SELECT_STEP_MAX_LEN <= THREADS && 3 * SELECT_STEP_MAX_LEN + 32 <= KW * NL_BM * SLICE,
+                  "a token per thread; the placement in spart");
     extern __shared__ __align__(16) unsigned char nl_smem[];
     const uint32_t bars = smem_addr(nl_smem);  // the exchanges' barriers (RNL_BAR_BYTES)
     T* sa = reinterpret_cast<T*>(nl_smem + RNL_BAR_BYTES);  // NL_BM rows of x1 (filled by the cluster), then normalised
@@ -1125,30 +1165,74 @@ __device__ void attention_residual_norm_linear_tile(const T* __restrict__ qkv, c
     // 1. The query fragments, then K and V of this CTA's head (M rows, up to a multiple of 16
     // zero-filled), Wp's slice, W's rows: three cp.async groups (LATE_W: the last two once K and
     // V have landed).
+    // SELECT: the scores' loads first, Wp's slice (a group), the ranking and placement, then the
+    // rows through it (K / V a group), then W's rows (a group, behind K / V in the SM's queue):
+    // groups Wp, K / V, W where the others have K / V, Wp, W, so the waits below count the same.
+    // The placement lives where the projection's partial sums go later (spart).
+    const int* src = nullptr;
+    if (SELECT) {
+        float score_in[select_common::STEP_SCORE_ROWS];
+        if (tid < sel.len) select_common::step_score_load(sel.scores, sel.len, tid, sel.mode, sel.heads, score_in);
+        nl_stage_rows<T, KF, SLICE>(sp, wp, c0, K);
+        asm volatile("cp.async.commit_group;" ::: "memory");
+        src = select_place(sel, reinterpret_cast<int*>(spart), score_in);
+    }
+    // The input row of output row `row` (< M).
+    auto in_row = [&](int row) { return SELECT ? src[row] : row; };
     RowState<D> st;
-    if (warp < PARTS) begin_rows<T, D>(st, qkv + head * D, QKV, m0, M, lane);
+    if (warp < PARTS) {
+        if (SELECT) {
+            begin_rows<T, D>(st, qkv, QKV, 0, 0, lane);  // zero fragments, reset state
+            const int t = lane % 4, row0 = m0 + lane / 4, row1 = row0 + 8;
+            const T* q0 = qkv + (size_t)(row0 < M ? in_row(row0) : 0) * QKV + head * D;
+            const T* q1 = qkv + (size_t)(row1 < M ? in_row(row1) : 0) * QKV + head * D;
+#pragma unroll
+            for (int kk = 0; kk < D / 16; ++kk) {
+                const int c = kk * 16 + t * 2;
+                st.qa[kk][0] = row0 < M ? *reinterpret_cast<const uint32_t*>(q0 + c) : 0u;
+                st.qa[kk][1] = row1 < M ? *reinterpret_cast<const uint32_t*>(q1 + c) : 0u;
+                st.qa[kk][2] = row0 < M ? *reinterpret_cast<const uint32_t*>(q0 + c + 8) : 0u;
+                st.qa[kk][3] = row1 < M ? *reinterpret_cast<const uint32_t*>(q1 + c + 8) : 0u;
+            }
+        } else {
+            begin_rows<T, D>(st, qkv + head * D, QKV, m0, M, lane);
+        }
+    }
     const int kv_rows = (M + 15) & ~15;
     T* vs = ks + kv_rows * ROW;
     for (int i = tid; i < kv_rows * (D / 8); i += THREADS) {
         const int row = i / (D / 8), c = i % (D / 8);
         const bool ok = row < M;
-        const T* src = qkv + (size_t)(ok ? row : 0) * QKV + head * D + c * 8;
-        nl_cp_async16(ks + row * ROW + c * 8, src + K, ok);
-        nl_cp_async16(vs + row * ROW + c * 8, src + 2 * K, ok);
+        const T* at = qkv + (size_t)(ok ? in_row(row) : 0) * QKV + head * D + c * 8;
+        nl_cp_async16(ks + row * ROW + c * 8, at + K, ok);
+        nl_cp_async16(vs + row * ROW + c * 8, at + 2 * K, ok);
     }
     asm volatile("cp.async.commit_group;" ::: "memory");
     auto load_weights = [&] {
-        nl_stage_rows<T, KF, SLICE>(sp, wp, c0, K);  // Wp has K = C rows: all of the slice
-        asm volatile("cp.async.commit_group;" ::: "memory");
+        if (!SELECT) {
+            nl_stage_rows<T, KF, SLICE>(sp, wp, c0, K);  // Wp has K = C rows: all of the slice
+            asm volatile("cp.async.commit_group;" ::: "memory");
+        }
         if (!X1_ONLY) nl_stage_rows<T, K, BN>(sb, w, n0, N);
         asm volatile("cp.async.commit_group;" ::: "memory");  // (X1_ONLY: an empty group)
     };
     if (!LATE_W) load_weights();
-    const int len = min(static_cast<int>(cu_seqlens[1]), M);
+    const int len = SELECT ? M : min(static_cast<int>(cu_seqlens[1]), M);
     RnlRegs<K> g;
-    rnl_load_regs<T, K, BN, !X1_ONLY>(g, ln_w, ln_b, bias, r, bp, M, N);
+    // SELECT: the residual pair through the placement (0 rows: no read in rnl_load_regs).
+    rnl_load_regs<T, K, BN, !X1_ONLY>(g, ln_w, ln_b, bias, r, bp, SELECT ? 0 : M, N);
+    if (SELECT && tid < RNL_PAIRS) {
+        const int prow = tid / (SLICE / 2), pcol = c0 + (tid % (SLICE / 2)) * 2;
+        if (m0 + prow < M) {
+            const NlPair<T> p = *reinterpret_cast<const NlPair<T>*>(r + (size_t)in_row(m0 + prow) * K + pcol);
+            g.res[0] = to_f32(p.a);
+            g.res[1] = to_f32(p.b);
+        }
+    }
     if (LATE_W)
         asm volatile("cp.async.wait_group 0;" ::: "memory");
+    else if (SELECT)
+        asm volatile("cp.async.wait_group 1;" ::: "memory");  // Wp's and K / V's
     else
         asm volatile("cp.async.wait_group 2;" ::: "memory");
     // Rows past the sequence may hold anything; those up to its next multiple of 16 must be
@@ -1318,6 +1402,28 @@ ATTENTION_BLOCK_ENTRY(bf16, __nv_bfloat16, false, )
 ATTENTION_BLOCK_ENTRY(f16, __half, true, _late)
 ATTENTION_BLOCK_ENTRY(bf16, __nv_bfloat16, true, _late)
 
+// select_attention_block (lever 90): a fixed-count pruning step before a block (Threshold-L2's,
+// DynamicViT's; no fused row) run at the head of attention_block: `qkv` [len, 3C] and `r`
+// [len, C] the step's input tokens (the block's qkv projection, computed by the block before,
+// and its input), `scores` their score rows (step_score's modes, as select_mlp_block takes
+// them), M = prefix + keep the kept tokens; x2 and the next qkv [M, ...] as attention_block over
+// the kept rows. Named as SELECT_ATTENTION_BLOCK_NAMES expects; dynamic shared memory
+// attention_block_smem_bytes(M).
+#define SELECT_ATTENTION_BLOCK_ENTRY(SUFFIX, T)                                                               \
+    extern "C" __global__ void __cluster_dims__(RNL_SPLIT, 1, 1) __launch_bounds__(NL_WARPS * 32)           \
+        fastpath_select_attention_block_##SUFFIX##_c192(                                                     \
+            const T* qkv, const float* scores, int len, int prefix, int keep, int mode, int heads,           \
+            const T* wp, const T* bp, const T* r, const T* ln2_w, const T* ln2_b, const T* w1, const T* b1,  \
+            const T* w2, const T* b2, const T* ln1_w, const T* ln1_b, const T* wq, const T* bq, T* x2,       \
+            T* qkv_next, int M, int N1, int N2, float eps2, float eps1, float scale_log2, float* norms) {    \
+        attention_residual_norm_linear_tile<T, 192, 128, true, false, true, false, true>(                     \
+            qkv, nullptr, wp, bp, r, ln2_w, ln2_b, w1, b1, nullptr, nullptr, M, N1, eps2, scale_log2,       \
+            ArnlNext<T>{w2, b2, ln1_w, ln1_b, wq, bq, x2, qkv_next, N2, eps1, norms}, nullptr, 0.f,         \
+            StepSelect{scores, len, prefix, keep, 0, mode, heads});                                          \
+    }
+SELECT_ATTENTION_BLOCK_ENTRY(f16, __half)
+SELECT_ATTENTION_BLOCK_ENTRY(bf16, __nv_bfloat16)
+
 // ---------------------------------------------------------------------------------------------
 // mlp_block (lever 72): a pre-norm block's MLP half from its hidden states x1 on through the next
 // block's qkv, for one image at DeiT-T's width:
@@ -1341,15 +1447,12 @@ ATTENTION_BLOCK_ENTRY(bf16, __nv_bfloat16, true, _late)
 // header for both, so x2 and qkv' are bit for bit select_top_k followed by mlp_block. At batch 1
 // the select launch was ~10 µs under ncu for ~40k comparisons and a 60 KB copy: a chain of
 // dependent steps, most of which overlaps the weights' loads here.
-struct StepSelect {
-    const float* scores;  // the sequence's score rows (step_score's `p`), `len` floats apart
-    int len, prefix, keep, fuse, mode, heads;
-};
+// (StepSelect: above, with attention_block's.)
 
 // Shared memory of the selection, in floats (it lives where fc2's partial sums go later):
 // scores, keys (then src), kept flags, dropped positions (len each), 32 warp counts, the fused
 // row's partial sums (2 · FUSE_COLS · NL_WARPS · 32) and its weights' total.
-constexpr int SELECT_MLP_MAX_LEN = 512;
+constexpr int SELECT_MLP_MAX_LEN = SELECT_STEP_MAX_LEN;
 constexpr int select_scratch_floats(int len) {
     return 4 * len + 32 + 2 * select_common::FUSE_COLS * NL_WARPS * 32 + 1;
 }

@@ -74,7 +74,7 @@ pub fn attention_residual_norm_linear(
     #[cfg(feature = "cuda")]
     {
         let op = crate::cuda::AttentionRnlOp {
-            cu_seqlens: cu_seqlens.clone(),
+            rows: crate::cuda::ArnlRows::Sequence(cu_seqlens.clone()),
             scale_log2: (scale * std::f64::consts::LOG2_E) as f32,
             first: step_op(proj, norm, linear, gelu),
             next: None,
@@ -175,6 +175,31 @@ pub fn attention_residual_norm_linear_applies(
         let candle_core::Device::Cuda(dev) = residual.device() else {
             return false;
         };
+        cu_seqlens.dtype() == candle_core::DType::U32
+            && cu_seqlens.dims() == [2]
+            && cu_seqlens.is_contiguous()
+            && cu_seqlens.device().same_device(residual.device())
+            && arnl_applies(qkv, heads, residual, proj, norm, linear, gelu)
+            && residual
+                .dims2()
+                .is_ok_and(|(m, _)| crate::cuda::has_attention_rnl(dev, m))
+    }
+}
+
+/// [`attention_residual_norm_linear_applies`] but for `cu_seqlens` and the shared memory of a
+/// launch: the kernel's rules for the qkv, the residual and the proj → norm → linear step.
+#[cfg(feature = "cuda")]
+fn arnl_applies(
+    qkv: &Tensor,
+    heads: usize,
+    residual: &Tensor,
+    proj: &FusedLinear,
+    norm: &LayerNorm,
+    linear: &FusedLinear,
+    gelu: bool,
+) -> bool {
+    {
+        // (residual is on a CUDA device: the callers' first check.)
         let c = norm.weight().elem_count();
         let Ok((m, rc)) = residual.dims2() else {
             return false;
@@ -191,16 +216,11 @@ pub fn attention_residual_norm_linear_applies(
             && qkv.dtype() == residual.dtype()
             && qkv.device().same_device(residual.device())
             && aligned(qkv)
-            && cu_seqlens.dtype() == candle_core::DType::U32
-            && cu_seqlens.dims() == [2]
-            && cu_seqlens.is_contiguous()
-            && cu_seqlens.device().same_device(residual.device())
             // The proj form's rules (the attention output this kernel makes has the residual's
             // shape, dtype and device).
             && crate::norm_linear::residual_norm_linear_step_applies(
                 residual, proj, norm, linear, gelu,
             )
-            && crate::cuda::has_attention_rnl(dev, m)
     }
 }
 
@@ -502,7 +522,7 @@ fn attention_block_launch(
     #[cfg(feature = "cuda")]
     {
         let op = crate::cuda::AttentionRnlOp {
-            cu_seqlens: cu_seqlens.clone(),
+            rows: crate::cuda::ArnlRows::Sequence(cu_seqlens.clone()),
             scale_log2: (scale * std::f64::consts::LOG2_E) as f32,
             first: step_op(w.proj, w.norm2, w.fc1, true),
             next: Some((
@@ -567,6 +587,186 @@ pub fn attention_block_applies(
             && residual
                 .dims2()
                 .is_ok_and(|(m, _)| crate::cuda::has_attention_block(dev, m))
+    }
+}
+
+/// Whether [`select_attention_block`] may run, from `CANDLE_FASTPATH_SELECT_ATTENTION_BLOCK`
+/// (read once): unset (yes), `0` / `off` (no: candle-ragged's `select_top_k_gathering`, then
+/// [`attention_block`]; for A/B measurements).
+pub fn select_attention_block_enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    crate::switches::on_unless_off(&ON, "CANDLE_FASTPATH_SELECT_ATTENTION_BLOCK")
+}
+
+/// A fixed-count pruning step before a block (Threshold-L2's, DynamicViT's: no fused row) and
+/// then the whole block and the next block's qkv, in one launch (lever 90): what candle-ragged's
+/// `select_top_k_gathering` (keep the `prefix` tokens and the `keep` best-scored patches, in
+/// position order, with the same rows of the block's qkv projection) followed by
+/// [`attention_block`] over the kept rows compute, with the ranking run by every CTA of the
+/// block's kernel at its head (candle-ragged's arithmetic, one header for both kernels) and the
+/// kept rows read in place.
+///
+/// # Arguments
+/// * `qkv` - `[len, 3C]`: the block's qkv projection of every input token (the block before
+///   computes it with its fc2).
+/// * `residual` - `[len, C]`: the step's input tokens (one sequence).
+/// * `scores` - that sequence's scores from `candle_ragged::step_scores` (batch 1, `len`).
+/// * `prefix`, `keep` - as `select_top_k_gathering`'s.
+/// * `heads`, `scale`, `w` - as [`attention_block`]'s.
+///
+/// # Returns
+/// `(x2, qkv')`: `[M, C]` and `[M, N2]` with `M = prefix + keep`, contiguous views of one
+/// buffer, bit for bit what `select_top_k_gathering` and then [`attention_block`] return.
+///
+/// Only where [`select_attention_block_applies`] says so; anything else is an error.
+#[allow(clippy::too_many_arguments)]
+pub fn select_attention_block(
+    qkv: &Tensor,
+    residual: &Tensor,
+    scores: &candle_ragged::StepScores,
+    prefix: usize,
+    keep: usize,
+    heads: usize,
+    scale: f64,
+    w: &BlockTail,
+) -> Result<(Tensor, Tensor)> {
+    let (x2, next_qkv, _) =
+        select_attention_block_launch(qkv, residual, scores, prefix, keep, heads, scale, w, false)?;
+    Ok((x2, next_qkv))
+}
+
+/// [`select_attention_block`] that also returns the L2 norms of x2's rows, as
+/// [`attention_block_with_norms`] does (for a Threshold-L2 step right after this block).
+#[allow(clippy::too_many_arguments)]
+pub fn select_attention_block_with_norms(
+    qkv: &Tensor,
+    residual: &Tensor,
+    scores: &candle_ragged::StepScores,
+    prefix: usize,
+    keep: usize,
+    heads: usize,
+    scale: f64,
+    w: &BlockTail,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let (x2, next_qkv, norms) =
+        select_attention_block_launch(qkv, residual, scores, prefix, keep, heads, scale, w, true)?;
+    let norms = norms.unwrap_or_else(|| unreachable!("the launch was asked for the norms"));
+    Ok((x2, next_qkv, norms))
+}
+
+/// [`select_attention_block`]'s one launch, with x2's row norms when `with_norms`.
+#[allow(clippy::too_many_arguments)]
+fn select_attention_block_launch(
+    qkv: &Tensor,
+    residual: &Tensor,
+    scores: &candle_ragged::StepScores,
+    prefix: usize,
+    keep: usize,
+    heads: usize,
+    scale: f64,
+    w: &BlockTail,
+    with_norms: bool,
+) -> Result<(Tensor, Tensor, Option<Tensor>)> {
+    let scores_fit = scores.batch_size() == 1
+        && residual.dim(0).is_ok_and(|len| len == scores.len())
+        && scores.tensor().device().same_device(residual.device());
+    let out_rows = prefix + keep;
+    if !scores_fit || !select_attention_block_applies(qkv, heads, residual, w, out_rows) {
+        return Err(FastpathError::NotApplicable {
+            op: "select_attention_block",
+            inputs: format!(
+                "qkv {:?} {:?}, {heads} heads, residual {:?} on {:?}, scores {:?} of {} sequence(s) on {:?}, {out_rows} kept, fc1 N {}, next qkv N {}",
+                qkv.dims(),
+                qkv.dtype(),
+                residual.dims(),
+                residual.device().location(),
+                scores.layout(),
+                scores.batch_size(),
+                scores.tensor().device().location(),
+                w.fc1.out_dim(),
+                w.next_qkv.out_dim()
+            ),
+        });
+    }
+    #[cfg(feature = "cuda")]
+    {
+        let select = crate::cuda::SelectStep {
+            scores: scores.tensor().flatten_all()?,
+            prefix,
+            keep,
+            fuse: 0,
+            mode: scores.layout().kernel_mode(),
+            heads: scores.heads(),
+        };
+        let op = crate::cuda::AttentionRnlOp {
+            rows: crate::cuda::ArnlRows::Step(select),
+            scale_log2: (scale * std::f64::consts::LOG2_E) as f32,
+            first: step_op(w.proj, w.norm2, w.fc1, true),
+            next: Some((
+                step_op(w.fc2, w.next_norm1, w.next_qkv, false),
+                w.next_qkv.weight().clone(),
+            )),
+            norms: with_norms.then(Default::default),
+        };
+        let (c, n2) = (residual.dim(1)?, w.next_qkv.out_dim());
+        let both = qkv.apply_op3_no_bwd(residual, w.fc1.weight(), &op)?;
+        let x2 = both.narrow(0, 0, out_rows * c)?.reshape((out_rows, c))?;
+        let next_qkv = both
+            .narrow(0, out_rows * c, out_rows * n2)?
+            .reshape((out_rows, n2))?;
+        let norms = match &op.norms {
+            Some(cell) => Some(side_output(cell, residual.device())?),
+            None => None,
+        };
+        Ok((x2, next_qkv, norms))
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (scale, with_norms);
+        unreachable!("select_attention_block_applies is false without the cuda feature")
+    }
+}
+
+/// Whether [`select_attention_block`] runs for a step keeping `out_rows` of `residual`'s tokens:
+/// what [`attention_block_applies`] requires of `qkv`, `residual` (the step's input, at most 512
+/// rows: the kernel's selection scratch) and the weights but for `cu_seqlens`, 1 ≤ `out_rows` ≤
+/// the input's rows, the kernel and the shared memory of `out_rows` rows on the device, and
+/// `CANDLE_FASTPATH_SELECT_ATTENTION_BLOCK` not `0`. The step's own arguments are checked by the
+/// call, which errs on scores that are not one sequence of the residual's tokens on its device,
+/// and on bad `prefix` / `keep`.
+pub fn select_attention_block_applies(
+    qkv: &Tensor,
+    heads: usize,
+    residual: &Tensor,
+    w: &BlockTail,
+    out_rows: usize,
+) -> bool {
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (qkv, heads, residual, w, out_rows);
+        false
+    }
+    #[cfg(feature = "cuda")]
+    {
+        let candle_core::Device::Cuda(dev) = residual.device() else {
+            return false;
+        };
+        let c = w.norm2.weight().elem_count();
+        select_attention_block_enabled()
+            && attention_block_enabled()
+            && residual.dims2().is_ok_and(|(len, _)| {
+                len <= crate::cuda::SELECT_STEP_MAX_LEN && (1..=len).contains(&out_rows)
+            })
+            && w.fc1.out_dim() == 4 * c
+            && arnl_applies(qkv, heads, residual, w.proj, w.norm2, w.fc1, true)
+            && crate::norm_linear::residual_norm_linear_step_applies(
+                residual,
+                w.fc2,
+                w.next_norm1,
+                w.next_qkv,
+                false,
+            )
+            && crate::cuda::has_select_attention_block(dev, out_rows)
     }
 }
 
@@ -741,7 +941,7 @@ pub fn select_mlp_block(
                 .cloned()
                 .unwrap_or_else(|| unreachable!("mlp_block_applies requires every bias"))
         };
-        let select = crate::cuda::MlpSelect {
+        let select = crate::cuda::SelectStep {
             scores: scores.tensor().flatten_all()?,
             prefix,
             keep,
@@ -789,7 +989,7 @@ pub fn select_mlp_block_applies(x1: &Tensor, w: &MlpTail) -> bool {
         select_mlp_block_enabled()
             && x1
                 .dims2()
-                .is_ok_and(|(len, _)| len <= crate::cuda::SELECT_MLP_MAX_LEN)
+                .is_ok_and(|(len, _)| len <= crate::cuda::SELECT_STEP_MAX_LEN)
             && mlp_block_applies(x1, w)
             && crate::cuda::has_select_mlp_block(dev)
     }

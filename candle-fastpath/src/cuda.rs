@@ -111,18 +111,24 @@ const MLP_BLOCK_NAMES: [&str; 2] = [
     "fastpath_mlp_block_bf16_c192",
 ];
 
-/// [`MlpBlockOp`]'s kernels with a selection step at their head ([`MlpSelect`],
+/// [`MlpBlockOp`]'s kernels with a selection step at their head ([`SelectStep`],
 /// kernels/fastpath.cu's SELECT_MLP_BLOCK_ENTRY), by dtype.
 const SELECT_MLP_BLOCK_NAMES: [&str; 2] = [
     "fastpath_select_mlp_block_f16_c192",
     "fastpath_select_mlp_block_bf16_c192",
 ];
-/// The longest step input [`MlpSelect`]'s kernels take (SELECT_MLP_MAX_LEN: their selection
+/// [`AttentionRnlOp`]'s kernels with a selection step at their head ([`SelectStep`] without
+/// a fused row, kernels/fastpath.cu's SELECT_ATTENTION_BLOCK_ENTRY), by dtype.
+const SELECT_ATTENTION_BLOCK_NAMES: [&str; 2] = [
+    "fastpath_select_attention_block_f16_c192",
+    "fastpath_select_attention_block_bf16_c192",
+];
+/// The longest step input [`SelectStep`]'s kernels take (SELECT_STEP_MAX_LEN: their selection
 /// scratch lives where fc2's partial sums go later).
-pub(crate) const SELECT_MLP_MAX_LEN: usize = 512;
-/// The score rows (heads, and the value norms' row) [`MlpSelect`]'s kernels load per token
+pub(crate) const SELECT_STEP_MAX_LEN: usize = 512;
+/// The score rows (heads, and the value norms' row) [`SelectStep`]'s kernels load per token
 /// (STEP_SCORE_ROWS in select_common.cuh).
-const SELECT_MLP_MAX_SCORE_ROWS: usize = 8;
+const SELECT_STEP_MAX_SCORE_ROWS: usize = 8;
 
 /// From this many rows [`AttentionRnlOp`] takes its `_late` kernels, which issue
 /// the proj and fc1 weights' loads only once K and V have landed: with 78 CTAs (197 rows) those
@@ -365,8 +371,10 @@ struct DeviceState {
     attention_block: Option<Vec<CudaFunction>>,
     /// [`MlpBlockOp`]'s kernels, as `attention_rnl` (the same shared-memory limit).
     mlp_block: Option<Vec<CudaFunction>>,
-    /// [`MlpBlockOp`]'s kernels with [`MlpSelect`], as `mlp_block`.
+    /// [`MlpBlockOp`]'s kernels with [`SelectStep`], as `mlp_block`.
     select_mlp_block: Option<Vec<CudaFunction>>,
+    /// [`AttentionRnlOp`] (with `next`)'s kernels with [`SelectStep`], as `attention_block`.
+    select_attention_block: Option<Vec<CudaFunction>>,
     /// [`PooledHeadOp`]'s kernels, pool then tail, by (dtype - 1, width) as POOLED_HEAD_NAMES.
     pooled_head: Vec<CudaFunction>,
     /// Streaming multiprocessors, for the CUTLASS kernel's persistent tile scheduler and
@@ -492,6 +500,7 @@ fn new_state(dev: &CudaDevice) -> candle_core::Result<DeviceState> {
         attention_block: at_opt_in(&ATTENTION_BLOCK_NAMES)?,
         mlp_block: at_opt_in(&MLP_BLOCK_NAMES)?,
         select_mlp_block: at_opt_in(&SELECT_MLP_BLOCK_NAMES)?,
+        select_attention_block: at_opt_in(&SELECT_ATTENTION_BLOCK_NAMES)?,
         pooled_head: load_pooled_head(load)?,
         sm_count: attribute(CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?.max(1) as usize,
         hopper: (
@@ -1552,6 +1561,18 @@ pub(crate) fn has_attention_block(dev: &CudaDevice, m: usize) -> bool {
     })
 }
 
+/// Whether `dev` has [`AttentionRnlOp`]'s kernels with [`SelectStep`] and a launch with `m`
+/// output rows fits its shared memory.
+pub(crate) fn has_select_attention_block(dev: &CudaDevice, m: usize) -> bool {
+    let mut states = STATE.lock().unwrap_or_else(|e| e.into_inner());
+    device_state(&mut states, dev).is_ok_and(|s| {
+        s.select_attention_block.is_some()
+            && s.attention_rnl
+                .as_ref()
+                .is_some_and(|(_, max)| attention_block_smem_bytes(m) <= *max)
+    })
+}
+
 /// Whether `dev` has [`MlpBlockOp`]'s kernels (as [`has_residual_norm_linear`]) and its shared
 /// memory.
 pub(crate) fn has_mlp_block(dev: &CudaDevice) -> bool {
@@ -1564,7 +1585,7 @@ pub(crate) fn has_mlp_block(dev: &CudaDevice) -> bool {
     })
 }
 
-/// Whether `dev` has [`MlpBlockOp`]'s kernels with [`MlpSelect`] and their shared memory.
+/// Whether `dev` has [`MlpBlockOp`]'s kernels with [`SelectStep`] and their shared memory.
 pub(crate) fn has_select_mlp_block(dev: &CudaDevice) -> bool {
     let mut states = STATE.lock().unwrap_or_else(|e| e.into_inner());
     device_state(&mut states, dev).is_ok_and(|s| {
@@ -1575,12 +1596,13 @@ pub(crate) fn has_select_mlp_block(dev: &CudaDevice) -> bool {
     })
 }
 
-/// A fixed-count selection step at the head of [`MlpBlockOp`] (lever 87, [`crate::select_mlp_block`]):
-/// the op's x1 holds the step's `len` input tokens (one sequence), and its M output rows are
-/// the `prefix + keep` kept ones, then the fused one when `fuse` is 1 (weighted mean) or 2
-/// (weighted sum). `scores`: f32, `len` (mode 0) or `(heads + 1) · len` (modes 4 / 5) elements,
+/// A fixed-count selection step at the head of [`MlpBlockOp`] (lever 87, [`crate::select_mlp_block`])
+/// or of [`AttentionRnlOp`] with `next` (lever 90, [`crate::select_attention_block`]; no fused
+/// row there): the op's rows hold the step's `len` input tokens (one sequence), and its M output
+/// rows are the `prefix + keep` kept ones, then the fused one when `fuse` is 1 (weighted mean)
+/// or 2 (weighted sum). `scores`: f32, `len` (mode 0) or `(heads + 1) · len` (modes 4 / 5) elements,
 /// as candle-ragged's [`candle_ragged::StepScores`] holds them.
-pub(crate) struct MlpSelect {
+pub(crate) struct SelectStep {
     pub scores: Tensor,
     pub prefix: usize,
     pub keep: usize,
@@ -1589,7 +1611,7 @@ pub(crate) struct MlpSelect {
     pub heads: usize,
 }
 
-impl MlpSelect {
+impl SelectStep {
     /// The output rows of a step over `len` tokens.
     pub(crate) fn out_rows(&self) -> usize {
         self.prefix + self.keep + (self.fuse != 0) as usize
@@ -1602,9 +1624,9 @@ impl MlpSelect {
             4 | 5 => (self.heads + 1) * len,
             m => return Err(format!("unknown score mode {m}")),
         };
-        if len > SELECT_MLP_MAX_LEN {
+        if len > SELECT_STEP_MAX_LEN {
             return Err(format!(
-                "{len} tokens, over the kernel's {SELECT_MLP_MAX_LEN}"
+                "{len} tokens, over the kernel's {SELECT_STEP_MAX_LEN}"
             ));
         }
         if self.prefix >= len || self.keep == 0 || self.keep > len - self.prefix {
@@ -1622,10 +1644,10 @@ impl MlpSelect {
             ));
         }
         // select_common.cuh's step_score_load: heads + 1 rows at most (STEP_SCORE_ROWS).
-        if self.heads == 0 || (self.mode != 0 && self.heads + 1 > SELECT_MLP_MAX_SCORE_ROWS) {
+        if self.heads == 0 || (self.mode != 0 && self.heads + 1 > SELECT_STEP_MAX_SCORE_ROWS) {
             return Err(format!(
                 "{} heads; the kernel reads at most {} score rows",
-                self.heads, SELECT_MLP_MAX_SCORE_ROWS
+                self.heads, SELECT_STEP_MAX_SCORE_ROWS
             ));
         }
         if self.scores.dtype() != DType::F32
@@ -1650,14 +1672,14 @@ impl MlpSelect {
 /// carries them. Shapes, strides and alignment are checked again here.
 ///
 /// With `select` ([`crate::select_mlp_block`]) x1 is `[len, C]`, a step's input, and M its output
-/// rows ([`MlpSelect::out_rows`]).
+/// rows ([`SelectStep::out_rows`]).
 pub(crate) struct MlpBlockOp {
     pub ln_weight: Tensor,
     pub ln_bias: Tensor,
     pub fc1_bias: Tensor,
     pub eps: f32,
     pub second: ResidualNormLinearOp,
-    pub select: Option<MlpSelect>,
+    pub select: Option<SelectStep>,
 }
 
 impl MlpBlockOp {
@@ -1796,7 +1818,7 @@ impl MlpBlockOp {
         builder.arg(&self.eps);
         builder.arg(&self.second.eps);
         // SAFETY: shapes, contiguity and alignment checked above (with `select`, the step's
-        // shape and its scores' size by MlpSelect::check); the kernel reads rows < M of x1 (with
+        // shape and its scores' size by SelectStep::check); the kernel reads rows < M of x1 (with
         // `select`, rows < len, through positions it computed below len), the scores' elements,
         // the weights' rows (past N zero-filled), and writes the M · C and M · N2 elements of
         // `out` only; clusters as ResidualNormLinearOp's.
@@ -1824,7 +1846,8 @@ cuda_only_op3!(MlpBlockOp, "fastpath-mlp-block", "mlp_block");
 /// block's norm1 and its qkv bias, then that qkv's weight `[N2, C]`. Shapes, strides and
 /// alignment are checked again here, as in [`ResidualNormLinearOp`].
 pub(crate) struct AttentionRnlOp {
-    pub cu_seqlens: Tensor,
+    /// What the op's rows are: one sequence, or a selection step's input.
+    pub rows: ArnlRows,
     /// The softmax scale times log2(e) (the kernel's exponentials are exp2).
     pub scale_log2: f32,
     /// What follows the attention: proj (`front_*`, K = C), the LayerNorm, W's bias, the GELU.
@@ -1834,6 +1857,17 @@ pub(crate) struct AttentionRnlOp {
     /// attention_block only: where the launch leaves x2's row L2 norms (`[M]` f32, the kernel's
     /// nl_row_norms), for the caller to take once the op has run; `None`: not computed.
     pub norms: Option<RowNormsOut>,
+}
+
+/// The rows of an [`AttentionRnlOp`].
+pub(crate) enum ArnlRows {
+    /// One sequence of `cu_seqlens = [0, len]` (u32, `len ≤ M`, read on the device) in the op's
+    /// M rows.
+    Sequence(Tensor),
+    /// A fixed-count step's input (attention_block only, no fused row): the op's rows are the
+    /// step's `len` tokens and the block runs on the `prefix + keep` kept ones
+    /// ([`crate::select_attention_block`], lever 90).
+    Step(SelectStep),
 }
 
 /// The f32 buffer a fused op writes besides its output (one CustomOp returns one storage), handed
@@ -1852,13 +1886,27 @@ impl AttentionRnlOp {
             + candle_core::cuda_backend::cudarc::driver::DeviceRepr
             + candle_core::WithDType,
     {
-        let what = match self.next {
-            None => "attention_residual_norm_linear",
-            Some(_) => "attention_block",
+        let what = match (&self.next, &self.rows) {
+            (None, _) => "attention_residual_norm_linear",
+            (Some(_), ArnlRows::Sequence(_)) => "attention_block",
+            (Some(_), ArnlRows::Step(_)) => "select_attention_block",
         };
         let dev = &qkv.device;
         let size = size_of::<T>();
-        let (m, c3) = lq.shape().dims2()?;
+        // `rows` input rows; M output rows (the kept ones of a step).
+        let (rows, c3) = lq.shape().dims2()?;
+        let m = match &self.rows {
+            ArnlRows::Sequence(_) => rows,
+            ArnlRows::Step(sel) => {
+                if self.next.is_none() || sel.fuse != 0 {
+                    candle_core::bail!("{what}: a step takes attention_block's form, no fused row");
+                }
+                if let Err(e) = sel.check(rows) {
+                    candle_core::bail!("{what}: {e}");
+                }
+                sel.out_rows()
+            }
+        };
         let (n, c) = lw.shape().dims2()?;
         let bf16 = is_bf16::<T>(what)?;
         let aligned = |l: &Layout| contiguous_16b(l, size);
@@ -1880,7 +1928,7 @@ impl AttentionRnlOp {
         if c != RNL_DIM
             || c3 != 3 * c
             || !forms_ok
-            || lr.shape().dims() != [m, c]
+            || lr.shape().dims() != [rows, c]
             || m == 0
             || !aligned(lq)
             || !aligned(lr)
@@ -1916,8 +1964,36 @@ impl AttentionRnlOp {
             }
             None => None,
         };
-        let (cu_storage, cu_layout) = self.cu_seqlens.storage_and_layout();
-        let cus = one_sequence_offsets(what, &cu_storage, cu_layout)?;
+        // The sequence's offsets, or the step's scores and shape (SelectStep::check above).
+        let rows_guard = match &self.rows {
+            ArnlRows::Sequence(cu) => cu.storage_and_layout(),
+            ArnlRows::Step(sel) => sel.scores.storage_and_layout(),
+        };
+        let (mut offsets, mut step_args) = (None, None);
+        match &self.rows {
+            ArnlRows::Sequence(_) => {
+                offsets = Some(one_sequence_offsets(what, &rows_guard.0, rows_guard.1)?);
+            }
+            ArnlRows::Step(sel) => {
+                let Storage::Cuda(sc) = &*rows_guard.0 else {
+                    candle_core::bail!("{what}: the scores are not on the CUDA device");
+                };
+                if sc.device.id() != dev.id() {
+                    candle_core::bail!("{what}: the scores are on another CUDA device");
+                }
+                let view = sc
+                    .as_cuda_slice::<f32>()?
+                    .slice(rows_guard.1.start_offset()..);
+                let ints = [
+                    rows as i32,
+                    sel.prefix as i32,
+                    sel.keep as i32,
+                    sel.mode,
+                    sel.heads as i32,
+                ];
+                step_args = Some((view, ints));
+            }
+        }
         let qs = qkv.as_cuda_slice::<T>()?.slice(lq.start_offset()..);
         let rs = r.as_cuda_slice::<T>()?.slice(lr.start_offset()..);
         let ws = w.as_cuda_slice::<T>()?.slice(lw.start_offset()..);
@@ -1935,7 +2011,8 @@ impl AttentionRnlOp {
             (Some(_), Some(_)) => Some(unsafe { dev.alloc::<f32>(m)? }),
             _ => None,
         };
-        let late = (m >= arnl_late_rows()) as usize;
+        // (A step's kernel issues its loads in its own order: one entry per dtype.)
+        let late = (m >= arnl_late_rows() && step_args.is_none()) as usize;
         let func = {
             let mut states = STATE.lock().unwrap_or_else(|e| e.into_inner());
             let state = device_state(&mut states, dev)?;
@@ -1946,7 +2023,12 @@ impl AttentionRnlOp {
                     state.attention_rnl.as_ref().map(|(f, _)| f),
                     4 * late + 2 * bf16 as usize + self.first.gelu as usize,
                 ),
-                Some(_) => (state.attention_block.as_ref(), 2 * late + bf16 as usize),
+                Some(_) => match &self.rows {
+                    ArnlRows::Sequence(_) => {
+                        (state.attention_block.as_ref(), 2 * late + bf16 as usize)
+                    }
+                    ArnlRows::Step(_) => (state.select_attention_block.as_ref(), bf16 as usize),
+                },
             };
             match funcs {
                 Some(funcs) if smem <= max_smem => funcs[index].clone(),
@@ -1963,7 +2045,16 @@ impl AttentionRnlOp {
         let stream = dev.cuda_stream();
         let mut builder = stream.launch_builder(&func);
         builder.arg(&qs);
-        builder.arg(&cus);
+        // cu_seqlens, or select_attention_block's scores, len, prefix, keep, mode and heads.
+        if let Some(cus) = &offsets {
+            builder.arg(cus);
+        }
+        if let Some((scores, ints)) = &step_args {
+            builder.arg(scores);
+            for v in ints {
+                builder.arg(v);
+            }
+        }
         match (&views2, &next_weight, &self.next) {
             (Some(views2), Some(nws), Some((second, _))) => {
                 // attention_block's operands: the first step's, then the second's (fc2, the
@@ -2010,9 +2101,10 @@ impl AttentionRnlOp {
             (None, _) => {}
         }
         // SAFETY: shapes, contiguity and alignment checked above; the kernel reads rows < M of
-        // qkv and r, cu_seqlens[1] (clamped to M), the weights' rows (past N zero-filled), and
-        // writes the M · C and M · N_out elements of `out` only (and, given, the M norms);
-        // clusters as ResidualNormLinearOp's.
+        // qkv and r, cu_seqlens[1] (clamped to M) (a step: the `rows` input rows through
+        // positions it computed below `rows`, and the scores' elements, SelectStep::check), the
+        // weights' rows (past N zero-filled), and writes the M · C and M · N_out elements of
+        // `out` only (and, given, the M norms); clusters as ResidualNormLinearOp's.
         unsafe { builder.launch(cfg) }.map_err(candle_core::Error::wrap)?;
         if let (Some(cell), Some(buf)) = (&self.norms, norms) {
             *cell.lock().unwrap_or_else(|e| e.into_inner()) = Some(buf);

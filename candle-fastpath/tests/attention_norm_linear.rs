@@ -9,7 +9,9 @@
 //! must apply to all of them; elsewhere (CI's CPU) it must not, and calling it is a clear error.
 //! The same for `attention_block` (the attention through the next block's qkv) against
 //! `attention_residual_norm_linear` and `residual_norm_linear`, and for `mlp_block` (a block's
-//! MLP half through the next block's qkv) against `norm_linear` and `residual_norm_linear`.
+//! MLP half through the next block's qkv) against `norm_linear` and `residual_norm_linear`;
+//! `select_mlp_block` and `select_attention_block` (a pruning step at the head of those kernels)
+//! against candle-ragged's selection and then the kernel.
 
 mod common;
 
@@ -18,8 +20,10 @@ use candle_fastpath::{
     attention_block, attention_block_applies, attention_block_with_norms, attention_residual,
     attention_residual_applies, attention_residual_norm_linear,
     attention_residual_norm_linear_applies, attention_residual_with_cls_probs, mlp_block,
-    mlp_block_applies, norm_linear, norm_linear_applies, residual_norm_linear, select_mlp_block,
-    select_mlp_block_applies, BlockTail, Epilogue, FastpathError, FusedLinear, LayerNorm, MlpTail,
+    mlp_block_applies, norm_linear, norm_linear_applies, residual_norm_linear,
+    select_attention_block, select_attention_block_applies, select_attention_block_with_norms,
+    select_mlp_block, select_mlp_block_applies, BlockTail, Epilogue, FastpathError, FusedLinear,
+    LayerNorm, MlpTail,
 };
 use common::{device, has_clusters, host, poison, quantize, randn};
 use rand::{rngs::StdRng, SeedableRng};
@@ -809,4 +813,163 @@ fn attention_cls_probs_are_step_scores_bits() {
             }
         }
     }
+}
+
+/// `select_attention_block` (lever 90: a fixed-count step before a block, ranked at the head of
+/// the block's kernel, its kept rows read in place): x2, the next qkv and (with norms) x2's row
+/// norms bit for bit what candle-ragged's `select_top_k_gathering` and then `attention_block`
+/// over the gathered rows give. Given scores (with a NaN and a tie, as Threshold-L2's norms and
+/// DynamicViT's keep scores arrive) and class-attention scores; keep from 1 to every patch;
+/// 2 to 352 tokens; f16 and bf16; outputs poisoned. Bad steps are errors, other sequences'
+/// scores and inputs over 512 tokens are not taken, and on the CPU it does not apply.
+#[test]
+fn select_attention_block_matches_select_then_attention_block() {
+    use candle_ragged::{select_top_k_gathering, step_scores, TokenScores};
+    let dev = device();
+    let fused_expected = dev.is_cuda() && has_clusters(&dev);
+    let mut rng = StdRng::seed_from_u64(90);
+    let scale = (HEAD_DIM as f64).powf(-0.5);
+    let (dtypes, _) = under_test(&[]);
+    let quick = dtypes.len() == 1;
+    let lens: &[usize] = if quick {
+        &[197]
+    } else {
+        &[2, 17, 64, 65, 138, 197, 352]
+    };
+    for &dtype in dtypes {
+        let mlp = MlpWeights::new(&dev, &mut rng, dtype);
+        let proj = weights(&dev, &mut rng, dtype, C).proj;
+        let tail = BlockTail {
+            proj: &proj,
+            norm2: &mlp.block.norm,
+            fc1: &mlp.block.fc1,
+            fc2: &mlp.fc2,
+            next_norm1: &mlp.next.norm,
+            next_qkv: &mlp.next.fc1,
+        };
+        for &len in lens {
+            let x = tensor(&dev, &randn(&mut rng, len * C, 3.0), &[len, C], dtype);
+            let qkv = tensor(
+                &dev,
+                &randn(&mut rng, len * 3 * C, 1.0),
+                &[len, 3 * C],
+                dtype,
+            );
+            let mut given = randn(&mut rng, len, 1.0);
+            if len > 4 {
+                given[3] = f32::NAN;
+                given[2] = given[len - 1];
+            }
+            let given = Tensor::from_slice(&given, (1, len), &dev).unwrap();
+            let patches = len - 1;
+            let keeps = if quick {
+                vec![(patches * 7).div_ceil(10)]
+            } else {
+                vec![1, patches.div_ceil(2), (patches * 7).div_ceil(10), patches]
+            };
+            for (name, scores) in [
+                ("given", TokenScores::Given(&given)),
+                (
+                    "cls attention",
+                    TokenScores::ClsAttention {
+                        qkv: &qkv,
+                        heads: HEADS,
+                        scale: scale as f32,
+                    },
+                ),
+            ] {
+                if quick && name != "given" {
+                    continue;
+                }
+                let step = step_scores(&x, 1, scores).unwrap();
+                for &keep in &keeps {
+                    let what = format!("{dtype:?} len {len} {name} keep {keep}");
+                    assert_eq!(
+                        select_attention_block_applies(&qkv, HEADS, &x, &tail, 1 + keep),
+                        fused_expected,
+                        "{what}: applies"
+                    );
+                    poison(&dev, (1 + keep) * (C + 3 * C), dtype);
+                    let got = select_attention_block(&qkv, &x, &step, 1, keep, HEADS, scale, &tail);
+                    let Some((x2, next_qkv)) = fused_or_refused(got, fused_expected, &what) else {
+                        let with_norms = select_attention_block_with_norms(
+                            &qkv, &x, &step, 1, keep, HEADS, scale, &tail,
+                        );
+                        fused_or_refused(with_norms, false, &format!("{what}, with norms"));
+                        continue;
+                    };
+                    let (kept_x, kept_qkv, out_len) =
+                        select_top_k_gathering(&x, &qkv, 1, scores, 1, keep).unwrap();
+                    assert_eq!(out_len, 1 + keep, "{what}");
+                    assert_eq!(x2.dims(), &[out_len, C], "{what}");
+                    assert_eq!(next_qkv.dims(), &[out_len, 3 * C], "{what}");
+                    let cu = Tensor::from_slice(&[0u32, out_len as u32], 2, &dev).unwrap();
+                    let (want_x2, want_qkv, want_norms) =
+                        attention_block_with_norms(&kept_qkv, &cu, HEADS, scale, &kept_x, &tail)
+                            .unwrap();
+                    assert_same_bits(&what, (&x2, &next_qkv), (&want_x2, &want_qkv));
+                    let (x2n, qkvn, norms) = select_attention_block_with_norms(
+                        &qkv, &x, &step, 1, keep, HEADS, scale, &tail,
+                    )
+                    .unwrap();
+                    assert_same_bits(
+                        &format!("{what}, with norms"),
+                        (&x2n, &qkvn),
+                        (&x2, &next_qkv),
+                    );
+                    let (got_n, want_n) = (host(&norms), host(&want_norms));
+                    assert_eq!(got_n.len(), out_len, "{what}: norms");
+                    for (i, (g, e)) in got_n.iter().zip(want_n.iter()).enumerate() {
+                        assert!(
+                            g.is_finite() && g.to_bits() == e.to_bits(),
+                            "{what}: norm {i} is {g}, attention_block gives {e}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+    // Bad steps (prefix past the tokens, keep 0 or more than the patches), and scores of another
+    // sequence (other length, two sequences).
+    let dtype = DType::F16;
+    let mlp = MlpWeights::new(&dev, &mut rng, dtype);
+    let proj = weights(&dev, &mut rng, dtype, C).proj;
+    let tail = BlockTail {
+        proj: &proj,
+        norm2: &mlp.block.norm,
+        fc1: &mlp.block.fc1,
+        fc2: &mlp.fc2,
+        next_norm1: &mlp.next.norm,
+        next_qkv: &mlp.next.fc1,
+    };
+    let x = tensor(&dev, &randn(&mut rng, 20 * C, 1.0), &[20, C], dtype);
+    let qkv = tensor(&dev, &randn(&mut rng, 20 * 3 * C, 1.0), &[20, 3 * C], dtype);
+    let s20 = Tensor::from_slice(&randn(&mut rng, 20, 1.0), (1, 20), &dev).unwrap();
+    let step = step_scores(&x, 1, TokenScores::Given(&s20)).unwrap();
+    for (prefix, keep) in [(20, 1), (1, 0), (1, 20), (0, 21)] {
+        let got = select_attention_block(&qkv, &x, &step, prefix, keep, HEADS, scale, &tail);
+        assert!(got.is_err(), "prefix {prefix} keep {keep}: {got:?}");
+    }
+    let s10 = Tensor::from_slice(&randn(&mut rng, 10, 1.0), (1, 10), &dev).unwrap();
+    let x10 = x.narrow(0, 0, 10).unwrap();
+    let other = step_scores(&x10, 1, TokenScores::Given(&s10)).unwrap();
+    let two = step_scores(&x, 2, TokenScores::Given(&s20.reshape((2, 10)).unwrap())).unwrap();
+    for (what, s) in [("10 tokens' scores", &other), ("two sequences", &two)] {
+        let got = select_attention_block(&qkv, &x, s, 1, 5, HEADS, scale, &tail);
+        assert!(
+            matches!(got, Err(FastpathError::NotApplicable { .. })),
+            "{what}: {got:?}"
+        );
+    }
+    // Over the kernel's 512 tokens: not applicable.
+    let x_long = tensor(&dev, &randn(&mut rng, 513 * C, 1.0), &[513, C], dtype);
+    let qkv_long = tensor(
+        &dev,
+        &randn(&mut rng, 513 * 3 * C, 1.0),
+        &[513, 3 * C],
+        dtype,
+    );
+    assert!(!select_attention_block_applies(
+        &qkv_long, HEADS, &x_long, &tail, 300
+    ));
 }

@@ -624,6 +624,69 @@ impl Block {
         Ok(Some((x2, next_qkv)))
     }
 
+    /// A fixed-count pruning step before this block on `x` (one image's tokens, the block's
+    /// input) with `qkv` this block's qkv projection of them (computed by the block before), then
+    /// the whole block and the `next` block's qkv, as one launch where it applies
+    /// (candle_fastpath::select_attention_block, lever 90: DeiT-T's width, one image, no fused
+    /// row, with a next block that does not run as a small block of its own over `after`, the
+    /// kept tokens' batch): `Some((x2, qkv', norms))`, bit for bit what
+    /// candle_ragged::select_top_k_gathering and then [`Self::rest_after_chained`] give, with
+    /// x2's row norms when `want_norms` (as [`Self::forward_chained_with_norms`]). `None` where
+    /// it does not apply, before any work: the caller selects, then runs the rest.
+    #[allow(clippy::too_many_arguments)]
+    pub fn select_then_block_chained(
+        &self,
+        x: &Tensor,
+        qkv: &Tensor,
+        scores: candle_ragged::TokenScores<'_>,
+        prefix: usize,
+        keep: usize,
+        next: Option<&Block>,
+        after: &AttentionInputs,
+        want_norms: bool,
+    ) -> Result<Option<ChainedBlock>> {
+        // Row norms are ranked as given scores (the block before computes them); without them
+        // the select kernel computes its own.
+        let (Some(next), false) = (
+            next,
+            matches!(scores, candle_ragged::TokenScores::RowL2Norm),
+        ) else {
+            return Ok(None);
+        };
+        let tail = candle_fastpath::BlockTail {
+            proj: &self.attn.proj,
+            norm2: &self.norm2,
+            fc1: &self.mlp.fc1,
+            fc2: &self.mlp.fc2,
+            next_norm1: &next.norm1,
+            next_qkv: &next.attn.qkv,
+        };
+        let out_rows = prefix + keep;
+        let heads = self.attn.heads;
+        if !candle_fastpath::select_attention_block_applies(qkv, heads, x, &tail, out_rows) {
+            return Ok(None);
+        }
+        // whole_block's rule: a next block running as one launch computes its own qkv.
+        if next
+            .small_block_batch(&x.narrow(0, 0, out_rows)?, after)
+            .is_some()
+        {
+            return Ok(None);
+        }
+        let step = candle_ragged::step_scores(x, 1, scores)?;
+        let scale = self.attn.scale;
+        if want_norms {
+            let (y, next_qkv, norms) = candle_fastpath::select_attention_block_with_norms(
+                qkv, x, &step, prefix, keep, heads, scale, &tail,
+            )?;
+            return Ok(Some((y, Some(next_qkv), Some(norms))));
+        }
+        let (y, next_qkv) = candle_fastpath::select_attention_block(
+            qkv, x, &step, prefix, keep, heads, scale, &tail,
+        )?;
+        Ok(Some((y, Some(next_qkv), None)))
+    }
+
     /// The rest of the block after a pruning step at `site` on the kept tokens `x` (laid out as
     /// `inputs` says): the whole block, or its MLP half.
     pub fn rest_after(

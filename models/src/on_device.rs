@@ -231,6 +231,17 @@ fn peek_step(step: Option<&(&&BlockPruner, &FixedCount)>) -> Option<(usize, Prun
     step.map(|(pruner, count)| (pruner.0, pruner.1.site(), count.fused.is_some()))
 }
 
+/// Whether the step after block `i` (`step`, the next one in the schedule) is a Threshold-L2 step
+/// right before block `i + 1`, which ranks the L2 norms of block `i`'s output: block `i` then
+/// computes them on the way (Block::forward_chained_with_norms, lever 77).
+fn next_step_ranks_norms(step: Option<&(&&BlockPruner, &FixedCount)>, i: usize) -> bool {
+    step.is_some_and(|((blk, pruner), _)| {
+        *blk == i + 1
+            && pruner.site() == PruneSite::BeforeBlock
+            && pruner.score_recipe() == ScoreRecipe::TokenL2Norm
+    })
+}
+
 fn fusion_of(f: Option<EvitFusion>) -> Option<DroppedFusion> {
     match f {
         Some(EvitFusion::WeightedMean) => Some(DroppedFusion::WeightedMean),
@@ -438,11 +449,7 @@ impl DeiT {
                     });
                 }
                 let next = self.chainable_next_fixed(i, peek_step(steps.peek()), b);
-                let want_norms = steps.peek().is_some_and(|((blk, pruner), _)| {
-                    *blk == i + 1
-                        && pruner.site() == PruneSite::BeforeBlock
-                        && pruner.score_recipe() == ScoreRecipe::TokenL2Norm
-                });
+                let want_norms = next_step_ranks_norms(steps.peek(), i);
                 (x, next_qkv, row_norms) = block.forward_chained_with_norms(
                     &x,
                     next_qkv.take(),
@@ -542,6 +549,33 @@ impl DeiT {
                     kept_tokens.push(vec![len; b]);
                     batch = after;
                     next_qkv = Some(qkv2);
+                    continue;
+                }
+            }
+            // Before the block, one image, no fused row: the selection at the head of the
+            // block's kernel where that applies (Block::select_then_block_chained, lever 90).
+            if let (PruneSite::BeforeBlock, 1, None, Some(qkv)) = (site, b, fusion, &qkv_to_gather)
+            {
+                let out_len = num_prefix + keep;
+                let after = self.uniform_batches.get(b, out_len, &dev)?;
+                let next = self.chainable_next_fixed(i, peek_step(steps.peek()), b);
+                let want_norms = next_step_ranks_norms(steps.peek(), i);
+                if let Some((x2, qkv2, norms)) = block.select_then_block_chained(
+                    &tokens,
+                    qkv,
+                    scores,
+                    num_prefix,
+                    keep,
+                    next,
+                    &AttentionInputs::Ragged { batch: &after },
+                    want_norms,
+                )? {
+                    len = out_len;
+                    x = x2;
+                    kept_tokens.push(vec![len; b]);
+                    batch = after;
+                    next_qkv = qkv2;
+                    row_norms = norms;
                     continue;
                 }
             }
