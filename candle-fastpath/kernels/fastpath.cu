@@ -1460,12 +1460,13 @@ static_assert(select_scratch_floats(SELECT_MLP_MAX_LEN) <= 12 * NL_BM * 32, "sel
 
 // This CTA's NL_BM output rows of the step (rows m0 .. m0 + NL_BM - 1 of the kept tokens in
 // ascending position, then the fused token) into `sa` (K + 8 apart): kept rows by cp.async (one
-// group, committed here; rows past the output zero-filled), the fused row by the CTA itself.
+// group, committed here; rows past the output zero-filled). Returns whether the tile holds the
+// fused row, which the CTA then computes (select_fused_row, once its other loads are issued).
 // Every thread must call it (barriers).
 // `v`: thread t's token's score inputs (select_common::step_score_load, token t; the host keeps
 // len <= the block's threads), loaded before the weights' cp.async were issued.
 template <typename T, int K>
-__device__ void select_stage_rows(T* sa, const T* __restrict__ x1, const StepSelect& sel, int m0, float* scratch,
+__device__ bool select_stage_rows(T* sa, const T* __restrict__ x1, const StepSelect& sel, int m0, float* scratch,
                                   const float (&v)[select_common::STEP_SCORE_ROWS]) {
     using namespace select_common;
     constexpr int LDS = K + 8, VECS = K / 8;
@@ -1475,8 +1476,6 @@ __device__ void select_stage_rows(T* sa, const T* __restrict__ x1, const StepSel
     int* kept = key + len;
     int* dropped = kept + len;
     int* counts = dropped + len;
-    float* part = reinterpret_cast<float*>(counts + 32);
-    float* total = part + 2 * select_common::FUSE_COLS * NL_WARPS * 32;
     if ((int)threadIdx.x < len) {
         const float s = step_score_from(v, sel.mode, sel.heads);
         sc[threadIdx.x] = s;
@@ -1495,13 +1494,31 @@ __device__ void select_stage_rows(T* sa, const T* __restrict__ x1, const StepSel
         nl_cp_async16(sa + row * LDS + c * 8, x1 + (size_t)(ok ? src[r] : 0) * K + c * 8, ok);
     }
     asm volatile("cp.async.commit_group;" ::: "memory");
-    if (!fused_here) return;  // uniform over the CTA
-    const int nd = len - kept_n;
+    return fused_here;
+}
+
+// The fused row of a CTA whose tile holds it (select_stage_rows' result; uniform over the CTA),
+// into its staged row: select_common's fused_columns8 (fused_columns' bits, 16-byte row loads),
+// from the scores, the dropped positions and the scratch select_stage_rows left in `scratch`.
+// Every thread must call it (barriers).
+template <typename T, int K>
+__device__ void select_fused_row(T* sa, const T* __restrict__ x1, const StepSelect& sel, int m0, float* scratch) {
+    using namespace select_common;
+    constexpr int LDS = K + 8;
+    const int len = sel.len, kept_n = sel.prefix + sel.keep, nd = len - kept_n;
+    const float* sc = scratch;
+    const int* dropped = reinterpret_cast<const int*>(sc + len) + 2 * len;
+    float* part = const_cast<float*>(reinterpret_cast<const float*>(dropped + len + 32));
+    float* total = part + 2 * select_common::FUSE_COLS * NL_WARPS * 32;
+    static_assert(2 * FUSE_GROUPS * K <= 2 * FUSE_COLS * NL_WARPS * 32 && FUSE_GROUPS * K / 8 <= NL_WARPS * 32,
+                  "fused_columns8's partials in the scratch, a thread per (partial, 8 columns)");
     fused_weight_total(sc, dropped, nd, total);
     __syncthreads();
     T* fused = sa + (kept_n - m0) * LDS;
-    fused_columns(
-        sc, dropped, nd, sel.fuse, *total, 0, K, part, [&](int j, int c) { return to_f32(x1[(size_t)j * K + c]); },
+    fused_columns8(
+        sc, dropped, nd, sel.fuse, *total, K, part,
+        [&](int j, int c) { return *reinterpret_cast<const uint4*>(x1 + (size_t)j * K + c); },
+        [](const uint4& raw, int e) { return to_f32(reinterpret_cast<const T*>(&raw)[e]); },
         [&](int c, float f) { fused[c] = from_f32<T>(f); });
 }
 
@@ -1536,7 +1553,8 @@ __device__ void mlp_block_tile(const T* __restrict__ x1, const T* __restrict__ l
     // SELECT: the scores' loads first (a few floats a thread, ahead of every weight byte in the
     // SM's queue), then fc1's weights, which land while the tokens are ranked; the rows once
     // placed, then W2's slice and the qkv tile (needed ~2 µs later), so that the rows do not
-    // queue behind those 86 KB.
+    // queue behind those 86 KB; then the fused row's tile computes it (lever 91: before, its
+    // CTAs issued W2's and the qkv tile's loads only after the fused row).
     float score_in[select_common::STEP_SCORE_ROWS];
     if (SELECT) {
         if (tid < sel.len) select_common::step_score_load(sel.scores, sel.len, tid, sel.mode, sel.heads, score_in);
@@ -1560,8 +1578,10 @@ __device__ void mlp_block_tile(const T* __restrict__ x1, const T* __restrict__ l
     // SELECT: the residual pair comes from the staged rows below (0 rows: no read here).
     rnl_load_regs<T, K, 96>(g2, nx.ln_w, nx.ln_b, nx.bq, x1, nx.b2, SELECT ? 0 : M, nx.N2);
     if (SELECT) {
-        select_stage_rows<T, K>(sa, x1, sel, m0, spart, score_in);
+        // The fused row's tile issues W2's and the qkv tile's loads before computing it.
+        const bool fused_here = select_stage_rows<T, K>(sa, x1, sel, m0, spart, score_in);
         stage_second_weights();
+        if (fused_here) select_fused_row<T, K>(sa, x1, sel, m0, spart);
         asm volatile("cp.async.wait_group 1;" ::: "memory");  // fc1's weights and the rows
         __syncthreads();
         // The x1 pair this thread finishes (rnl_load_regs's), before norm2 overwrites the rows.

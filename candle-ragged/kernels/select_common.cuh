@@ -167,7 +167,10 @@ __device__ __forceinline__ float step_score_from(const float (&v)[STEP_SCORE_ROW
 // the same key at a lower position: the host pruners' rule, so device and host keep the same
 // tokens). P = 1, 2, 4 or 8 adjacent threads count one patch's rank, each over every P-th patch,
 // and add their counts by shuffles (integers: no order to fix): at 197 tokens and 512 threads
-// each thread compares ~98 pairs instead of 196. No barrier at the end.
+// each thread compares ~98 pairs instead of 196. The patches before j rank before it with a key
+// at least as high, those after it with a higher one: two loops of one comparison each (the
+// ranking is issue-bound on one SM, ~39k comparisons at 197 tokens: lever 91). No barrier at
+// the end.
 __device__ __forceinline__ void rank_tokens(const int *key, int *kept, int len, int prefix, int keep) {
     int parts = 1;
     while (parts < 8 && len * parts * 2 <= (int)blockDim.x) parts *= 2;
@@ -177,11 +180,12 @@ __device__ __forceinline__ void rank_tokens(const int *key, int *kept, int len, 
         int count = 0;
         if (j < len && j >= prefix) {
             const int kj = key[j];
-#pragma unroll 4
-            for (int i = prefix + p; i < len; i += parts) {
-                const int ki = key[i];
-                count += (ki > kj) || (ki == kj && i < j);
-            }
+            int i = prefix + p;
+#pragma unroll 8
+            for (; i < j; i += parts) count += key[i] >= kj;
+            if (i == j) i += parts;
+#pragma unroll 8
+            for (; i < len; i += parts) count += key[i] > kj;
         }
         for (int o = 1; o < parts; o <<= 1) count += __shfl_xor_sync(0xffffffffu, count, o);
         if (j < len && p == 0) kept[j] = j < prefix ? 1 : count < keep;
@@ -202,12 +206,17 @@ __device__ __forceinline__ void place_tokens(const int *kept, int len, int *src,
         const unsigned ballot = __ballot_sync(0xffffffffu, k);
         if (lane == 0) warp_counts[warp] = __popc(ballot);
         __syncthreads();
-        int in_warps_before = 0, in_chunk = 0;
-        for (int w = 0; w < warps; ++w) {
-            const int c = warp_counts[w];
-            in_warps_before += w < warp ? c : 0;
-            in_chunk += c;
+        // The warps' counts scanned by each warp's lanes (warps <= 32): lane w holds the kept
+        // tokens of warps 0 .. w.
+        const int c = lane < warps ? warp_counts[lane] : 0;
+        int scan = c;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const int t = __shfl_up_sync(0xffffffffu, scan, o);
+            if (lane >= o) scan += t;
         }
+        const int in_warps_before = __shfl_sync(0xffffffffu, scan - c, warp);
+        const int in_chunk = __shfl_sync(0xffffffffu, scan, warps - 1);
         const int k_pos = kept_before + in_warps_before + __popc(ballot & ((1u << lane) - 1u));
         if (j < len) {
             if (k) src[k_pos] = j;
@@ -293,6 +302,71 @@ __device__ __forceinline__ void fused_columns(const float *s, const int *dropped
         }
         __syncthreads();  // the partials are rewritten by the next pass
     }
+}
+
+// fused_columns for a row that a caller can read 8 columns at a time: the same arithmetic for
+// every column (partial g adds dropped[g], dropped[g + FUSE_GROUPS], ... in that order, each a
+// fused multiply-add of its weight and a plain add; the partials added in order; then the same
+// division), so the same bits, with one thread per (partial, 8 columns) whose row loads are
+// issued FUSE_BATCH at a time: at 59 dropped tokens one round trip instead of fused_columns'
+// two of 2-byte loads (lever 91). `width` columns, a multiple of 8, with FUSE_GROUPS · width / 8
+// <= blockDim.x; `load8(row, col)`: x's elements col .. col + 7 of row `row` as one 16-byte value
+// (kept raw until used: 4 registers a row), `elem(raw, e)` its element e as f32;
+// `store(col, value)`. `part` holds 2 · FUSE_GROUPS · width floats. Every thread must call it (it
+// has barriers); ends on one.
+constexpr int FUSE_BATCH = 8;
+template <typename Load8, typename Elem, typename Store>
+__device__ __forceinline__ void fused_columns8(const float *s, const int *dropped, int nd, int fuse, float total,
+                                               int width, float *part, Load8 load8, Elem elem, Store store) {
+    const int chunks = width / 8, g = threadIdx.x / chunks, c8 = threadIdx.x % chunks;
+    float *part_plain = part + FUSE_GROUPS * width;
+    if (g < FUSE_GROUPS) {
+        float acc[8], plain[8];
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[e] = plain[e] = 0.f;
+        for (int d0 = g; d0 < nd; d0 += FUSE_GROUPS * FUSE_BATCH) {
+            uint4 raw[FUSE_BATCH];
+            float w[FUSE_BATCH];
+#pragma unroll
+            for (int u = 0; u < FUSE_BATCH; ++u) {
+                const int d = d0 + u * FUSE_GROUPS;
+                w[u] = 0.f;
+                raw[u] = make_uint4(0u, 0u, 0u, 0u);
+                if (d < nd) {
+                    const int j = dropped[d];
+                    w[u] = weight(s[j]);
+                    raw[u] = load8(j, c8 * 8);
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < FUSE_BATCH; ++u) {
+                if (d0 + u * FUSE_GROUPS < nd) {
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) {
+                        const float v = elem(raw[u], e);
+                        acc[e] = sel_fma(w[u], v, acc[e]);
+                        plain[e] = sel_add(plain[e], v);
+                    }
+                }
+            }
+        }
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            part[g * width + c8 * 8 + e] = acc[e];
+            part_plain[g * width + c8 * 8 + e] = plain[e];
+        }
+    }
+    __syncthreads();
+    for (int c = threadIdx.x; c < width; c += blockDim.x) {
+        float a = 0.f, p = 0.f;
+#pragma unroll
+        for (int q = 0; q < FUSE_GROUPS; ++q) {
+            a = sel_add(a, part[q * width + c]);
+            p = sel_add(p, part_plain[q * width + c]);
+        }
+        store(c, fuse == 2 ? a : (total > 0.f ? sel_div(a, total) : sel_div(p, (float)nd)));
+    }
+    __syncthreads();
 }
 
 }  // namespace select_common
