@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# Lever 91 on the GPU machine, from the repo root: the batch-1 step kernels' selection made
-# cheaper (select_common.cuh's ranking as two loops of one comparison each, the placement's warp
-# counts scanned by shuffles, EViT's fused row read 16 bytes at a time with each thread's loads
-# in flight together (fused_columns8), and the fused row's CTAs issuing W2's and the next qkv's
-# loads before computing it). Two binaries: .gpu/bench.xz (new) against .gpu-prev/bench-prev.xz
-# (prev, the commit before).
+# Levers 91 and 92 on the GPU machine, from the repo root: the batch-1 step kernels' selection
+# made cheaper (91: select_common.cuh's ranking as two loops of one comparison each, the
+# placement's warp counts scanned by shuffles, EViT's fused row read 16 bytes at a time with each
+# thread's loads in flight together (fused_columns8), and the fused row's CTAs issuing W2's and
+# the next qkv's loads before computing it; 92: select_mlp_block staging each tile's window of
+# input rows at its start, and the fused weights' total summed by an idle warp). Two binaries:
+# .gpu/bench.xz (new) against .gpu-prev/bench-prev.xz (prev, the commit before the change).
+# SANITIZE_SELECT=0 leaves test-select out of the sanitizer runs (its racecheck takes ~200 s).
 # Needs .gpu/{bench,test-attention_norm_linear,test-select,test-step_scores,test-select_bounded,
 # test-select_rule,test-paths_agreement}.xz (tests: those the bundle has) and .gpu-prev/bench-prev.xz.
 # STAGES (default "checks anatomy ncu e2e"):
@@ -36,7 +38,7 @@ if has checks; then
   export ATTENTION_RNL_TEST_QUICK=1
   sanitize attention_norm_linear select_
   unset ATTENTION_RNL_TEST_QUICK
-  [ -f "$B/test-select" ] && sanitize select
+  [ -f "$B/test-select" ] && [ "${SANITIZE_SELECT:-1}" != 0 ] && sanitize select
   [ -f "$B/test-paths_agreement" ] && { paths_check deit-tiny 1 300; graphs_check 200; }
 fi
 if has anatomy; then
