@@ -1024,16 +1024,23 @@ constexpr int SELECT_STEP_MAX_LEN = 512;
 // ones: `src[r]`, r < prefix + keep, the input position of output row r, in shared memory
 // (`scratch`, 3 · len + 32 ints). `v`: thread t's token's score inputs (step_score_load, token
 // t), loaded before the weights' cp.async were issued. Every thread must call it; ends on a
-// barrier. No fused row (the step before a block gathers rows, as select_top_k_gathering).
+// barrier. No fused row here (the step before a block gathers rows, as select_top_k_gathering);
+// select_mlp_block's selection runs it too, with `scores_out` (len floats) receiving each
+// token's score for its fused row's weights, and the dropped positions after the placement.
 __device__ __forceinline__ const int* select_place(const StepSelect& sel, int* scratch,
-                                                  const float (&v)[select_common::STEP_SCORE_ROWS]) {
+                                                  const float (&v)[select_common::STEP_SCORE_ROWS],
+                                                  float* scores_out = nullptr) {
     using namespace select_common;
     const int len = sel.len;
     int* key = scratch;
     int* kept = key + len;
     int* dropped = kept + len;
     int* counts = dropped + len;
-    if ((int)threadIdx.x < len) key[threadIdx.x] = total_key(step_score_from(v, sel.mode, sel.heads));
+    if ((int)threadIdx.x < len) {
+        const float s = step_score_from(v, sel.mode, sel.heads);
+        if (scores_out != nullptr) scores_out[threadIdx.x] = s;
+        key[threadIdx.x] = total_key(s);
+    }
     __syncthreads();
     rank_tokens(key, kept, len, sel.prefix, sel.keep);
     __syncthreads();
@@ -1471,21 +1478,8 @@ __device__ bool select_stage_rows(T* sa, const T* __restrict__ x1, const StepSel
     using namespace select_common;
     constexpr int LDS = K + 8, VECS = K / 8;
     const int len = sel.len, kept_n = sel.prefix + sel.keep;
-    float* sc = scratch;
-    int* key = reinterpret_cast<int*>(sc + len);
-    int* kept = key + len;
-    int* dropped = kept + len;
-    int* counts = dropped + len;
-    if ((int)threadIdx.x < len) {
-        const float s = step_score_from(v, sel.mode, sel.heads);
-        sc[threadIdx.x] = s;
-        key[threadIdx.x] = total_key(s);
-    }
-    __syncthreads();
-    rank_tokens(key, kept, len, sel.prefix, sel.keep);
-    __syncthreads();
-    int* src = key;  // the keys are dead
-    place_tokens(kept, len, src, dropped, counts);
+    // The scores, then select_place's keys (then src), kept flags, dropped positions and counts.
+    const int* src = select_place(sel, reinterpret_cast<int*>(scratch + len), v, scratch);
     const bool fused_here = sel.fuse && kept_n >= m0 && kept_n < m0 + NL_BM;
     for (int i = threadIdx.x; i < NL_BM * VECS; i += blockDim.x) {
         const int row = i / VECS, c = i % VECS, r = m0 + row;

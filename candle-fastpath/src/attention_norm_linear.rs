@@ -80,10 +80,12 @@ pub fn attention_residual_norm_linear(
             next: None,
             norms: None,
         };
+        let (m, c) = residual.dims2()?;
         launch(
             (qkv, residual, linear.weight()),
             &op,
-            residual,
+            m,
+            c,
             linear.out_dim(),
         )
     }
@@ -94,17 +96,17 @@ pub fn attention_residual_norm_linear(
     }
 }
 
-/// `op` on `(a, b, c)`, its one output buffer split into the residual stream's rows (`rows`'
-/// shape, `[M, C]`) and the last GEMM's `[M, n]` ones (contiguous views): the output every
-/// kernel of this file returns.
+/// `op` on `(a, b, c)`, its one output buffer split into the residual stream's `[m, width]` rows
+/// and the last GEMM's `[m, n]` ones (contiguous views): the output every kernel of this file
+/// returns.
 #[cfg(feature = "cuda")]
 fn launch(
     (a, b, c): (&Tensor, &Tensor, &Tensor),
     op: &impl candle_core::CustomOp3,
-    rows: &Tensor,
+    m: usize,
+    width: usize,
     n: usize,
 ) -> Result<(Tensor, Tensor)> {
-    let (m, width) = rows.dims2()?;
     let both = a.apply_op3_no_bwd(b, c, op)?;
     let x = both.narrow(0, 0, m * width)?.reshape((m, width))?;
     let y = both.narrow(0, m * width, m * n)?.reshape((m, n))?;
@@ -446,6 +448,35 @@ pub struct BlockTail<'a> {
     pub next_qkv: &'a FusedLinear,
 }
 
+impl<'a> BlockTail<'a> {
+    /// Its MLP half and the next block's norm1 and qkv, as [`mlp_block`] takes them.
+    pub fn mlp(&self) -> MlpTail<'a> {
+        MlpTail {
+            norm2: self.norm2,
+            fc1: self.fc1,
+            fc2: self.fc2,
+            next_norm1: self.next_norm1,
+            next_qkv: self.next_qkv,
+        }
+    }
+}
+
+/// What the fused block kernels require of a block's MLP half on rows like `x` beyond
+/// [`crate::norm_linear`]'s rules for norm2 → fc1: fc1 exactly 4C wide, and
+/// [`crate::residual_norm_linear_applies`]'s fc2 form for fc2, the next block's norm1 and qkv
+/// (fc2's K = 4C, the next qkv weight's dtype and device, N in (480, 576]).
+#[cfg(feature = "cuda")]
+fn fc2_step_applies(x: &Tensor, w: &MlpTail) -> bool {
+    w.fc1.out_dim() == 4 * w.norm2.weight().elem_count()
+        && crate::norm_linear::residual_norm_linear_step_applies(
+            x,
+            w.fc2,
+            w.next_norm1,
+            w.next_qkv,
+            false,
+        )
+}
+
 /// A whole pre-norm block of one sequence from its qkv projection, and the next block's qkv, in
 /// one launch (lever 65): [`attention_residual_norm_linear`] (with the GELU) and then
 /// [`crate::residual_norm_linear`]'s fc2 form, `x2 = x1 + fc2(h)`, `qkv' = next_qkv(next_norm1(x2))`,
@@ -521,30 +552,47 @@ fn attention_block_launch(
     }
     #[cfg(feature = "cuda")]
     {
-        let op = crate::cuda::AttentionRnlOp {
-            rows: crate::cuda::ArnlRows::Sequence(cu_seqlens.clone()),
-            scale_log2: (scale * std::f64::consts::LOG2_E) as f32,
-            first: step_op(w.proj, w.norm2, w.fc1, true),
-            next: Some((
-                step_op(w.fc2, w.next_norm1, w.next_qkv, false),
-                w.next_qkv.weight().clone(),
-            )),
-            norms: with_norms.then(Default::default),
-        };
-        // W is fc1's weight; the second output is the next block's qkv.
-        let operands = (qkv, residual, w.fc1.weight());
-        let (x2, next_qkv) = launch(operands, &op, residual, w.next_qkv.out_dim())?;
-        let norms = match &op.norms {
-            Some(cell) => Some(side_output(cell, residual.device())?),
-            None => None,
-        };
-        Ok((x2, next_qkv, norms))
+        let rows = crate::cuda::ArnlRows::Sequence(cu_seqlens.clone());
+        block_launch(qkv, residual, rows, residual.dim(0)?, scale, w, with_norms)
     }
     #[cfg(not(feature = "cuda"))]
     {
         let _ = (scale, with_norms);
         unreachable!("attention_block_applies is false without the cuda feature")
     }
+}
+
+/// The one launch of [`attention_block`] and [`select_attention_block`]: the attention kernel with
+/// `next` over `rows` (one sequence, or a step's input), `m` output rows; `(x2, qkv', norms)`,
+/// x2's row norms when `with_norms`. W is fc1's weight; the second output is the next block's
+/// qkv.
+#[cfg(feature = "cuda")]
+fn block_launch(
+    qkv: &Tensor,
+    residual: &Tensor,
+    rows: crate::cuda::ArnlRows,
+    m: usize,
+    scale: f64,
+    w: &BlockTail,
+    with_norms: bool,
+) -> Result<(Tensor, Tensor, Option<Tensor>)> {
+    let op = crate::cuda::AttentionRnlOp {
+        rows,
+        scale_log2: (scale * std::f64::consts::LOG2_E) as f32,
+        first: step_op(w.proj, w.norm2, w.fc1, true),
+        next: Some((
+            step_op(w.fc2, w.next_norm1, w.next_qkv, false),
+            w.next_qkv.weight().clone(),
+        )),
+        norms: with_norms.then(Default::default),
+    };
+    let operands = (qkv, residual, w.fc1.weight());
+    let (x2, next_qkv) = launch(operands, &op, m, residual.dim(1)?, w.next_qkv.out_dim())?;
+    let norms = match &op.norms {
+        Some(cell) => Some(side_output(cell, residual.device())?),
+        None => None,
+    };
+    Ok((x2, next_qkv, norms))
 }
 
 /// Whether [`attention_block`] runs: [`attention_residual_norm_linear_applies`] for the block's
@@ -569,20 +617,10 @@ pub fn attention_block_applies(
         let candle_core::Device::Cuda(dev) = residual.device() else {
             return false;
         };
-        let c = w.norm2.weight().elem_count();
-        // fc2's K = 4C, the next qkv weight's dtype and device: residual_norm_linear_step_applies
-        // (its fc2 form and norm_linear's checks).
         attention_block_enabled()
-            && w.fc1.out_dim() == 4 * c
+            && fc2_step_applies(residual, &w.mlp())
             && attention_residual_norm_linear_applies(
                 qkv, cu_seqlens, heads, residual, w.proj, w.norm2, w.fc1, true,
-            )
-            && crate::norm_linear::residual_norm_linear_step_applies(
-                residual,
-                w.fc2,
-                w.next_norm1,
-                w.next_qkv,
-                false,
             )
             && residual
                 .dims2()
@@ -667,9 +705,7 @@ fn select_attention_block_launch(
     w: &BlockTail,
     with_norms: bool,
 ) -> Result<(Tensor, Tensor, Option<Tensor>)> {
-    let scores_fit = scores.batch_size() == 1
-        && residual.dim(0).is_ok_and(|len| len == scores.len())
-        && scores.tensor().device().same_device(residual.device());
+    let scores_fit = one_sequence_scores(scores, residual);
     let out_rows = prefix + keep;
     if !scores_fit || !select_attention_block_applies(qkv, heads, residual, w, out_rows) {
         return Err(FastpathError::NotApplicable {
@@ -690,35 +726,9 @@ fn select_attention_block_launch(
     }
     #[cfg(feature = "cuda")]
     {
-        let select = crate::cuda::SelectStep {
-            scores: scores.tensor().flatten_all()?,
-            prefix,
-            keep,
-            fuse: 0,
-            mode: scores.layout().kernel_mode(),
-            heads: scores.heads(),
-        };
-        let op = crate::cuda::AttentionRnlOp {
-            rows: crate::cuda::ArnlRows::Step(select),
-            scale_log2: (scale * std::f64::consts::LOG2_E) as f32,
-            first: step_op(w.proj, w.norm2, w.fc1, true),
-            next: Some((
-                step_op(w.fc2, w.next_norm1, w.next_qkv, false),
-                w.next_qkv.weight().clone(),
-            )),
-            norms: with_norms.then(Default::default),
-        };
-        let (c, n2) = (residual.dim(1)?, w.next_qkv.out_dim());
-        let both = qkv.apply_op3_no_bwd(residual, w.fc1.weight(), &op)?;
-        let x2 = both.narrow(0, 0, out_rows * c)?.reshape((out_rows, c))?;
-        let next_qkv = both
-            .narrow(0, out_rows * c, out_rows * n2)?
-            .reshape((out_rows, n2))?;
-        let norms = match &op.norms {
-            Some(cell) => Some(side_output(cell, residual.device())?),
-            None => None,
-        };
-        Ok((x2, next_qkv, norms))
+        let select = crate::cuda::SelectStep::new(scores, prefix, keep, 0)?;
+        let rows = crate::cuda::ArnlRows::Step(select);
+        block_launch(qkv, residual, rows, out_rows, scale, w, with_norms)
     }
     #[cfg(not(feature = "cuda"))]
     {
@@ -751,21 +761,13 @@ pub fn select_attention_block_applies(
         let candle_core::Device::Cuda(dev) = residual.device() else {
             return false;
         };
-        let c = w.norm2.weight().elem_count();
         select_attention_block_enabled()
             && attention_block_enabled()
             && residual.dims2().is_ok_and(|(len, _)| {
                 len <= crate::cuda::SELECT_STEP_MAX_LEN && (1..=len).contains(&out_rows)
             })
-            && w.fc1.out_dim() == 4 * c
+            && fc2_step_applies(residual, &w.mlp())
             && arnl_applies(qkv, heads, residual, w.proj, w.norm2, w.fc1, true)
-            && crate::norm_linear::residual_norm_linear_step_applies(
-                residual,
-                w.fc2,
-                w.next_norm1,
-                w.next_qkv,
-                false,
-            )
             && crate::cuda::has_select_attention_block(dev, out_rows)
     }
 }
@@ -821,24 +823,42 @@ pub fn mlp_block(x1: &Tensor, w: &MlpTail) -> Result<(Tensor, Tensor)> {
     }
     #[cfg(feature = "cuda")]
     {
-        let bias = |l: &FusedLinear| {
-            l.bias()
-                .cloned()
-                .unwrap_or_else(|| unreachable!("mlp_block_applies requires every bias"))
-        };
-        let op = crate::cuda::MlpBlockOp {
-            ln_weight: w.norm2.weight().clone(),
-            ln_bias: w.norm2.bias().clone(),
-            fc1_bias: bias(w.fc1),
-            eps: w.norm2.eps() as f32,
-            second: step_op(w.fc2, w.next_norm1, w.next_qkv, false),
-            select: None,
-        };
-        let operands = (x1, w.fc1.weight(), w.next_qkv.weight());
-        launch(operands, &op, x1, w.next_qkv.out_dim())
+        mlp_launch(x1, w, None, x1.dim(0)?)
     }
     #[cfg(not(feature = "cuda"))]
     unreachable!("mlp_block_applies is false without the cuda feature")
+}
+
+/// The one launch of [`mlp_block`] and [`select_mlp_block`] (with `select`): `m` output rows of
+/// x2 and of the next qkv.
+#[cfg(feature = "cuda")]
+fn mlp_launch(
+    x1: &Tensor,
+    w: &MlpTail,
+    select: Option<crate::cuda::SelectStep>,
+    m: usize,
+) -> Result<(Tensor, Tensor)> {
+    let fc1_bias = w.fc1.bias().cloned();
+    let fc1_bias =
+        fc1_bias.unwrap_or_else(|| unreachable!("mlp_block_applies requires every bias"));
+    let op = crate::cuda::MlpBlockOp {
+        ln_weight: w.norm2.weight().clone(),
+        ln_bias: w.norm2.bias().clone(),
+        fc1_bias,
+        eps: w.norm2.eps() as f32,
+        second: step_op(w.fc2, w.next_norm1, w.next_qkv, false),
+        select,
+    };
+    let operands = (x1, w.fc1.weight(), w.next_qkv.weight());
+    launch(operands, &op, m, x1.dim(1)?, w.next_qkv.out_dim())
+}
+
+/// Whether `scores` are one sequence's, of `x`'s tokens and on its device: what the fused step
+/// kernels take.
+fn one_sequence_scores(scores: &candle_ragged::StepScores, x: &Tensor) -> bool {
+    scores.batch_size() == 1
+        && x.dim(0).is_ok_and(|len| len == scores.len())
+        && scores.tensor().device().same_device(x.device())
 }
 
 /// Whether [`mlp_block`] runs: norm2 → fc1 with the GELU as [`crate::norm_linear`]'s kernel takes
@@ -860,15 +880,8 @@ pub fn mlp_block_applies(x1: &Tensor, w: &MlpTail) -> bool {
         let c = w.norm2.weight().elem_count();
         mlp_block_enabled()
             && x1.dims2().is_ok_and(|(_, xc)| xc == c)
-            && w.fc1.out_dim() == 4 * c
+            && fc2_step_applies(x1, w)
             && crate::norm_linear::norm_linear_eligible(x1, w.norm2, w.fc1, true)
-            && crate::norm_linear::residual_norm_linear_step_applies(
-                x1,
-                w.fc2,
-                w.next_norm1,
-                w.next_qkv,
-                false,
-            )
             && crate::cuda::has_mlp_block(dev)
     }
 }
@@ -909,9 +922,7 @@ pub fn select_mlp_block(
     fusion: Option<candle_ragged::DroppedFusion>,
     w: &MlpTail,
 ) -> Result<(Tensor, Tensor)> {
-    let scores_fit = scores.batch_size() == 1
-        && x1.dim(0).is_ok_and(|len| len == scores.len())
-        && scores.tensor().device().same_device(x1.device());
+    let scores_fit = one_sequence_scores(scores, x1);
     if !scores_fit || !select_mlp_block_applies(x1, w) {
         return Err(FastpathError::NotApplicable {
             op: "select_mlp_block",
@@ -936,32 +947,9 @@ pub fn select_mlp_block(
             Some(candle_ragged::DroppedFusion::WeightedMean) => 1,
             Some(candle_ragged::DroppedFusion::WeightedSum) => 2,
         };
-        let bias = |l: &FusedLinear| {
-            l.bias()
-                .cloned()
-                .unwrap_or_else(|| unreachable!("mlp_block_applies requires every bias"))
-        };
-        let select = crate::cuda::SelectStep {
-            scores: scores.tensor().flatten_all()?,
-            prefix,
-            keep,
-            fuse,
-            mode: scores.layout().kernel_mode(),
-            heads: scores.heads(),
-        };
-        let (m, c, n2) = (select.out_rows(), x1.dim(1)?, w.next_qkv.out_dim());
-        let op = crate::cuda::MlpBlockOp {
-            ln_weight: w.norm2.weight().clone(),
-            ln_bias: w.norm2.bias().clone(),
-            fc1_bias: bias(w.fc1),
-            eps: w.norm2.eps() as f32,
-            second: step_op(w.fc2, w.next_norm1, w.next_qkv, false),
-            select: Some(select),
-        };
-        let both = x1.apply_op3_no_bwd(w.fc1.weight(), w.next_qkv.weight(), &op)?;
-        let x2 = both.narrow(0, 0, m * c)?.reshape((m, c))?;
-        let next_qkv = both.narrow(0, m * c, m * n2)?.reshape((m, n2))?;
-        Ok((x2, next_qkv))
+        let select = crate::cuda::SelectStep::new(scores, prefix, keep, fuse)?;
+        let m = select.out_rows();
+        mlp_launch(x1, w, Some(select), m)
     }
     #[cfg(not(feature = "cuda"))]
     {

@@ -1355,6 +1355,23 @@ fn one_sequence_offsets<'a>(
     Ok(cu.as_cuda_slice::<u32>()?.slice(layout.start_offset()..))
 }
 
+/// The f32 view of a [`SelectStep`]'s scores (locked by its caller), after checking that they
+/// are on `dev` (their size and dtype: [`SelectStep::check`]).
+fn step_scores_view<'a>(
+    what: &str,
+    storage: &'a Storage,
+    layout: &Layout,
+    dev: &CudaDevice,
+) -> candle_core::Result<CudaView<'a, f32>> {
+    let Storage::Cuda(sc) = storage else {
+        candle_core::bail!("{what}: the scores are not on the CUDA device");
+    };
+    if sc.device.id() != dev.id() {
+        candle_core::bail!("{what}: the scores are on another CUDA device");
+    }
+    Ok(sc.as_cuda_slice::<f32>()?.slice(layout.start_offset()..))
+}
+
 /// Whether `dev` has [`ResidualNormLinearOp`]'s kernels (compute capability 9.0 and up, PTX
 /// built for it).
 pub(crate) fn has_residual_norm_linear(dev: &CudaDevice) -> bool {
@@ -1526,73 +1543,59 @@ cuda_only_op3!(
     "residual_norm_linear"
 );
 
+/// Whether `dev` has the cluster kernels `kernels` picks from its state (which the attention
+/// kernels' opt-in shared-memory limit gates: compute capability 9.0) and a launch needing `smem`
+/// bytes of dynamic shared memory fits that limit.
+fn has_fused(dev: &CudaDevice, smem: usize, kernels: impl Fn(&DeviceState) -> bool) -> bool {
+    let mut states = STATE.lock().unwrap_or_else(|e| e.into_inner());
+    device_state(&mut states, dev).is_ok_and(|s| {
+        kernels(s)
+            && s.attention_rnl
+                .as_ref()
+                .is_some_and(|(_, max)| smem <= *max)
+    })
+}
+
 /// Whether `dev` has [`AttentionRnlOp`]'s kernels (as
 /// [`has_residual_norm_linear`]) and a launch over `m` rows fits its shared memory.
 pub(crate) fn has_attention_rnl(dev: &CudaDevice, m: usize) -> bool {
-    let mut states = STATE.lock().unwrap_or_else(|e| e.into_inner());
-    device_state(&mut states, dev).is_ok_and(|s| {
-        s.attention_rnl
-            .as_ref()
-            .is_some_and(|(_, max)| attention_rnl_smem_bytes(m) <= *max)
-    })
+    has_fused(dev, attention_rnl_smem_bytes(m), |_| true)
 }
 
 /// Whether `dev` has [`AttentionResidualOp`]'s kernels and a launch over `m` rows fits its
 /// shared memory.
 pub(crate) fn has_attention_residual(dev: &CudaDevice, m: usize) -> bool {
-    let mut states = STATE.lock().unwrap_or_else(|e| e.into_inner());
-    device_state(&mut states, dev).is_ok_and(|s| {
+    has_fused(dev, attention_rnl_smem_bytes(m), |s| {
         s.attention_residual.is_some()
-            && s.attention_rnl
-                .as_ref()
-                .is_some_and(|(_, max)| attention_rnl_smem_bytes(m) <= *max)
     })
 }
 
 /// Whether `dev` has [`AttentionRnlOp`] (with `next`)'s kernels and a launch over `m` rows fits its shared
 /// memory.
 pub(crate) fn has_attention_block(dev: &CudaDevice, m: usize) -> bool {
-    let mut states = STATE.lock().unwrap_or_else(|e| e.into_inner());
-    device_state(&mut states, dev).is_ok_and(|s| {
+    has_fused(dev, attention_block_smem_bytes(m), |s| {
         s.attention_block.is_some()
-            && s.attention_rnl
-                .as_ref()
-                .is_some_and(|(_, max)| attention_block_smem_bytes(m) <= *max)
     })
 }
 
 /// Whether `dev` has [`AttentionRnlOp`]'s kernels with [`SelectStep`] and a launch with `m`
 /// output rows fits its shared memory.
 pub(crate) fn has_select_attention_block(dev: &CudaDevice, m: usize) -> bool {
-    let mut states = STATE.lock().unwrap_or_else(|e| e.into_inner());
-    device_state(&mut states, dev).is_ok_and(|s| {
+    has_fused(dev, attention_block_smem_bytes(m), |s| {
         s.select_attention_block.is_some()
-            && s.attention_rnl
-                .as_ref()
-                .is_some_and(|(_, max)| attention_block_smem_bytes(m) <= *max)
     })
 }
 
 /// Whether `dev` has [`MlpBlockOp`]'s kernels (as [`has_residual_norm_linear`]) and its shared
 /// memory.
 pub(crate) fn has_mlp_block(dev: &CudaDevice) -> bool {
-    let mut states = STATE.lock().unwrap_or_else(|e| e.into_inner());
-    device_state(&mut states, dev).is_ok_and(|s| {
-        s.mlp_block.is_some()
-            && s.attention_rnl
-                .as_ref()
-                .is_some_and(|(_, max)| mlp_block_smem_bytes() <= *max)
-    })
+    has_fused(dev, mlp_block_smem_bytes(), |s| s.mlp_block.is_some())
 }
 
 /// Whether `dev` has [`MlpBlockOp`]'s kernels with [`SelectStep`] and their shared memory.
 pub(crate) fn has_select_mlp_block(dev: &CudaDevice) -> bool {
-    let mut states = STATE.lock().unwrap_or_else(|e| e.into_inner());
-    device_state(&mut states, dev).is_ok_and(|s| {
+    has_fused(dev, mlp_block_smem_bytes(), |s| {
         s.select_mlp_block.is_some()
-            && s.attention_rnl
-                .as_ref()
-                .is_some_and(|(_, max)| mlp_block_smem_bytes() <= *max)
     })
 }
 
@@ -1612,6 +1615,24 @@ pub(crate) struct SelectStep {
 }
 
 impl SelectStep {
+    /// The step that keeps `prefix` tokens and `keep` patches by `scores` (one sequence), with
+    /// the fused row `fuse` (0 none, 1 weighted mean, 2 weighted sum).
+    pub(crate) fn new(
+        scores: &candle_ragged::StepScores,
+        prefix: usize,
+        keep: usize,
+        fuse: i32,
+    ) -> candle_core::Result<Self> {
+        Ok(Self {
+            scores: scores.tensor().flatten_all()?,
+            prefix,
+            keep,
+            fuse,
+            mode: scores.layout().kernel_mode(),
+            heads: scores.heads(),
+        })
+    }
+
     /// The output rows of a step over `len` tokens.
     pub(crate) fn out_rows(&self) -> usize {
         self.prefix + self.keep + (self.fuse != 0) as usize
@@ -1776,13 +1797,7 @@ impl MlpBlockOp {
         let scores_guard = self.select.as_ref().map(|s| s.scores.storage_and_layout());
         let select_args = match (&self.select, &scores_guard) {
             (Some(sel), Some((storage, layout))) => {
-                let Storage::Cuda(sc) = &**storage else {
-                    candle_core::bail!("{what}: the scores are not on the CUDA device");
-                };
-                if sc.device.id() != dev.id() {
-                    candle_core::bail!("{what}: the scores are on another CUDA device");
-                }
-                let view = sc.as_cuda_slice::<f32>()?.slice(layout.start_offset()..);
+                let view = step_scores_view(what, storage, layout, dev)?;
                 let ints = [
                     len as i32,
                     sel.prefix as i32,
@@ -1975,15 +1990,7 @@ impl AttentionRnlOp {
                 offsets = Some(one_sequence_offsets(what, &rows_guard.0, rows_guard.1)?);
             }
             ArnlRows::Step(sel) => {
-                let Storage::Cuda(sc) = &*rows_guard.0 else {
-                    candle_core::bail!("{what}: the scores are not on the CUDA device");
-                };
-                if sc.device.id() != dev.id() {
-                    candle_core::bail!("{what}: the scores are on another CUDA device");
-                }
-                let view = sc
-                    .as_cuda_slice::<f32>()?
-                    .slice(rows_guard.1.start_offset()..);
+                let view = step_scores_view(what, &rows_guard.0, rows_guard.1, dev)?;
                 let ints = [
                     rows as i32,
                     sel.prefix as i32,

@@ -25,6 +25,7 @@ use candle_fastpath::{
     select_mlp_block, select_mlp_block_applies, BlockTail, Epilogue, FastpathError, FusedLinear,
     LayerNorm, MlpTail,
 };
+use candle_ragged::{step_scores, StepScores, TokenScores};
 use common::{device, has_clusters, host, poison, quantize, randn};
 use rand::{rngs::StdRng, SeedableRng};
 
@@ -119,6 +120,19 @@ impl MlpWeights {
         Self { block, fc2, next }
     }
 
+    /// The whole block after its attention: `proj`, then this MLP half and the next block's
+    /// norm1 and qkv (what `attention_block` and `select_attention_block` take).
+    fn block_tail<'a>(&'a self, proj: &'a FusedLinear) -> BlockTail<'a> {
+        BlockTail {
+            proj,
+            norm2: &self.block.norm,
+            fc1: &self.block.fc1,
+            fc2: &self.fc2,
+            next_norm1: &self.next.norm,
+            next_qkv: &self.next.fc1,
+        }
+    }
+
     fn tail(&self) -> MlpTail<'_> {
         MlpTail {
             norm2: &self.block.norm,
@@ -128,6 +142,41 @@ impl MlpWeights {
             next_qkv: &self.next.fc1,
         }
     }
+}
+
+/// A step test's case over `len` tokens (one prefix token): given scores `[1, len]` (random, with
+/// a NaN and a tie past 4 tokens) and the keeps to try (~0.7 of the patches only when `quick`,
+/// else 1, half, ~0.7 and every patch).
+fn step_case(dev: &Device, rng: &mut StdRng, len: usize, quick: bool) -> (Tensor, Vec<usize>) {
+    let mut given = randn(rng, len, 1.0);
+    if len > 4 {
+        given[3] = f32::NAN;
+        given[2] = given[len - 1];
+    }
+    let given = Tensor::from_slice(&given, (1, len), dev).unwrap();
+    let patches = len - 1;
+    let keeps = if quick {
+        vec![(patches * 7).div_ceil(10)]
+    } else {
+        vec![1, patches.div_ceil(2), (patches * 7).div_ceil(10), patches]
+    };
+    (given, keeps)
+}
+
+/// Scores for the bad-input checks of a step kernel over `x` (20 tokens): `x`'s own (given), and
+/// two that are not one sequence of its tokens (10 tokens' scores, and `x`'s as two sequences).
+fn step_scores_and_wrong_ones(
+    dev: &Device,
+    rng: &mut StdRng,
+    x: &Tensor,
+) -> (StepScores, [(&'static str, StepScores); 2]) {
+    let s20 = Tensor::from_slice(&randn(rng, 20, 1.0), (1, 20), dev).unwrap();
+    let step = step_scores(x, 1, TokenScores::Given(&s20)).unwrap();
+    let s10 = Tensor::from_slice(&randn(rng, 10, 1.0), (1, 10), dev).unwrap();
+    let x10 = x.narrow(0, 0, 10).unwrap();
+    let other = step_scores(&x10, 1, TokenScores::Given(&s10)).unwrap();
+    let two = step_scores(x, 2, TokenScores::Given(&s20.reshape((2, 10)).unwrap())).unwrap();
+    (step, [("10 tokens' scores", other), ("two sequences", two)])
 }
 
 /// A block's fc2, `[C, 4C]` with its bias, random (scaled so that its outputs stay a few units).
@@ -452,7 +501,7 @@ fn check_row_norms(
     plain: (&Tensor, &Tensor),
     what: &str,
 ) {
-    use candle_ragged::{select_top_k_by, DroppedFusion, TokenScores};
+    use candle_ragged::{select_top_k_by, DroppedFusion};
     let rows = r.dim(0).unwrap();
     poison(dev, rows * (C + 3 * C) + rows, r.dtype());
     let (x2, next_qkv, norms) = attention_block_with_norms(qkv, cu, HEADS, scale, r, tail).unwrap();
@@ -623,7 +672,7 @@ fn attention_residual_is_the_fused_kernels_x1() {
 /// calling it is a clear error; bad steps and scores of another sequence are errors.
 #[test]
 fn select_mlp_block_matches_select_then_mlp_block() {
-    use candle_ragged::{select_top_k_by, step_scores, DroppedFusion, TokenScores};
+    use candle_ragged::{select_top_k_by, DroppedFusion};
     let dev = device();
     let fused_expected = dev.is_cuda() && has_clusters(&dev);
     let mut rng = StdRng::seed_from_u64(87);
@@ -648,18 +697,7 @@ fn select_mlp_block_matches_select_then_mlp_block() {
                 &[len, 3 * C],
                 dtype,
             );
-            let mut given = randn(&mut rng, len, 1.0);
-            if len > 4 {
-                given[3] = f32::NAN;
-                given[2] = given[len - 1];
-            }
-            let given = Tensor::from_slice(&given, (1, len), &dev).unwrap();
-            let patches = len - 1;
-            let keeps = if quick {
-                vec![(patches * 7).div_ceil(10)]
-            } else {
-                vec![1, patches.div_ceil(2), (patches * 7).div_ceil(10), patches]
-            };
+            let (given, keeps) = step_case(&dev, &mut rng, len, quick);
             for (name, scores) in [
                 (
                     "cls attention",
@@ -721,17 +759,12 @@ fn select_mlp_block_matches_select_then_mlp_block() {
     let mlp = MlpWeights::new(&dev, &mut rng, dtype);
     let tail = mlp.tail();
     let x1 = tensor(&dev, &randn(&mut rng, 20 * C, 1.0), &[20, C], dtype);
-    let s20 = Tensor::from_slice(&randn(&mut rng, 20, 1.0), (1, 20), &dev).unwrap();
-    let step = step_scores(&x1, 1, TokenScores::Given(&s20)).unwrap();
+    let (step, wrong) = step_scores_and_wrong_ones(&dev, &mut rng, &x1);
     for (prefix, keep) in [(20, 1), (1, 0), (1, 20)] {
         let got = select_mlp_block(&x1, &step, prefix, keep, None, &tail);
         assert!(got.is_err(), "prefix {prefix} keep {keep}: {got:?}");
     }
-    let s10 = Tensor::from_slice(&randn(&mut rng, 10, 1.0), (1, 10), &dev).unwrap();
-    let x10 = x1.narrow(0, 0, 10).unwrap();
-    let other = step_scores(&x10, 1, TokenScores::Given(&s10)).unwrap();
-    let two = step_scores(&x1, 2, TokenScores::Given(&s20.reshape((2, 10)).unwrap())).unwrap();
-    for (what, s) in [("10 tokens' scores", &other), ("two sequences", &two)] {
+    for (what, s) in &wrong {
         let got = select_mlp_block(&x1, s, 1, 5, None, &tail);
         assert!(
             matches!(got, Err(FastpathError::NotApplicable { .. })),
@@ -751,7 +784,6 @@ fn select_mlp_block_matches_select_then_mlp_block() {
 /// does not apply and calling it is a clear error.
 #[test]
 fn attention_cls_probs_are_step_scores_bits() {
-    use candle_ragged::{step_scores, TokenScores};
     let dev = device();
     let fused_expected = dev.is_cuda() && has_clusters(&dev);
     let mut rng = StdRng::seed_from_u64(88);
@@ -824,7 +856,7 @@ fn attention_cls_probs_are_step_scores_bits() {
 /// scores and inputs over 512 tokens are not taken, and on the CPU it does not apply.
 #[test]
 fn select_attention_block_matches_select_then_attention_block() {
-    use candle_ragged::{select_top_k_gathering, step_scores, TokenScores};
+    use candle_ragged::select_top_k_gathering;
     let dev = device();
     let fused_expected = dev.is_cuda() && has_clusters(&dev);
     let mut rng = StdRng::seed_from_u64(90);
@@ -839,14 +871,7 @@ fn select_attention_block_matches_select_then_attention_block() {
     for &dtype in dtypes {
         let mlp = MlpWeights::new(&dev, &mut rng, dtype);
         let proj = weights(&dev, &mut rng, dtype, C).proj;
-        let tail = BlockTail {
-            proj: &proj,
-            norm2: &mlp.block.norm,
-            fc1: &mlp.block.fc1,
-            fc2: &mlp.fc2,
-            next_norm1: &mlp.next.norm,
-            next_qkv: &mlp.next.fc1,
-        };
+        let tail = mlp.block_tail(&proj);
         for &len in lens {
             let x = tensor(&dev, &randn(&mut rng, len * C, 3.0), &[len, C], dtype);
             let qkv = tensor(
@@ -855,18 +880,7 @@ fn select_attention_block_matches_select_then_attention_block() {
                 &[len, 3 * C],
                 dtype,
             );
-            let mut given = randn(&mut rng, len, 1.0);
-            if len > 4 {
-                given[3] = f32::NAN;
-                given[2] = given[len - 1];
-            }
-            let given = Tensor::from_slice(&given, (1, len), &dev).unwrap();
-            let patches = len - 1;
-            let keeps = if quick {
-                vec![(patches * 7).div_ceil(10)]
-            } else {
-                vec![1, patches.div_ceil(2), (patches * 7).div_ceil(10), patches]
-            };
+            let (given, keeps) = step_case(&dev, &mut rng, len, quick);
             for (name, scores) in [
                 ("given", TokenScores::Given(&given)),
                 (
@@ -934,27 +948,15 @@ fn select_attention_block_matches_select_then_attention_block() {
     let dtype = DType::F16;
     let mlp = MlpWeights::new(&dev, &mut rng, dtype);
     let proj = weights(&dev, &mut rng, dtype, C).proj;
-    let tail = BlockTail {
-        proj: &proj,
-        norm2: &mlp.block.norm,
-        fc1: &mlp.block.fc1,
-        fc2: &mlp.fc2,
-        next_norm1: &mlp.next.norm,
-        next_qkv: &mlp.next.fc1,
-    };
+    let tail = mlp.block_tail(&proj);
     let x = tensor(&dev, &randn(&mut rng, 20 * C, 1.0), &[20, C], dtype);
     let qkv = tensor(&dev, &randn(&mut rng, 20 * 3 * C, 1.0), &[20, 3 * C], dtype);
-    let s20 = Tensor::from_slice(&randn(&mut rng, 20, 1.0), (1, 20), &dev).unwrap();
-    let step = step_scores(&x, 1, TokenScores::Given(&s20)).unwrap();
+    let (step, wrong) = step_scores_and_wrong_ones(&dev, &mut rng, &x);
     for (prefix, keep) in [(20, 1), (1, 0), (1, 20), (0, 21)] {
         let got = select_attention_block(&qkv, &x, &step, prefix, keep, HEADS, scale, &tail);
         assert!(got.is_err(), "prefix {prefix} keep {keep}: {got:?}");
     }
-    let s10 = Tensor::from_slice(&randn(&mut rng, 10, 1.0), (1, 10), &dev).unwrap();
-    let x10 = x.narrow(0, 0, 10).unwrap();
-    let other = step_scores(&x10, 1, TokenScores::Given(&s10)).unwrap();
-    let two = step_scores(&x, 2, TokenScores::Given(&s20.reshape((2, 10)).unwrap())).unwrap();
-    for (what, s) in [("10 tokens' scores", &other), ("two sequences", &two)] {
+    for (what, s) in &wrong {
         let got = select_attention_block(&qkv, &x, s, 1, 5, HEADS, scale, &tail);
         assert!(
             matches!(got, Err(FastpathError::NotApplicable { .. })),

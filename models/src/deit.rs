@@ -284,14 +284,7 @@ impl Block {
         ) else {
             return Ok(None);
         };
-        let tail = candle_fastpath::BlockTail {
-            proj: &self.attn.proj,
-            norm2: &self.norm2,
-            fc1: &self.mlp.fc1,
-            fc2: &self.mlp.fc2,
-            next_norm1: &next.norm1,
-            next_qkv: &next.attn.qkv,
-        };
+        let tail = self.tail_to(next);
         let (heads, cu) = (self.attn.heads, batch.cu_seqlens());
         // One sequence only: the applies check reads that off cu_seqlens.
         if !candle_fastpath::attention_block_applies(qkv, cu, heads, x, &tail) {
@@ -459,6 +452,20 @@ impl Block {
         }
     }
 
+    /// This block's weights after its attention and `next`'s norm1 and qkv: what the chained
+    /// batch-1 kernels run from this block's qkv (or its hidden states after attention) to the
+    /// next block's qkv ([`candle_fastpath::BlockTail::mlp`] for the MLP half alone).
+    fn tail_to<'a>(&'a self, next: &'a Block) -> candle_fastpath::BlockTail<'a> {
+        candle_fastpath::BlockTail {
+            proj: &self.attn.proj,
+            norm2: &self.norm2,
+            fc1: &self.mlp.fc1,
+            fc2: &self.mlp.fc2,
+            next_norm1: &next.norm1,
+            next_qkv: &next.attn.qkv,
+        }
+    }
+
     /// This block's weights as [`candle_fastpath::small_block`] reads them.
     pub fn fused_weights(&self) -> candle_fastpath::BlockWeights<'_> {
         candle_fastpath::BlockWeights {
@@ -596,13 +603,7 @@ impl Block {
         let Some(next) = next else {
             return Ok(None);
         };
-        let tail = candle_fastpath::MlpTail {
-            norm2: &self.norm2,
-            fc1: &self.mlp.fc1,
-            fc2: &self.mlp.fc2,
-            next_norm1: &next.norm1,
-            next_qkv: &next.attn.qkv,
-        };
+        let tail = self.tail_to(next).mlp();
         if !candle_fastpath::select_mlp_block_applies(x1, &tail) {
             return Ok(None);
         }
@@ -653,14 +654,7 @@ impl Block {
         ) else {
             return Ok(None);
         };
-        let tail = candle_fastpath::BlockTail {
-            proj: &self.attn.proj,
-            norm2: &self.norm2,
-            fc1: &self.mlp.fc1,
-            fc2: &self.mlp.fc2,
-            next_norm1: &next.norm1,
-            next_qkv: &next.attn.qkv,
-        };
+        let tail = self.tail_to(next);
         let out_rows = prefix + keep;
         let heads = self.attn.heads;
         if !candle_fastpath::select_attention_block_applies(qkv, heads, x, &tail, out_rows) {
@@ -719,13 +713,7 @@ impl Block {
                 // (candle_fastpath::mlp_block: DeiT-T's width, a grid of one wave), as the
                 // chained blocks' second step.
                 if let Some(next) = next.filter(|n| n.small_block_batch(x, inputs).is_none()) {
-                    let tail = candle_fastpath::MlpTail {
-                        norm2: &self.norm2,
-                        fc1: &self.mlp.fc1,
-                        fc2: &self.mlp.fc2,
-                        next_norm1: &next.norm1,
-                        next_qkv: &next.attn.qkv,
-                    };
+                    let tail = self.tail_to(next).mlp();
                     if candle_fastpath::mlp_block_applies(x, &tail) {
                         let (y, next_qkv) = candle_fastpath::mlp_block(x, &tail)?;
                         return Ok((y, Some(next_qkv)));

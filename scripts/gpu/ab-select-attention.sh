@@ -31,8 +31,7 @@ arm_env() {
 }
 ARMS=${ARMS:-off default}
 if has checks; then
-  echo "== test-attention_norm_linear" >> "$C"
-  timeout 300 $B/test-attention_norm_linear --test-threads=1 2>&1 | grep -E "test result|panicked|rror" >> "$C"
+  tests_results 300 attention_norm_linear
   export ATTENTION_RNL_TEST_QUICK=1
   sanitize attention_norm_linear select_attention_block
   unset ATTENTION_RNL_TEST_QUICK

@@ -30,11 +30,7 @@ nvidia-smi --query-gpu=name --format=csv,noheader >> "$C"
 PRUNERS_ALL=none,threshold-l2-fixed,threshold-l2-adaptive,dynamicvit-fixed,dynamicvit-adaptive,evit-fixed,evit-adaptive,ats-fixed,ats-adaptive
 ARMS=${ARMS:-prev new}
 if has checks; then
-  for t in attention_norm_linear select step_scores select_bounded select_rule; do
-    [ -f "$B/test-$t" ] || { echo "== test-$t: not in this bundle" >> "$C"; continue; }
-    echo "== test-$t" >> "$C"
-    timeout 300 $B/test-$t --test-threads=1 2>&1 | grep -E "test result|panicked|rror" >> "$C"
-  done
+  tests_results 300 attention_norm_linear select step_scores select_bounded select_rule
   export ATTENTION_RNL_TEST_QUICK=1
   sanitize attention_norm_linear select_
   unset ATTENTION_RNL_TEST_QUICK

@@ -39,11 +39,7 @@ arm_env() {
 }
 ARMS=${ARMS:-off x1 sel default}
 if has checks; then
-  for t in attention_norm_linear select step_scores select_bounded select_rule; do
-    [ -f "$B/test-$t" ] || { echo "== test-$t: not in this bundle" >> "$C"; continue; }
-    echo "== test-$t" >> "$C"
-    timeout 200 $B/test-$t --test-threads=1 2>&1 | grep -E "test result|panicked|rror" >> "$C"
-  done
+  tests_results 200 attention_norm_linear select step_scores select_bounded select_rule
   export ATTENTION_RNL_TEST_QUICK=1
   sanitize attention_norm_linear select_mlp_block
   sanitize attention_norm_linear attention_residual_is

@@ -43,6 +43,18 @@ paths_check() {
   grep -E "test result" /tmp/paths.log | tail -1 >> "$C"
 }
 
+# tests_results LIMIT NAME...: each test-NAME the bundle has (under `timeout LIMIT`), its result,
+# panic and error lines appended to $C under a header; a NAME the bundle lacks is logged as such.
+tests_results() {
+  local limit=$1 t
+  shift
+  for t in "$@"; do
+    [ -f "$B/test-$t" ] || { echo "== test-$t: not in this bundle" >> "$C"; continue; }
+    echo "== test-$t" >> "$C"
+    timeout "$limit" $B/test-$t --test-threads=1 2>&1 | grep -E "test result|panicked|rror" >> "$C"
+  done
+}
+
 # tests_memcheck NAME...: each test-NAME's result lines, then its run under compute-sanitizer
 # memcheck (its error summary), appended to $C.
 tests_memcheck() {
