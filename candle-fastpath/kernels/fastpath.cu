@@ -968,6 +968,152 @@ RESIDUAL_NORM_LINEAR_ENTRY(bf16, __nv_bfloat16, 192, 192, 6, 128, true, _gelu)
 RESIDUAL_NORM_LINEAR_ENTRY(bf16, __nv_bfloat16, 192, 768, 12, 96, false, _k768)
 
 // ---------------------------------------------------------------------------------------------
+// linear_residual_norm (lever 98): a pre-norm block's attention projection, its residual add and
+// the LayerNorm after it as one launch at DeiT-S's width, where the graph ran cuBLASLt's GEMM
+// with its residual epilogue and then the LayerNorm kernel:
+//   x1 = (o·Wpᵀ + r) + bp   (o, r [M, C], Wp [C, C]),   z = LayerNorm(x1),
+// both written out: x1 is the residual stream, z fc1's input, which cuBLASLt still runs. A
+// LayerNorm needs whole rows and the GEMM's columns are split over CTAs, so the LRN_SPLIT CTAs
+// sharing a 16-row tile form a cluster: rank q computes columns [LRN_SLICE·q, LRN_SLICE·(q + 1))
+// of x1 (its Wp rows staged once, K split over LRN_KW warps into f32 partials summed in a fixed
+// order: rnl_finish's arithmetic), rounds them, stores them and pushes them into every cluster
+// CTA's row buffer (distributed shared memory, counted on a transaction barrier); then rank q
+// normalises rows 2q and 2q + 1 of the tile with the LayerNorm kernel's own row code
+// (layer_norm_warp_row), so z is that kernel's output for this x1 bit for bit. At batch 1 a
+// launch is latency, not bytes: the GEMM and the LayerNorm were ~5 and ~3 µs (ncu), this kernel
+// ~6. The same form for fc2 (K = 4C: 148 KB of W2 per CTA) took 10.5 µs against ~8 for the two
+// launches it replaced, so fc2 keeps them.
+// Constraints (the host's, linear_residual_norm in candle-fastpath): C = 384, every operand
+// contiguous and 16-byte aligned, compute capability 9.0; grid (LRN_SPLIT, ceil(M / NL_BM)),
+// clusters of LRN_SPLIT along x, NL_WARPS · 32 threads, lrn_smem_bytes() (the host's) of dynamic
+// shared memory.
+constexpr int LRN_DIM = 384, LRN_SPLIT = 8, LRN_SLICE = LRN_DIM / LRN_SPLIT, LRN_KW = 8;
+
+// acc[j] (the m16n8 accumulator of columns 8j..8j+7, j < 2·NG) += A · Bᵀ for one warp, A the 16
+// rows at `a` and B the 16·NG rows at `b` (K elements each, LDS apart, shared memory):
+// nl_warp_mma_16x32's loop for NG groups of 16 weight rows.
+template <typename T, int K, int LDS, int NG>
+__device__ __forceinline__ void nl_warp_mma_16xn(float (&acc)[2 * NG][4], const T* a, const T* b) {
+    const unsigned lane = threadIdx.x % 32;
+    const T* a_base = a + (lane % 16) * LDS + (lane / 16) * 8;
+    const T* b_base = b + ((lane % 8) + (lane / 16) * 8) * LDS + ((lane / 8) % 2) * 8;
+#pragma unroll
+    for (int k0 = 0; k0 < K; k0 += 16) {
+        unsigned ra[4];
+        nl_ldmatrix_x4(ra, a_base + k0);
+#pragma unroll
+        for (int g = 0; g < NG; ++g) {
+            unsigned rb[4];
+            nl_ldmatrix_x4(rb, b_base + g * 16 * LDS + k0);
+            nl_mma<T>(acc[2 * g], ra, rb[0], rb[1]);
+            nl_mma<T>(acc[2 * g + 1], ra, rb[2], rb[3]);
+        }
+    }
+}
+
+template <typename T>
+__device__ void linear_residual_norm_tile(const T* __restrict__ o, const T* __restrict__ wp,
+                                          const T* __restrict__ bp, const T* __restrict__ r,
+                                          const T* __restrict__ ln_w, const T* __restrict__ ln_b,
+                                          T* __restrict__ x1, T* __restrict__ z, int M, float eps) {
+    constexpr int C = LRN_DIM, LDS = C + 8, VECS = C / 8, CHUNKS = (VECS + 31) / 32;
+    constexpr int KSLICE = C / LRN_KW, PAIRS = NL_BM * LRN_SLICE / 2, NG = LRN_SLICE / 16;
+    constexpr int ROWS_PER_RANK = NL_BM / LRN_SPLIT;
+    static_assert(LRN_SLICE % 16 == 0 && C % LRN_KW == 0 && KSLICE % 16 == 0 && LRN_KW <= NL_WARPS &&
+                      PAIRS <= NL_WARPS * 32 && NL_BM % LRN_SPLIT == 0 && ROWS_PER_RANK <= NL_WARPS,
+                  "tile shape");
+    extern __shared__ __align__(16) unsigned char nl_smem[];
+    const uint32_t bar = smem_addr(nl_smem) + 8 * BAR_X1;  // x1's exchange (RNL_BAR_BYTES hold it)
+    T* sa = reinterpret_cast<T*>(nl_smem + RNL_BAR_BYTES);  // the tile's 16 rows of x1 (the cluster's)
+    T* so = sa + NL_BM * LDS;                                // o's 16 rows
+    T* sp = so + NL_BM * LDS;                                // this rank's LRN_SLICE rows of Wp
+    float* spart = reinterpret_cast<float*>(sp + LRN_SLICE * LDS);  // [LRN_KW][NL_BM][LRN_SLICE]
+    const int rank = blockIdx.x, m0 = blockIdx.y * NL_BM, c0 = rank * LRN_SLICE;
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    // As residual_norm_linear_tile: no remote store before the whole cluster runs, its barrier
+    // armed.
+    xbar_arm<1>(bar, {NL_BM * C * (uint32_t)sizeof(T)});
+    asm volatile("barrier.cluster.arrive.relaxed;" ::: "memory");
+
+    // 1. o's rows and this rank's Wp rows; meanwhile the LayerNorm's parameters, and the residual
+    // and bias of the x1 pair this thread finishes (thread t < PAIRS: row t / (SLICE / 2)).
+    nl_stage_rows<T, C, NL_BM>(so, o, m0, M);
+    nl_stage_rows<T, C, LRN_SLICE>(sp, wp, c0, C);
+    asm volatile("cp.async.commit_group;" ::: "memory");
+    uint4 wraw[CHUNKS], braw[CHUNKS];
+    layer_norm_params<CHUNKS>(ln_w, ln_b, wraw, braw, VECS, lane);
+    const int prow = tid / (LRN_SLICE / 2), pcol = c0 + (tid % (LRN_SLICE / 2)) * 2;
+    float res[2] = {0.f, 0.f}, pb[2] = {0.f, 0.f};
+    if (tid < PAIRS) {
+        if (m0 + prow < M) {
+            const NlPair<T> p = *reinterpret_cast<const NlPair<T>*>(r + (size_t)(m0 + prow) * C + pcol);
+            res[0] = to_f32(p.a);
+            res[1] = to_f32(p.b);
+        }
+        pb[0] = to_f32(bp[pcol]);
+        pb[1] = to_f32(bp[pcol + 1]);
+    }
+    asm volatile("cp.async.wait_group 0;" ::: "memory");
+    __syncthreads();
+
+    // 2. This rank's 16 × LRN_SLICE slice of o·Wpᵀ, K split over LRN_KW warps into partials.
+    if (warp < LRN_KW) {
+        float acc[2 * NG][4] = {};
+        nl_warp_mma_16xn<T, KSLICE, LDS, NG>(acc, so + warp * KSLICE, sp + warp * KSLICE);
+        float* part = spart + warp * NL_BM * LRN_SLICE;
+#pragma unroll
+        for (int j = 0; j < 2 * NG; ++j) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int rl = lane / 4 + h * 8, cl = j * 8 + (lane % 4) * 2;
+                *reinterpret_cast<float2*>(part + rl * LRN_SLICE + cl) = make_float2(acc[j][2 * h], acc[j][2 * h + 1]);
+            }
+        }
+    }
+    __syncthreads();
+
+    // 3. x1 = (o·Wpᵀ + r) + bp, rounded once, to global memory and into every cluster CTA's rows.
+    asm volatile("barrier.cluster.wait;" ::: "memory");
+    if (tid < PAIRS) {
+        float2 sum = make_float2(0.f, 0.f);
+#pragma unroll
+        for (int q = 0; q < LRN_KW; ++q) {
+            const float2 v = *reinterpret_cast<const float2*>(spart + (q * NL_BM + prow) * LRN_SLICE + (pcol - c0));
+            sum.x += v.x;
+            sum.y += v.y;
+        }
+        const NlPair<T> p{from_f32<T>((sum.x + res[0]) + pb[0]), from_f32<T>((sum.y + res[1]) + pb[1])};
+        const uint32_t dst = smem_addr(sa + prow * LDS + pcol);
+#pragma unroll
+        for (int q = 0; q < LRN_SPLIT; ++q) xbar_push(dst, bar, q, pair_bits(p));
+        if (m0 + prow < M) *reinterpret_cast<NlPair<T>*>(x1 + (size_t)(m0 + prow) * C + pcol) = p;
+    }
+    // Every rank's x1 pairs in this CTA's rows (no CTA writes another's shared memory after this).
+    xbar_wait(bar);
+
+    // 4. Rows ROWS_PER_RANK · rank .. of the tile normalised, one warp each, into z.
+    if (warp < ROWS_PER_RANK) {
+        const int row = rank * ROWS_PER_RANK + warp;
+        if (m0 + row < M)
+            layer_norm_warp_row<CHUNKS, T>(reinterpret_cast<const uint4*>(sa + row * LDS),
+                                           reinterpret_cast<uint4*>(z + (size_t)(m0 + row) * C), wraw, braw, VECS, C,
+                                           eps, lane);
+    }
+}
+
+// One entry per storage type, named as the Rust side's LINEAR_RESIDUAL_NORM_NAMES table expects.
+// Compute capability 9.0 and up only.
+#define LINEAR_RESIDUAL_NORM_ENTRY(SUFFIX, T)                                                                \
+    extern "C" __global__ void __cluster_dims__(LRN_SPLIT, 1, 1) __launch_bounds__(NL_WARPS * 32)          \
+        fastpath_linear_residual_norm_##SUFFIX##_c384(const T* o, const T* wp, const T* bp, const T* r,     \
+                                                      const T* ln_w, const T* ln_b, T* x1, T* z, int M,     \
+                                                      float eps) {                                          \
+        linear_residual_norm_tile<T>(o, wp, bp, r, ln_w, ln_b, x1, z, M, eps);                              \
+    }
+LINEAR_RESIDUAL_NORM_ENTRY(f16, __half)
+LINEAR_RESIDUAL_NORM_ENTRY(bf16, __nv_bfloat16)
+
+// ---------------------------------------------------------------------------------------------
 // attention_residual_norm_linear: the attention itself folded into residual_norm_linear's proj
 // form (lever 64 in docs/BENCHMARKS.md), for one sequence (batch 1) of DeiT-T's width:
 //   o = softmax(q kᵀ · scale) v per head (q, k, v read from the fused qkv projection),

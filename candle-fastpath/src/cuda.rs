@@ -79,6 +79,12 @@ const RESIDUAL_NORM_LINEAR_NAMES: [&str; 6] = [
     "fastpath_residual_norm_linear_bf16_c192_gelu",
     "fastpath_residual_norm_linear_bf16_c192_k768",
 ];
+/// [`LinearResidualNormOp`]'s kernels (compute capability 9.0 and up: thread-block clusters),
+/// by dtype.
+const LINEAR_RESIDUAL_NORM_NAMES: [&str; 2] = [
+    "fastpath_linear_residual_norm_f16_c384",
+    "fastpath_linear_residual_norm_bf16_c384",
+];
 /// [`AttentionRnlOp`]'s kernels without `next` (compute capability 9.0 and up): f16 plain, f16
 /// GELU, bf16 plain, bf16 GELU, then the same four issuing W's loads late
 /// ([`ARNL_LATE_W_ROWS`]).
@@ -362,6 +368,8 @@ struct DeviceState {
     norm_linear: Vec<CudaFunction>,
     /// `None` below compute capability 9.0 or when the PTX was built for an earlier one.
     residual_norm_linear: Option<Vec<CudaFunction>>,
+    /// [`LinearResidualNormOp`]'s kernels, as `residual_norm_linear`.
+    linear_residual_norm: Option<Vec<CudaFunction>>,
     /// [`AttentionRnlOp`]'s kernels and the most dynamic shared memory a block
     /// may opt into (its K / V rows grow with the sequence); `None` as `residual_norm_linear`.
     attention_rnl: Option<(Vec<CudaFunction>, usize)>,
@@ -495,6 +503,7 @@ fn new_state(dev: &CudaDevice) -> candle_core::Result<DeviceState> {
                 _ => None,
             }
         },
+        linear_residual_norm: at_opt_in(&LINEAR_RESIDUAL_NORM_NAMES)?,
         attention_rnl: at_opt_in(&ATTENTION_RNL_NAMES)?.map(|f| (f, opt_in_smem as usize)),
         attention_residual: at_opt_in(&ATTENTION_RESIDUAL_NAMES)?,
         attention_block: at_opt_in(&ATTENTION_BLOCK_NAMES)?,
@@ -1541,6 +1550,126 @@ cuda_only_op3!(
     ResidualNormLinearOp,
     "fastpath-residual-norm-linear",
     "residual_norm_linear"
+);
+
+/// The one width [`LinearResidualNormOp`]'s kernels are built for (DeiT-S), and the CTAs of a
+/// cluster (LRN_DIM and LRN_SPLIT in kernels/fastpath.cu: each computes 48 of x1's columns).
+pub(crate) const LRN_DIM: usize = 384;
+pub(crate) const LRN_SPLIT: usize = 8;
+
+/// Dynamic shared memory of a [`LinearResidualNormOp`] launch (16-bit storage): the barriers,
+/// the tile's x1 rows and o's rows (16 each) and the rank's 48 Wp rows, C + 8 wide, and the f32
+/// partial sums (a 16 × 48 tile for each of the 8 warps K is split over).
+pub(crate) fn lrn_smem_bytes() -> usize {
+    let slice = LRN_DIM / LRN_SPLIT;
+    RNL_BAR_BYTES + (2 * NL_BM + slice) * (LRN_DIM + 8) * 2 + 8 * NL_BM * slice * 4
+}
+
+/// Whether `dev` has [`LinearResidualNormOp`]'s kernels (compute capability 9.0 and up, PTX
+/// built for it) and a launch fits its shared memory.
+pub(crate) fn has_linear_residual_norm(dev: &CudaDevice) -> bool {
+    has_fused(dev, lrn_smem_bytes(), |s| s.linear_residual_norm.is_some())
+}
+
+/// The CustomOp behind [`crate::linear_residual_norm`]: `(o [M, C], r [M, C])` →
+/// `x1 = (o·Wpᵀ + r) + bp` (`Wp` `[C, C]`, C = [`LRN_DIM`]) and `z = LayerNorm(x1)`,
+/// returned as one 1-D buffer of `2·M·C` elements: x1's rows, then z's. Wp, bp and the
+/// LayerNorm's parameters are carried here and read in place. The caller decides eligibility;
+/// shapes, strides and alignment are checked again here.
+pub(crate) struct LinearResidualNormOp {
+    pub front_weight: Tensor,
+    pub front_bias: Tensor,
+    pub ln_weight: Tensor,
+    pub ln_bias: Tensor,
+    pub eps: f32,
+}
+
+impl LinearResidualNormOp {
+    fn run<T>(
+        &self,
+        (o, lo): (&CudaStorage, &Layout),
+        (r, lr): (&CudaStorage, &Layout),
+    ) -> candle_core::Result<(CudaStorage, Shape)>
+    where
+        T: candle_core::cuda_backend::CudaDType
+            + candle_core::cuda_backend::cudarc::driver::DeviceRepr
+            + candle_core::WithDType,
+    {
+        const WHAT: &str = "linear_residual_norm";
+        let dev = &o.device;
+        let size = size_of::<T>();
+        let (m, k) = lo.shape().dims2()?;
+        let c = LRN_DIM;
+        let bf16 = is_bf16::<T>(WHAT)?;
+        let aligned = |l: &Layout| contiguous_16b(l, size);
+        if k != c || lr.shape().dims() != [m, c] || m == 0 || !aligned(lo) || !aligned(lr) {
+            candle_core::bail!(
+                "{WHAT}: unsupported layout for the fused kernel (o {:?} strides {:?}, residual {:?} strides {:?})",
+                lo.shape().dims(),
+                lo.stride(),
+                lr.shape().dims(),
+                lr.stride()
+            );
+        }
+        let carried: [(&Tensor, usize, bool); 4] = [
+            (&self.front_weight, c * k, true),
+            (&self.front_bias, c, false),
+            (&self.ln_weight, c, true),
+            (&self.ln_bias, c, true),
+        ];
+        let guards = carried.map(|(t, _, _)| t.storage_and_layout());
+        let views = carried_views::<T>(WHAT, &guards, &carried.map(|(_, n, v)| (n, v)))?;
+        let os = o.as_cuda_slice::<T>()?.slice(lo.start_offset()..);
+        let rs = r.as_cuda_slice::<T>()?.slice(lr.start_offset()..);
+        // SAFETY: every element is written by the kernel: x1's (row < M, column < C) by the
+        // cluster rank owning the column's 48-wide slice in the row's tile, z's rows by the rank
+        // owning the row (two per rank).
+        let mut out = unsafe { dev.alloc::<T>(2 * m * c)? };
+        let (mut x1, mut z) = out.split_at_mut(m * c);
+        let func = {
+            let mut states = STATE.lock().unwrap_or_else(|e| e.into_inner());
+            match &device_state(&mut states, dev)?.linear_residual_norm {
+                Some(funcs) => funcs[bf16 as usize].clone(),
+                None => candle_core::bail!(
+                    "{WHAT}: the fused kernel needs compute capability 9.0 (thread-block clusters)"
+                ),
+            }
+        };
+        let cfg = LaunchConfig {
+            grid_dim: (LRN_SPLIT as u32, m.div_ceil(NL_BM) as u32, 1),
+            block_dim: (NL_THREADS, 1, 1),
+            shared_mem_bytes: lrn_smem_bytes() as u32,
+        };
+        let m32 = m as i32;
+        let stream = dev.cuda_stream();
+        let mut builder = stream.launch_builder(&func);
+        builder.arg(&os);
+        builder.arg(&views[0]);
+        builder.arg(&views[1]);
+        builder.arg(&rs);
+        builder.arg(&views[2]);
+        builder.arg(&views[3]);
+        builder.arg(&mut x1);
+        builder.arg(&mut z);
+        builder.arg(&m32);
+        builder.arg(&self.eps);
+        // SAFETY: shapes, contiguity and alignment checked above; the kernel reads rows < M of o
+        // and r and the C rows of Wp (tile rows past M zero-filled), and writes x1's and z's
+        // M · C elements only. Its clusters (LRN_SPLIT along x) are compiled in
+        // (__cluster_dims__): an ordinary launch whose grid's x is the cluster size.
+        unsafe { builder.launch(cfg) }.map_err(candle_core::Error::wrap)?;
+        Ok((
+            CudaStorage::wrap_cuda_slice(out, dev.clone()),
+            Shape::from(2 * m * c),
+        ))
+    }
+}
+
+cuda_only_op2!(
+    LinearResidualNormOp,
+    "fastpath-linear-residual-norm",
+    "linear_residual_norm",
+    [F16 => half::f16, BF16 => half::bf16]
 );
 
 /// Whether `dev` has the cluster kernels `kernels` picks from its state (which the attention

@@ -379,9 +379,131 @@ pub fn residual_norm_linear(
             return Ok((x1, y));
         }
     }
+    // DeiT-S's width: the projection, the residual add and the LayerNorm as one kernel where it
+    // applies (lever 98), then `linear` on cuBLASLt.
+    if linear_residual_norm_applies(o, residual, front, norm) {
+        let (x1, z) = linear_residual_norm(o, residual, front, norm)?;
+        let epilogue = if gelu {
+            Epilogue::Gelu
+        } else {
+            Epilogue::Plain
+        };
+        return Ok((x1, linear.forward_with(&z, epilogue)?));
+    }
     let x1 = front.forward_residual(o, residual)?;
     let y = norm_linear(&x1, norm, linear, gelu)?;
     Ok((x1, y))
+}
+
+/// A pre-norm block's residual add and the LayerNorm after it: `x1 = residual + o·Wpᵀ + bp`
+/// (the Linear `front` and the residual add), then `z = norm(x1)`.
+///
+/// # Arguments
+/// * `o` - `[.., K]`: the attention's output with heads merged (K = C), or fc1's GELU output
+///   (K = 4C).
+/// * `residual` - `[.., C]`, the same leading dims as `o`.
+/// * `front` - `Wp` `[C, K]` and its bias `[C]`: proj, or fc2.
+/// * `norm` - LayerNorm over `C`.
+///
+/// # Returns
+/// `(x1, z)`, both shaped like `residual`: what `front.forward_residual(o, residual)` and
+/// `norm.forward(x1)` return. On CUDA with compute capability 9.0, where
+/// [`linear_residual_norm_applies`] says so (DeiT-S's attention projection at batch 1), one
+/// kernel computes both (lever 98 in `docs/BENCHMARKS.md`): the CTAs sharing 16 rows (a thread-block cluster)
+/// each compute a slice of x1's columns and exchange them, then normalise the rows with the
+/// LayerNorm kernel's own row code. Its GEMM sums in another order than cuBLASLt's; everything
+/// else rounds where the two steps round, so z is the LayerNorm of the x1 it returns, bit for
+/// bit. Elsewhere it is the two steps. Both results are contiguous.
+pub fn linear_residual_norm(
+    o: &Tensor,
+    residual: &Tensor,
+    front: &FusedLinear,
+    norm: &LayerNorm,
+) -> Result<(Tensor, Tensor)> {
+    #[cfg(feature = "cuda")]
+    if linear_residual_norm_applies(o, residual, front, norm) {
+        if let Some(bias) = front.bias() {
+            let op = crate::cuda::LinearResidualNormOp {
+                front_weight: front.weight().clone(),
+                front_bias: bias.clone(),
+                ln_weight: norm.weight().clone(),
+                ln_bias: norm.bias().clone(),
+                eps: norm.eps() as f32,
+            };
+            let (k, c) = (front.in_dim(), front.out_dim());
+            let rows = o.elem_count() / k;
+            let both = o
+                .reshape((rows, k))?
+                .apply_op2_no_bwd(&residual.reshape((rows, c))?, &op)?;
+            // Narrowing a contiguous 1-D tensor and reshaping it are views, not copies.
+            let x1 = both.narrow(0, 0, rows * c)?.reshape(residual.shape())?;
+            let z = both
+                .narrow(0, rows * c, rows * c)?
+                .reshape(residual.shape())?;
+            return Ok((x1, z));
+        }
+    }
+    let x1 = front.forward_residual(o, residual)?;
+    let z = norm.forward_checked(&x1)?;
+    Ok((x1, z))
+}
+
+/// `CANDLE_FASTPATH_LINEAR_RESIDUAL_NORM` (read once): unset (on), `0` / `off` (the two steps
+/// everywhere), for A/B measurements.
+pub fn linear_residual_norm_enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    crate::switches::on_unless_off(&ON, "CANDLE_FASTPATH_LINEAR_RESIDUAL_NORM")
+}
+
+/// Whether [`linear_residual_norm`] runs its fused kernel: CUDA with compute capability 9.0 and
+/// the kernels built for it, allowed by [`linear_residual_norm_enabled`], f16 or bf16, C = 384,
+/// `front` `[C, C]` (the attention projection; fc2's `[C, 4C]` takes the two steps, which were
+/// faster) with a bias, `o` and `residual` with the same rows, every
+/// operand contiguous and 16-byte aligned on one device, and the grid (eight CTAs per 16 rows)
+/// within one wave (up to 256 rows on the H100: batch 1). Anything else takes the two steps.
+pub fn linear_residual_norm_applies(
+    o: &Tensor,
+    residual: &Tensor,
+    front: &FusedLinear,
+    norm: &LayerNorm,
+) -> bool {
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (o, residual, front, norm);
+        false
+    }
+    #[cfg(feature = "cuda")]
+    {
+        let candle_core::Device::Cuda(dev) = residual.device() else {
+            return false;
+        };
+        let (c, k) = (crate::cuda::LRN_DIM, front.in_dim());
+        let dtype = residual.dtype();
+        let same = |t: &Tensor| {
+            t.dtype() == dtype
+                && t.device().same_device(residual.device())
+                && crate::cuda::contiguous_16b(t.layout(), dtype.size_in_bytes())
+        };
+        let rows = residual.elem_count() / c;
+        linear_residual_norm_enabled()
+            && matches!(dtype, candle_core::DType::F16 | candle_core::DType::BF16)
+            && residual.dims().last() == Some(&c)
+            && k == c
+            && front.out_dim() == c
+            && norm.weight().elem_count() == c
+            && o.dims().last() == Some(&k)
+            && o.rank() == residual.rank()
+            && o.dims()[..o.rank() - 1] == residual.dims()[..residual.rank() - 1]
+            && [o, residual, front.weight(), norm.weight(), norm.bias()]
+                .iter()
+                .all(|t| same(t))
+            && front.bias().is_some_and(|b| {
+                b.dtype() == dtype && b.device().same_device(residual.device()) && b.is_contiguous()
+            })
+            && rows > 0
+            && crate::cuda::has_linear_residual_norm(dev)
+            && fits_one_wave(dev, rows.div_ceil(16) * crate::cuda::LRN_SPLIT)
+    }
 }
 
 /// Whether [`residual_norm_linear`] runs its fused kernel: CUDA with compute capability 9.0 and

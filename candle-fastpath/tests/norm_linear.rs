@@ -7,15 +7,17 @@
 //! summation order, within a rounding of the result. `residual_norm_linear` (the output
 //! projection and residual in front of norm_linear, a thread-block cluster per row tile on
 //! compute capability 9.0) is checked the same way against `FusedLinear::forward_residual`
-//! followed by the two steps.
+//! followed by the two steps. `linear_residual_norm` (the same residual add and the LayerNorm
+//! after it, at DeiT-S's width: a cluster per row tile) against `forward_residual` and the
+//! LayerNorm, and `residual_norm_linear` at that width (which runs it, then the Linear).
 
 mod common;
 
 use candle_core::{DType, Device, Tensor};
 use candle_fastpath::{
-    norm_linear, norm_linear_applies, norm_linear_mode, norm_linear_tile_rows,
-    residual_norm_linear, residual_norm_linear_applies, Epilogue, FastpathError, FusedLinear,
-    LayerNorm, NormLinearMode,
+    linear_residual_norm, linear_residual_norm_applies, norm_linear, norm_linear_applies,
+    norm_linear_mode, norm_linear_tile_rows, residual_norm_linear, residual_norm_linear_applies,
+    Epilogue, FastpathError, FusedLinear, LayerNorm, NormLinearMode,
 };
 use common::{device, has_clusters, host, poison, quantize, randn};
 use rand::{rngs::StdRng, SeedableRng};
@@ -307,4 +309,118 @@ fn residual_norm_linear_bad_inputs_are_clear_errors() {
     assert!(residual_norm_linear(&o, &r, &wide, &w.norm, &w.linear, true).is_err());
     let empty = Tensor::zeros((0, 192), DType::F16, &dev).unwrap();
     assert!(residual_norm_linear(&empty, &empty, &proj, &w.norm, &w.linear, true).is_err());
+}
+
+#[test]
+fn linear_residual_norm_matches_the_steps() {
+    let dev = device();
+    let mut rng = StdRng::seed_from_u64(98);
+    let c = 384;
+    // NORM_LINEAR_TEST_QUICK=1 (racecheck): f16, two row counts.
+    let quick = std::env::var_os("NORM_LINEAR_TEST_QUICK").is_some();
+    let dtypes: &[DType] = if quick {
+        &[DType::F16]
+    } else {
+        &[DType::F32, DType::F16, DType::BF16]
+    };
+    let row_counts: &[usize] = if quick {
+        &[17, 197]
+    } else {
+        // 257: 17 row tiles of eight CTAs, past one wave of the H100's 132 SMs (the steps).
+        &[1, 2, 15, 16, 17, 63, 64, 65, 138, 197, 256, 257]
+    };
+    for &dtype in dtypes {
+        // proj (K = C: the kernel) and fc2 (K = 4C: the two steps) in front; fc1 (4C, GELU) or
+        // qkv (3C) behind.
+        for (k, n, gelu) in [(c, 4 * c, true), (4 * c, 3 * c, false)] {
+            let front = weights(&dev, &mut rng, dtype, k, c).linear;
+            let w = weights(&dev, &mut rng, dtype, c, n);
+            for &rows in row_counts {
+                let o = input(&dev, &mut rng, dtype, rows, k)
+                    .affine(0.3, 0.0)
+                    .unwrap();
+                let r = input(&dev, &mut rng, dtype, rows, c);
+                let want_x1 = front.forward_residual(&o, &r).unwrap();
+                let want_z = host(&w.norm.forward_checked(&want_x1).unwrap());
+                let want_y = host(&two_steps(&want_x1, &w, gelu));
+                let want_x1 = host(&want_x1);
+                let fused = linear_residual_norm_applies(&o, &r, &front, &w.norm);
+                let label = format!("{dtype:?} rows {rows} k {k}");
+                // The kernel: proj (K = C) only, up to 256 rows (16 tiles of eight CTAs).
+                let kernel_shape = k == c && rows <= 256;
+                if has_clusters(&dev) && dtype != DType::F32 && kernel_shape {
+                    assert!(fused, "{label}: fused kernel expected");
+                }
+                if !dev.is_cuda() || dtype == DType::F32 || !kernel_shape {
+                    assert!(!fused, "{label} on {dev:?}: no fused kernel");
+                }
+                poison(&dev, 2 * rows * c, dtype);
+                let (x1, z) = linear_residual_norm(&o, &r, &front, &w.norm).unwrap();
+                assert_eq!(x1.dims(), &[rows, c]);
+                assert_eq!(z.dims(), &[rows, c]);
+                assert!(x1.is_contiguous() && z.is_contiguous());
+                // x1: the GEMM's summation order may move it by a rounding; z is the
+                // LayerNorm's own output for that x1, bit for bit.
+                let tol_x1 = match (fused, dtype) {
+                    (false, _) => 0.0,
+                    (true, DType::F16) => 1e-3,
+                    (true, _) => 8e-3,
+                };
+                let got_x1 = host(&x1);
+                for (i, (g, e)) in got_x1.iter().zip(&want_x1).enumerate() {
+                    assert!(
+                        g.is_finite() && (g - e).abs() <= tol_x1 * (1.0 + e.abs()),
+                        "{label} fused {fused}: x1 element {i} is {g}, the steps give {e}"
+                    );
+                }
+                let z_of_x1 = host(&w.norm.forward_checked(&x1).unwrap());
+                let got_z = host(&z);
+                assert!(got_z.iter().all(|v| v.is_finite()), "{label}: z not finite");
+                assert_eq!(got_z, z_of_x1, "{label}: z is not the LayerNorm of x1");
+                if !fused {
+                    assert_eq!(got_z, want_z, "{label}: the steps' z");
+                }
+                // residual_norm_linear at this width runs it, then the Linear.
+                poison(&dev, rows * (c + n), dtype);
+                let (x1b, y) =
+                    residual_norm_linear(&o, &r, &front, &w.norm, &w.linear, gelu).unwrap();
+                assert_eq!(host(&x1b), got_x1, "{label}: residual_norm_linear's x1");
+                let tol_y = match (fused, dtype) {
+                    (false, _) => 0.0,
+                    (true, DType::F16) => 4e-3,
+                    (true, _) => 3e-2,
+                };
+                for (i, (g, e)) in host(&y).iter().zip(&want_y).enumerate() {
+                    assert!(
+                        g.is_finite() && (g - e).abs() <= tol_y * (1.0 + e.abs()),
+                        "{label} fused {fused}: y element {i} is {g}, the steps give {e}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn linear_residual_norm_bad_inputs_are_clear_errors() {
+    let dev = device();
+    let mut rng = StdRng::seed_from_u64(99);
+    let c = 384;
+    let front = weights(&dev, &mut rng, DType::F16, c, c).linear;
+    let norm = weights(&dev, &mut rng, DType::F16, c, c).norm;
+    let o = input(&dev, &mut rng, DType::F16, 4, c);
+    // A residual of other rows, or dtype; a front Linear of the wrong width; no rows.
+    let r5 = input(&dev, &mut rng, DType::F16, 5, c);
+    assert!(!linear_residual_norm_applies(&o, &r5, &front, &norm));
+    assert!(linear_residual_norm(&o, &r5, &front, &norm).is_err());
+    let r32 = input(&dev, &mut rng, DType::F32, 4, c);
+    assert!(!linear_residual_norm_applies(&o, &r32, &front, &norm));
+    assert!(linear_residual_norm(&o, &r32, &front, &norm).is_err());
+    let narrow = weights(&dev, &mut rng, DType::F16, c, 192).linear;
+    let r = input(&dev, &mut rng, DType::F16, 4, c);
+    assert!(!linear_residual_norm_applies(&o, &r, &narrow, &norm));
+    assert!(linear_residual_norm(&o, &r, &narrow, &norm).is_err());
+    let empty = Tensor::zeros((0, c), DType::F16, &dev).unwrap();
+    assert!(!linear_residual_norm_applies(&empty, &empty, &front, &norm));
+    assert!(linear_residual_norm(&empty, &empty, &front, &norm).is_err());
 }

@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# Lever 98 on the GPU machine, from the repo root: candle_fastpath::linear_residual_norm (the
+# attention projection + the residual add + the LayerNorm after it as one cluster kernel at
+# DeiT-S's width, one wave: batch 1) against cuBLASLt's GEMM with its residual epilogue + the LayerNorm kernel, one
+# binary (CANDLE_FASTPATH_LINEAR_RESIDUAL_NORM=0 vs the default).
+# Needs .gpu/{bench,test-norm_linear,test-paths_agreement}.xz.
+# STAGES (default "checks anatomy ncu e2e"):
+#   checks   test-norm_linear, memcheck of it, racecheck of the new kernel's test (quick cases),
+#            paths at DeiT-S batch 1 (f32 / f16 / bf16, every pruner: padded against ragged, with
+#            the kernel) and batch 8 (without it), DeiT-T batch 1 (unchanged), the one-image graphs
+#   anatomy  bench --graph-anatomy, DeiT-S batch 1, f16, dense and the fixed pruners, both arms,
+#            two rounds: kernel nodes per graph and replay event times
+#   ncu      per-kernel times of a DeiT-S batch-1 dense forward (eager, the graph's kernels: the
+#            one-kernel block off), warm caches, boost clocks, both arms
+#   e2e      bench DeiT-S batch 1, f16 and bf16, dense and every pruner and mode, ragged path,
+#            arms interleaved, two rounds; per-row 0 / default ratios
+set -u
+stages=${STAGES:-checks anatomy ncu e2e}
+. scripts/gpu/lib.sh
+unpack bench test-norm_linear test-paths_agreement
+C="$out/linear-residual-norm.txt"
+nvidia-smi --query-gpu=name --format=csv,noheader >> "$C"
+ARMS=${ARMS:-0 default}
+V=CANDLE_FASTPATH_LINEAR_RESIDUAL_NORM
+if has checks; then
+  tests_results 300 norm_linear
+  echo "== test-norm_linear under memcheck" >> "$C"
+  timeout 300 compute-sanitizer --tool memcheck --error-exitcode 9 $B/test-norm_linear --test-threads=1 2>&1 | grep -E "ERROR SUMMARY|test result" >> "$C"
+  echo "== test-norm_linear linear_residual_norm under racecheck (quick)" >> "$C"
+  # Racecheck also reports cuBLASLt's nvjet GEMMs (the reference steps; 28 hazards in lever 98's
+  # calls, all in nvjet_*), which are not ours: the log counts the reports per kernel, and ours
+  # must have none. (--kernel-name kns=... made the sanitizer fail with an internal error.)
+  NORM_LINEAR_TEST_QUICK=1 timeout 400 compute-sanitizer --tool racecheck \
+    $B/test-norm_linear --test-threads=1 linear_residual_norm > /tmp/race.log 2>&1
+  grep -E "RACECHECK SUMMARY|test result" /tmp/race.log >> "$C"
+  echo "hazard reports by kernel:" >> "$C"
+  grep -oE "Race reported between [A-Za-z]+ access at [A-Za-z0-9_]+" /tmp/race.log | awk '{print $NF}' | sort | uniq -c >> "$C"
+  echo "lines naming fastpath_linear_residual_norm: $(grep -c fastpath_linear_residual_norm /tmp/race.log)" >> "$C"
+  paths_check deit-small 1 300
+  paths_check deit-small 8 300
+  paths_check deit-tiny 1 200
+  graphs_check 200
+fi
+if has anatomy; then
+  for r in 1 2; do
+    anatomy $V "$ARMS" --models deit-small --dtype f16 --batch 1 --pruners none,threshold-l2-fixed,evit-fixed,dynamicvit-fixed
+  done
+fi
+if has ncu; then
+  for a in $ARMS; do
+    env $V=${a#default} CANDLE_FASTPATH_SMALL_BLOCK=0 ncu --cache-control none --clock-control none --metrics gpu__time_duration.sum --csv --print-units base \
+      $B/bench --device cuda --models deit-small --dtype f16 --batch 1 --pruners none --paths ragged --reps 1 --warmup 1 --cuda-graph false --out /tmp/x.json > /tmp/ncu.csv 2>/dev/null
+    python3 scripts/gpu/ncu_kernels.py /tmp/ncu.csv "deit-small batch 1 f16 dense, $V=${a#default} (eager forwards with the graph's kernels), warm, boost clocks" >> "$C"
+  done
+fi
+e2e_run() { env $V=${1#default} timeout 250 $B/bench --device cuda --models deit-small --dtype f16,bf16 --batch 1 \
+  --pruners none,threshold-l2,dynamicvit,evit,ats --paths ragged --reps 10 --out "$2"; }
+has e2e && ab_rounds lrn e2e_run
+pack lrn-json.tgz 'lrn-*.json'
+cat "$C"
