@@ -381,8 +381,7 @@ pub fn residual_norm_linear(
     }
     // DeiT-S's width: the projection, the residual add and the LayerNorm as one kernel where it
     // applies (lever 98), then `linear` on cuBLASLt.
-    if linear_residual_norm_applies(o, residual, front, norm) {
-        let (x1, z) = linear_residual_norm(o, residual, front, norm)?;
+    if let Some((x1, z)) = fused_linear_residual_norm(o, residual, front, norm)? {
         let epilogue = if gelu {
             Epilogue::Gelu
         } else {
@@ -409,9 +408,9 @@ pub fn residual_norm_linear(
 /// `(x1, z)`, both shaped like `residual`: what `front.forward_residual(o, residual)` and
 /// `norm.forward(x1)` return. On CUDA with compute capability 9.0, where
 /// [`linear_residual_norm_applies`] says so (DeiT-S's attention projection at batch 1), one
-/// kernel computes both (lever 98 in `docs/BENCHMARKS.md`): the CTAs sharing 16 rows (a thread-block cluster)
-/// each compute a slice of x1's columns and exchange them, then normalise the rows with the
-/// LayerNorm kernel's own row code. Its GEMM sums in another order than cuBLASLt's; everything
+/// kernel computes both (lever 98 in `docs/BENCHMARKS.md`): the CTAs sharing 16 rows (a
+/// thread-block cluster) each compute a slice of x1's columns and exchange them, then normalise
+/// the rows with the LayerNorm kernel's own row code. Its GEMM sums in another order than cuBLASLt's; everything
 /// else rounds where the two steps round, so z is the LayerNorm of the x1 it returns, bit for
 /// bit. Elsewhere it is the two steps. Both results are contiguous.
 pub fn linear_residual_norm(
@@ -420,32 +419,50 @@ pub fn linear_residual_norm(
     front: &FusedLinear,
     norm: &LayerNorm,
 ) -> Result<(Tensor, Tensor)> {
-    #[cfg(feature = "cuda")]
-    if linear_residual_norm_applies(o, residual, front, norm) {
-        if let Some(bias) = front.bias() {
-            let op = crate::cuda::LinearResidualNormOp {
-                front_weight: front.weight().clone(),
-                front_bias: bias.clone(),
-                ln_weight: norm.weight().clone(),
-                ln_bias: norm.bias().clone(),
-                eps: norm.eps() as f32,
-            };
-            let (k, c) = (front.in_dim(), front.out_dim());
-            let rows = o.elem_count() / k;
-            let both = o
-                .reshape((rows, k))?
-                .apply_op2_no_bwd(&residual.reshape((rows, c))?, &op)?;
-            // Narrowing a contiguous 1-D tensor and reshaping it are views, not copies.
-            let x1 = both.narrow(0, 0, rows * c)?.reshape(residual.shape())?;
-            let z = both
-                .narrow(0, rows * c, rows * c)?
-                .reshape(residual.shape())?;
-            return Ok((x1, z));
-        }
+    if let Some(both) = fused_linear_residual_norm(o, residual, front, norm)? {
+        return Ok(both);
     }
     let x1 = front.forward_residual(o, residual)?;
     let z = norm.forward_checked(&x1)?;
     Ok((x1, z))
+}
+
+/// [`linear_residual_norm`]'s kernel where [`linear_residual_norm_applies`] says so (checked
+/// once), `None` otherwise: for [`residual_norm_linear`], whose other path fuses the LayerNorm
+/// into the Linear after it instead.
+fn fused_linear_residual_norm(
+    o: &Tensor,
+    residual: &Tensor,
+    front: &FusedLinear,
+    norm: &LayerNorm,
+) -> Result<Option<(Tensor, Tensor)>> {
+    #[cfg(feature = "cuda")]
+    if let (true, Some(bias)) = (
+        linear_residual_norm_applies(o, residual, front, norm),
+        front.bias(),
+    ) {
+        let op = crate::cuda::LinearResidualNormOp {
+            front_weight: front.weight().clone(),
+            front_bias: bias.clone(),
+            ln_weight: norm.weight().clone(),
+            ln_bias: norm.bias().clone(),
+            eps: norm.eps() as f32,
+        };
+        let (k, c) = (front.in_dim(), front.out_dim());
+        let rows = o.elem_count() / k;
+        let both = o
+            .reshape((rows, k))?
+            .apply_op2_no_bwd(&residual.reshape((rows, c))?, &op)?;
+        // Narrowing a contiguous 1-D tensor and reshaping it are views, not copies.
+        let x1 = both.narrow(0, 0, rows * c)?.reshape(residual.shape())?;
+        let z = both
+            .narrow(0, rows * c, rows * c)?
+            .reshape(residual.shape())?;
+        return Ok(Some((x1, z)));
+    }
+    #[cfg(not(feature = "cuda"))]
+    let _ = (o, residual, front, norm);
+    Ok(None)
 }
 
 /// `CANDLE_FASTPATH_LINEAR_RESIDUAL_NORM` (read once): unset (on), `0` / `off` (the two steps
