@@ -479,24 +479,29 @@ __device__ __forceinline__ void nl_mma<__nv_bfloat16>(float* c, const unsigned* 
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// acc[j] (the m16n8 accumulator of columns 8j..8j+7) += A · Bᵀ for one warp, A the 16 rows at
-// `a` and B the 32 rows at `b` (K elements each, row stride LDS elements, in shared memory).
-template <typename T, int K, int LDS>
-__device__ __forceinline__ void nl_warp_mma_16x32(float (&acc)[4][4], const T* a, const T* b) {
+// acc[j] (the m16n8 accumulator of columns 8j..8j+7, j < 2·NG) += A · Bᵀ for one warp, A the 16
+// rows at `a` and B the 16·NG rows at `b` (K elements each, row stride LDS elements, in shared
+// memory): per 16-wide step, A's fragment and NG ldmatrix of B, then the 2·NG MMAs.
+template <typename T, int K, int LDS, int NG>
+__device__ __forceinline__ void nl_warp_mma_16xn(float (&acc)[2 * NG][4], const T* a, const T* b) {
     const unsigned lane = threadIdx.x % 32;
     const T* a_base = a + (lane % 16) * LDS + (lane / 16) * 8;
     const T* b_base = b + ((lane % 8) + (lane / 16) * 8) * LDS + ((lane / 8) % 2) * 8;
 #pragma unroll 4
     for (int k0 = 0; k0 < K; k0 += 16) {
-        unsigned ra[4], rb[8];
+        unsigned ra[4], rb[4 * NG];
         nl_ldmatrix_x4(ra, a_base + k0);
-        nl_ldmatrix_x4(rb, b_base + k0);
-        nl_ldmatrix_x4(rb + 4, b_base + 16 * LDS + k0);
-        nl_mma<T>(acc[0], ra, rb[0], rb[1]);
-        nl_mma<T>(acc[1], ra, rb[2], rb[3]);
-        nl_mma<T>(acc[2], ra, rb[4], rb[5]);
-        nl_mma<T>(acc[3], ra, rb[6], rb[7]);
+#pragma unroll
+        for (int g = 0; g < NG; ++g) nl_ldmatrix_x4(rb + 4 * g, b_base + g * 16 * LDS + k0);
+#pragma unroll
+        for (int j = 0; j < 2 * NG; ++j) nl_mma<T>(acc[j], ra, rb[2 * j], rb[2 * j + 1]);
     }
+}
+
+// The 16 × 32 slice most tiles here take: nl_warp_mma_16xn with two groups of weight rows.
+template <typename T, int K, int LDS>
+__device__ __forceinline__ void nl_warp_mma_16x32(float (&acc)[4][4], const T* a, const T* b) {
+    nl_warp_mma_16xn<T, K, LDS, 2>(acc, a, b);
 }
 
 template <typename T>
@@ -806,6 +811,44 @@ __device__ __forceinline__ void nl_slice_to_cluster(const T* a, const T* b, cons
     });
 }
 
+// The split-K front GEMM of rnl_finish and linear_residual_norm_tile, step 2: warp w < KW's
+// 16 × SLICE slice of o·Wpᵀ over its KF / KW columns of K (o's rows `so`, the rank's Wp rows
+// `sp`, both LDF apart), stored as f32 partials into spart [KW][NL_BM][SLICE]. Other warps
+// return at once.
+template <typename T, int KF, int KW, int LDF, int SLICE>
+__device__ __forceinline__ void front_partials(const T* so, const T* sp, float* spart) {
+    constexpr int KSLICE = KF / KW, NG = SLICE / 16;
+    static_assert(KF % KW == 0 && KSLICE % 16 == 0 && SLICE % 16 == 0, "front GEMM split");
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (warp >= KW) return;
+    float acc[2 * NG][4] = {};
+    nl_warp_mma_16xn<T, KSLICE, LDF, NG>(acc, so + warp * KSLICE, sp + warp * KSLICE);
+    float* part = spart + warp * NL_BM * SLICE;
+#pragma unroll
+    for (int j = 0; j < 2 * NG; ++j) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int rl = lane / 4 + h * 8, cl = j * 8 + (lane % 4) * 2;
+            *reinterpret_cast<float2*>(part + rl * SLICE + cl) = make_float2(acc[j][2 * h], acc[j][2 * h + 1]);
+        }
+    }
+}
+
+// Step 3's arithmetic: x1's pair at (row, col) of the rank's slice from front_partials' sums,
+// the KW partials added in order, then the residual, then the front bias, rounded once.
+template <typename T, int KW, int SLICE>
+__device__ __forceinline__ NlPair<T> front_pair(const float* spart, int row, int col, const float (&res)[2],
+                                                const float (&bias)[2]) {
+    float2 sum = make_float2(0.f, 0.f);
+#pragma unroll
+    for (int q = 0; q < KW; ++q) {
+        const float2 v = *reinterpret_cast<const float2*>(spart + (q * NL_BM + row) * SLICE + col);
+        sum.x += v.x;
+        sum.y += v.y;
+    }
+    return NlPair<T>{from_f32<T>((sum.x + res[0]) + bias[0]), from_f32<T>((sum.y + res[1]) + bias[1])};
+}
+
 // Steps 2-5 of residual_norm_linear_tile below (the front GEMM's slice, x1 into every cluster
 // CTA's rows, the LayerNorm, the back GEMM and its epilogue), once this CTA's `so` rows (the front
 // GEMM's input, KF wide) and `sp` rows (its SLICE rows of Wp) are in shared memory and visible to
@@ -828,42 +871,22 @@ __device__ __forceinline__ void rnl_finish(T* sa, const T* sb, const T* so, cons
                                            NlPair<T>* x1p = nullptr, float* norms = nullptr) {
     constexpr int LDS = K + 8, VECS = K / 8, CHUNKS = (VECS + 31) / 32, LDF = KF + 8;
     constexpr int WARPS_N = BN / 32, MMA_WARPS = (NL_BM / 16) * WARPS_N, SLICE = K / RNL_SPLIT;
-    constexpr int KSLICE = KF / KW, RNL_PAIRS = NL_BM * SLICE / 2;
+    constexpr int RNL_PAIRS = NL_BM * SLICE / 2;
     const int rank = blockIdx.x;
     const int m0 = blockIdx.y * NL_BM, n0 = blockIdx.x * BN, c0 = rank * SLICE;
-    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    const int tid = threadIdx.x, warp = tid / 32;
     const int wm = warp / WARPS_N, wn = warp % WARPS_N;
     const int prow = tid / (SLICE / 2), pcol = c0 + (tid % (SLICE / 2)) * 2;
 
     // 2. This rank's 16 × 32 slice of o·Wpᵀ, K split over KW warps into partials.
-    if (warp < KW) {
-        float acc[4][4] = {};
-        nl_warp_mma_16x32<T, KSLICE, LDF>(acc, so + warp * KSLICE, sp + warp * KSLICE);
-        float* part = spart + warp * NL_BM * SLICE;
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int rl = lane / 4 + h * 8, cl = j * 8 + (lane % 4) * 2;
-                *reinterpret_cast<float2*>(part + rl * SLICE + cl) = make_float2(acc[j][2 * h], acc[j][2 * h + 1]);
-            }
-        }
-    }
+    front_partials<T, KF, KW, LDF, SLICE>(so, sp, spart);
     __syncthreads();
 
     // 3. x1 = (o·Wpᵀ + r) + bp, rounded once, to global memory and to every cluster CTA's rows
     // (pushed, counted on each receiver's `xbar`).
     if (ENTRY_WAIT) asm volatile("barrier.cluster.wait;" ::: "memory");
     if (tid < RNL_PAIRS) {
-        float2 sum = make_float2(0.f, 0.f);
-#pragma unroll
-        for (int q = 0; q < KW; ++q) {
-            const float2 v = *reinterpret_cast<const float2*>(spart + (q * NL_BM + prow) * SLICE + (pcol - c0));
-            sum.x += v.x;
-            sum.y += v.y;
-        }
-        const NlPair<T> p{from_f32<T>((sum.x + g.res[0]) + g.pbias[0]),
-                          from_f32<T>((sum.y + g.res[1]) + g.pbias[1])};
+        const NlPair<T> p = front_pair<T, KW, SLICE>(spart, prow, pcol - c0, g.res, g.pbias);
         if (!X1_ONLY) {
             const uint32_t dst = smem_addr(sa + prow * LDS + pcol);
 #pragma unroll
@@ -989,38 +1012,14 @@ RESIDUAL_NORM_LINEAR_ENTRY(bf16, __nv_bfloat16, 192, 768, 12, 96, false, _k768)
 // shared memory.
 constexpr int LRN_DIM = 384, LRN_SPLIT = 8, LRN_SLICE = LRN_DIM / LRN_SPLIT, LRN_KW = 8;
 
-// acc[j] (the m16n8 accumulator of columns 8j..8j+7, j < 2·NG) += A · Bᵀ for one warp, A the 16
-// rows at `a` and B the 16·NG rows at `b` (K elements each, LDS apart, shared memory):
-// nl_warp_mma_16x32's loop for NG groups of 16 weight rows.
-template <typename T, int K, int LDS, int NG>
-__device__ __forceinline__ void nl_warp_mma_16xn(float (&acc)[2 * NG][4], const T* a, const T* b) {
-    const unsigned lane = threadIdx.x % 32;
-    const T* a_base = a + (lane % 16) * LDS + (lane / 16) * 8;
-    const T* b_base = b + ((lane % 8) + (lane / 16) * 8) * LDS + ((lane / 8) % 2) * 8;
-#pragma unroll
-    for (int k0 = 0; k0 < K; k0 += 16) {
-        unsigned ra[4];
-        nl_ldmatrix_x4(ra, a_base + k0);
-#pragma unroll
-        for (int g = 0; g < NG; ++g) {
-            unsigned rb[4];
-            nl_ldmatrix_x4(rb, b_base + g * 16 * LDS + k0);
-            nl_mma<T>(acc[2 * g], ra, rb[0], rb[1]);
-            nl_mma<T>(acc[2 * g + 1], ra, rb[2], rb[3]);
-        }
-    }
-}
-
 template <typename T>
 __device__ void linear_residual_norm_tile(const T* __restrict__ o, const T* __restrict__ wp,
                                           const T* __restrict__ bp, const T* __restrict__ r,
                                           const T* __restrict__ ln_w, const T* __restrict__ ln_b,
                                           T* __restrict__ x1, T* __restrict__ z, int M, float eps) {
     constexpr int C = LRN_DIM, LDS = C + 8, VECS = C / 8, CHUNKS = (VECS + 31) / 32;
-    constexpr int KSLICE = C / LRN_KW, PAIRS = NL_BM * LRN_SLICE / 2, NG = LRN_SLICE / 16;
-    constexpr int ROWS_PER_RANK = NL_BM / LRN_SPLIT;
-    static_assert(LRN_SLICE % 16 == 0 && C % LRN_KW == 0 && KSLICE % 16 == 0 && LRN_KW <= NL_WARPS &&
-                      PAIRS <= NL_WARPS * 32 && NL_BM % LRN_SPLIT == 0 && ROWS_PER_RANK <= NL_WARPS,
+    constexpr int PAIRS = NL_BM * LRN_SLICE / 2, ROWS_PER_RANK = NL_BM / LRN_SPLIT;
+    static_assert(LRN_KW <= NL_WARPS && PAIRS <= NL_WARPS * 32 && NL_BM % LRN_SPLIT == 0 && ROWS_PER_RANK <= NL_WARPS,
                   "tile shape");
     extern __shared__ __align__(16) unsigned char nl_smem[];
     const uint32_t bar = smem_addr(nl_smem) + 8 * BAR_X1;  // x1's exchange (RNL_BAR_BYTES hold it)
@@ -1057,32 +1056,13 @@ __device__ void linear_residual_norm_tile(const T* __restrict__ o, const T* __re
     __syncthreads();
 
     // 2. This rank's 16 × LRN_SLICE slice of o·Wpᵀ, K split over LRN_KW warps into partials.
-    if (warp < LRN_KW) {
-        float acc[2 * NG][4] = {};
-        nl_warp_mma_16xn<T, KSLICE, LDS, NG>(acc, so + warp * KSLICE, sp + warp * KSLICE);
-        float* part = spart + warp * NL_BM * LRN_SLICE;
-#pragma unroll
-        for (int j = 0; j < 2 * NG; ++j) {
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int rl = lane / 4 + h * 8, cl = j * 8 + (lane % 4) * 2;
-                *reinterpret_cast<float2*>(part + rl * LRN_SLICE + cl) = make_float2(acc[j][2 * h], acc[j][2 * h + 1]);
-            }
-        }
-    }
+    front_partials<T, C, LRN_KW, LDS, LRN_SLICE>(so, sp, spart);
     __syncthreads();
 
     // 3. x1 = (o·Wpᵀ + r) + bp, rounded once, to global memory and into every cluster CTA's rows.
     asm volatile("barrier.cluster.wait;" ::: "memory");
     if (tid < PAIRS) {
-        float2 sum = make_float2(0.f, 0.f);
-#pragma unroll
-        for (int q = 0; q < LRN_KW; ++q) {
-            const float2 v = *reinterpret_cast<const float2*>(spart + (q * NL_BM + prow) * LRN_SLICE + (pcol - c0));
-            sum.x += v.x;
-            sum.y += v.y;
-        }
-        const NlPair<T> p{from_f32<T>((sum.x + res[0]) + pb[0]), from_f32<T>((sum.y + res[1]) + pb[1])};
+        const NlPair<T> p = front_pair<T, LRN_KW, LRN_SLICE>(spart, prow, pcol - c0, res, pb);
         const uint32_t dst = smem_addr(sa + prow * LDS + pcol);
 #pragma unroll
         for (int q = 0; q < LRN_SPLIT; ++q) xbar_push(dst, bar, q, pair_bits(p));

@@ -896,21 +896,11 @@ __device__ __forceinline__ T block_exclusive_sum(const T *in, T *out, int from, 
     for (int base = from; base < to; base += blockDim.x) {
         const int i = base + threadIdx.x;
         const T f = i < to ? in[i] : 0;
-        T v = f;
-#pragma unroll
-        for (int d = 1; d < 32; d <<= 1) {
-            const T u = __shfl_up_sync(0xffffffffu, v, d);
-            if (lane >= d) v += u;
-        }
+        const T v = select_common::warp_inclusive_sum(f);
         if (lane == 31) warp_sums[w] = v;
         __syncthreads();
         if (w == 0) {
-            T s = lane < warps ? warp_sums[lane] : 0;
-#pragma unroll
-            for (int d = 1; d < 32; d <<= 1) {
-                const T u = __shfl_up_sync(0xffffffffu, s, d);
-                if (lane >= d) s += u;
-            }
+            const T s = select_common::warp_inclusive_sum(lane < warps ? warp_sums[lane] : T(0));
             if (lane < warps) warp_sums[lane] = s;  // inclusive sums of the warps
         }
         __syncthreads();

@@ -192,6 +192,18 @@ __device__ __forceinline__ void rank_tokens(const int *key, int *kept, int len, 
     }
 }
 
+// v summed over lanes 0 .. this lane of the warp (every lane must call it).
+template <typename T>
+__device__ __forceinline__ T warp_inclusive_sum(T v) {
+    const int lane = threadIdx.x % 32;
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+        const T u = __shfl_up_sync(0xffffffffu, v, d);
+        if (lane >= d) v += u;
+    }
+    return v;
+}
+
 // Where each token goes, from kept[0 .. len) (0 / 1, shared memory): src[r] for r < the number
 // kept, the position of the r-th kept token in ascending order (its output row), and
 // dropped[d], the d-th dropped token's position in ascending order. A scan over chunks of
@@ -209,12 +221,7 @@ __device__ __forceinline__ void place_tokens(const int *kept, int len, int *src,
         // The warps' counts scanned by each warp's lanes (warps <= 32): lane w holds the kept
         // tokens of warps 0 .. w.
         const int c = lane < warps ? warp_counts[lane] : 0;
-        int scan = c;
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-            const int t = __shfl_up_sync(0xffffffffu, scan, o);
-            if (lane >= o) scan += t;
-        }
+        const int scan = warp_inclusive_sum(c);
         const int in_warps_before = __shfl_sync(0xffffffffu, scan - c, warp);
         const int in_chunk = __shfl_sync(0xffffffffu, scan, warps - 1);
         const int k_pos = kept_before + in_warps_before + __popc(ballot & ((1u << lane) - 1u));
@@ -242,6 +249,25 @@ __device__ __forceinline__ void fused_weight_total(const float *s, const int *dr
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) t = sel_add(t, __shfl_xor_sync(0xffffffffu, t, o));
     if (threadIdx.x == 0) *out = t;
+}
+
+// The fused row's columns [0, width) from FUSE_GROUPS partial sums per column (partial q of
+// column c at part[q · stride + c], the plain sums at part_plain): the partials added in order
+// q = 0, 1, ..., then fuse 2 the weighted sum, fuse 1 that over `total` (or the plain mean over nd
+// when the weights sum to 0); store(c, value). One thread per column; no barrier. fused_columns
+// and fused_columns8 both end with it, so their rows have the same bits.
+template <typename Store>
+__device__ __forceinline__ void fused_partials_sum(const float *part, const float *part_plain, int stride, int width,
+                                                   int fuse, float total, int nd, Store store) {
+    for (int c = threadIdx.x; c < width; c += blockDim.x) {
+        float a = 0.f, p = 0.f;
+#pragma unroll
+        for (int q = 0; q < FUSE_GROUPS; ++q) {
+            a = sel_add(a, part[q * stride + c]);
+            p = sel_add(p, part_plain[q * stride + c]);
+        }
+        store(c, fuse == 2 ? a : (total > 0.f ? sel_div(a, total) : sel_div(p, (float)nd)));
+    }
 }
 
 // Columns a thread of fused_columns sums at once (FUSE_GROUPS · blockDim.x / FUSE_GROUPS threads
@@ -291,15 +317,8 @@ __device__ __forceinline__ void fused_columns(const float *s, const int *dropped
             }
         }
         __syncthreads();
-        for (int c = threadIdx.x; c < width; c += blockDim.x) {
-            float a = 0.f, p = 0.f;
-#pragma unroll
-            for (int q = 0; q < FUSE_GROUPS; ++q) {
-                a = sel_add(a, part[q * span + c]);
-                p = sel_add(p, part_plain[q * span + c]);
-            }
-            store(c0 + c, fuse == 2 ? a : (total > 0.f ? sel_div(a, total) : sel_div(p, (float)nd)));
-        }
+        fused_partials_sum(part, part_plain, span, width, fuse, total, nd,
+                           [&](int c, float v) { store(c0 + c, v); });
         __syncthreads();  // the partials are rewritten by the next pass
     }
 }
@@ -357,15 +376,7 @@ __device__ __forceinline__ void fused_columns8(const float *s, const int *droppe
         }
     }
     __syncthreads();
-    for (int c = threadIdx.x; c < width; c += blockDim.x) {
-        float a = 0.f, p = 0.f;
-#pragma unroll
-        for (int q = 0; q < FUSE_GROUPS; ++q) {
-            a = sel_add(a, part[q * width + c]);
-            p = sel_add(p, part_plain[q * width + c]);
-        }
-        store(c, fuse == 2 ? a : (total > 0.f ? sel_div(a, total) : sel_div(p, (float)nd)));
-    }
+    fused_partials_sum(part, part_plain, width, width, fuse, total, nd, store);
     __syncthreads();
 }
 
