@@ -12,6 +12,8 @@ fn main() {
     println!("cargo:rerun-if-changed=kernels/fastpath.cu");
     println!("cargo:rerun-if-changed=kernels/gelu_phi.cuh");
     println!("cargo:rerun-if-changed=kernels/small_block.cu");
+    println!("cargo:rerun-if-changed=kernels/thin_gemm_sm90.cu");
+    println!("cargo::rustc-check-cfg=cfg(fastpath_thin_gemm)");
     println!("cargo:rerun-if-env-changed=CUDA_COMPUTE_CAP");
     println!("cargo:rerun-if-env-changed=CUDA_HOME");
     println!("cargo:rerun-if-env-changed=CUDA_PATH");
@@ -67,6 +69,18 @@ fn main() {
         }
     }
     if cap >= 90 {
+        // thin_gemm_sm90.cu: TMA + wgmma, compute_90a only (loaded on compute capability 9.0).
+        let out = PathBuf::from(std::env::var("OUT_DIR").unwrap()).join("thin_gemm.ptx");
+        let status = Command::new(&nvcc)
+            .args(["--ptx", "-O3", "-std=c++17", "-arch=compute_90a", "-o"])
+            .arg(&out)
+            .arg("kernels/thin_gemm_sm90.cu")
+            .status()
+            .expect("nvcc ran for fastpath.cu above");
+        if !status.success() {
+            panic!("nvcc failed to compile kernels/thin_gemm_sm90.cu ({status})");
+        }
+        println!("cargo:rustc-cfg=fastpath_thin_gemm");
         build_cutlass(&nvcc);
     }
 }

@@ -18,6 +18,8 @@ use std::sync::Mutex;
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::cublaslt::{result as lt, sys};
+// The driver API's own declarations (tensor maps): `sys` above is cuBLASLt's.
+use candle_core::cuda_backend::cudarc::driver::sys as dsys;
 use candle_core::cuda_backend::cudarc::driver::{
     CudaFunction, CudaSlice, CudaView, DevicePtr, LaunchConfig, PushKernelArg,
 };
@@ -65,6 +67,31 @@ const NORM_LINEAR_NAMES: [&str; 8] = [
     "fastpath_norm_linear_bf16_c192_m64",
     "fastpath_norm_linear_bf16_c192_gelu_m64",
 ];
+
+/// [`ThinGemmOp`]'s kernels (kernels/thin_gemm_sm90.cu, its own PTX module, compute_90a):
+/// f16 / bf16, then plain / GELU.
+#[cfg(fastpath_thin_gemm)]
+const THIN_GEMM_NAMES: [&str; 4] = [
+    "fastpath_thin_gemm_f16_k384",
+    "fastpath_thin_gemm_f16_k384_gelu",
+    "fastpath_thin_gemm_bf16_k384",
+    "fastpath_thin_gemm_bf16_k384_gelu",
+];
+#[cfg(fastpath_thin_gemm)]
+const THIN_GEMM_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/thin_gemm.ptx"));
+#[cfg(fastpath_thin_gemm)]
+const THIN_GEMM_MODULE: &str = "candle_fastpath_thin_gemm";
+/// The one input width (K) [`ThinGemmOp`]'s kernels are built for (DeiT-S's C), and the side of
+/// a CTA's square output tile.
+pub(crate) const THIN_GEMM_K: usize = 384;
+pub(crate) const THIN_GEMM_TILE: usize = 64;
+
+/// Dynamic shared memory of a [`ThinGemmOp`] launch: x's and W's 64 × 64 tiles per 64-wide
+/// block of K (16-bit), a barrier per block, and 1024 bytes of slack for the tiles' alignment.
+fn thin_gemm_smem_bytes() -> usize {
+    let blocks = THIN_GEMM_K / THIN_GEMM_TILE;
+    2 * blocks * THIN_GEMM_TILE * THIN_GEMM_TILE * 2 + 8 * blocks + 1024
+}
 
 /// The input rows of one [`NormLinearOp`] CTA, per kernel form: lever 58's 16-row tile (one wave
 /// of one CTA per SM) and lever 81's 64-row tile (a few thousand rows, two CTAs per SM).
@@ -366,6 +393,9 @@ struct DeviceState {
     head: Vec<CudaFunction>,
     embed: Vec<CudaFunction>,
     norm_linear: Vec<CudaFunction>,
+    /// [`ThinGemmOp`]'s kernels, as THIN_GEMM_NAMES; `None` unless the GPU has compute
+    /// capability 9.0 exactly and the PTX was built for it.
+    thin_gemm: Option<Vec<CudaFunction>>,
     /// `None` below compute capability 9.0 or when the PTX was built for an earlier one.
     residual_norm_linear: Option<Vec<CudaFunction>>,
     /// [`LinearResidualNormOp`]'s kernels, as `residual_norm_linear`.
@@ -504,6 +534,7 @@ fn new_state(dev: &CudaDevice) -> candle_core::Result<DeviceState> {
             }
         },
         linear_residual_norm: at_opt_in(&LINEAR_RESIDUAL_NORM_NAMES)?,
+        thin_gemm: load_thin_gemm(dev, &context)?,
         attention_rnl: at_opt_in(&ATTENTION_RNL_NAMES)?.map(|f| (f, opt_in_smem as usize)),
         attention_residual: at_opt_in(&ATTENTION_RESIDUAL_NAMES)?,
         attention_block: at_opt_in(&ATTENTION_BLOCK_NAMES)?,
@@ -1292,6 +1323,209 @@ impl NormLinearOp {
 }
 
 cuda_only_op3!(NormLinearOp, "fastpath-norm-linear", "norm_linear");
+
+/// [`ThinGemmOp`]'s kernels on a compute capability 9.0 GPU (compute_90a PTX runs there only),
+/// with their dynamic shared memory opted into; `None` elsewhere.
+#[cfg(fastpath_thin_gemm)]
+fn load_thin_gemm(
+    dev: &CudaDevice,
+    context: &std::sync::Arc<candle_core::cuda_backend::cudarc::driver::CudaContext>,
+) -> candle_core::Result<Option<Vec<CudaFunction>>> {
+    use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute::*;
+    use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES as MAX_SMEM;
+    let attribute = |a| context.attribute(a).map_err(candle_core::Error::wrap);
+    if (
+        attribute(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
+        attribute(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?,
+    ) != (9, 0)
+    {
+        return Ok(None);
+    }
+    let mut funcs = Vec::with_capacity(THIN_GEMM_NAMES.len());
+    for name in THIN_GEMM_NAMES {
+        let f = dev
+            .get_or_load_custom_func(name, THIN_GEMM_MODULE, THIN_GEMM_PTX)?
+            .into_cuda_function();
+        f.set_attribute(MAX_SMEM, thin_gemm_smem_bytes() as i32)
+            .map_err(candle_core::Error::wrap)?;
+        funcs.push(f);
+    }
+    Ok(Some(funcs))
+}
+
+#[cfg(not(fastpath_thin_gemm))]
+fn load_thin_gemm(
+    _: &CudaDevice,
+    _: &std::sync::Arc<candle_core::cuda_backend::cudarc::driver::CudaContext>,
+) -> candle_core::Result<Option<Vec<CudaFunction>>> {
+    Ok(None)
+}
+
+/// Whether `dev` has [`ThinGemmOp`]'s kernels (compute capability 9.0, PTX built for it).
+pub(crate) fn has_thin_gemm(dev: &CudaDevice) -> bool {
+    let mut states = STATE.lock().unwrap_or_else(|e| e.into_inner());
+    device_state(&mut states, dev).is_ok_and(|s| s.thin_gemm.is_some())
+}
+
+/// A TMA tensor map, passed to a kernel by value (`const __grid_constant__ CUtensorMap`).
+#[repr(C, align(64))]
+struct TensorMap(dsys::CUtensorMap);
+
+// SAFETY: a plain 128-byte descriptor the kernel reads as its parameter.
+unsafe impl candle_core::cuda_backend::cudarc::driver::DeviceRepr for TensorMap {}
+
+/// The tensor map of a row-major `[rows, cols]` 16-bit matrix at `ptr` (rows `cols · 2` bytes
+/// apart) in 64 × 64 boxes with the 128-byte swizzle, rows past the end read as zeros.
+fn tensor_map_64x64(
+    ptr: u64,
+    rows: usize,
+    cols: usize,
+    bf16: bool,
+) -> candle_core::Result<TensorMap> {
+    use dsys::{
+        CUtensorMapDataType as D, CUtensorMapFloatOOBfill as F, CUtensorMapInterleave as I,
+        CUtensorMapL2promotion as L, CUtensorMapSwizzle as S,
+    };
+    let mut map = std::mem::MaybeUninit::<dsys::CUtensorMap>::zeroed();
+    let dims: [u64; 2] = [cols as u64, rows as u64];
+    let strides: [u64; 1] = [(cols * 2) as u64];
+    let boxes: [u32; 2] = [THIN_GEMM_TILE as u32; 2];
+    let steps: [u32; 2] = [1, 1];
+    let dtype = if bf16 {
+        D::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+    } else {
+        D::CU_TENSOR_MAP_DATA_TYPE_FLOAT16
+    };
+    // SAFETY: every pointer argument points at a live array of the rank's length (strides: rank
+    // - 1), and `map` is written by the call before it is read.
+    let status = unsafe {
+        dsys::cuTensorMapEncodeTiled(
+            map.as_mut_ptr(),
+            dtype,
+            2,
+            ptr as *mut c_void,
+            dims.as_ptr(),
+            strides.as_ptr(),
+            boxes.as_ptr(),
+            steps.as_ptr(),
+            I::CU_TENSOR_MAP_INTERLEAVE_NONE,
+            S::CU_TENSOR_MAP_SWIZZLE_128B,
+            L::CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+            F::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+        )
+    };
+    if status != dsys::CUresult::CUDA_SUCCESS {
+        candle_core::bail!("thin_gemm: cuTensorMapEncodeTiled failed ({status:?})");
+    }
+    // SAFETY: initialised by the successful call above.
+    Ok(TensorMap(unsafe { map.assume_init() }))
+}
+
+/// The CustomOp behind [`crate::FusedLinear`]'s thin GEMM (lever 100; compute capability 9.0):
+/// `(x [M, K], W [N, K])` → `x·Wᵀ + bias` (then the exact GELU) for few rows, one wave of 64 × 64
+/// tiles loaded by the TMA and multiplied by wgmma, K = [`THIN_GEMM_K`]. The caller
+/// (`FusedLinear::thin_gemm_applies`) decides eligibility; shapes, strides and alignment are
+/// checked again here, so a direct use cannot make the kernel misread memory.
+pub(crate) struct ThinGemmOp {
+    pub bias: Tensor,
+    pub gelu: bool,
+}
+
+impl ThinGemmOp {
+    fn run<T>(
+        &self,
+        (x, lx): (&CudaStorage, &Layout),
+        (w, lw): (&CudaStorage, &Layout),
+    ) -> candle_core::Result<(CudaStorage, Shape)>
+    where
+        T: candle_core::cuda_backend::CudaDType
+            + candle_core::cuda_backend::cudarc::driver::DeviceRepr
+            + candle_core::WithDType,
+    {
+        use candle_core::cuda_backend::cudarc::driver::DevicePtr;
+        const WHAT: &str = "thin_gemm";
+        let dev = &x.device;
+        let size = size_of::<T>();
+        let (m, k) = lx.shape().dims2()?;
+        let (n, k2) = lw.shape().dims2()?;
+        let bf16 = is_bf16::<T>(WHAT)?;
+        if k != THIN_GEMM_K
+            || k2 != k
+            || m == 0
+            || n == 0
+            || n % 2 != 0
+            || !contiguous_16b(lx, size)
+            || !contiguous_16b(lw, size)
+        {
+            candle_core::bail!(
+                "{WHAT}: unsupported layout for the kernel (x {:?} strides {:?}, weight {:?} strides {:?}; K must be {THIN_GEMM_K})",
+                lx.shape().dims(),
+                lx.stride(),
+                lw.shape().dims(),
+                lw.stride()
+            );
+        }
+        let guard = [self.bias.storage_and_layout()];
+        let bias = carried_views::<T>(WHAT, &guard, &[(n, false)])?;
+        let xs = x.as_cuda_slice::<T>()?.slice(lx.start_offset()..);
+        let ws = w.as_cuda_slice::<T>()?.slice(lw.start_offset()..);
+        let stream = dev.cuda_stream();
+        // The tensor maps carry x's and W's addresses; `device_ptr`'s guards record the reads
+        // on the stream as a view passed to the launch would.
+        let tx = {
+            let (ptr, _sync) = xs.device_ptr(&stream);
+            tensor_map_64x64(ptr, m, k, bf16)?
+        };
+        let tw = {
+            let (ptr, _sync) = ws.device_ptr(&stream);
+            tensor_map_64x64(ptr, n, k, bf16)?
+        };
+        // SAFETY: every element is written by the kernel: each (row < M, column < N) pair lies in
+        // exactly one tile, whose epilogue stores it.
+        let out = unsafe { dev.alloc::<T>(m * n)? };
+        let func = {
+            let mut states = STATE.lock().unwrap_or_else(|e| e.into_inner());
+            match &device_state(&mut states, dev)?.thin_gemm {
+                Some(funcs) => funcs[2 * bf16 as usize + self.gelu as usize].clone(),
+                None => candle_core::bail!(
+                    "{WHAT}: the kernel needs compute capability 9.0 (TMA and wgmma)"
+                ),
+            }
+        };
+        let cfg = LaunchConfig {
+            grid_dim: (
+                n.div_ceil(THIN_GEMM_TILE) as u32,
+                m.div_ceil(THIN_GEMM_TILE) as u32,
+                1,
+            ),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: thin_gemm_smem_bytes() as u32,
+        };
+        let (m32, n32) = (m as i32, n as i32);
+        let mut builder = stream.launch_builder(&func);
+        builder.arg(&tx);
+        builder.arg(&tw);
+        builder.arg(&bias[0]);
+        builder.arg(&out);
+        builder.arg(&m32);
+        builder.arg(&n32);
+        // SAFETY: shapes, contiguity and 16-byte alignment checked above; the tensor maps cover
+        // exactly x's M rows and W's N rows (the TMA zero-fills past them), and the kernel writes
+        // `out`'s M · N elements only.
+        unsafe { builder.launch(cfg) }.map_err(candle_core::Error::wrap)?;
+        Ok((
+            CudaStorage::wrap_cuda_slice(out, dev.clone()),
+            Shape::from((m, n)),
+        ))
+    }
+}
+
+cuda_only_op2!(
+    ThinGemmOp,
+    "fastpath-thin-gemm",
+    "thin_gemm",
+    [F16 => half::f16, BF16 => half::bf16]
+);
 
 /// Whether `T`, the storage type of one of the f16 / bf16-only fused kernels (`what`), is bf16;
 /// an error for any other type.

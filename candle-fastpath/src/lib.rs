@@ -88,7 +88,7 @@ pub use error::{FastpathError, Result};
 pub use graph::CapturedForward;
 pub use graph_nodes::{is_capturing, GraphNodes};
 pub use head::{linear_log_prob, HEAD_MAX_CLASSES};
-pub use linear::{linear, linear_no_bias, Epilogue, FusedLinear};
+pub use linear::{linear, linear_no_bias, thin_gemm_mode, Epilogue, FusedLinear, ThinGemmMode};
 pub use norm::{layer_norm, LayerNorm};
 pub use norm_linear::{
     linear_residual_norm, linear_residual_norm_applies, linear_residual_norm_enabled, norm_linear,

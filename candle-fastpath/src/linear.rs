@@ -162,6 +162,14 @@ impl FusedLinear {
         };
         #[cfg(feature = "cuda")]
         if x.device().is_cuda() {
+            if let (true, Some(bias)) = (self.thin_applies(&x2, rows, epilogue), &self.bias) {
+                let op = crate::cuda::ThinGemmOp {
+                    bias: bias.clone(),
+                    gelu: epilogue.gelu(),
+                };
+                let y = x2.apply_op2_no_bwd(&self.weight, &op)?;
+                return Ok(y.reshape(out_shape)?);
+            }
             let op = crate::cuda::LinearOp {
                 bias: self.bias.clone(),
                 gelu: epilogue.gelu(),
@@ -176,6 +184,53 @@ impl FusedLinear {
         }
         let y = self.reference(&x2, epilogue, rows)?;
         Ok(y.reshape(out_shape)?)
+    }
+
+    /// Whether [`Self::forward_with`] runs `x` with `epilogue` through the thin GEMM (lever 100 in
+    /// `docs/BENCHMARKS.md`) rather than cuBLASLt (and, for the GELU, the GELU pass after it):
+    /// see [`thin_gemm_mode`] for when. For tests and A/B measurements.
+    pub fn thin_gemm_applies(&self, x: &Tensor, epilogue: Epilogue) -> bool {
+        let k = self.in_dim();
+        x.dims().last() == Some(&k) && self.thin_applies(x, x.elem_count() / k, epilogue)
+    }
+
+    /// [`Self::thin_gemm_applies`] for `x` of `rows` rows of the weight's in dim: CUDA with
+    /// compute capability 9.0 (TMA and wgmma), a bias, the Plain or GELU epilogue (the GELU in
+    /// its default Φ form) as [`thin_gemm_mode`] allows, f16 or bf16, K = 384 (DeiT-S's C), N
+    /// even, `x` and the weight contiguous and 16-byte aligned, and a grid of 64 × 64 tiles
+    /// within one wave (one CTA per SM: batch-1 row counts).
+    #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
+    fn thin_applies(&self, x: &Tensor, rows: usize, epilogue: Epilogue) -> bool {
+        #[cfg(not(feature = "cuda"))]
+        return false;
+        #[cfg(feature = "cuda")]
+        {
+            let candle_core::Device::Cuda(dev) = x.device() else {
+                return false;
+            };
+            let mode = thin_gemm_mode();
+            let allowed = match epilogue {
+                Epilogue::Plain => mode == ThinGemmMode::On,
+                Epilogue::Gelu => {
+                    mode != ThinGemmMode::Off
+                        && crate::gelu_form::gelu_form() == crate::gelu_form::GeluForm::Phi
+                }
+                _ => false,
+            };
+            let size = x.dtype().size_in_bytes();
+            let (k, n, tile) = (self.in_dim(), self.out_dim(), crate::cuda::THIN_GEMM_TILE);
+            allowed
+                && self.bias.is_some()
+                && matches!(x.dtype(), DType::F16 | DType::BF16)
+                && k == crate::cuda::THIN_GEMM_K
+                && n % 2 == 0
+                && rows > 0
+                && crate::cuda::contiguous_16b(x.layout(), size)
+                && crate::cuda::contiguous_16b(self.weight.layout(), size)
+                && crate::cuda::has_thin_gemm(dev)
+                && crate::cuda::sm_count(dev)
+                    .is_ok_and(|sms| rows.div_ceil(tile) * n.div_ceil(tile) <= sms)
+        }
     }
 
     /// `gelu(x·Wᵀ + b)` (exact erf GELU).
@@ -209,6 +264,33 @@ impl Module for FusedLinear {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         Ok(self.forward_with(x, Epilogue::Plain)?)
     }
+}
+
+/// When [`FusedLinear`] takes its thin GEMM (lever 100 in `docs/BENCHMARKS.md`), from
+/// `CANDLE_FASTPATH_THIN_GEMM` (read once).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ThinGemmMode {
+    /// The default: the Plain and GELU epilogues.
+    On,
+    /// The GELU epilogue only (`=gelu`; for A/B measurements).
+    GeluOnly,
+    /// Never (`=0`): cuBLASLt (and the GELU pass) everywhere.
+    Off,
+}
+
+/// The mode `CANDLE_FASTPATH_THIN_GEMM` selects (read once): unset, `gelu`, `0`.
+///
+/// The thin GEMM computes `x·Wᵀ + b` (then the exact GELU) in 64 × 64 tiles over the whole of K,
+/// one wave of CTAs whose operands the TMA loads and wgmma multiplies, where cuBLASLt's GEMM
+/// and the GELU pass after it are two launches of a few µs each: the few rows of a batch-1
+/// forward at DeiT-S's width.
+pub fn thin_gemm_mode() -> ThinGemmMode {
+    static MODE: std::sync::OnceLock<ThinGemmMode> = std::sync::OnceLock::new();
+    crate::switches::read_once(&MODE, "CANDLE_FASTPATH_THIN_GEMM", |v| match v {
+        Some("gelu") => ThinGemmMode::GeluOnly,
+        Some("0") | Some("off") => ThinGemmMode::Off,
+        _ => ThinGemmMode::On,
+    })
 }
 
 /// `t` must have `shape` and the weight's dtype and device.

@@ -35,7 +35,7 @@ fn check(
     offset_rows: usize,
     // x is then the last k columns of a [.., extra_cols + k] buffer: strided rows.
     extra_cols: usize,
-) {
+) -> bool {
     let w = quantize(&randn(rng, n * k, 1.0 / (k as f32).sqrt()), dtype);
     let b = quantize(&randn(rng, n, 0.5), dtype);
     // x is a view starting `offset_rows` rows into a larger buffer (unaligned when odd).
@@ -62,6 +62,7 @@ fn check(
         Kind::Residual => Epilogue::Residual(&res),
         Kind::ResidualGelu => Epilogue::ResidualGelu(&res),
     };
+    let thin = layer.thin_gemm_applies(&x, epilogue);
     let got = host(&layer.forward_with(&x, epilogue).unwrap());
     assert_eq!(got.len(), m * n);
     // The CPU path rounds the product, the biased sum and the residual sum to `dtype` in turn,
@@ -94,6 +95,60 @@ fn check(
                 "{dtype:?} m={m} k={k} n={n} bias={bias} {kind:?} offset={offset_rows} \
                  extra_cols={extra_cols}: [{i}, {j}] got {g}, want {want}"
             );
+        }
+    }
+    thin
+}
+
+/// The thin GEMM (lever 100): DeiT-S's fc1 (N = 1536) and qkv (N = 1152) at batch-1 row counts,
+/// tile edges (64-row tiles) and the first row counts past one wave, plain and GELU, inputs at
+/// row offsets into a larger buffer. Built with `cuda` on an H100 / H200 it asserts where the
+/// kernel runs (f16 / bf16 with a bias, unless `CANDLE_FASTPATH_THIN_GEMM` turns it off) and
+/// where it does not.
+#[test]
+fn thin_gemm_matches_reference_at_batch_one_rows() {
+    let dev = device();
+    let mut rng = StdRng::seed_from_u64(99);
+    let mode = candle_fastpath::thin_gemm_mode();
+    for dtype in [DType::F16, DType::BF16, DType::F32] {
+        let rows: &[(usize, &[usize])] = if dtype == DType::F32 {
+            &[(1536, &[1, 65])]
+        } else {
+            &[
+                (1536, &[1, 2, 63, 64, 65, 138, 197, 320, 321]),
+                (1152, &[17, 129, 448, 449]),
+            ]
+        };
+        for &(n, ms) in rows {
+            for &m in ms {
+                for kind in [Kind::Plain, Kind::Gelu] {
+                    let thin = check(&dev, &mut rng, dtype, m, 384, n, true, kind, m % 3, 0);
+                    // One wave of 64 × 64 tiles on an H100 / H200 (132 SMs).
+                    let one_wave = m.div_ceil(64) * n.div_ceil(64) <= 132;
+                    let allowed = match kind {
+                        Kind::Plain => mode == candle_fastpath::ThinGemmMode::On,
+                        _ => mode != candle_fastpath::ThinGemmMode::Off,
+                    };
+                    let want = dev.is_cuda() && dtype != DType::F32 && one_wave && allowed;
+                    assert_eq!(thin, want, "{dtype:?} m={m} n={n} {kind:?}");
+                }
+            }
+        }
+        // Without a bias, or a strided view of wider rows, the other path runs.
+        for (bias, extra) in [(false, 0), (true, 8)] {
+            let thin = check(
+                &dev,
+                &mut rng,
+                dtype,
+                197,
+                384,
+                1536,
+                bias,
+                Kind::Gelu,
+                0,
+                extra,
+            );
+            assert!(!thin, "{dtype:?} bias={bias} extra_cols={extra}");
         }
     }
 }

@@ -1333,7 +1333,7 @@ fn prefix_only_last_block_equals_the_full_rows() {
 }
 
 /// One-image forwards replayed from CUDA graphs agree with the padded path (f16 and bf16, DeiT-T
-/// and its distilled variant). Inside a capture a batch-1 DeiT-T runs its chained kernels
+/// and its distilled variant by default; `GRAPHS_MODELS` names others). Inside a capture a batch-1 DeiT-T runs its chained kernels
 /// (candle_fastpath::attention_block and the kernels around it, levers 58–66), which eager
 /// forwards never take (each block is then one small_block launch) and the other GPU tests check
 /// kernel by kernel only: this is their check through the model (which qkv goes to which block,
@@ -1346,7 +1346,11 @@ fn prefix_only_last_block_equals_the_full_rows() {
 #[ignore = "CUDA graphs: run on the GPU with PATHS_DEVICE=cuda"]
 fn one_image_graphs_agree_with_the_padded_path() {
     let dev = env_device();
-    for name in ["deit-tiny", "deit-tiny-distilled"] {
+    // GRAPHS_MODELS (comma-separated) picks other models, e.g. deit-small where the thin GEMM
+    // (lever 100) runs inside the captured forward.
+    let models = std::env::var("GRAPHS_MODELS")
+        .unwrap_or_else(|_| "deit-tiny,deit-tiny-distilled".to_string());
+    for name in models.split(',') {
         let cfg = DeiTConfig::from_name(name).unwrap();
         let weights = to_tensors(&random_timm_weights(&cfg, 91));
         let pixels = varied_pixels(1, &cfg, 92, &dev);

@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Lever 100 on the GPU machine, from the repo root: FusedLinear's thin GEMM (x·Wᵀ + b, then the
+# exact GELU, in one wave of 64 × 64 tiles over the whole K = 384, TMA + wgmma: DeiT-S's fc1 and qkv at batch 1)
+# against cuBLASLt's GEMM (+ the GELU pass), one binary: CANDLE_FASTPATH_THIN_GEMM=0 (off),
+# =gelu (fc1 + GELU only) and the default (fc1 + GELU and the plain qkv).
+# Needs .gpu/{bench,test-linear,test-norm_linear,test-paths_agreement}.xz.
+# STAGES (default "checks anatomy ncu"; "e2e" separately, it takes ~4 min):
+#   checks   test-linear (the thin kernel's own test asserts where it runs) and test-norm_linear
+#            (residual_norm_linear at C = 384: lever 98's kernel, then fc1 + GELU here), both under
+#            memcheck; racecheck of the thin kernel's test; paths at DeiT-S batch 1 (f32 / f16 /
+#            bf16, every pruner: padded against ragged, both through the kernel) and batch 8
+#            (without it), the one-image graphs (DeiT-T: unchanged; DeiT-S: the kernel captured)
+#   anatomy  bench --graph-anatomy, DeiT-S batch 1, f16, dense and the fixed pruners, every arm,
+#            two rounds: kernel nodes per graph and replay event times
+#   ncu      per-kernel times of a DeiT-S batch-1 dense forward (eager, the graph's kernels: the
+#            one-kernel block off), warm caches, boost clocks, every arm
+#   e2e      bench DeiT-S batch 1, f16 and bf16, dense and every pruner and mode, ragged path,
+#            arms interleaved, two rounds; per-row 0 / arm ratios
+set -u
+stages=${STAGES:-checks anatomy ncu}
+. scripts/gpu/lib.sh
+unpack bench test-linear test-norm_linear test-paths_agreement
+C="$out/thin-gemm.txt"
+nvidia-smi --query-gpu=name --format=csv,noheader >> "$C"
+ARMS=${ARMS:-0 gelu default}
+# e2e: fewer arms unless asked (STAGES=e2e E2E_ARMS=...)
+E2E_ARMS=${E2E_ARMS:-0 default}
+V=CANDLE_FASTPATH_THIN_GEMM
+if has checks; then
+  tests_memcheck linear norm_linear
+  echo "== test-linear thin_gemm under racecheck" >> "$C"
+  timeout 300 compute-sanitizer --tool racecheck $B/test-linear --test-threads=1 thin_gemm > /tmp/race.log 2>&1
+  grep -E "RACECHECK SUMMARY|test result" /tmp/race.log >> "$C"
+  echo "hazard reports by kernel:" >> "$C"
+  grep -oE "Race reported between [A-Za-z]+ access at [A-Za-z0-9_]+" /tmp/race.log | awk '{print $NF}' | sort | uniq -c >> "$C"
+  echo "lines naming fastpath_thin_gemm: $(grep -c fastpath_thin_gemm /tmp/race.log)" >> "$C"
+  paths_check deit-small 1 300
+  paths_check deit-small 8 300
+  graphs_check 200
+  # The one-image graphs at DeiT-S, where the thin GEMM runs inside the capture.
+  export GRAPHS_MODELS=deit-small
+  graphs_check 200
+  unset GRAPHS_MODELS
+fi
+if has anatomy; then
+  for r in 1 2; do
+    anatomy $V "$ARMS" --models deit-small --dtype f16 --batch 1 --pruners none,threshold-l2-fixed,evit-fixed,dynamicvit-fixed
+  done
+fi
+if has ncu; then
+  for a in $ARMS; do
+    env $V=${a#default} CANDLE_FASTPATH_SMALL_BLOCK=0 ncu --cache-control none --clock-control none --metrics gpu__time_duration.sum --csv --print-units base \
+      $B/bench --device cuda --models deit-small --dtype f16 --batch 1 --pruners none --paths ragged --reps 1 --warmup 1 --cuda-graph false --out /tmp/x.json > /tmp/ncu.csv 2>/dev/null
+    python3 scripts/gpu/ncu_kernels.py /tmp/ncu.csv "deit-small batch 1 f16 dense, $V=${a#default} (eager forwards with the graph's kernels), warm, boost clocks" >> "$C"
+  done
+fi
+e2e_run() { env $V=${1#default} timeout 250 $B/bench --device cuda --models deit-small --dtype f16,bf16 --batch 1 \
+  --pruners none,threshold-l2,dynamicvit,evit,ats --paths ragged --reps 10 --out "$2"; }
+has e2e && ARMS="$E2E_ARMS" ab_rounds thin e2e_run
+pack thin-json.tgz 'thin-*.json'
+cat "$C"
