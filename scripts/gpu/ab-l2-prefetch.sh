@@ -33,9 +33,8 @@ has ab && ab_rounds pf pf_run
 if has ncu; then
   for a in $ARMS; do
     for m in deit-base deit-small; do
-      CANDLE_FASTPATH_L2_PREFETCH=$a CANDLE_FASTPATH_SMALL_BLOCK=0 ncu --cache-control none --clock-control none --metrics gpu__time_duration.sum --csv --print-units base \
-        $B/bench --device cuda --models $m --dtype f16 --batch 1 --pruners none --paths ragged --reps 1 --warmup 1 --cuda-graph false --out /tmp/x.json > /tmp/ncu.csv 2>/dev/null
-      python3 scripts/gpu/ncu_kernels.py /tmp/ncu.csv "CANDLE_FASTPATH_L2_PREFETCH=$a $m dense batch 1 f16, warm, boost clocks" >> "$C"
+      ncu_forward "CANDLE_FASTPATH_L2_PREFETCH=$a" "CANDLE_FASTPATH_L2_PREFETCH=$a $m dense batch 1 f16, warm, boost clocks" \
+        --models $m --dtype f16 --batch 1 --pruners none
     done
   done
 fi

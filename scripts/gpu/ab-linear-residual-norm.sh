@@ -46,9 +46,8 @@ if has anatomy; then
 fi
 if has ncu; then
   for a in $ARMS; do
-    env $V=${a#default} CANDLE_FASTPATH_SMALL_BLOCK=0 ncu --cache-control none --clock-control none --metrics gpu__time_duration.sum --csv --print-units base \
-      $B/bench --device cuda --models deit-small --dtype f16 --batch 1 --pruners none --paths ragged --reps 1 --warmup 1 --cuda-graph false --out /tmp/x.json > /tmp/ncu.csv 2>/dev/null
-    python3 scripts/gpu/ncu_kernels.py /tmp/ncu.csv "deit-small batch 1 f16 dense, $V=${a#default} (eager forwards with the graph's kernels), warm, boost clocks" >> "$C"
+    ncu_forward "$V=${a#default}" "deit-small batch 1 f16 dense, $V=${a#default} (eager forwards with the graph's kernels), warm, boost clocks" \
+      --models deit-small --dtype f16 --batch 1 --pruners none
   done
 fi
 e2e_run() { env $V=${1#default} timeout 250 $B/bench --device cuda --models deit-small --dtype f16,bf16 --batch 1 \

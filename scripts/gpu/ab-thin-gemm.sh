@@ -23,6 +23,9 @@ unpack bench test-linear test-norm_linear test-paths_agreement
 C="$out/thin-gemm.txt"
 nvidia-smi --query-gpu=name --format=csv,noheader >> "$C"
 ARMS=${ARMS:-0 gelu default}
+# The models of the anatomy, ncu and e2e stages (lever 100: deit-small; lever 101 ran deit-base
+# with the K = 768 kernel of its patch).
+MODELS=${MODELS:-deit-small}
 # e2e: fewer arms unless asked (STAGES=e2e E2E_ARMS=...)
 E2E_ARMS=${E2E_ARMS:-0 default}
 V=CANDLE_FASTPATH_THIN_GEMM
@@ -44,17 +47,16 @@ if has checks; then
 fi
 if has anatomy; then
   for r in 1 2; do
-    anatomy $V "$ARMS" --models deit-small --dtype f16 --batch 1 --pruners none,threshold-l2-fixed,evit-fixed,dynamicvit-fixed
+    anatomy $V "$ARMS" --models $MODELS --dtype f16 --batch 1 --pruners none,threshold-l2-fixed,evit-fixed,dynamicvit-fixed
   done
 fi
 if has ncu; then
-  for a in $ARMS; do
-    env $V=${a#default} CANDLE_FASTPATH_SMALL_BLOCK=0 ncu --cache-control none --clock-control none --metrics gpu__time_duration.sum --csv --print-units base \
-      $B/bench --device cuda --models deit-small --dtype f16 --batch 1 --pruners none --paths ragged --reps 1 --warmup 1 --cuda-graph false --out /tmp/x.json > /tmp/ncu.csv 2>/dev/null
-    python3 scripts/gpu/ncu_kernels.py /tmp/ncu.csv "deit-small batch 1 f16 dense, $V=${a#default} (eager forwards with the graph's kernels), warm, boost clocks" >> "$C"
-  done
+  for a in $ARMS; do for model in ${MODELS//,/ }; do
+    ncu_forward "$V=${a#default}" "$model batch 1 f16 dense, $V=${a#default} (eager forwards with the graph's kernels), warm, boost clocks" \
+      --models $model --dtype f16 --batch 1 --pruners none
+  done; done
 fi
-e2e_run() { env $V=${1#default} timeout 250 $B/bench --device cuda --models deit-small --dtype f16,bf16 --batch 1 \
+e2e_run() { env $V=${1#default} timeout 250 $B/bench --device cuda --models $MODELS --dtype f16,bf16 --batch 1 \
   --pruners none,threshold-l2,dynamicvit,evit,ats --paths ragged --reps 10 --out "$2"; }
 has e2e && ARMS="$E2E_ARMS" ab_rounds thin e2e_run
 pack thin-json.tgz 'thin-*.json'

@@ -99,6 +99,19 @@ anatomy() {
   done
 }
 
+# ncu_forward ENV TITLE BENCH_ARGS...: per-kernel times (ncu, caches and clocks left alone: warm,
+# boost) of `bench BENCH_ARGS --paths ragged --reps 1 --warmup 1 --cuda-graph false`, run with the
+# space-separated assignments ENV (may be empty) and the one-kernel block off (so the eager
+# forwards run a graph's kernels), summarised by ncu_kernels.py under TITLE and appended to $C.
+ncu_forward() {
+  local envs=$1 title=$2
+  shift 2
+  # shellcheck disable=SC2086  # ENV: assignments split into words
+  env $envs CANDLE_FASTPATH_SMALL_BLOCK=0 ncu --cache-control none --clock-control none --metrics gpu__time_duration.sum --csv --print-units base \
+    $B/bench --device cuda "$@" --paths ragged --reps 1 --warmup 1 --cuda-graph false --out /tmp/x.json > /tmp/ncu.csv 2>/dev/null
+  python3 scripts/gpu/ncu_kernels.py /tmp/ncu.csv "$title" >> "$C"
+}
+
 # graphs_check [LIMIT]: test-paths_agreement's one_image_graphs_agree_with_the_padded_path on CUDA
 # (DeiT-T and DeiT-T distilled, batch 1, f16 / bf16: dense and fixed-pruner CUDA graphs, where
 # the chained batch-1 kernels run, against the padded path); appends its exit status, its

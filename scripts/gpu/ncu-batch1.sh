@@ -14,9 +14,7 @@ unpack bench bench-attention
 C="$out/ncu-batch1.txt"
 nvidia-smi --query-gpu=name --format=csv,noheader >> "$C"
 has forward && for m in ${MODELS:-deit-small}; do
-  CANDLE_FASTPATH_SMALL_BLOCK=0 ncu --cache-control none --clock-control none --metrics gpu__time_duration.sum --csv --print-units base \
-    $B/bench --device cuda --models $m --dtype f16 --batch 1 --pruners none --paths ragged --reps 1 --warmup 1 --cuda-graph false --out /tmp/x.json > /tmp/ncu.csv 2>/dev/null
-  python3 scripts/gpu/ncu_kernels.py /tmp/ncu.csv "$m dense batch 1 f16, separate kernels, warm, boost clocks" >> "$C"
+  ncu_forward "" "$m dense batch 1 f16, separate kernels, warm, boost clocks" --models $m --dtype f16 --batch 1 --pruners none
 done
 heads=${ATTN_HEADS:-6}
 has source || { cat "$C"; exit 0; }
