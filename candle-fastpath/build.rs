@@ -2,7 +2,9 @@
 //! is on. No fast-math: both must match the CPU path to rounding.
 //! With compute capability 9.0 and the CUTLASS headers (`CUTLASS_HOME`, set by
 //! scripts/install-cuda-toolkit.sh), `kernels/cutlass_linear.cu` (fc1 with the exact GELU in its
-//! epilogue) is also compiled for sm_90a into a static library and `cfg(fastpath_cutlass)` is set.
+//! epilogue) is also compiled for sm_90a into a static library and `cfg(fastpath_cutlass)` is set;
+//! with compute capability 9.0, `kernels/thin_gemm_sm90.cu` (the thin GEMM on TMA and wgmma,
+//! lever 100) becomes a compute_90a PTX module of its own and `cfg(fastpath_thin_gemm)` is set.
 //! The CPU build needs no CUDA at all: without the feature this script does nothing.
 use std::path::PathBuf;
 use std::process::Command;
