@@ -15,6 +15,7 @@ fn main() {
     println!("cargo:rerun-if-changed=kernels/gelu_phi.cuh");
     println!("cargo:rerun-if-changed=kernels/small_block.cu");
     println!("cargo:rerun-if-changed=kernels/thin_gemm_sm90.cu");
+    println!("cargo:rerun-if-changed=kernels/epilogue.cuh");
     println!("cargo::rustc-check-cfg=cfg(fastpath_thin_gemm)");
     println!("cargo:rerun-if-env-changed=CUDA_COMPUTE_CAP");
     println!("cargo:rerun-if-env-changed=CUDA_HOME");
@@ -50,6 +51,7 @@ fn main() {
     println!("cargo:rerun-if-changed={ragged_include}/attention_common.cuh");
     println!("cargo:rerun-if-changed={ragged_include}/row_norm.cuh");
     println!("cargo:rerun-if-changed={ragged_include}/select_common.cuh");
+    println!("cargo:rerun-if-changed={ragged_include}/wgmma_common.cuh");
     for name in ["fastpath", "small_block"] {
         let out = PathBuf::from(std::env::var("OUT_DIR").unwrap()).join(format!("{name}.ptx"));
         let status = Command::new(&nvcc)
@@ -74,7 +76,9 @@ fn main() {
         // thin_gemm_sm90.cu: TMA + wgmma, compute_90a only (loaded on compute capability 9.0).
         let out = PathBuf::from(std::env::var("OUT_DIR").unwrap()).join("thin_gemm.ptx");
         let status = Command::new(&nvcc)
-            .args(["--ptx", "-O3", "-std=c++17", "-arch=compute_90a", "-o"])
+            .args(["--ptx", "-O3", "-std=c++17", "-arch=compute_90a"])
+            .arg(format!("-I{ragged_include}"))
+            .arg("-o")
             .arg(&out)
             .arg("kernels/thin_gemm_sm90.cu")
             .status()

@@ -13,6 +13,7 @@ fn main() {
     println!("cargo:rerun-if-changed=kernels/attention_warp.cuh");
     println!("cargo:rerun-if-changed=kernels/row_norm.cuh");
     println!("cargo:rerun-if-changed=kernels/select_common.cuh");
+    println!("cargo:rerun-if-changed=kernels/wgmma_common.cuh");
     println!("cargo::rustc-check-cfg=cfg(ragged_wgmma)");
     println!("cargo:rerun-if-env-changed=CUDA_COMPUTE_CAP");
     println!("cargo:rerun-if-env-changed=CUDA_HOME");

@@ -13,6 +13,7 @@
 #include <cuda_bf16.h>
 #include <stdint.h>
 
+#include "epilogue.cuh"
 #include "gelu_phi.cuh"
 // candle-ragged's warp-level attention (its build metadata puts the folder on the include path):
 // attention_residual_norm_linear runs the same online softmax inside its cluster.
@@ -28,17 +29,6 @@ struct GeluErf {
 struct GeluPhi {
     __device__ __forceinline__ float operator()(float x) const { return gelu_phi(x); }
 };
-
-__device__ __forceinline__ float to_f32(float x) { return x; }
-__device__ __forceinline__ float to_f32(__half x) { return __half2float(x); }
-__device__ __forceinline__ float to_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
-
-template <typename T> __device__ __forceinline__ T from_f32(float x);
-template <> __device__ __forceinline__ float from_f32<float>(float x) { return x; }
-template <> __device__ __forceinline__ __half from_f32<__half>(float x) { return __float2half_rn(x); }
-template <> __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float x) {
-    return __float2bfloat16_rn(x);
-}
 
 template <typename Gelu, typename T>
 __device__ void gelu_inplace(T* __restrict__ x, unsigned long long n) {
@@ -504,11 +494,6 @@ __device__ __forceinline__ void nl_warp_mma_16x32(float (&acc)[4][4], const T* a
     nl_warp_mma_16xn<T, K, LDS, 2>(acc, a, b);
 }
 
-template <typename T>
-struct __align__(4) NlPair {
-    T a, b;
-};
-
 // The NL_BM rows of K elements at `rows` (shared memory, LDS elements apart) normalised in place,
 // one warp per row (the first NL_BM warps; NL_BM <= NL_WARPS): the LayerNorm kernel's own row
 // code, so the rows are its output bit for bit. `wraw` / `braw`: the LayerNorm's parameters as
@@ -544,53 +529,6 @@ __device__ __forceinline__ void nl_row_norms(const T* rows, float* __restrict__ 
     }
     acc = row_norm_lane_sum(acc);
     if (lane == 0 && m0 + warp < M) norms[m0 + warp] = row_norm_sqrt(acc);
-}
-
-// The bias pairs of a warp's 16 × 32 accumulator tile starting at column `col0` (zero past N).
-template <typename T>
-__device__ __forceinline__ void nl_load_bias(float (&bias_f)[4][2], const T* __restrict__ bias, int col0, int N) {
-    const unsigned lane = threadIdx.x % 32;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-        const int col = col0 + j * 8 + (lane % 4) * 2;
-        bias_f[j][0] = col < N ? to_f32(bias[col]) : 0.f;
-        bias_f[j][1] = col + 1 < N ? to_f32(bias[col + 1]) : 0.f;
-    }
-}
-
-// A warp's 16 × 32 tile (rows row0.., columns col0..) of an [M, N] result from its accumulators:
-// bias, rounding to the storage type, then (GELU) x·Φ(x) of that rounded value, rounded again;
-// pairs of adjacent columns, rows lane / 4 and lane / 4 + 8, each handed to store(row, col, pair);
-// nothing past M or N.
-template <typename T, bool GELU, typename Store>
-__device__ __forceinline__ void nl_epilogue_tile(const float (&acc)[4][4], const float (&bias_f)[4][2], int row0,
-                                                 int col0, int M, int N, Store store) {
-    const unsigned lane = threadIdx.x % 32;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-        const int col = col0 + j * 8 + (lane % 4) * 2;
-        if (col >= N) continue;  // N is even: col < N means the pair is inside
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int row = row0 + lane / 4 + h * 8;
-            if (row >= M) continue;
-            T o0 = from_f32<T>(acc[j][2 * h] + bias_f[j][0]), o1 = from_f32<T>(acc[j][2 * h + 1] + bias_f[j][1]);
-            if (GELU) {
-                o0 = from_f32<T>(gelu_phi(to_f32(o0)));
-                o1 = from_f32<T>(gelu_phi(to_f32(o1)));
-            }
-            store(row, col, NlPair<T>{o0, o1});
-        }
-    }
-}
-
-// nl_epilogue_tile into y [M, N] in global memory.
-template <typename T, bool GELU>
-__device__ __forceinline__ void nl_store_tile(const float (&acc)[4][4], const float (&bias_f)[4][2],
-                                              T* __restrict__ y, int row0, int col0, int M, int N) {
-    nl_epilogue_tile<T, GELU>(acc, bias_f, row0, col0, M, N, [&](int row, int col, NlPair<T> p) {
-        *reinterpret_cast<NlPair<T>*>(y + (size_t)row * N + col) = p;
-    });
 }
 
 // x [M, K], ln_w / ln_b [K], w [N, K], bias [N], y [M, N]; all contiguous and 16-byte aligned,

@@ -42,6 +42,7 @@
 #include <cuda_bf16.h>
 #include <stdint.h>
 
+#include "epilogue.cuh"
 #include "gelu_phi.cuh"
 
 namespace sb {
@@ -57,13 +58,6 @@ constexpr int QT = 16;        // queries per attention unit
 constexpr int KC = 16;        // keys per chunk
 constexpr int OLD = HD + 4;   // f32 row length of the merge buffer
 
-__device__ __forceinline__ float to_f32(__half x) { return __half2float(x); }
-__device__ __forceinline__ float to_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
-template <typename T> __device__ __forceinline__ T from_f32(float x);
-template <> __device__ __forceinline__ __half from_f32<__half>(float x) { return __float2half_rn(x); }
-template <> __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float x) {
-    return __float2bfloat16_rn(x);
-}
 template <typename T> __device__ __forceinline__ uint32_t pack2(float a, float b);
 template <> __device__ __forceinline__ uint32_t pack2<__half>(float a, float b) {
     __half2 h = __floats2half2_rn(a, b);

@@ -14,7 +14,7 @@
 // 4 × 24 = 96 CTAs, one wave). Thread 0 arms one transaction barrier per 64-wide block of K
 // and issues that block's two TMA copies (64 rows of x, 64 rows of W; rows past M or N arrive
 // zero-filled); the warpgroup runs the block's four m64n64k16 wgmmas as soon as it has landed,
-// while the later blocks still arrive. The epilogue is norm_linear's (fastpath.cu): bias,
+// while the later blocks still arrive. The epilogue is norm_linear's (epilogue.cuh): bias,
 // rounding to the storage type, then x·Φ(x) of the rounded value, rounded again — what cuBLASLt's
 // bias epilogue followed by the GELU pass computes.
 //
@@ -27,7 +27,11 @@
 #include <cuda_fp16.h>
 #include <stdint.h>
 
-#include "gelu_phi.cuh"
+// candle-ragged's kernel folder (its build metadata puts it on the include path): smem_addr, and
+// the wgmma descriptors and fences.
+#include "attention_common.cuh"
+#include "epilogue.cuh"
+#include "wgmma_common.cuh"
 
 constexpr int TG_K = 384, TG_TILE = 64, TG_BLOCKS = TG_K / TG_TILE;
 constexpr int TG_TILE_BYTES = TG_TILE * TG_TILE * 2;  // 64 rows of one 128-byte swizzle row each
@@ -35,18 +39,6 @@ constexpr int TG_TILE_BYTES = TG_TILE * TG_TILE * 2;  // 64 rows of one 128-byte
 constexpr int TG_BAR_OFFSET = 2 * TG_BLOCKS * TG_TILE_BYTES;
 // Dynamic shared memory: the tiles, the barriers and 1024 bytes of alignment slack (the host's
 // thin_gemm_smem_bytes).
-
-__device__ __forceinline__ uint32_t tg_smem_addr(const void* p) {
-    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-// K-major operand in the 128-byte swizzle (PTX ISA, "Matrix Descriptor Format"): start address,
-// leading byte offset 16 (unused by this swizzle), stride 1024 bytes between 8-row groups,
-// swizzle mode 1 (128 bytes) in bits 62-63; all addresses >> 4.
-__device__ __forceinline__ uint64_t tg_desc(uint32_t addr) {
-    auto f = [](uint32_t x) { return static_cast<uint64_t>((x & 0x3FFFF) >> 4); };
-    return f(addr) | (f(16) << 16) | (f(1024) << 32) | (1ull << 62);
-}
 
 // d (64 × 64 f32, the warpgroup's accumulator layout) += A (64 × 16) · B (16 × 64), both from
 // shared memory through descriptors, K-major.
@@ -75,16 +67,6 @@ __device__ __forceinline__ void tg_mma(__nv_bfloat16, float (&d)[32], uint64_t d
     tg_wgmma_bf16(d, da, db, s);
 }
 
-__device__ __forceinline__ float tg_f32(__half x) { return __half2float(x); }
-__device__ __forceinline__ float tg_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
-__device__ __forceinline__ void tg_round(float v, __half& o) { o = __float2half_rn(v); }
-__device__ __forceinline__ void tg_round(float v, __nv_bfloat16& o) { o = __float2bfloat16_rn(v); }
-
-template <typename T>
-struct __align__(4) TgPair {
-    T a, b;
-};
-
 // Until the phase of the CTA-local barrier at `bar` has completed (its TMA bytes have landed).
 __device__ __forceinline__ void tg_wait(uint32_t bar) {
     uint32_t done = 0;
@@ -101,7 +83,7 @@ __device__ void thin_gemm_tile(const CUtensorMap* tx, const CUtensorMap* tw, con
     extern __shared__ unsigned char tg_raw[];
     // The swizzle works on address bits: the tiles start 1024-byte aligned.
     unsigned char* smem = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(tg_raw) + 1023) & ~uintptr_t(1023));
-    const uint32_t tiles = tg_smem_addr(smem), bars = tiles + TG_BAR_OFFSET;
+    const uint32_t tiles = smem_addr(smem), bars = tiles + TG_BAR_OFFSET;
     const int m0 = blockIdx.y * TG_TILE, n0 = blockIdx.x * TG_TILE;
     if (threadIdx.x == 0) {
         asm volatile("prefetch.tensormap [%0];" ::"l"(tx) : "memory");
@@ -128,16 +110,11 @@ __device__ void thin_gemm_tile(const CUtensorMap* tx, const CUtensorMap* tw, con
     }
     // The barriers' init is visible to every thread before any waits on them.
     __syncthreads();
-    // The bias of this thread's accumulator columns (8j + 2·(lane % 4) and the next), loaded
-    // while the tiles arrive.
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    float bias_f[8][2];
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-        const int col = n0 + j * 8 + (lane % 4) * 2;
-        bias_f[j][0] = col < N ? tg_f32(bias[col]) : 0.f;
-        bias_f[j][1] = col + 1 < N ? tg_f32(bias[col + 1]) : 0.f;
-    }
+    // The bias of this thread's accumulator columns, loaded while the tiles arrive.
+    const int warp = threadIdx.x / 32;
+    float bias_lo[4][2], bias_hi[4][2];
+    nl_load_bias(bias_lo, bias, n0, N);
+    nl_load_bias(bias_hi, bias, n0 + 32, N);
     float d[32];
 #pragma unroll
     for (int i = 0; i < 32; ++i) d[i] = 0.f;
@@ -145,33 +122,17 @@ __device__ void thin_gemm_tile(const CUtensorMap* tx, const CUtensorMap* tw, con
     for (int b = 0; b < TG_BLOCKS; ++b) {
         tg_wait(bars + 8 * b);
         const uint32_t xs = tiles + 2 * b * TG_TILE_BYTES, ws = xs + TG_TILE_BYTES;
-        asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+        wg_fence();
 #pragma unroll
-        for (int kk = 0; kk < TG_TILE / 16; ++kk) tg_mma(T{}, d, tg_desc(xs + kk * 32), tg_desc(ws + kk * 32), 1);
-        asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+        for (int kk = 0; kk < TG_TILE / 16; ++kk) tg_mma(T{}, d, desc_k_major(xs + kk * 32), desc_k_major(ws + kk * 32), 1);
+        wg_commit();
     }
-    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
-#pragma unroll
-    for (int i = 0; i < 32; ++i) asm volatile("" : "+f"(d[i])::"memory");
-    // d[4j .. 4j + 3]: rows 16·warp + lane / 4 (and + 8), columns 8j + 2·(lane % 4) (and + 1).
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-        const int col = n0 + j * 8 + (lane % 4) * 2;
-        if (col >= N) continue;  // N is even: col < N means the pair is inside
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int row = m0 + 16 * warp + lane / 4 + 8 * h;
-            if (row >= M) continue;
-            TgPair<T> p;
-            tg_round(d[4 * j + 2 * h] + bias_f[j][0], p.a);
-            tg_round(d[4 * j + 2 * h + 1] + bias_f[j][1], p.b);
-            if (GELU) {
-                tg_round(gelu_phi(tg_f32(p.a)), p.a);
-                tg_round(gelu_phi(tg_f32(p.b)), p.b);
-            }
-            *reinterpret_cast<TgPair<T>*>(y + (size_t)row * N + col) = p;
-        }
-    }
+    wg_wait0();
+    pin(d);
+    // Per warp, d is the m16n8 accumulators of rows 16·warp.. and eight 8-column groups: two of
+    // norm_linear's 16 × 32 epilogue tiles.
+    nl_store_tile<T, GELU>(*reinterpret_cast<const float(*)[4][4]>(&d[0]), bias_lo, y, m0 + 16 * warp, n0, M, N);
+    nl_store_tile<T, GELU>(*reinterpret_cast<const float(*)[4][4]>(&d[16]), bias_hi, y, m0 + 16 * warp, n0 + 32, M, N);
 }
 
 // One entry per storage type and epilogue, named as the Rust side's THIN_GEMM_NAMES expects.

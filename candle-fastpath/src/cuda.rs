@@ -1361,10 +1361,13 @@ fn load_thin_gemm(
     Ok(None)
 }
 
-/// Whether `dev` has [`ThinGemmOp`]'s kernels (compute capability 9.0, PTX built for it).
-pub(crate) fn has_thin_gemm(dev: &CudaDevice) -> bool {
+/// `dev`'s streaming multiprocessors where it has [`ThinGemmOp`]'s kernels (compute capability
+/// 9.0, PTX built for it), `None` otherwise: what the thin GEMM's applies check needs of the
+/// device, in one look at its state.
+pub(crate) fn thin_gemm_sm_count(dev: &CudaDevice) -> Option<usize> {
     let mut states = STATE.lock().unwrap_or_else(|e| e.into_inner());
-    device_state(&mut states, dev).is_ok_and(|s| s.thin_gemm.is_some())
+    let state = device_state(&mut states, dev).ok()?;
+    state.thin_gemm.is_some().then_some(state.sm_count)
 }
 
 /// A TMA tensor map, passed to a kernel by value (`const __grid_constant__ CUtensorMap`).

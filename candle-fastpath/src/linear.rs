@@ -227,9 +227,8 @@ impl FusedLinear {
                 && rows > 0
                 && crate::cuda::contiguous_16b(x.layout(), size)
                 && crate::cuda::contiguous_16b(self.weight.layout(), size)
-                && crate::cuda::has_thin_gemm(dev)
-                && crate::cuda::sm_count(dev)
-                    .is_ok_and(|sms| rows.div_ceil(tile) * n.div_ceil(tile) <= sms)
+                && crate::cuda::thin_gemm_sm_count(dev)
+                    .is_some_and(|sms| rows.div_ceil(tile) * n.div_ceil(tile) <= sms)
         }
     }
 

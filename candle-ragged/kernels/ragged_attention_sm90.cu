@@ -45,6 +45,7 @@
 #include <stdint.h>
 
 #include "attention_common.cuh"
+#include "wgmma_common.cuh"
 
 #define WG_MAX_LEN 256
 
@@ -74,35 +75,7 @@ __device__ __forceinline__ void cp_async_wait_dynamic(int pending) {
 // (chunk index XOR row mod 8; the tile starts 1024-byte aligned, as the swizzle is on address bits).
 __device__ __forceinline__ uint32_t swizzled(int r, int c) { return r * ROW_BYTES + ((c ^ (r & 7)) << 4); }
 
-// Shared-memory matrix descriptors (PTX ISA, "Matrix Descriptor Format"): start address, leading
-// and stride byte offsets (all >> 4), 128-byte swizzle (mode 1 in bits 62-63).
-__device__ __forceinline__ uint64_t desc_field(uint32_t x) { return static_cast<uint64_t>((x & 0x3FFFF) >> 4); }
-// K rows as the K-major B of S = Q K^T (reduction over head_dim, contiguous): 8-row groups 1024
-// bytes apart (stride offset); the leading offset is unused with swizzling. A k-step of 16
-// elements moves the start 32 bytes within the swizzled row.
-__device__ __forceinline__ uint64_t desc_k_major(uint32_t addr) {
-    return desc_field(addr) | (desc_field(16) << 16) | (desc_field(1024) << 32) | (1ull << 62);
-}
-// V rows as the N-major B of O = P V (reduction over keys, N = head_dim contiguous): 8-key groups
-// 1024 bytes apart (stride offset), 64-wide N blocks `lead` bytes apart (one block at head_dim
-// 64). A k-step of 16 keys moves the start 2048 bytes.
-__device__ __forceinline__ uint64_t desc_n_major(uint32_t addr, uint32_t lead) {
-    return desc_field(addr) | (desc_field(lead) << 16) | (desc_field(1024) << 32) | (1ull << 62);
-}
 
-__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wg_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
-
-// Keeps the compiler from moving accesses of accumulator registers across wgmma issue / wait.
-template <int N> __device__ __forceinline__ void pin(float (&r)[N]) {
-#pragma unroll
-    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
-}
-template <int N> __device__ __forceinline__ void pin(uint32_t (&r)[N]) {
-#pragma unroll
-    for (int i = 0; i < N; ++i) asm volatile("" : "+r"(r[i])::"memory");
-}
 
 // d (64 x 64 f32, the warpgroup's accumulator layout) = [d +] A (64 x 16, registers) * B (16 x 64
 // from the descriptor); TRANS_B: B is N-major. scale_d == 0 ignores d's old value.
