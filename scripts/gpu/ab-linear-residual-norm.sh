@@ -24,16 +24,8 @@ ARMS=${ARMS:-0 default}
 V=CANDLE_FASTPATH_LINEAR_RESIDUAL_NORM
 if has checks; then
   tests_memcheck norm_linear
-  echo "== test-norm_linear linear_residual_norm under racecheck (quick)" >> "$C"
-  # Racecheck also reports cuBLASLt's nvjet GEMMs (the reference steps; 28 hazards in lever 98's
-  # calls, all in nvjet_*), which are not ours: the log counts the reports per kernel, and ours
-  # must have none. (--kernel-name kns=... made the sanitizer fail with an internal error.)
-  NORM_LINEAR_TEST_QUICK=1 timeout 400 compute-sanitizer --tool racecheck \
-    $B/test-norm_linear --test-threads=1 linear_residual_norm > /tmp/race.log 2>&1
-  grep -E "RACECHECK SUMMARY|test result" /tmp/race.log >> "$C"
-  echo "hazard reports by kernel:" >> "$C"
-  grep -oE "Race reported between [A-Za-z]+ access at [A-Za-z0-9_]+" /tmp/race.log | awk '{print $NF}' | sort | uniq -c >> "$C"
-  echo "lines naming fastpath_linear_residual_norm: $(grep -c fastpath_linear_residual_norm /tmp/race.log)" >> "$C"
+  # 28 hazard reports in lever 98's calls, all in nvjet_* (the reference steps).
+  NORM_LINEAR_TEST_QUICK=1 racecheck_ours norm_linear linear_residual_norm fastpath_linear_residual_norm 400
   paths_check deit-small 1 300
   paths_check deit-small 8 300
   paths_check deit-tiny 1 200

@@ -31,12 +31,7 @@ E2E_ARMS=${E2E_ARMS:-0 default}
 V=CANDLE_FASTPATH_THIN_GEMM
 if has checks; then
   tests_memcheck linear norm_linear
-  echo "== test-linear thin_gemm under racecheck" >> "$C"
-  timeout 300 compute-sanitizer --tool racecheck $B/test-linear --test-threads=1 thin_gemm > /tmp/race.log 2>&1
-  grep -E "RACECHECK SUMMARY|test result" /tmp/race.log >> "$C"
-  echo "hazard reports by kernel:" >> "$C"
-  grep -oE "Race reported between [A-Za-z]+ access at [A-Za-z0-9_]+" /tmp/race.log | awk '{print $NF}' | sort | uniq -c >> "$C"
-  echo "lines naming fastpath_thin_gemm: $(grep -c fastpath_thin_gemm /tmp/race.log)" >> "$C"
+  racecheck_ours linear thin_gemm fastpath_thin_gemm
   paths_check deit-small 1 300
   paths_check deit-small 8 300
   graphs_check 200

@@ -99,6 +99,22 @@ anatomy() {
   done
 }
 
+# racecheck_ours NAME FILTER KERNEL [LIMIT]: test-NAME's FILTER tests under compute-sanitizer
+# racecheck (under `timeout LIMIT`, default 300; assignments before the call reach the test), its
+# summary, the hazard reports counted per kernel and the number of log lines naming KERNEL
+# appended to $C. Racecheck also reports cuBLASLt's nvjet GEMMs that reference steps run, which
+# are not ours; ours must have none. (--kernel-name kns=... made the sanitizer fail with an
+# internal error, hence the count.)
+racecheck_ours() {
+  local name=$1 filter=$2 kernel=$3
+  echo "== test-$name $filter under racecheck" >> "$C"
+  timeout "${4:-300}" compute-sanitizer --tool racecheck $B/test-$name --test-threads=1 "$filter" > /tmp/race.log 2>&1
+  grep -E "RACECHECK SUMMARY|test result" /tmp/race.log >> "$C"
+  echo "hazard reports by kernel:" >> "$C"
+  grep -oE "Race reported between [A-Za-z]+ access at [A-Za-z0-9_]+" /tmp/race.log | awk '{print $NF}' | sort | uniq -c >> "$C"
+  echo "lines naming $kernel: $(grep -c "$kernel" /tmp/race.log)" >> "$C"
+}
+
 # ncu_forward ENV TITLE BENCH_ARGS...: per-kernel times (ncu, caches and clocks left alone: warm,
 # boost) of `bench BENCH_ARGS --paths ragged --reps 1 --warmup 1 --cuda-graph false`, run with the
 # space-separated assignments ENV (may be empty) and the one-kernel block off (so the eager
