@@ -16,6 +16,8 @@ fn main() {
     println!("cargo:rerun-if-changed=kernels/small_block.cu");
     println!("cargo:rerun-if-changed=kernels/thin_gemm_sm90.cu");
     println!("cargo:rerun-if-changed=kernels/epilogue.cuh");
+    println!("cargo:rerun-if-changed=kernels/layer_norm_row.cuh");
+    println!("cargo:rerun-if-changed=kernels/cluster_exchange.cuh");
     println!("cargo::rustc-check-cfg=cfg(fastpath_thin_gemm)");
     println!("cargo:rerun-if-env-changed=CUDA_COMPUTE_CAP");
     println!("cargo:rerun-if-env-changed=CUDA_HOME");

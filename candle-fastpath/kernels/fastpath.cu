@@ -15,6 +15,7 @@
 
 #include "epilogue.cuh"
 #include "gelu_phi.cuh"
+#include "layer_norm_row.cuh"
 // candle-ragged's warp-level attention (its build metadata puts the folder on the include path):
 // attention_residual_norm_linear runs the same online softmax inside its cluster.
 #include "attention_warp.cuh"
@@ -88,82 +89,6 @@ GELU_ENTRY(phi, GeluPhi, bf16, __nv_bfloat16)
 // class sets the register count and with it how many rows an SM keeps in flight. With one
 // 8-chunk kernel for every C, DeiT-S's C = 384 (2 chunks per lane in f16) needed 95 registers per
 // thread, ~21 resident warps per SM, too few loads in flight to stream HBM.
-
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-
-// One row normalised by one warp, from its 16-byte chunks `row[lane + 32 t]` (those below
-// `chunks`), the weight and bias chunks of the same lanes already in registers, into
-// `out[lane + 32 t]`. Each lane reads all its chunks before it writes any, so `out` may be `row`
-// (norm_linear normalises rows in place in shared memory: its rows are this kernel's bit for bit).
-template <int LN_MAX_CHUNKS, typename T>
-__device__ __forceinline__ void layer_norm_warp_row(const uint4* row, uint4* out, const uint4 (&wraw)[LN_MAX_CHUNKS],
-                                                    const uint4 (&braw)[LN_MAX_CHUNKS], unsigned chunks,
-                                                    unsigned C, float eps, unsigned lane) {
-    constexpr unsigned VEC = 16 / sizeof(T);
-    float v[LN_MAX_CHUNKS][VEC];
-    float sum = 0.f;
-#pragma unroll
-    for (int t = 0; t < LN_MAX_CHUNKS; ++t) {
-        const unsigned c = lane + 32 * t;
-        if (c < chunks) {
-            uint4 raw = row[c];
-            const T* e = reinterpret_cast<const T*>(&raw);
-#pragma unroll
-            for (unsigned j = 0; j < VEC; ++j) {
-                v[t][j] = to_f32(e[j]);
-                sum += v[t][j];
-            }
-        }
-    }
-    const float mean = warp_sum(sum) / (float)C;
-    float sq = 0.f;
-#pragma unroll
-    for (int t = 0; t < LN_MAX_CHUNKS; ++t) {
-        if (lane + 32 * t < chunks) {
-#pragma unroll
-            for (unsigned j = 0; j < VEC; ++j) {
-                const float d = v[t][j] - mean;
-                sq += d * d;
-            }
-        }
-    }
-    const float rstd = 1.0f / sqrtf(warp_sum(sq) / (float)C + eps);
-#pragma unroll
-    for (int t = 0; t < LN_MAX_CHUNKS; ++t) {
-        const unsigned c = lane + 32 * t;
-        if (c < chunks) {
-            uint4 o;
-            const T* we = reinterpret_cast<const T*>(&wraw[t]);
-            const T* be = reinterpret_cast<const T*>(&braw[t]);
-            T* oe = reinterpret_cast<T*>(&o);
-#pragma unroll
-            for (unsigned j = 0; j < VEC; ++j) {
-                oe[j] = from_f32<T>((v[t][j] - mean) * rstd * to_f32(we[j]) + to_f32(be[j]));
-            }
-            out[c] = o;
-        }
-    }
-}
-
-// This lane's chunks of the LayerNorm's weight and bias (those below `chunks`).
-template <int LN_MAX_CHUNKS>
-__device__ __forceinline__ void layer_norm_params(const void* w, const void* b, uint4 (&wraw)[LN_MAX_CHUNKS],
-                                                  uint4 (&braw)[LN_MAX_CHUNKS], unsigned chunks, unsigned lane) {
-    const uint4* wr = reinterpret_cast<const uint4*>(w);
-    const uint4* br = reinterpret_cast<const uint4*>(b);
-#pragma unroll
-    for (int t = 0; t < LN_MAX_CHUNKS; ++t) {
-        const unsigned c = lane + 32 * t;
-        if (c < chunks) {
-            wraw[t] = wr[c];
-            braw[t] = br[c];
-        }
-    }
-}
 
 template <int LN_MAX_CHUNKS, typename T>
 __device__ void layer_norm_rows(const T* __restrict__ x, const T* __restrict__ w,
@@ -642,57 +567,7 @@ constexpr int RNL_SPLIT = 6;
 constexpr int RNL_BAR_BYTES = 64;
 enum RnlBar { BAR_ATTN = 0, BAR_X1 = 1, BAR_FC1 = 2, BAR_X2 = 3 };
 
-// (smem_addr, a generic pointer's shared-memory address: attention_common.cuh.)
-// The same shared-memory offset in cluster CTA `rank` (a shared::cluster address).
-__device__ __forceinline__ uint32_t cluster_addr(uint32_t local, uint32_t rank) {
-    uint32_t remote;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
-    return remote;
-}
-// The first `count` barriers at `bars` armed for one phase each of `bytes[i]` transactions, by
-// warp 0 before the kernel's entry cluster arrive: lane 0 initialises them (one arrival each),
-// the warp syncs (the init may run on the warp's uniform datapath), lane 0 makes the expected
-// arrival with the byte count, and fence.mbarrier_init makes them visible to the cluster.
-template <int COUNT>
-__device__ __forceinline__ void xbar_arm(uint32_t bars, const uint32_t (&bytes)[COUNT]) {
-    if (threadIdx.x >= 32) return;
-    if (threadIdx.x == 0) {
-#pragma unroll
-        for (int i = 0; i < COUNT; ++i) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bars + 8 * i));
-    }
-    __syncwarp();
-    if (threadIdx.x == 0) {
-#pragma unroll
-        for (int i = 0; i < COUNT; ++i)
-            asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bars + 8 * i), "r"(bytes[i])
-                         : "memory");
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    }
-}
-// 4 bytes into cluster CTA `rank`'s shared memory at the local offset `local`, counted on that
-// CTA's barrier `bar` (a local barrier address).
-__device__ __forceinline__ void xbar_push(uint32_t local, uint32_t bar, uint32_t rank, uint32_t v) {
-    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];" ::"r"(
-                     cluster_addr(local, rank)),
-                 "r"(v), "r"(cluster_addr(bar, rank))
-                 : "memory");
-}
-// Until every byte of this CTA's exchange on `bar` has landed.
-__device__ __forceinline__ void xbar_wait(uint32_t bar) {
-    uint32_t done = 0;
-    while (!done)
-        asm volatile(
-            "{ .reg .pred p; mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], 0; selp.u32 %0, 1, 0, p; }"
-            : "=r"(done)
-            : "r"(bar)
-            : "memory");
-}
-template <typename T>
-__device__ __forceinline__ uint32_t pair_bits(NlPair<T> p) {
-    uint32_t v;
-    memcpy(&v, &p, 4);
-    return v;
-}
+#include "cluster_exchange.cuh"
 
 // What every thread of a residual_norm_linear CTA keeps in registers from its start to its end:
 // the LayerNorm's parameters (its lane's chunks), the bias pairs of its warp's slice of the back
@@ -943,7 +818,8 @@ RESIDUAL_NORM_LINEAR_ENTRY(bf16, __nv_bfloat16, 192, 768, 12, 96, false, _k768)
 // (layer_norm_warp_row), so z is that kernel's output for this x1 bit for bit. At batch 1 a
 // launch is latency, not bytes: the GEMM and the LayerNorm were ~5 and ~3 µs (ncu), this kernel
 // ~6. The same form for fc2 (K = 4C: 148 KB of W2 per CTA) took 10.5 µs against ~8 for the two
-// launches it replaced, so fc2 keeps them.
+// launches it replaced, so fc2 keeps them here (lever 103 runs fc2 → norm1 as TMA + wgmma
+// clusters instead: thin_gemm_sm90.cu).
 // Constraints (the host's, linear_residual_norm in candle-fastpath): C = 384, every operand
 // contiguous and 16-byte aligned, compute capability 9.0; grid (LRN_SPLIT, ceil(M / NL_BM)),
 // clusters of LRN_SPLIT along x, NL_WARPS · 32 threads, lrn_smem_bytes() (the host's) of dynamic

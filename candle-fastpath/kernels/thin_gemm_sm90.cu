@@ -30,7 +30,9 @@
 // candle-ragged's kernel folder (its build metadata puts it on the include path): smem_addr, and
 // the wgmma descriptors and fences.
 #include "attention_common.cuh"
+#include "cluster_exchange.cuh"
 #include "epilogue.cuh"
+#include "layer_norm_row.cuh"
 #include "wgmma_common.cuh"
 
 constexpr int TG_K = 384, TG_TILE = 64, TG_BLOCKS = TG_K / TG_TILE;
@@ -76,6 +78,10 @@ __device__ __forceinline__ void tg_wait(uint32_t bar) {
                      : "r"(bar)
                      : "memory");
 }
+
+// Until the phase of this CTA's barrier at `bar` has completed, with cluster-scope acquire: the
+// bytes other CTAs pushed into this one (st.async) are visible after it.
+__device__ __forceinline__ void tg_wait_acquire_cluster(uint32_t bar) { xbar_wait(bar); }
 
 template <typename T, bool GELU>
 __device__ void thin_gemm_tile(const CUtensorMap* tx, const CUtensorMap* tw, const T* __restrict__ bias,
@@ -147,3 +153,229 @@ THIN_GEMM_ENTRY(f16, __half, false, )
 THIN_GEMM_ENTRY(f16, __half, true, _gelu)
 THIN_GEMM_ENTRY(bf16, __nv_bfloat16, false, )
 THIN_GEMM_ENTRY(bf16, __nv_bfloat16, true, _gelu)
+
+__device__ __forceinline__ void tr_wgmma96_f16(float (&d)[48], uint64_t da, uint64_t db) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n96k16.f32.f16.f16 "
+                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47}, "
+                 "%48, %49, p, 1, 1, 0, 0;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47])
+                 : "l"(da), "l"(db));
+}
+__device__ __forceinline__ void tr_wgmma96_bf16(float (&d)[48], uint64_t da, uint64_t db) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n96k16.f32.bf16.bf16 "
+                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47}, "
+                 "%48, %49, p, 1, 1, 0, 0;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47])
+                 : "l"(da), "l"(db));
+}
+
+// ---------------------------------------------------------------------------------------------
+// thin_residual_norm (lever 103): fc2, the residual add and the next block's norm1 as one launch
+// at DeiT-S's width for the few rows of a batch-1 forward:
+//   x1 = (h·W2ᵀ + r) + b2   (h [M, 4C] fc1's GELU output, r [M, C] the residual, W2 [C, 4C]),
+//   z = LayerNorm(x1),
+// both written out (x1 is the residual stream, z the next qkv's input), where the graph ran
+// cuBLASLt's GEMM with its residual epilogue (~6.4 µs, ncu) and then the LayerNorm kernel (~3.1).
+// lever 98's cluster form of this (mma.sync, 16-row tiles, 148 KB of W2 per CTA) was slower
+// than those two launches; this one is the thin GEMM's body (TMA boxes, one barrier per 64-wide
+// block of K, wgmma from shared memory) with K split over the cluster, so that each CTA moves
+// what a thin-GEMM CTA of qkv moves:
+// - the CTAs sharing a 64-row tile form one cluster of NT × KS: NT column tiles BN wide (NT · BN
+//   = C) times KS slices of K (1536 / KS each); the CTA at (column tile n, slice k) is rank
+//   n + NT · k (the grid is (NT, ceil(M / 64), KS) and the cluster spans its x and z);
+// - each CTA multiplies its 64 × BN tile over its slice of K, then pushes its f32 partial sums
+//   of rows [R·k', R·k' + R) (R = 64 / KS) into CTA (n, k')'s buffer (st.async, counted on that
+//   CTA's barrier);
+// - CTA (n, k) sums the KS partials of its R rows in slice order, adds the residual, then the
+//   bias, rounds once (rnl_finish's order), stores x1 and pushes each row's BN values into the
+//   row buffer of the CTA that normalises that row (row i of the R: CTA (i mod NT, k));
+// - each CTA normalises its rows with the LayerNorm kernel's own row code (layer_norm_row.cuh),
+//   so z is that kernel's output for this x1 bit for bit.
+// No CTA reads another's shared memory: each waits only for the bytes pushed into it (its
+// partials, its rows), so it may exit once those have landed.
+// Constraints (checked by the host, ThinResidualNormOp in candle-fastpath): h [M, TR_K] and W2
+// [TR_C, TR_K] contiguous with 16-byte aligned rows (TMA), r, x1, z [M, TR_C] contiguous, the
+// tensor maps in 64-wide boxes (64 rows of h, BN rows of W2) with the 128-byte swizzle; grid
+// (NT, ceil(M / 64), KS) in clusters of (NT, 1, KS) (non-portable sizes: the host opts in), 128
+// threads, tr_smem_bytes<BN, KS>() of dynamic shared memory.
+constexpr int TR_C = 384, TR_K = 1536;
+
+template <int BN, int KS>
+struct TrShape {
+    static constexpr int NT = TR_C / BN;                  // column tiles
+    static constexpr int KB = TR_K / KS / TG_TILE;        // 64-wide blocks of K per CTA
+    static constexpr int R = TG_TILE / KS;                // x1 rows a CTA finishes
+    static constexpr int WT = BN * 128;                   // one W2 box: BN rows of 128 bytes
+    static constexpr int TILES = KB * (TG_TILE_BYTES + WT);
+    static constexpr int PART = KS * R * BN * 4;          // partials received: [KS][R][BN] f32
+    static constexpr int OWN = (R + NT - 1) / NT;         // rows a CTA normalises (at most)
+    static constexpr int LDR = TR_C + 8;                  // row buffer stride (elements)
+    static constexpr int ROWS = OWN * LDR * 2;
+    static constexpr int BARS = TILES + PART + ROWS;      // KB barriers, then partials', rows'
+    static constexpr int SMEM = BARS + 8 * (KB + 2) + 1024;
+    static constexpr int PAIRS = R * BN / 2 / 128;        // x1 pairs a thread finishes
+    static_assert(TR_C % BN == 0 && (TR_K / KS) % TG_TILE == 0 && TG_TILE % KS == 0 && R % 16 == 0 &&
+                      (R * BN / 2) % 128 == 0 && BN % 16 == 0 && WT % 1024 == 0 && ROWS % 16 == 0,
+                  "thin_residual_norm shape");
+};
+
+__device__ __forceinline__ void tr_mma(__half, float (&d)[32], uint64_t da, uint64_t db) { tg_wgmma_f16(d, da, db, 1); }
+__device__ __forceinline__ void tr_mma(__nv_bfloat16, float (&d)[32], uint64_t da, uint64_t db) {
+    tg_wgmma_bf16(d, da, db, 1);
+}
+__device__ __forceinline__ void tr_mma(__half, float (&d)[48], uint64_t da, uint64_t db) { tr_wgmma96_f16(d, da, db); }
+__device__ __forceinline__ void tr_mma(__nv_bfloat16, float (&d)[48], uint64_t da, uint64_t db) {
+    tr_wgmma96_bf16(d, da, db);
+}
+
+// 8 bytes into cluster CTA `rank`'s shared memory at the local offset `local`, counted on that
+// CTA's barrier `bar`.
+__device__ __forceinline__ void tr_push2(uint32_t local, uint32_t bar, uint32_t rank, float a, float b) {
+    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.f32 [%0], {%1, %2}, [%3];" ::"r"(
+                     cluster_addr(local, rank)),
+                 "f"(a), "f"(b), "r"(cluster_addr(bar, rank))
+                 : "memory");
+}
+
+template <typename T, int BN, int KS>
+__device__ void thin_residual_norm_tile(const CUtensorMap* th, const CUtensorMap* tw, const T* __restrict__ bias,
+                                        const T* __restrict__ r, const T* __restrict__ ln_w,
+                                        const T* __restrict__ ln_b, T* __restrict__ x1, T* __restrict__ z, int M,
+                                        float eps) {
+    using S = TrShape<BN, KS>;
+    constexpr int NT = S::NT, KB = S::KB, R = S::R, CHUNKS = (TR_C / 8 + 31) / 32;
+    extern __shared__ unsigned char tg_raw[];
+    unsigned char* smem = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(tg_raw) + 1023) & ~uintptr_t(1023));
+    const uint32_t tiles = smem_addr(smem), parts = tiles + S::TILES, rows = parts + S::PART;
+    const uint32_t bars = tiles + S::BARS, part_bar = bars + 8 * KB, row_bar = part_bar + 8;
+    const float* part = reinterpret_cast<const float*>(smem + S::TILES);
+    const T* rowbuf = reinterpret_cast<const T*>(smem + S::TILES + S::PART);
+    const int n = blockIdx.x, k = blockIdx.z, m0 = blockIdx.y * TG_TILE, n0 = n * BN;
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    // Rows [R·k, R·k + R) of the tile are this CTA's to finish; of those, i ≡ n (mod NT) its to
+    // normalise.
+    const int owned = (R - n + NT - 1) / NT;
+    if (tid == 0) {
+        asm volatile("prefetch.tensormap [%0];" ::"l"(th) : "memory");
+        asm volatile("prefetch.tensormap [%0];" ::"l"(tw) : "memory");
+#pragma unroll
+        for (int b = 0; b < KB + 2; ++b) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bars + 8 * b));
+        // The exchanges' byte counts: KS partial slabs, and `owned` whole rows.
+        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(part_bar), "r"(S::PART) : "memory");
+        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(row_bar),
+                     "r"(owned * TR_C * (int)sizeof(T))
+                     : "memory");
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        const int kbase = k * (TR_K / KS);
+#pragma unroll
+        for (int b = 0; b < KB; ++b) {
+            const uint32_t bar = bars + 8 * b, xs = tiles + b * TG_TILE_BYTES, ws = tiles + KB * TG_TILE_BYTES + b * S::WT;
+            asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(TG_TILE_BYTES + S::WT)
+                         : "memory");
+            asm volatile(
+                "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];" ::"r"(
+                    xs),
+                "l"(th), "r"(kbase + b * TG_TILE), "r"(m0), "r"(bar)
+                : "memory");
+            asm volatile(
+                "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];" ::"r"(
+                    ws),
+                "l"(tw), "r"(kbase + b * TG_TILE), "r"(n0), "r"(bar)
+                : "memory");
+        }
+    }
+    // No remote push before the whole cluster runs with its barriers armed: every thread arrives
+    // here and waits right before its first push.
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+    __syncthreads();
+    // Meanwhile: the LayerNorm's parameters, and the residual and bias of the x1 pairs this thread
+    // finishes (pair p = tid + 128 i: row p / (BN / 2) of the R, columns 2 (p mod (BN / 2)) + 0, 1).
+    uint4 wraw[CHUNKS], braw[CHUNKS];
+    layer_norm_params<CHUNKS>(ln_w, ln_b, wraw, braw, TR_C / 8, lane);
+    float res[S::PAIRS][2], pb[S::PAIRS][2];
+#pragma unroll
+    for (int i = 0; i < S::PAIRS; ++i) {
+        const int p = tid + 128 * i, row = m0 + R * k + p / (BN / 2), col = n0 + 2 * (p % (BN / 2));
+        res[i][0] = res[i][1] = 0.f;
+        if (row < M) {
+            const NlPair<T> v = *reinterpret_cast<const NlPair<T>*>(r + (size_t)row * TR_C + col);
+            res[i][0] = to_f32(v.a);
+            res[i][1] = to_f32(v.b);
+        }
+        pb[i][0] = to_f32(bias[col]);
+        pb[i][1] = to_f32(bias[col + 1]);
+    }
+    float d[BN / 2];
+#pragma unroll
+    for (int i = 0; i < BN / 2; ++i) d[i] = 0.f;
+#pragma unroll
+    for (int b = 0; b < KB; ++b) {
+        tg_wait(bars + 8 * b);
+        const uint32_t xs = tiles + b * TG_TILE_BYTES, ws = tiles + KB * TG_TILE_BYTES + b * S::WT;
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < TG_TILE / 16; ++kk) tr_mma(T{}, d, desc_k_major(xs + kk * 32), desc_k_major(ws + kk * 32));
+        wg_commit();
+    }
+    wg_wait0();
+    pin(d);
+
+    // Partials out: warp w's rows 16w.. belong to slice k' = 16w / R; they land in CTA (n, k')'s
+    // buffer as slab k (its [k][row - R·k'][col]).
+    asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
+    {
+        const int dest = 16 * warp / R, dest_rank = n + NT * dest;
+#pragma unroll
+        for (int j = 0; j < BN / 8; ++j) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int row = 16 * warp + lane / 4 + 8 * h - R * dest, col = 8 * j + (lane % 4) * 2;
+                tr_push2(parts + 4 * ((k * R + row) * BN + col), part_bar, dest_rank, d[4 * j + 2 * h],
+                         d[4 * j + 2 * h + 1]);
+            }
+        }
+    }
+    // x1 of this CTA's R rows: the KS partials in slice order, then the residual, then the bias,
+    // rounded once; to global memory and into the normalising CTA's row buffer.
+    tg_wait_acquire_cluster(part_bar);
+#pragma unroll
+    for (int i = 0; i < S::PAIRS; ++i) {
+        const int p = tid + 128 * i, row = p / (BN / 2), col = 2 * (p % (BN / 2));
+        float2 sum = make_float2(0.f, 0.f);
+#pragma unroll
+        for (int q = 0; q < KS; ++q) {
+            const float2 v = *reinterpret_cast<const float2*>(part + (q * R + row) * BN + col);
+            sum.x += v.x;
+            sum.y += v.y;
+        }
+        const NlPair<T> o{from_f32<T>((sum.x + res[i][0]) + pb[i][0]), from_f32<T>((sum.y + res[i][1]) + pb[i][1])};
+        const int grow = m0 + R * k + row;
+        if (grow < M) *reinterpret_cast<NlPair<T>*>(x1 + (size_t)grow * TR_C + n0 + col) = o;
+        const uint32_t dst = rows + 2 * ((row / NT) * S::LDR + n0 + col);
+        xbar_push(dst, row_bar, row % NT + NT * k, pair_bits(o));
+    }
+    // This CTA's rows, whole, normalised one per warp.
+    tg_wait_acquire_cluster(row_bar);
+    for (int s = warp; s < owned; s += 4) {
+        const int grow = m0 + R * k + n + NT * s;
+        if (grow < M)
+            layer_norm_warp_row<CHUNKS, T>(reinterpret_cast<const uint4*>(rowbuf + s * S::LDR),
+                                           reinterpret_cast<uint4*>(z + (size_t)grow * TR_C), wraw, braw, TR_C / 8,
+                                           TR_C, eps, lane);
+    }
+}
+
+// One entry per storage type and tile shape, named as the Rust side's THIN_RESIDUAL_NORM_NAMES
+// expects: n96_s4 (clusters of 16, the default) and n64_s2 (clusters of 12).
+#define THIN_RESIDUAL_NORM_ENTRY(SUFFIX, T, BN, KS)                                                           \
+    extern "C" __global__ void __launch_bounds__(128) fastpath_thin_residual_norm_##SUFFIX##_n##BN##_s##KS(   \
+        const __grid_constant__ CUtensorMap th, const __grid_constant__ CUtensorMap tw, const T* bias,        \
+        const T* r, const T* ln_w, const T* ln_b, T* x1, T* z, int M, float eps) {                            \
+        thin_residual_norm_tile<T, BN, KS>(&th, &tw, bias, r, ln_w, ln_b, x1, z, M, eps);                     \
+    }
+THIN_RESIDUAL_NORM_ENTRY(f16, __half, 96, 4)
+THIN_RESIDUAL_NORM_ENTRY(bf16, __nv_bfloat16, 96, 4)
+THIN_RESIDUAL_NORM_ENTRY(f16, __half, 64, 2)
+THIN_RESIDUAL_NORM_ENTRY(bf16, __nv_bfloat16, 64, 2)

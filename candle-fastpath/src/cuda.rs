@@ -86,6 +86,69 @@ const THIN_GEMM_MODULE: &str = "candle_fastpath_thin_gemm";
 pub(crate) const THIN_GEMM_K: usize = 384;
 pub(crate) const THIN_GEMM_TILE: usize = 64;
 
+/// [`ThinResidualNormOp`]'s kernels (the thin GEMM's module), by
+/// [`crate::ThinResidualNormTiles`] (its `index`), then f16 / bf16.
+#[cfg(fastpath_thin_gemm)]
+const THIN_RESIDUAL_NORM_NAMES: [[&str; 2]; 2] = [
+    [
+        "fastpath_thin_residual_norm_f16_n96_s4",
+        "fastpath_thin_residual_norm_bf16_n96_s4",
+    ],
+    [
+        "fastpath_thin_residual_norm_f16_n64_s2",
+        "fastpath_thin_residual_norm_bf16_n64_s2",
+    ],
+];
+/// The widths [`ThinResidualNormOp`]'s kernels are built for: C (DeiT-S) and fc2's K = 4C
+/// (TR_C and TR_K in kernels/thin_gemm_sm90.cu).
+pub(crate) const THIN_RESIDUAL_NORM_C: usize = 384;
+pub(crate) const THIN_RESIDUAL_NORM_K: usize = 4 * THIN_RESIDUAL_NORM_C;
+
+impl crate::ThinResidualNormTiles {
+    /// Position in THIN_RESIDUAL_NORM_NAMES and the device state's kernels.
+    fn index(self) -> usize {
+        match self {
+            Self::N96S4 => 0,
+            Self::N64S2 => 1,
+        }
+    }
+
+    /// The width of a CTA's column tile and the slices K is split into.
+    fn tile(self) -> (usize, usize) {
+        match self {
+            Self::N96S4 => (96, 4),
+            Self::N64S2 => (64, 2),
+        }
+    }
+
+    /// The cluster of one 64-row tile: its column tiles along x, its slices of K along z.
+    fn cluster(self) -> (u32, u32, u32) {
+        let (bn, ks) = self.tile();
+        ((THIN_RESIDUAL_NORM_C / bn) as u32, 1, ks as u32)
+    }
+
+    /// CTAs per 64-row tile.
+    pub(crate) fn ctas_per_tile(self) -> usize {
+        let (x, y, z) = self.cluster();
+        (x * y * z) as usize
+    }
+
+    /// Dynamic shared memory of a launch, as TrShape::SMEM in the kernel: the K blocks' boxes
+    /// (64 rows of h, `bn` of W2, 128 bytes each), the partials received ([ks][64 / ks][bn] f32),
+    /// the rows normalised (C + 8 wide, 16-bit), a barrier per K block and two for the
+    /// exchanges, and 1024 bytes of alignment slack.
+    fn smem_bytes(self) -> usize {
+        let (bn, ks) = self.tile();
+        let nt = THIN_RESIDUAL_NORM_C / bn;
+        let kb = THIN_RESIDUAL_NORM_K / ks / THIN_GEMM_TILE;
+        let r = THIN_GEMM_TILE / ks;
+        let tiles = kb * (THIN_GEMM_TILE * 128 + bn * 128);
+        let part = ks * r * bn * 4;
+        let rows = r.div_ceil(nt) * (THIN_RESIDUAL_NORM_C + 8) * 2;
+        tiles + part + rows + 8 * (kb + 2) + 1024
+    }
+}
+
 /// Dynamic shared memory of a [`ThinGemmOp`] launch: x's and W's 64 × 64 tiles per 64-wide
 /// block of K (16-bit), a barrier per block, and 1024 bytes of slack for the tiles' alignment.
 fn thin_gemm_smem_bytes() -> usize {
@@ -396,6 +459,9 @@ struct DeviceState {
     /// [`ThinGemmOp`]'s kernels, as THIN_GEMM_NAMES; `None` unless the GPU has compute
     /// capability 9.0 exactly and the PTX was built for it.
     thin_gemm: Option<Vec<CudaFunction>>,
+    /// [`ThinResidualNormOp`]'s kernels (f16, bf16) per [`crate::ThinResidualNormTiles`]
+    /// (its `index`); `None` as `thin_gemm`, or where the device cannot run that cluster size.
+    thin_residual_norm: [Option<Vec<CudaFunction>>; 2],
     /// `None` below compute capability 9.0 or when the PTX was built for an earlier one.
     residual_norm_linear: Option<Vec<CudaFunction>>,
     /// [`LinearResidualNormOp`]'s kernels, as `residual_norm_linear`.
@@ -535,6 +601,7 @@ fn new_state(dev: &CudaDevice) -> candle_core::Result<DeviceState> {
         },
         linear_residual_norm: at_opt_in(&LINEAR_RESIDUAL_NORM_NAMES)?,
         thin_gemm: load_thin_gemm(dev, &context)?,
+        thin_residual_norm: load_thin_residual_norm(dev, &context)?,
         attention_rnl: at_opt_in(&ATTENTION_RNL_NAMES)?.map(|f| (f, opt_in_smem as usize)),
         attention_residual: at_opt_in(&ATTENTION_RESIDUAL_NAMES)?,
         attention_block: at_opt_in(&ATTENTION_BLOCK_NAMES)?,
@@ -1378,11 +1445,13 @@ struct TensorMap(dsys::CUtensorMap);
 unsafe impl candle_core::cuda_backend::cudarc::driver::DeviceRepr for TensorMap {}
 
 /// The tensor map of a row-major `[rows, cols]` 16-bit matrix at `ptr` (rows `cols · 2` bytes
-/// apart) in 64 × 64 boxes with the 128-byte swizzle, rows past the end read as zeros.
-fn tensor_map_64x64(
+/// apart) in boxes of `box_rows` rows × 64 columns (128 bytes: one row of the 128-byte swizzle,
+/// which they are stored in), rows past the end read as zeros.
+fn tensor_map_k64(
     ptr: u64,
     rows: usize,
     cols: usize,
+    box_rows: usize,
     bf16: bool,
 ) -> candle_core::Result<TensorMap> {
     use dsys::{
@@ -1392,7 +1461,7 @@ fn tensor_map_64x64(
     let mut map = std::mem::MaybeUninit::<dsys::CUtensorMap>::zeroed();
     let dims: [u64; 2] = [cols as u64, rows as u64];
     let strides: [u64; 1] = [(cols * 2) as u64];
-    let boxes: [u32; 2] = [THIN_GEMM_TILE as u32; 2];
+    let boxes: [u32; 2] = [THIN_GEMM_TILE as u32, box_rows as u32];
     let steps: [u32; 2] = [1, 1];
     let dtype = if bf16 {
         D::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
@@ -1477,11 +1546,11 @@ impl ThinGemmOp {
         // on the stream as a view passed to the launch would.
         let tx = {
             let (ptr, _sync) = xs.device_ptr(&stream);
-            tensor_map_64x64(ptr, m, k, bf16)?
+            tensor_map_k64(ptr, m, k, THIN_GEMM_TILE, bf16)?
         };
         let tw = {
             let (ptr, _sync) = ws.device_ptr(&stream);
-            tensor_map_64x64(ptr, n, k, bf16)?
+            tensor_map_k64(ptr, n, k, THIN_GEMM_TILE, bf16)?
         };
         // SAFETY: every element is written by the kernel: each (row < M, column < N) pair lies in
         // exactly one tile, whose epilogue stores it.
@@ -1527,6 +1596,265 @@ cuda_only_op2!(
     ThinGemmOp,
     "fastpath-thin-gemm",
     "thin_gemm",
+    [F16 => half::f16, BF16 => half::bf16]
+);
+
+/// [`ThinResidualNormOp`]'s kernels on a compute capability 9.0 GPU, per
+/// [`crate::ThinResidualNormTiles`], with their dynamic shared memory and non-portable cluster
+/// sizes (16 and 12 CTAs) opted into; a shape whose cluster the device cannot place
+/// (`cuOccupancyMaxActiveClusters` says 0) is `None`, and so is every shape elsewhere.
+#[cfg(fastpath_thin_gemm)]
+fn load_thin_residual_norm(
+    dev: &CudaDevice,
+    context: &std::sync::Arc<candle_core::cuda_backend::cudarc::driver::CudaContext>,
+) -> candle_core::Result<[Option<Vec<CudaFunction>>; 2]> {
+    use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute::*;
+    use dsys::CUfunction_attribute::{
+        CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES as MAX_SMEM,
+        CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED as NON_PORTABLE,
+    };
+    let attribute = |a| context.attribute(a).map_err(candle_core::Error::wrap);
+    let mut out = [None, None];
+    if (
+        attribute(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
+        attribute(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?,
+    ) != (9, 0)
+    {
+        return Ok(out);
+    }
+    for tiles in [
+        crate::ThinResidualNormTiles::N96S4,
+        crate::ThinResidualNormTiles::N64S2,
+    ] {
+        let mut funcs = Vec::with_capacity(2);
+        for name in THIN_RESIDUAL_NORM_NAMES[tiles.index()] {
+            let f = dev
+                .get_or_load_custom_func(name, THIN_GEMM_MODULE, THIN_GEMM_PTX)?
+                .into_cuda_function();
+            f.set_attribute(MAX_SMEM, tiles.smem_bytes() as i32)
+                .map_err(candle_core::Error::wrap)?;
+            f.set_attribute(NON_PORTABLE, 1)
+                .map_err(candle_core::Error::wrap)?;
+            funcs.push(f);
+        }
+        context.bind_to_thread().map_err(candle_core::Error::wrap)?;
+        let (x, y, z) = tiles.cluster();
+        let mut attr: dsys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        attr.id = dsys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+        attr.value.clusterDim.x = x;
+        attr.value.clusterDim.y = y;
+        attr.value.clusterDim.z = z;
+        let config = dsys::CUlaunchConfig {
+            gridDimX: x,
+            gridDimY: 1,
+            gridDimZ: z,
+            blockDimX: 128,
+            blockDimY: 1,
+            blockDimZ: 1,
+            sharedMemBytes: tiles.smem_bytes() as u32,
+            hStream: std::ptr::null_mut(),
+            attrs: &mut attr,
+            numAttrs: 1,
+        };
+        let mut clusters = 0;
+        // SAFETY: a query on a loaded function with a config whose one attribute lives above.
+        let status = unsafe {
+            // bf16's kernel: the more registers of the two.
+            dsys::cuOccupancyMaxActiveClusters(&mut clusters, funcs[1].cu_function(), &config)
+        };
+        if status == dsys::CUresult::CUDA_SUCCESS && clusters > 0 {
+            out[tiles.index()] = Some(funcs);
+        }
+    }
+    Ok(out)
+}
+
+#[cfg(not(fastpath_thin_gemm))]
+fn load_thin_residual_norm(
+    _: &CudaDevice,
+    _: &std::sync::Arc<candle_core::cuda_backend::cudarc::driver::CudaContext>,
+) -> candle_core::Result<[Option<Vec<CudaFunction>>; 2]> {
+    Ok([None, None])
+}
+
+/// `dev`'s streaming multiprocessors where it has [`ThinResidualNormOp`]'s kernels of `tiles`,
+/// `None` otherwise (one look at its state, for the applies check).
+pub(crate) fn thin_residual_norm_sm_count(
+    dev: &CudaDevice,
+    tiles: crate::ThinResidualNormTiles,
+) -> Option<usize> {
+    let mut states = STATE.lock().unwrap_or_else(|e| e.into_inner());
+    let state = device_state(&mut states, dev).ok()?;
+    state.thin_residual_norm[tiles.index()]
+        .is_some()
+        .then_some(state.sm_count)
+}
+
+/// `cuLaunchKernelEx` of `func` over `cfg` in clusters of `cluster` CTAs, a size set at launch
+/// (the kernel carries no `__cluster_dims__`; 12 and 16 are past the portable 8, which the
+/// function's attribute allows), `args` the kernel's parameters by address.
+///
+/// # Safety
+/// `args` must be valid parameters of `func` under `cfg`, alive for the call.
+unsafe fn launch_clustered(
+    stream: &std::sync::Arc<candle_core::cuda_backend::cudarc::driver::CudaStream>,
+    func: &CudaFunction,
+    cfg: LaunchConfig,
+    cluster: (u32, u32, u32),
+    args: &mut [*mut c_void],
+) -> Result<(), candle_core::cuda_backend::cudarc::driver::DriverError> {
+    stream.context().bind_to_thread()?;
+    let mut attr: dsys::CUlaunchAttribute = std::mem::zeroed();
+    attr.id = dsys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+    attr.value.clusterDim.x = cluster.0;
+    attr.value.clusterDim.y = cluster.1;
+    attr.value.clusterDim.z = cluster.2;
+    let config = dsys::CUlaunchConfig {
+        gridDimX: cfg.grid_dim.0,
+        gridDimY: cfg.grid_dim.1,
+        gridDimZ: cfg.grid_dim.2,
+        blockDimX: cfg.block_dim.0,
+        blockDimY: cfg.block_dim.1,
+        blockDimZ: cfg.block_dim.2,
+        sharedMemBytes: cfg.shared_mem_bytes,
+        hStream: stream.cu_stream(),
+        attrs: &mut attr,
+        numAttrs: 1,
+    };
+    dsys::cuLaunchKernelEx(
+        &config,
+        func.cu_function(),
+        args.as_mut_ptr(),
+        std::ptr::null_mut(),
+    )
+    .result()
+}
+
+/// The CustomOp behind [`crate::linear_residual_norm`] with fc2 in front (lever 103; compute
+/// capability 9.0): `(h [M, 4C], r [M, C])` → `x1 = (h·W2ᵀ + r) + b2` (`W2` `[C, 4C]`, C =
+/// [`THIN_RESIDUAL_NORM_C`]) and `z = LayerNorm(x1)`, returned as one 1-D buffer of `2·M·C`
+/// elements: x1's rows, then z's. One cluster of CTAs per 64 rows, K split over it (the thin
+/// GEMM's TMA + wgmma body), then the LayerNorm kernel's own row code. The caller decides
+/// eligibility; shapes, strides and alignment are checked again here.
+pub(crate) struct ThinResidualNormOp {
+    pub front_weight: Tensor,
+    pub front_bias: Tensor,
+    pub ln_weight: Tensor,
+    pub ln_bias: Tensor,
+    pub eps: f32,
+    pub tiles: crate::ThinResidualNormTiles,
+}
+
+impl ThinResidualNormOp {
+    fn run<T>(
+        &self,
+        (h, lh): (&CudaStorage, &Layout),
+        (r, lr): (&CudaStorage, &Layout),
+    ) -> candle_core::Result<(CudaStorage, Shape)>
+    where
+        T: candle_core::cuda_backend::CudaDType
+            + candle_core::cuda_backend::cudarc::driver::DeviceRepr
+            + candle_core::WithDType,
+    {
+        use candle_core::cuda_backend::cudarc::driver::{DevicePtr, DevicePtrMut};
+        const WHAT: &str = "linear_residual_norm";
+        let dev = &h.device;
+        let size = size_of::<T>();
+        let (m, k) = lh.shape().dims2()?;
+        let c = THIN_RESIDUAL_NORM_C;
+        let bf16 = is_bf16::<T>(WHAT)?;
+        let aligned = |l: &Layout| contiguous_16b(l, size);
+        if k != THIN_RESIDUAL_NORM_K
+            || lr.shape().dims() != [m, c]
+            || m == 0
+            || !aligned(lh)
+            || !aligned(lr)
+        {
+            candle_core::bail!(
+                "{WHAT}: unsupported layout for the fc2 kernel (h {:?} strides {:?}, residual {:?} strides {:?}; K must be {THIN_RESIDUAL_NORM_K})",
+                lh.shape().dims(),
+                lh.stride(),
+                lr.shape().dims(),
+                lr.stride()
+            );
+        }
+        let carried: [(&Tensor, usize, bool); 4] = [
+            (&self.front_weight, c * k, true),
+            (&self.front_bias, c, false),
+            (&self.ln_weight, c, true),
+            (&self.ln_bias, c, true),
+        ];
+        let guards = carried.map(|(t, _, _)| t.storage_and_layout());
+        let views = carried_views::<T>(WHAT, &guards, &carried.map(|(_, n, v)| (n, v)))?;
+        let hs = h.as_cuda_slice::<T>()?.slice(lh.start_offset()..);
+        let rs = r.as_cuda_slice::<T>()?.slice(lr.start_offset()..);
+        let (bn, ks) = self.tiles.tile();
+        let stream = dev.cuda_stream();
+        // The tensor maps carry h's and W2's addresses; every pointer's guard records its use on
+        // the stream, as a view passed to a launch builder would.
+        let (h_ptr, _h_sync) = hs.device_ptr(&stream);
+        let th = tensor_map_k64(h_ptr, m, k, THIN_GEMM_TILE, bf16)?;
+        let (w_ptr, _w_sync) = views[0].device_ptr(&stream);
+        let tw = tensor_map_k64(w_ptr, c, k, bn, bf16)?;
+        // SAFETY: every element is written by the kernel: x1's (row < M, column) by the CTA
+        // finishing the row's slice of its tile, z's rows by the CTA normalising them.
+        let mut out = unsafe { dev.alloc::<T>(2 * m * c)? };
+        let func = {
+            let mut states = STATE.lock().unwrap_or_else(|e| e.into_inner());
+            match &device_state(&mut states, dev)?.thin_residual_norm[self.tiles.index()] {
+                Some(funcs) => funcs[bf16 as usize].clone(),
+                None => candle_core::bail!(
+                    "{WHAT}: the fc2 kernel ({:?}) needs compute capability 9.0 and its cluster size",
+                    self.tiles
+                ),
+            }
+        };
+        let cfg = LaunchConfig {
+            grid_dim: (
+                (c / bn) as u32,
+                m.div_ceil(THIN_GEMM_TILE) as u32,
+                ks as u32,
+            ),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: self.tiles.smem_bytes() as u32,
+        };
+        let (m32, eps) = (m as i32, self.eps);
+        let (bias_ptr, _b_sync) = views[1].device_ptr(&stream);
+        let (r_ptr, _r_sync) = rs.device_ptr(&stream);
+        let (lnw_ptr, _lnw_sync) = views[2].device_ptr(&stream);
+        let (lnb_ptr, _lnb_sync) = views[3].device_ptr(&stream);
+        let (out_ptr, _out_sync) = out.device_ptr_mut(&stream);
+        let z_ptr = out_ptr + (m * c * size) as u64;
+        let mut args: [*mut c_void; 10] = [
+            &th as *const TensorMap as *mut c_void,
+            &tw as *const TensorMap as *mut c_void,
+            &bias_ptr as *const u64 as *mut c_void,
+            &r_ptr as *const u64 as *mut c_void,
+            &lnw_ptr as *const u64 as *mut c_void,
+            &lnb_ptr as *const u64 as *mut c_void,
+            &out_ptr as *const u64 as *mut c_void,
+            &z_ptr as *const u64 as *mut c_void,
+            &m32 as *const i32 as *mut c_void,
+            &eps as *const f32 as *mut c_void,
+        ];
+        // SAFETY: shapes, contiguity and 16-byte alignment checked above; the tensor maps cover
+        // exactly h's M rows and W2's C rows (the TMA zero-fills past them); the kernel reads
+        // rows < M of r, C elements of the bias and the LayerNorm's parameters, and writes x1's
+        // and z's M · C elements of `out` only; `args` match its parameters in order and type.
+        unsafe { launch_clustered(&stream, &func, cfg, self.tiles.cluster(), &mut args) }
+            .map_err(candle_core::Error::wrap)?;
+        drop(_out_sync);
+        Ok((
+            CudaStorage::wrap_cuda_slice(out, dev.clone()),
+            Shape::from(2 * m * c),
+        ))
+    }
+}
+
+cuda_only_op2!(
+    ThinResidualNormOp,
+    "fastpath-thin-residual-norm",
+    "linear_residual_norm",
     [F16 => half::f16, BF16 => half::bf16]
 );
 

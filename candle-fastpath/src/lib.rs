@@ -94,7 +94,8 @@ pub use norm_linear::{
     linear_residual_norm, linear_residual_norm_applies, linear_residual_norm_enabled, norm_linear,
     norm_linear_applies, norm_linear_mode, norm_linear_tile_rows, residual_norm_linear,
     residual_norm_linear_applies, residual_norm_linear_forms, residual_norm_linear_step_applies,
-    NormLinearMode, ResidualNormLinearForms, NORM_LINEAR_DIMS,
+    thin_residual_norm_tiles, NormLinearMode, ResidualNormLinearForms, ThinResidualNormTiles,
+    NORM_LINEAR_DIMS,
 };
 pub use patch::{patchify, patchify_after_zero_rows};
 pub use pool::{retain_freed_memory, track_buffer_events, PeakMemory};

@@ -379,8 +379,8 @@ pub fn residual_norm_linear(
             return Ok((x1, y));
         }
     }
-    // DeiT-S's width: the projection, the residual add and the LayerNorm as one kernel where it
-    // applies (lever 98), then `linear` on cuBLASLt.
+    // DeiT-S's width: the projection (lever 98) or fc2 (lever 103), the residual add and the
+    // LayerNorm as one kernel where it applies, then `linear` (the thin GEMM or cuBLASLt).
     if let Some((x1, z)) = fused_linear_residual_norm(o, residual, front, norm)? {
         let epilogue = if gelu {
             Epilogue::Gelu
@@ -407,12 +407,13 @@ pub fn residual_norm_linear(
 /// # Returns
 /// `(x1, z)`, both shaped like `residual`: what `front.forward_residual(o, residual)` and
 /// `norm.forward(x1)` return. On CUDA with compute capability 9.0, where
-/// [`linear_residual_norm_applies`] says so (DeiT-S's attention projection at batch 1), one
-/// kernel computes both (lever 98 in `docs/BENCHMARKS.md`): the CTAs sharing 16 rows (a
-/// thread-block cluster) each compute a slice of x1's columns and exchange them, then normalise
-/// the rows with the LayerNorm kernel's own row code. Its GEMM sums in another order than cuBLASLt's; everything
-/// else rounds where the two steps round, so z is the LayerNorm of the x1 it returns, bit for
-/// bit. Elsewhere it is the two steps. Both results are contiguous.
+/// [`linear_residual_norm_applies`] says so (DeiT-S's attention projection or fc2 at batch 1),
+/// one kernel computes both (levers 98 and 103 in `docs/BENCHMARKS.md`): the CTAs sharing a
+/// tile of rows (a thread-block cluster) each compute a part of x1 and exchange it (fc2's kernel
+/// also splits K over the cluster: TMA + wgmma, f32 partials summed in a fixed order), then
+/// normalise the rows with the LayerNorm kernel's own row code. Its GEMM sums in another order
+/// than cuBLASLt's; everything else rounds where the two steps round, so z is the LayerNorm of
+/// the x1 it returns, bit for bit. Elsewhere it is the two steps. Both results are contiguous.
 pub fn linear_residual_norm(
     o: &Tensor,
     residual: &Tensor,
@@ -437,22 +438,39 @@ fn fused_linear_residual_norm(
     norm: &LayerNorm,
 ) -> Result<Option<(Tensor, Tensor)>> {
     #[cfg(feature = "cuda")]
-    if let (true, Some(bias)) = (
-        linear_residual_norm_applies(o, residual, front, norm),
+    if let (Some(kernel), Some(bias)) = (
+        linear_residual_norm_kernel(o, residual, front, norm),
         front.bias(),
     ) {
-        let op = crate::cuda::LinearResidualNormOp {
-            front_weight: front.weight().clone(),
-            front_bias: bias.clone(),
-            ln_weight: norm.weight().clone(),
-            ln_bias: norm.bias().clone(),
-            eps: norm.eps() as f32,
-        };
         let (k, c) = (front.in_dim(), front.out_dim());
         let rows = o.elem_count() / k;
-        let both = o
-            .reshape((rows, k))?
-            .apply_op2_no_bwd(&residual.reshape((rows, c))?, &op)?;
+        let (o2, r2) = (o.reshape((rows, k))?, residual.reshape((rows, c))?);
+        let (front_weight, front_bias) = (front.weight().clone(), bias.clone());
+        let (ln_weight, ln_bias) = (norm.weight().clone(), norm.bias().clone());
+        let eps = norm.eps() as f32;
+        let both = match kernel {
+            LrnKernel::Proj => o2.apply_op2_no_bwd(
+                &r2,
+                &crate::cuda::LinearResidualNormOp {
+                    front_weight,
+                    front_bias,
+                    ln_weight,
+                    ln_bias,
+                    eps,
+                },
+            )?,
+            LrnKernel::Fc2(tiles) => o2.apply_op2_no_bwd(
+                &r2,
+                &crate::cuda::ThinResidualNormOp {
+                    front_weight,
+                    front_bias,
+                    ln_weight,
+                    ln_bias,
+                    eps,
+                    tiles,
+                },
+            )?,
+        };
         // Narrowing a contiguous 1-D tensor and reshaping it are views, not copies.
         let x1 = both.narrow(0, 0, rows * c)?.reshape(residual.shape())?;
         let z = both
@@ -472,12 +490,40 @@ pub fn linear_residual_norm_enabled() -> bool {
     crate::switches::on_unless_off(&ON, "CANDLE_FASTPATH_LINEAR_RESIDUAL_NORM")
 }
 
-/// Whether [`linear_residual_norm`] runs its fused kernel: CUDA with compute capability 9.0 and
+/// The tile shape of [`linear_residual_norm`]'s fc2 kernel (lever 103 in `docs/BENCHMARKS.md`):
+/// the CTAs sharing 64 rows form one thread-block cluster of column tiles times slices of K.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ThinResidualNormTiles {
+    /// The default: four 96-column tiles × four slices of K (384 each), clusters of 16.
+    N96S4,
+    /// `CANDLE_FASTPATH_THIN_RESIDUAL_NORM=n64`: six 64-column tiles × two slices of K (768
+    /// each), clusters of 12.
+    N64S2,
+}
+
+/// The fc2 kernel's tiles `CANDLE_FASTPATH_THIN_RESIDUAL_NORM` selects (read once): unset
+/// ([`ThinResidualNormTiles::N96S4`]), `n64`, or `0` / `off` (`None`: fc2 takes the two steps,
+/// cuBLASLt's GEMM with its residual epilogue, then the LayerNorm kernel).
+pub fn thin_residual_norm_tiles() -> Option<ThinResidualNormTiles> {
+    static MODE: std::sync::OnceLock<Option<ThinResidualNormTiles>> = std::sync::OnceLock::new();
+    crate::switches::read_once(&MODE, "CANDLE_FASTPATH_THIN_RESIDUAL_NORM", |v| match v {
+        Some("0") | Some("off") => None,
+        Some("n64") => Some(ThinResidualNormTiles::N64S2),
+        _ => Some(ThinResidualNormTiles::N96S4),
+    })
+}
+
+/// Whether [`linear_residual_norm`] runs a fused kernel: CUDA with compute capability 9.0 and
 /// the kernels built for it, allowed by [`linear_residual_norm_enabled`], f16 or bf16, C = 384,
-/// `front` `[C, C]` (the attention projection; fc2's `[C, 4C]` takes the two steps, which were
-/// faster) with a bias, `o` and `residual` with the same rows, every
-/// operand contiguous and 16-byte aligned on one device, and the grid (eight CTAs per 16 rows)
-/// within one wave (up to 256 rows on the H100: batch 1). Anything else takes the two steps.
+/// a bias, `o` and `residual` with the same rows, every operand contiguous and 16-byte aligned
+/// on one device, and one of:
+/// - `front` `[C, C]` (the attention projection, lever 98) with the grid (eight CTAs per 16
+///   rows) within one wave: up to 256 rows on the H100;
+/// - `front` `[C, 4C]` (fc2, lever 103), allowed by [`thin_residual_norm_tiles`], the device
+///   able to place its clusters, and the grid (a cluster of 16 or 12 CTAs per 64 rows) within
+///   one wave: up to 512 (16) or 704 (12) rows on the H100.
+///
+/// Both are batch 1 at DeiT-S's width. Anything else takes the two steps.
 pub fn linear_residual_norm_applies(
     o: &Tensor,
     residual: &Tensor,
@@ -490,37 +536,68 @@ pub fn linear_residual_norm_applies(
         false
     }
     #[cfg(feature = "cuda")]
-    {
-        let candle_core::Device::Cuda(dev) = residual.device() else {
-            return false;
-        };
-        let (c, k) = (crate::cuda::LRN_DIM, front.in_dim());
-        let dtype = residual.dtype();
-        let same = |t: &Tensor| {
-            t.dtype() == dtype
-                && t.device().same_device(residual.device())
-                && crate::cuda::contiguous_16b(t.layout(), dtype.size_in_bytes())
-        };
-        let rows = residual.elem_count() / c;
-        linear_residual_norm_enabled()
-            && matches!(dtype, candle_core::DType::F16 | candle_core::DType::BF16)
-            && residual.dims().last() == Some(&c)
-            && k == c
-            && front.out_dim() == c
-            && norm.weight().elem_count() == c
-            && o.dims().last() == Some(&k)
-            && o.rank() == residual.rank()
-            && o.dims()[..o.rank() - 1] == residual.dims()[..residual.rank() - 1]
-            && [o, residual, front.weight(), norm.weight(), norm.bias()]
-                .iter()
-                .all(|t| same(t))
-            && front.bias().is_some_and(|b| {
-                b.dtype() == dtype && b.device().same_device(residual.device()) && b.is_contiguous()
-            })
-            && rows > 0
-            && crate::cuda::has_linear_residual_norm(dev)
-            && fits_one_wave(dev, rows.div_ceil(16) * crate::cuda::LRN_SPLIT)
+    linear_residual_norm_kernel(o, residual, front, norm).is_some()
+}
+
+/// The kernel [`linear_residual_norm`] runs.
+#[cfg(feature = "cuda")]
+#[derive(Clone, Copy)]
+enum LrnKernel {
+    /// proj in front (LinearResidualNormOp).
+    Proj,
+    /// fc2 in front (ThinResidualNormOp).
+    Fc2(ThinResidualNormTiles),
+}
+
+/// [`linear_residual_norm_applies`]'s rule, naming the kernel.
+#[cfg(feature = "cuda")]
+fn linear_residual_norm_kernel(
+    o: &Tensor,
+    residual: &Tensor,
+    front: &FusedLinear,
+    norm: &LayerNorm,
+) -> Option<LrnKernel> {
+    let candle_core::Device::Cuda(dev) = residual.device() else {
+        return None;
+    };
+    let (c, k) = (crate::cuda::LRN_DIM, front.in_dim());
+    let dtype = residual.dtype();
+    let same = |t: &Tensor| {
+        t.dtype() == dtype
+            && t.device().same_device(residual.device())
+            && crate::cuda::contiguous_16b(t.layout(), dtype.size_in_bytes())
+    };
+    let rows = residual.elem_count() / c;
+    let shapes = linear_residual_norm_enabled()
+        && matches!(dtype, candle_core::DType::F16 | candle_core::DType::BF16)
+        && residual.dims().last() == Some(&c)
+        && front.out_dim() == c
+        && norm.weight().elem_count() == c
+        && o.dims().last() == Some(&k)
+        && o.rank() == residual.rank()
+        && o.dims()[..o.rank() - 1] == residual.dims()[..residual.rank() - 1]
+        && [o, residual, front.weight(), norm.weight(), norm.bias()]
+            .iter()
+            .all(|t| same(t))
+        && front.bias().is_some_and(|b| {
+            b.dtype() == dtype && b.device().same_device(residual.device()) && b.is_contiguous()
+        })
+        && rows > 0;
+    if !shapes {
+        return None;
     }
+    if k == c {
+        return (crate::cuda::has_linear_residual_norm(dev)
+            && fits_one_wave(dev, rows.div_ceil(16) * crate::cuda::LRN_SPLIT))
+        .then_some(LrnKernel::Proj);
+    }
+    if k != crate::cuda::THIN_RESIDUAL_NORM_K || c != crate::cuda::THIN_RESIDUAL_NORM_C {
+        return None;
+    }
+    let tiles = thin_residual_norm_tiles()?;
+    let sms = crate::cuda::thin_residual_norm_sm_count(dev, tiles)?;
+    (rows.div_ceil(crate::cuda::THIN_GEMM_TILE) * tiles.ctas_per_tile() <= sms)
+        .then_some(LrnKernel::Fc2(tiles))
 }
 
 /// Whether [`residual_norm_linear`] runs its fused kernel: CUDA with compute capability 9.0 and

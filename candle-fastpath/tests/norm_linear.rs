@@ -326,12 +326,19 @@ fn linear_residual_norm_matches_the_steps() {
     let row_counts: &[usize] = if quick {
         &[17, 197]
     } else {
-        // 257: 17 row tiles of eight CTAs, past one wave of the H100's 132 SMs (the steps).
-        &[1, 2, 15, 16, 17, 63, 64, 65, 138, 197, 256, 257]
+        // 257: 17 row tiles of eight CTAs, past one wave of the H100's 132 SMs (the steps); 448
+        // and 513: seven and nine 64-row clusters of the fc2 kernel, within one wave and past
+        // it.
+        &[1, 2, 15, 16, 17, 63, 64, 65, 138, 197, 256, 257, 448, 513]
     };
+    // The fc2 kernel's CTAs per 64 rows (lever 103), unless its switch is off.
+    let fc2_ctas = candle_fastpath::thin_residual_norm_tiles().map(|t| match t {
+        candle_fastpath::ThinResidualNormTiles::N96S4 => 16,
+        candle_fastpath::ThinResidualNormTiles::N64S2 => 12,
+    });
     for &dtype in dtypes {
-        // proj (K = C: the kernel) and fc2 (K = 4C: the two steps) in front; fc1 (4C, GELU) or
-        // qkv (3C) behind.
+        // proj (K = C: lever 98's kernel) and fc2 (K = 4C: lever 103's) in front; fc1 (4C,
+        // GELU) or qkv (3C) behind.
         for (k, n, gelu) in [(c, 4 * c, true), (4 * c, 3 * c, false)] {
             let front = weights(&dev, &mut rng, dtype, k, c).linear;
             let w = weights(&dev, &mut rng, dtype, c, n);
@@ -346,8 +353,10 @@ fn linear_residual_norm_matches_the_steps() {
                 let want_x1 = host(&want_x1);
                 let fused = linear_residual_norm_applies(&o, &r, &front, &w.norm);
                 let label = format!("{dtype:?} rows {rows} k {k}");
-                // The kernel: proj (K = C) only, up to 256 rows (16 tiles of eight CTAs).
-                let kernel_shape = k == c && rows <= 256;
+                // The kernels: proj (K = C) up to 256 rows (16 tiles of eight CTAs); fc2 (K =
+                // 4C) up to one wave of its clusters on an H100 / H200 (132 SMs).
+                let kernel_shape = (k == c && rows <= 256)
+                    || (k == 4 * c && fc2_ctas.is_some_and(|n| rows.div_ceil(64) * n <= 132));
                 if has_clusters(&dev) && dtype != DType::F32 && kernel_shape {
                     assert!(fused, "{label}: fused kernel expected");
                 }
