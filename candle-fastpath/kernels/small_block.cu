@@ -42,6 +42,9 @@
 #include <cuda_bf16.h>
 #include <stdint.h>
 
+// candle-ragged's kernel folder (its build metadata puts it on the include path): Pack2,
+// smem_addr, cp_async_commit.
+#include "attention_common.cuh"
 #include "epilogue.cuh"
 #include "gelu_phi.cuh"
 
@@ -58,24 +61,14 @@ constexpr int QT = 16;        // queries per attention unit
 constexpr int KC = 16;        // keys per chunk
 constexpr int OLD = HD + 4;   // f32 row length of the merge buffer
 
-template <typename T> __device__ __forceinline__ uint32_t pack2(float a, float b);
-template <> __device__ __forceinline__ uint32_t pack2<__half>(float a, float b) {
-    __half2 h = __floats2half2_rn(a, b);
-    return *reinterpret_cast<uint32_t*>(&h);
-}
-template <> __device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float a, float b) {
-    __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
-    return *reinterpret_cast<uint32_t*>(&h);
-}
-
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+// Two floats as one 16-bit pair (attention_common.cuh's Pack2).
+template <typename T> __device__ __forceinline__ uint32_t pack2(float a, float b) {
+    return Pack2<T>::from_floats(a, b);
 }
 __device__ __forceinline__ void cp_async_16(void* dst, const void* src, bool valid) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
                  "r"(valid ? 16 : 0));
 }
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::); }
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"

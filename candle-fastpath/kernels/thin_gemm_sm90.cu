@@ -79,10 +79,6 @@ __device__ __forceinline__ void tg_wait(uint32_t bar) {
                      : "memory");
 }
 
-// Until the phase of this CTA's barrier at `bar` has completed, with cluster-scope acquire: the
-// bytes other CTAs pushed into this one (st.async) are visible after it.
-__device__ __forceinline__ void tg_wait_acquire_cluster(uint32_t bar) { xbar_wait(bar); }
-
 template <typename T, bool GELU>
 __device__ void thin_gemm_tile(const CUtensorMap* tx, const CUtensorMap* tw, const T* __restrict__ bias,
                                T* __restrict__ y, int M, int N) {
@@ -339,7 +335,7 @@ __device__ void thin_residual_norm_tile(const CUtensorMap* th, const CUtensorMap
     }
     // x1 of this CTA's R rows: the KS partials in slice order, then the residual, then the bias,
     // rounded once; to global memory and into the normalising CTA's row buffer.
-    tg_wait_acquire_cluster(part_bar);
+    xbar_wait(part_bar);
 #pragma unroll
     for (int i = 0; i < S::PAIRS; ++i) {
         const int p = tid + 128 * i, row = p / (BN / 2), col = 2 * (p % (BN / 2));
@@ -357,7 +353,7 @@ __device__ void thin_residual_norm_tile(const CUtensorMap* th, const CUtensorMap
         xbar_push(dst, row_bar, row % NT + NT * k, pair_bits(o));
     }
     // This CTA's rows, whole, normalised one per warp.
-    tg_wait_acquire_cluster(row_bar);
+    xbar_wait(row_bar);
     for (int s = warp; s < owned; s += 4) {
         const int grow = m0 + R * k + n + NT * s;
         if (grow < M)

@@ -421,9 +421,8 @@ pub fn attention_residual_applies(
             && cu_seqlens.dims() == [2]
             && cu_seqlens.is_contiguous()
             && cu_seqlens.device().same_device(residual.device())
-            && crate::cuda::sm_count(dev)
-                .is_ok_and(|sms| m.div_ceil(16) * crate::cuda::RNL_SPLIT <= sms)
-            && crate::cuda::has_attention_residual(dev, m)
+            && crate::cuda::attention_residual_sm_count(dev, m)
+                .is_some_and(|sms| m.div_ceil(16) * crate::cuda::RNL_SPLIT <= sms)
     }
 }
 

@@ -1638,24 +1638,14 @@ fn load_thin_residual_norm(
             funcs.push(f);
         }
         context.bind_to_thread().map_err(candle_core::Error::wrap)?;
-        let (x, y, z) = tiles.cluster();
-        let mut attr: dsys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
-        attr.id = dsys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
-        attr.value.clusterDim.x = x;
-        attr.value.clusterDim.y = y;
-        attr.value.clusterDim.z = z;
-        let config = dsys::CUlaunchConfig {
-            gridDimX: x,
-            gridDimY: 1,
-            gridDimZ: z,
-            blockDimX: 128,
-            blockDimY: 1,
-            blockDimZ: 1,
-            sharedMemBytes: tiles.smem_bytes() as u32,
-            hStream: std::ptr::null_mut(),
-            attrs: &mut attr,
-            numAttrs: 1,
+        let (x, _, z) = tiles.cluster();
+        let mut attr = cluster_attribute(tiles.cluster());
+        let one_cluster = LaunchConfig {
+            grid_dim: (x, 1, z),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: tiles.smem_bytes() as u32,
         };
+        let config = ex_config(one_cluster, std::ptr::null_mut(), &mut attr);
         let mut clusters = 0;
         // SAFETY: a query on a loaded function with a config whose one attribute lives above.
         let status = unsafe {
@@ -1688,46 +1678,6 @@ pub(crate) fn thin_residual_norm_sm_count(
     state.thin_residual_norm[tiles.index()]
         .is_some()
         .then_some(state.sm_count)
-}
-
-/// `cuLaunchKernelEx` of `func` over `cfg` in clusters of `cluster` CTAs, a size set at launch
-/// (the kernel carries no `__cluster_dims__`; 12 and 16 are past the portable 8, which the
-/// function's attribute allows), `args` the kernel's parameters by address.
-///
-/// # Safety
-/// `args` must be valid parameters of `func` under `cfg`, alive for the call.
-unsafe fn launch_clustered(
-    stream: &std::sync::Arc<candle_core::cuda_backend::cudarc::driver::CudaStream>,
-    func: &CudaFunction,
-    cfg: LaunchConfig,
-    cluster: (u32, u32, u32),
-    args: &mut [*mut c_void],
-) -> Result<(), candle_core::cuda_backend::cudarc::driver::DriverError> {
-    stream.context().bind_to_thread()?;
-    let mut attr: dsys::CUlaunchAttribute = std::mem::zeroed();
-    attr.id = dsys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
-    attr.value.clusterDim.x = cluster.0;
-    attr.value.clusterDim.y = cluster.1;
-    attr.value.clusterDim.z = cluster.2;
-    let config = dsys::CUlaunchConfig {
-        gridDimX: cfg.grid_dim.0,
-        gridDimY: cfg.grid_dim.1,
-        gridDimZ: cfg.grid_dim.2,
-        blockDimX: cfg.block_dim.0,
-        blockDimY: cfg.block_dim.1,
-        blockDimZ: cfg.block_dim.2,
-        sharedMemBytes: cfg.shared_mem_bytes,
-        hStream: stream.cu_stream(),
-        attrs: &mut attr,
-        numAttrs: 1,
-    };
-    dsys::cuLaunchKernelEx(
-        &config,
-        func.cu_function(),
-        args.as_mut_ptr(),
-        std::ptr::null_mut(),
-    )
-    .result()
 }
 
 /// The CustomOp behind [`crate::linear_residual_norm`] with fc2 in front (lever 103; compute
@@ -1841,8 +1791,18 @@ impl ThinResidualNormOp {
         // exactly h's M rows and W2's C rows (the TMA zero-fills past them); the kernel reads
         // rows < M of r, C elements of the bias and the LayerNorm's parameters, and writes x1's
         // and z's M · C elements of `out` only; `args` match its parameters in order and type.
-        unsafe { launch_clustered(&stream, &func, cfg, self.tiles.cluster(), &mut args) }
-            .map_err(candle_core::Error::wrap)?;
+        unsafe {
+            // The cluster size is set here (12 and 16 are past the portable 8, which the kernels'
+            // attribute allows).
+            launch_ex(
+                &stream,
+                &func,
+                cfg,
+                cluster_attribute(self.tiles.cluster()),
+                &mut args,
+            )
+        }
+        .map_err(candle_core::Error::wrap)?;
         drop(_out_sync);
         Ok((
             CudaStorage::wrap_cuda_slice(out, dev.clone()),
@@ -1946,11 +1906,16 @@ fn step_scores_view<'a>(
     Ok(sc.as_cuda_slice::<f32>()?.slice(layout.start_offset()..))
 }
 
-/// Whether `dev` has [`ResidualNormLinearOp`]'s kernels (compute capability 9.0 and up, PTX
-/// built for it).
-pub(crate) fn has_residual_norm_linear(dev: &CudaDevice) -> bool {
+/// `dev`'s streaming multiprocessors where it has [`ResidualNormLinearOp`]'s kernels (compute
+/// capability 9.0 and up, PTX built for it), `None` otherwise: what the applies check needs of
+/// the device, in one look at its state.
+pub(crate) fn residual_norm_linear_sm_count(dev: &CudaDevice) -> Option<usize> {
     let mut states = STATE.lock().unwrap_or_else(|e| e.into_inner());
-    device_state(&mut states, dev).is_ok_and(|s| s.residual_norm_linear.is_some())
+    let state = device_state(&mut states, dev).ok()?;
+    state
+        .residual_norm_linear
+        .is_some()
+        .then_some(state.sm_count)
 }
 
 /// The CustomOp behind [`crate::residual_norm_linear`]: `(o [M, K], r [M, C], W [N, C])` →
@@ -2130,10 +2095,11 @@ pub(crate) fn lrn_smem_bytes() -> usize {
     RNL_BAR_BYTES + (2 * NL_BM + slice) * (LRN_DIM + 8) * 2 + 8 * NL_BM * slice * 4
 }
 
-/// Whether `dev` has [`LinearResidualNormOp`]'s kernels (compute capability 9.0 and up, PTX
-/// built for it) and a launch fits its shared memory.
-pub(crate) fn has_linear_residual_norm(dev: &CudaDevice) -> bool {
-    has_fused(dev, lrn_smem_bytes(), |s| s.linear_residual_norm.is_some())
+/// `dev`'s streaming multiprocessors where it has [`LinearResidualNormOp`]'s kernels (compute
+/// capability 9.0 and up, PTX built for it) and a launch fits its shared memory, `None`
+/// otherwise.
+pub(crate) fn linear_residual_norm_sm_count(dev: &CudaDevice) -> Option<usize> {
+    fused_sm_count(dev, lrn_smem_bytes(), |s| s.linear_residual_norm.is_some())
 }
 
 /// The CustomOp behind [`crate::linear_residual_norm`]: `(o [M, C], r [M, C])` →
@@ -2237,29 +2203,40 @@ cuda_only_op2!(
     [F16 => half::f16, BF16 => half::bf16]
 );
 
-/// Whether `dev` has the cluster kernels `kernels` picks from its state (which the attention
-/// kernels' opt-in shared-memory limit gates: compute capability 9.0) and a launch needing `smem`
-/// bytes of dynamic shared memory fits that limit.
-fn has_fused(dev: &CudaDevice, smem: usize, kernels: impl Fn(&DeviceState) -> bool) -> bool {
+/// `dev`'s streaming multiprocessors where it has the cluster kernels `kernels` picks from its
+/// state (which the attention kernels' opt-in shared-memory limit gates: compute capability
+/// 9.0) and a launch needing `smem` bytes of dynamic shared memory fits that limit; `None`
+/// otherwise. One look at the state: the applies checks that also need the SM count (one
+/// wave) take it from here.
+fn fused_sm_count(
+    dev: &CudaDevice,
+    smem: usize,
+    kernels: impl Fn(&DeviceState) -> bool,
+) -> Option<usize> {
     let mut states = STATE.lock().unwrap_or_else(|e| e.into_inner());
-    device_state(&mut states, dev).is_ok_and(|s| {
-        kernels(s)
-            && s.attention_rnl
-                .as_ref()
-                .is_some_and(|(_, max)| smem <= *max)
-    })
+    let s = device_state(&mut states, dev).ok()?;
+    (kernels(s)
+        && s.attention_rnl
+            .as_ref()
+            .is_some_and(|(_, max)| smem <= *max))
+    .then_some(s.sm_count)
+}
+
+/// Whether [`fused_sm_count`] finds the kernels.
+fn has_fused(dev: &CudaDevice, smem: usize, kernels: impl Fn(&DeviceState) -> bool) -> bool {
+    fused_sm_count(dev, smem, kernels).is_some()
 }
 
 /// Whether `dev` has [`AttentionRnlOp`]'s kernels (as
-/// [`has_residual_norm_linear`]) and a launch over `m` rows fits its shared memory.
+/// [`residual_norm_linear_sm_count`]) and a launch over `m` rows fits its shared memory.
 pub(crate) fn has_attention_rnl(dev: &CudaDevice, m: usize) -> bool {
     has_fused(dev, attention_rnl_smem_bytes(m), |_| true)
 }
 
-/// Whether `dev` has [`AttentionResidualOp`]'s kernels and a launch over `m` rows fits its
-/// shared memory.
-pub(crate) fn has_attention_residual(dev: &CudaDevice, m: usize) -> bool {
-    has_fused(dev, attention_rnl_smem_bytes(m), |s| {
+/// `dev`'s streaming multiprocessors where it has [`AttentionResidualOp`]'s kernels and a launch
+/// over `m` rows fits its shared memory, `None` otherwise.
+pub(crate) fn attention_residual_sm_count(dev: &CudaDevice, m: usize) -> Option<usize> {
+    fused_sm_count(dev, attention_rnl_smem_bytes(m), |s| {
         s.attention_residual.is_some()
     })
 }
@@ -2280,7 +2257,7 @@ pub(crate) fn has_select_attention_block(dev: &CudaDevice, m: usize) -> bool {
     })
 }
 
-/// Whether `dev` has [`MlpBlockOp`]'s kernels (as [`has_residual_norm_linear`]) and its shared
+/// Whether `dev` has [`MlpBlockOp`]'s kernels (as [`residual_norm_linear_sm_count`]) and its shared
 /// memory.
 pub(crate) fn has_mlp_block(dev: &CudaDevice) -> bool {
     has_fused(dev, mlp_block_smem_bytes(), |s| s.mlp_block.is_some())
@@ -3421,13 +3398,45 @@ unsafe fn launch_pdl(
     cfg: LaunchConfig,
     params: &SmallBlockParams,
 ) -> Result<(), candle_core::cuda_backend::cudarc::driver::DriverError> {
-    use candle_core::cuda_backend::cudarc::driver::sys;
-    stream.context().bind_to_thread()?;
     let mut args: [*mut c_void; 1] = [params as *const SmallBlockParams as *mut c_void];
-    let mut attr: sys::CUlaunchAttribute = std::mem::zeroed();
-    attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+    let mut attr: dsys::CUlaunchAttribute = std::mem::zeroed();
+    attr.id = dsys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
     attr.value.programmaticStreamSerializationAllowed = 1;
-    let config = sys::CUlaunchConfig {
+    launch_ex(stream, func, cfg, attr, &mut args)
+}
+
+/// `cuLaunchKernelEx` of `func` over `cfg` on `stream` with one launch attribute, `args` the
+/// kernel's parameters by address (the launches cudarc's builder has no attribute for: PDL's,
+/// a cluster size set at launch).
+///
+/// # Safety
+/// `args` must be valid parameters of `func` under `cfg` and `attr`, alive for the call.
+unsafe fn launch_ex(
+    stream: &std::sync::Arc<candle_core::cuda_backend::cudarc::driver::CudaStream>,
+    func: &CudaFunction,
+    cfg: LaunchConfig,
+    mut attr: dsys::CUlaunchAttribute,
+    args: &mut [*mut c_void],
+) -> Result<(), candle_core::cuda_backend::cudarc::driver::DriverError> {
+    stream.context().bind_to_thread()?;
+    let config = ex_config(cfg, stream.cu_stream(), &mut attr);
+    dsys::cuLaunchKernelEx(
+        &config,
+        func.cu_function(),
+        args.as_mut_ptr(),
+        std::ptr::null_mut(),
+    )
+    .result()
+}
+
+/// The `cuLaunchKernelEx` / occupancy-query form of `cfg` on `stream` with the one attribute
+/// `attr` (which must outlive the returned config).
+fn ex_config(
+    cfg: LaunchConfig,
+    stream: dsys::CUstream,
+    attr: &mut dsys::CUlaunchAttribute,
+) -> dsys::CUlaunchConfig {
+    dsys::CUlaunchConfig {
         gridDimX: cfg.grid_dim.0,
         gridDimY: cfg.grid_dim.1,
         gridDimZ: cfg.grid_dim.2,
@@ -3435,17 +3444,23 @@ unsafe fn launch_pdl(
         blockDimY: cfg.block_dim.1,
         blockDimZ: cfg.block_dim.2,
         sharedMemBytes: cfg.shared_mem_bytes,
-        hStream: stream.cu_stream(),
-        attrs: &mut attr,
+        hStream: stream,
+        attrs: attr,
         numAttrs: 1,
-    };
-    sys::cuLaunchKernelEx(
-        &config,
-        func.cu_function(),
-        args.as_mut_ptr(),
-        std::ptr::null_mut(),
-    )
-    .result()
+    }
+}
+
+/// A launch attribute setting the cluster size (a size the kernel need not carry in
+/// `__cluster_dims__`).
+fn cluster_attribute((x, y, z): (u32, u32, u32)) -> dsys::CUlaunchAttribute {
+    // SAFETY: a plain C struct and union, all-zero valid; the fields set below are the ones
+    // the attribute's id reads.
+    let mut attr: dsys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+    attr.id = dsys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+    attr.value.clusterDim.x = x;
+    attr.value.clusterDim.y = y;
+    attr.value.clusterDim.z = z;
+    attr
 }
 
 /// Whether candle's stream on `dev` is being captured into a CUDA graph right now.

@@ -282,12 +282,11 @@ pub(crate) fn norm_linear_eligible(
         && (!gelu || crate::gelu_form::gelu_form() == crate::gelu_form::GeluForm::Phi)
 }
 
-/// The grid-size rule of the fused kernels: `tiles` CTAs (one per SM each) fit one wave on `dev`,
-/// or [`norm_linear_mode`] is `Always`.
+/// The grid-size rule of the fused kernels: `tiles` CTAs (one per SM each) fit one wave of `sms`
+/// SMs, or [`norm_linear_mode`] is `Always`.
 #[cfg(feature = "cuda")]
-fn fits_one_wave(dev: &candle_core::cuda_backend::CudaDevice, tiles: usize) -> bool {
-    norm_linear_mode() == NormLinearMode::Always
-        || crate::cuda::sm_count(dev).is_ok_and(|sms| tiles <= sms)
+fn fits_one_wave(sms: usize, tiles: usize) -> bool {
+    norm_linear_mode() == NormLinearMode::Always || tiles <= sms
 }
 
 /// Which of [`residual_norm_linear`]'s two kernel forms may run, from
@@ -587,9 +586,9 @@ fn linear_residual_norm_kernel(
         return None;
     }
     if k == c {
-        return (crate::cuda::has_linear_residual_norm(dev)
-            && fits_one_wave(dev, rows.div_ceil(16) * crate::cuda::LRN_SPLIT))
-        .then_some(LrnKernel::Proj);
+        return crate::cuda::linear_residual_norm_sm_count(dev)
+            .is_some_and(|sms| fits_one_wave(sms, rows.div_ceil(16) * crate::cuda::LRN_SPLIT))
+            .then_some(LrnKernel::Proj);
     }
     if k != crate::cuda::THIN_RESIDUAL_NORM_K || c != crate::cuda::THIN_RESIDUAL_NORM_C {
         return None;
@@ -683,8 +682,8 @@ pub fn residual_norm_linear_step_applies(
             && norm_linear_eligible(residual, norm, linear, gelu);
         // Its grid is six CTAs per 16 rows, at least norm_linear's ceil(N / 128) for either form.
         eligible
-            && crate::cuda::has_residual_norm_linear(dev)
-            && fits_one_wave(dev, rows.div_ceil(16) * crate::cuda::RNL_SPLIT)
+            && crate::cuda::residual_norm_linear_sm_count(dev)
+                .is_some_and(|sms| fits_one_wave(sms, rows.div_ceil(16) * crate::cuda::RNL_SPLIT))
     }
 }
 
