@@ -72,3 +72,18 @@ __device__ __forceinline__ void nl_store_tile(const float (&acc)[4][4], const fl
     });
 }
 
+// A split-K GEMM's output pair at (row, col): the PARTS partial sums in `part` ([PARTS][ROWS][LD]
+// f32) added in order, then the residual, then the bias, rounded once. Step 3 of fastpath.cu's
+// cluster kernels (front_partials' sums) and thin_gemm_sm90.cu's fc2 kernel (its slices of K).
+template <typename T, int PARTS, int ROWS, int LD>
+__device__ __forceinline__ NlPair<T> front_pair(const float* part, int row, int col, const float (&res)[2],
+                                                const float (&bias)[2]) {
+    float2 sum = make_float2(0.f, 0.f);
+#pragma unroll
+    for (int q = 0; q < PARTS; ++q) {
+        const float2 v = *reinterpret_cast<const float2*>(part + (q * ROWS + row) * LD + col);
+        sum.x += v.x;
+        sum.y += v.y;
+    }
+    return NlPair<T>{from_f32<T>((sum.x + res[0]) + bias[0]), from_f32<T>((sum.y + res[1]) + bias[1])};
+}

@@ -647,21 +647,6 @@ __device__ __forceinline__ void front_partials(const T* so, const T* sp, float* 
     }
 }
 
-// Step 3's arithmetic: x1's pair at (row, col) of the rank's slice from front_partials' sums,
-// the KW partials added in order, then the residual, then the front bias, rounded once.
-template <typename T, int KW, int SLICE>
-__device__ __forceinline__ NlPair<T> front_pair(const float* spart, int row, int col, const float (&res)[2],
-                                                const float (&bias)[2]) {
-    float2 sum = make_float2(0.f, 0.f);
-#pragma unroll
-    for (int q = 0; q < KW; ++q) {
-        const float2 v = *reinterpret_cast<const float2*>(spart + (q * NL_BM + row) * SLICE + col);
-        sum.x += v.x;
-        sum.y += v.y;
-    }
-    return NlPair<T>{from_f32<T>((sum.x + res[0]) + bias[0]), from_f32<T>((sum.y + res[1]) + bias[1])};
-}
-
 // Steps 2-5 of residual_norm_linear_tile below (the front GEMM's slice, x1 into every cluster
 // CTA's rows, the LayerNorm, the back GEMM and its epilogue), once this CTA's `so` rows (the front
 // GEMM's input, KF wide) and `sp` rows (its SLICE rows of Wp) are in shared memory and visible to
@@ -699,7 +684,7 @@ __device__ __forceinline__ void rnl_finish(T* sa, const T* sb, const T* so, cons
     // (pushed, counted on each receiver's `xbar`).
     if (ENTRY_WAIT) asm volatile("barrier.cluster.wait;" ::: "memory");
     if (tid < RNL_PAIRS) {
-        const NlPair<T> p = front_pair<T, KW, SLICE>(spart, prow, pcol - c0, g.res, g.pbias);
+        const NlPair<T> p = front_pair<T, KW, NL_BM, SLICE>(spart, prow, pcol - c0, g.res, g.pbias);
         if (!X1_ONLY) {
             const uint32_t dst = smem_addr(sa + prow * LDS + pcol);
 #pragma unroll
@@ -876,7 +861,7 @@ __device__ void linear_residual_norm_tile(const T* __restrict__ o, const T* __re
     // 3. x1 = (o·Wpᵀ + r) + bp, rounded once, to global memory and into every cluster CTA's rows.
     asm volatile("barrier.cluster.wait;" ::: "memory");
     if (tid < PAIRS) {
-        const NlPair<T> p = front_pair<T, LRN_KW, LRN_SLICE>(spart, prow, pcol - c0, res, pb);
+        const NlPair<T> p = front_pair<T, LRN_KW, NL_BM, LRN_SLICE>(spart, prow, pcol - c0, res, pb);
         const uint32_t dst = smem_addr(sa + prow * LDS + pcol);
 #pragma unroll
         for (int q = 0; q < LRN_SPLIT; ++q) xbar_push(dst, bar, q, pair_bits(p));

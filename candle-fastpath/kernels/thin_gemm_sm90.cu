@@ -150,22 +150,28 @@ THIN_GEMM_ENTRY(f16, __half, true, _gelu)
 THIN_GEMM_ENTRY(bf16, __nv_bfloat16, false, )
 THIN_GEMM_ENTRY(bf16, __nv_bfloat16, true, _gelu)
 
-__device__ __forceinline__ void tr_wgmma96_f16(float (&d)[48], uint64_t da, uint64_t db) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n96k16.f32.f16.f16 "
-                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47}, "
-                 "%48, %49, p, 1, 1, 0, 0;\n}\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47])
-                 : "l"(da), "l"(db));
-}
-__device__ __forceinline__ void tr_wgmma96_bf16(float (&d)[48], uint64_t da, uint64_t db) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n96k16.f32.bf16.bf16 "
-                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47}, "
-                 "%48, %49, p, 1, 1, 0, 0;\n}\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47])
-                 : "l"(da), "l"(db));
-}
+// d (64 × 96 f32) += A (64 × 16) · B (16 × 96), both from shared memory through descriptors,
+// K-major: the fc2 kernel's 96-column tiles.
+#define TR_WGMMA96(NAME, TYPE)                                                                        \
+    __device__ __forceinline__ void NAME(float (&d)[48], uint64_t da, uint64_t db) {                   \
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"                                     \
+                     "wgmma.mma_async.sync.aligned.m64n96k16.f32." TYPE "." TYPE " "                  \
+                     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                       \
+                     "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "                 \
+                     "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47}, "                \
+                     "%48, %49, p, 1, 1, 0, 0;\n}\n"                                               \
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),   \
+                       "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),   \
+                       "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),   \
+                       "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),   \
+                       "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),   \
+                       "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]),   \
+                       "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),   \
+                       "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47])   \
+                     : "l"(da), "l"(db));                                                              \
+    }
+TR_WGMMA96(tr_wgmma96_f16, "f16")
+TR_WGMMA96(tr_wgmma96_bf16, "bf16")
 
 // ---------------------------------------------------------------------------------------------
 // thin_residual_norm (lever 103): fc2, the residual add and the next block's norm1 as one launch
@@ -339,14 +345,7 @@ __device__ void thin_residual_norm_tile(const CUtensorMap* th, const CUtensorMap
 #pragma unroll
     for (int i = 0; i < S::PAIRS; ++i) {
         const int p = tid + 128 * i, row = p / (BN / 2), col = 2 * (p % (BN / 2));
-        float2 sum = make_float2(0.f, 0.f);
-#pragma unroll
-        for (int q = 0; q < KS; ++q) {
-            const float2 v = *reinterpret_cast<const float2*>(part + (q * R + row) * BN + col);
-            sum.x += v.x;
-            sum.y += v.y;
-        }
-        const NlPair<T> o{from_f32<T>((sum.x + res[i][0]) + pb[i][0]), from_f32<T>((sum.y + res[i][1]) + pb[i][1])};
+        const NlPair<T> o = front_pair<T, KS, R, BN>(part, row, col, res[i], pb[i]);
         const int grow = m0 + R * k + row;
         if (grow < M) *reinterpret_cast<NlPair<T>*>(x1 + (size_t)grow * TR_C + n0 + col) = o;
         const uint32_t dst = rows + 2 * ((row / NT) * S::LDR + n0 + col);

@@ -1687,11 +1687,7 @@ pub(crate) fn thin_residual_norm_sm_count(
 /// GEMM's TMA + wgmma body), then the LayerNorm kernel's own row code. The caller decides
 /// eligibility; shapes, strides and alignment are checked again here.
 pub(crate) struct ThinResidualNormOp {
-    pub front_weight: Tensor,
-    pub front_bias: Tensor,
-    pub ln_weight: Tensor,
-    pub ln_bias: Tensor,
-    pub eps: f32,
+    pub params: ResidualNormParams,
     pub tiles: crate::ThinResidualNormTiles,
 }
 
@@ -1713,27 +1709,8 @@ impl ThinResidualNormOp {
         let (m, k) = lh.shape().dims2()?;
         let c = THIN_RESIDUAL_NORM_C;
         let bf16 = is_bf16::<T>(WHAT)?;
-        let aligned = |l: &Layout| contiguous_16b(l, size);
-        if k != THIN_RESIDUAL_NORM_K
-            || lr.shape().dims() != [m, c]
-            || m == 0
-            || !aligned(lh)
-            || !aligned(lr)
-        {
-            candle_core::bail!(
-                "{WHAT}: unsupported layout for the fc2 kernel (h {:?} strides {:?}, residual {:?} strides {:?}; K must be {THIN_RESIDUAL_NORM_K})",
-                lh.shape().dims(),
-                lh.stride(),
-                lr.shape().dims(),
-                lr.stride()
-            );
-        }
-        let carried: [(&Tensor, usize, bool); 4] = [
-            (&self.front_weight, c * k, true),
-            (&self.front_bias, c, false),
-            (&self.ln_weight, c, true),
-            (&self.ln_bias, c, true),
-        ];
+        front_operands_fit(WHAT, lh, lr, THIN_RESIDUAL_NORM_K, c, size)?;
+        let carried = self.params.carried(c, k);
         let guards = carried.map(|(t, _, _)| t.storage_and_layout());
         let views = carried_views::<T>(WHAT, &guards, &carried.map(|(_, n, v)| (n, v)))?;
         let hs = h.as_cuda_slice::<T>()?.slice(lh.start_offset()..);
@@ -1768,7 +1745,7 @@ impl ThinResidualNormOp {
             block_dim: (128, 1, 1),
             shared_mem_bytes: self.tiles.smem_bytes() as u32,
         };
-        let (m32, eps) = (m as i32, self.eps);
+        let (m32, eps) = (m as i32, self.params.eps);
         let (bias_ptr, _b_sync) = views[1].device_ptr(&stream);
         let (r_ptr, _r_sync) = rs.device_ptr(&stream);
         let (lnw_ptr, _lnw_sync) = views[2].device_ptr(&stream);
@@ -2108,11 +2085,66 @@ pub(crate) fn linear_residual_norm_sm_count(dev: &CudaDevice) -> Option<usize> {
 /// LayerNorm's parameters are carried here and read in place. The caller decides eligibility;
 /// shapes, strides and alignment are checked again here.
 pub(crate) struct LinearResidualNormOp {
+    pub params: ResidualNormParams,
+}
+
+/// The front Linear's weight `[C, K]` and bias and the LayerNorm's parameters that
+/// [`LinearResidualNormOp`] and [`ThinResidualNormOp`] carry and read in place.
+pub(crate) struct ResidualNormParams {
     pub front_weight: Tensor,
     pub front_bias: Tensor,
     pub ln_weight: Tensor,
     pub ln_bias: Tensor,
     pub eps: f32,
+}
+
+impl ResidualNormParams {
+    /// `front`'s and `norm`'s parameters; `None` when `front` has no bias.
+    pub(crate) fn from_layers(front: &crate::FusedLinear, norm: &crate::LayerNorm) -> Option<Self> {
+        Some(Self {
+            front_weight: front.weight().clone(),
+            front_bias: front.bias()?.clone(),
+            ln_weight: norm.weight().clone(),
+            ln_bias: norm.bias().clone(),
+            eps: norm.eps() as f32,
+        })
+    }
+
+    /// The carried operands for width `c` and the front GEMM's K: (tensor, elements, loaded in
+    /// 16-byte chunks) for Wp, bp, the LayerNorm's weight and bias.
+    fn carried(&self, c: usize, k: usize) -> [(&Tensor, usize, bool); 4] {
+        [
+            (&self.front_weight, c * k, true),
+            (&self.front_bias, c, false),
+            (&self.ln_weight, c, true),
+            (&self.ln_bias, c, true),
+        ]
+    }
+}
+
+/// What the linear_residual_norm kernels need of their two operands, checked before a launch:
+/// `o` `[M, K]` with K = `want_k`, `r` `[M, C]`, M > 0, both contiguous and 16-byte aligned
+/// (`size`-byte elements); a clear error otherwise.
+fn front_operands_fit(
+    what: &str,
+    lo: &Layout,
+    lr: &Layout,
+    want_k: usize,
+    c: usize,
+    size: usize,
+) -> candle_core::Result<()> {
+    let (m, k) = lo.shape().dims2()?;
+    let aligned = |l: &Layout| contiguous_16b(l, size);
+    if k != want_k || lr.shape().dims() != [m, c] || m == 0 || !aligned(lo) || !aligned(lr) {
+        candle_core::bail!(
+            "{what}: unsupported layout for the kernel (input {:?} strides {:?}, residual {:?} strides {:?}; K must be {want_k})",
+            lo.shape().dims(),
+            lo.stride(),
+            lr.shape().dims(),
+            lr.stride()
+        );
+    }
+    Ok(())
 }
 
 impl LinearResidualNormOp {
@@ -2132,22 +2164,8 @@ impl LinearResidualNormOp {
         let (m, k) = lo.shape().dims2()?;
         let c = LRN_DIM;
         let bf16 = is_bf16::<T>(WHAT)?;
-        let aligned = |l: &Layout| contiguous_16b(l, size);
-        if k != c || lr.shape().dims() != [m, c] || m == 0 || !aligned(lo) || !aligned(lr) {
-            candle_core::bail!(
-                "{WHAT}: unsupported layout for the fused kernel (o {:?} strides {:?}, residual {:?} strides {:?})",
-                lo.shape().dims(),
-                lo.stride(),
-                lr.shape().dims(),
-                lr.stride()
-            );
-        }
-        let carried: [(&Tensor, usize, bool); 4] = [
-            (&self.front_weight, c * k, true),
-            (&self.front_bias, c, false),
-            (&self.ln_weight, c, true),
-            (&self.ln_bias, c, true),
-        ];
+        front_operands_fit(WHAT, lo, lr, c, c, size)?;
+        let carried = self.params.carried(c, k);
         let guards = carried.map(|(t, _, _)| t.storage_and_layout());
         let views = carried_views::<T>(WHAT, &guards, &carried.map(|(_, n, v)| (n, v)))?;
         let os = o.as_cuda_slice::<T>()?.slice(lo.start_offset()..);
@@ -2183,7 +2201,7 @@ impl LinearResidualNormOp {
         builder.arg(&mut x1);
         builder.arg(&mut z);
         builder.arg(&m32);
-        builder.arg(&self.eps);
+        builder.arg(&self.params.eps);
         // SAFETY: shapes, contiguity and alignment checked above; the kernel reads rows < M of o
         // and r and the C rows of Wp (tile rows past M zero-filled), and writes x1's and z's
         // M · C elements only. Its clusters (LRN_SPLIT along x) are compiled in

@@ -437,38 +437,20 @@ fn fused_linear_residual_norm(
     norm: &LayerNorm,
 ) -> Result<Option<(Tensor, Tensor)>> {
     #[cfg(feature = "cuda")]
-    if let (Some(kernel), Some(bias)) = (
+    if let (Some(kernel), Some(params)) = (
         linear_residual_norm_kernel(o, residual, front, norm),
-        front.bias(),
+        crate::cuda::ResidualNormParams::from_layers(front, norm),
     ) {
         let (k, c) = (front.in_dim(), front.out_dim());
         let rows = o.elem_count() / k;
         let (o2, r2) = (o.reshape((rows, k))?, residual.reshape((rows, c))?);
-        let (front_weight, front_bias) = (front.weight().clone(), bias.clone());
-        let (ln_weight, ln_bias) = (norm.weight().clone(), norm.bias().clone());
-        let eps = norm.eps() as f32;
         let both = match kernel {
-            LrnKernel::Proj => o2.apply_op2_no_bwd(
-                &r2,
-                &crate::cuda::LinearResidualNormOp {
-                    front_weight,
-                    front_bias,
-                    ln_weight,
-                    ln_bias,
-                    eps,
-                },
-            )?,
-            LrnKernel::Fc2(tiles) => o2.apply_op2_no_bwd(
-                &r2,
-                &crate::cuda::ThinResidualNormOp {
-                    front_weight,
-                    front_bias,
-                    ln_weight,
-                    ln_bias,
-                    eps,
-                    tiles,
-                },
-            )?,
+            LrnKernel::Proj => {
+                o2.apply_op2_no_bwd(&r2, &crate::cuda::LinearResidualNormOp { params })?
+            }
+            LrnKernel::Fc2(tiles) => {
+                o2.apply_op2_no_bwd(&r2, &crate::cuda::ThinResidualNormOp { params, tiles })?
+            }
         };
         // Narrowing a contiguous 1-D tensor and reshaping it are views, not copies.
         let x1 = both.narrow(0, 0, rows * c)?.reshape(residual.shape())?;

@@ -40,19 +40,9 @@ if has checks; then
   graphs_check 200
   unset GRAPHS_MODELS
 fi
-if has anatomy; then
-  for r in 1 2; do
-    anatomy $V "$ARMS" --models $MODELS --dtype f16 --batch 1 --pruners none,threshold-l2-fixed,evit-fixed,dynamicvit-fixed
-  done
-fi
-if has ncu; then
-  for a in $ARMS; do for model in ${MODELS//,/ }; do
-    ncu_forward "$V=${a#default}" "$model batch 1 f16 dense, $V=${a#default} (eager forwards with the graph's kernels), warm, boost clocks" \
-      --models $model --dtype f16 --batch 1 --pruners none
-  done; done
-fi
-e2e_run() { env $V=${1#default} timeout 250 $B/bench --device cuda --models $MODELS --dtype f16,bf16 --batch 1 \
-  --pruners none,threshold-l2,dynamicvit,evit,ats --paths ragged --reps 10 --out "$2"; }
-has e2e && ARMS="$E2E_ARMS" ab_rounds thin e2e_run
+has anatomy && batch1_anatomy $V "$ARMS" "$MODELS"
+has ncu && batch1_ncu $V "$ARMS" "$MODELS"
+VAR=$V
+has e2e && ARMS="$E2E_ARMS" batch1_e2e thin
 pack thin-json.tgz 'thin-*.json'
 cat "$C"

@@ -162,6 +162,34 @@ ab_rounds() {
   python3 scripts/gpu/ab_ratios.py "$@" "$out/$name" $ARMS >> "$C"
 }
 
+# The three batch-1 stages of a lever's A/B script (ab-thin-gemm.sh, ab-thin-residual-norm.sh),
+# for the arms ARMS of the switch VAR (`default`: VAR empty, the library's default) and the
+# comma-separated MODELS:
+# batch1_anatomy: `anatomy` twice, f16, dense and the fixed pruners.
+batch1_anatomy() {
+  local var=$1 arms=$2 models=$3 r
+  for r in 1 2; do
+    anatomy "$var" "$arms" --models "$models" --dtype f16 --batch 1 --pruners none,threshold-l2-fixed,evit-fixed,dynamicvit-fixed
+  done
+}
+# batch1_ncu: per-kernel times of a dense f16 forward per arm and model (eager forwards with the
+# graph's kernels), warm caches, boost clocks.
+batch1_ncu() {
+  local var=$1 arms=$2 models=$3 a model
+  for a in $arms; do for model in ${models//,/ }; do
+    ncu_forward "$var=${a#default}" "$model batch 1 f16 dense, $var=${a#default} (eager forwards with the graph's kernels), warm, boost clocks" \
+      --models "$model" --dtype f16 --batch 1 --pruners none
+  done; done
+}
+# batch1_e2e NAME: bench at batch 1, f16 and bf16, every pruner and mode, ragged path, the arms
+# interleaved, two rounds (ab_rounds into $out/NAME-ARM-ROUND.json; VAR and MODELS from the
+# variables of those names).
+batch1_e2e_run() {
+  env "$VAR=${1#default}" timeout 250 "$B/bench" --device cuda --models "$MODELS" --dtype f16,bf16 --batch 1 \
+    --pruners none,threshold-l2,dynamicvit,evit,ats --paths ragged --reps 10 --out "$2"
+}
+batch1_e2e() { ab_rounds "$1" batch1_e2e_run; }
+
 # pack ARCHIVE PATTERN...: the files of $out matching the patterns, packed into $out/ARCHIVE and
 # removed (the device tool returns at most 8 files). Patterns that match nothing are skipped; with
 # no file at all nothing is written. An ARCHIVE already there (a script run twice in one device
