@@ -32,13 +32,7 @@ V=CANDLE_FASTPATH_THIN_GEMM
 if has checks; then
   tests_memcheck linear norm_linear
   racecheck_ours linear thin_gemm fastpath_thin_gemm
-  paths_check deit-small 1 300
-  paths_check deit-small 8 300
-  graphs_check 200
-  # The one-image graphs at DeiT-S, where the thin GEMM runs inside the capture.
-  export GRAPHS_MODELS=deit-small
-  graphs_check 200
-  unset GRAPHS_MODELS
+  batch1_paths_graphs
 fi
 has anatomy && batch1_anatomy $V "$ARMS" "$MODELS"
 has ncu && batch1_ncu $V "$ARMS" "$MODELS"

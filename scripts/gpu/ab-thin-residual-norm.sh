@@ -32,12 +32,7 @@ if has checks; then
   CANDLE_FASTPATH_THIN_RESIDUAL_NORM=n64 tests_memcheck norm_linear
   NORM_LINEAR_TEST_QUICK=1 racecheck_ours norm_linear linear_residual_norm_matches_the_steps fastpath_thin_residual_norm
   tests_memcheck linear
-  paths_check deit-small 1 300
-  paths_check deit-small 8 300
-  graphs_check 200
-  export GRAPHS_MODELS=deit-small
-  graphs_check 200
-  unset GRAPHS_MODELS
+  batch1_paths_graphs
 fi
 has anatomy && batch1_anatomy $V "$ARMS" "$MODELS"
 has ncu && batch1_ncu $V "$ARMS" "$MODELS"

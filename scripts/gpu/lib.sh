@@ -162,6 +162,15 @@ ab_rounds() {
   python3 scripts/gpu/ab_ratios.py "$@" "$out/$name" $ARMS >> "$C"
 }
 
+# batch1_paths_graphs: the model-level checks of a DeiT-S batch-1 lever: paths at DeiT-S batch 1
+# and 8, the one-image graphs at DeiT-T and at DeiT-S (GRAPHS_MODELS).
+batch1_paths_graphs() {
+  paths_check deit-small 1 300
+  paths_check deit-small 8 300
+  graphs_check 200
+  GRAPHS_MODELS=deit-small graphs_check 200
+}
+
 # The three batch-1 stages of a lever's A/B script (ab-thin-gemm.sh, ab-thin-residual-norm.sh),
 # for the arms ARMS of the switch VAR (`default`: VAR empty, the library's default) and the
 # comma-separated MODELS:
