@@ -62,11 +62,40 @@ constexpr int TG_BAR_OFFSET = 2 * TG_BLOCKS * TG_TILE_BYTES;
 TG_WGMMA(tg_wgmma_f16, "f16")
 TG_WGMMA(tg_wgmma_bf16, "bf16")
 
-__device__ __forceinline__ void tg_mma(__half, float (&d)[32], uint64_t da, uint64_t db, int s) {
-    tg_wgmma_f16(d, da, db, s);
+// One m64nNk16 wgmma by storage type and accumulator width (N = 64 here, 96 below).
+__device__ __forceinline__ void tg_mma(__half, float (&d)[32], uint64_t da, uint64_t db) { tg_wgmma_f16(d, da, db, 1); }
+__device__ __forceinline__ void tg_mma(__nv_bfloat16, float (&d)[32], uint64_t da, uint64_t db) {
+    tg_wgmma_bf16(d, da, db, 1);
 }
-__device__ __forceinline__ void tg_mma(__nv_bfloat16, float (&d)[32], uint64_t da, uint64_t db, int s) {
-    tg_wgmma_bf16(d, da, db, s);
+
+// The aligned start of the dynamic shared memory: the swizzle works on address bits, so the
+// tiles start 1024-byte aligned (the hosts' sizes include 1024 bytes of slack).
+__device__ __forceinline__ unsigned char* tg_smem() {
+    extern __shared__ unsigned char tg_raw[];
+    return reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(tg_raw) + 1023) & ~uintptr_t(1023));
+}
+
+// `bytes` more expected on the CTA-local transaction barrier at `bar` (its one arrival).
+__device__ __forceinline__ void tg_expect(uint32_t bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+
+// The TMA box of `map` at (column `col`, row `row`) into shared memory at `dst`, counted on `bar`.
+__device__ __forceinline__ void tg_load_box(uint32_t dst, const CUtensorMap* map, int col, int row, uint32_t bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];" ::"r"(
+            dst),
+        "l"(map), "r"(col), "r"(row), "r"(bar)
+        : "memory");
+}
+
+// One 64-wide block of K: its x / W boxes asked for on the block's barrier `bar` (thread 0).
+__device__ __forceinline__ void tg_load_block(uint32_t bar, uint32_t xs, uint32_t ws, uint32_t bytes,
+                                              const CUtensorMap* tx, const CUtensorMap* tw, int col, int xrow,
+                                              int wrow) {
+    tg_expect(bar, bytes);
+    tg_load_box(xs, tx, col, xrow, bar);
+    tg_load_box(ws, tw, col, wrow, bar);
 }
 
 // Until the phase of the CTA-local barrier at `bar` has completed (its TMA bytes have landed).
@@ -82,10 +111,7 @@ __device__ __forceinline__ void tg_wait(uint32_t bar) {
 template <typename T, bool GELU>
 __device__ void thin_gemm_tile(const CUtensorMap* tx, const CUtensorMap* tw, const T* __restrict__ bias,
                                T* __restrict__ y, int M, int N) {
-    extern __shared__ unsigned char tg_raw[];
-    // The swizzle works on address bits: the tiles start 1024-byte aligned.
-    unsigned char* smem = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(tg_raw) + 1023) & ~uintptr_t(1023));
-    const uint32_t tiles = smem_addr(smem), bars = tiles + TG_BAR_OFFSET;
+    const uint32_t tiles = smem_addr(tg_smem()), bars = tiles + TG_BAR_OFFSET;
     const int m0 = blockIdx.y * TG_TILE, n0 = blockIdx.x * TG_TILE;
     if (threadIdx.x == 0) {
         asm volatile("prefetch.tensormap [%0];" ::"l"(tx) : "memory");
@@ -95,19 +121,8 @@ __device__ void thin_gemm_tile(const CUtensorMap* tx, const CUtensorMap* tw, con
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
 #pragma unroll
         for (int b = 0; b < TG_BLOCKS; ++b) {
-            const uint32_t bar = bars + 8 * b, xs = tiles + 2 * b * TG_TILE_BYTES, ws = xs + TG_TILE_BYTES;
-            asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(2 * TG_TILE_BYTES)
-                         : "memory");
-            asm volatile(
-                "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];" ::"r"(
-                    xs),
-                "l"(tx), "r"(b * TG_TILE), "r"(m0), "r"(bar)
-                : "memory");
-            asm volatile(
-                "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];" ::"r"(
-                    ws),
-                "l"(tw), "r"(b * TG_TILE), "r"(n0), "r"(bar)
-                : "memory");
+            const uint32_t xs = tiles + 2 * b * TG_TILE_BYTES;
+            tg_load_block(bars + 8 * b, xs, xs + TG_TILE_BYTES, 2 * TG_TILE_BYTES, tx, tw, b * TG_TILE, m0, n0);
         }
     }
     // The barriers' init is visible to every thread before any waits on them.
@@ -126,7 +141,7 @@ __device__ void thin_gemm_tile(const CUtensorMap* tx, const CUtensorMap* tw, con
         const uint32_t xs = tiles + 2 * b * TG_TILE_BYTES, ws = xs + TG_TILE_BYTES;
         wg_fence();
 #pragma unroll
-        for (int kk = 0; kk < TG_TILE / 16; ++kk) tg_mma(T{}, d, desc_k_major(xs + kk * 32), desc_k_major(ws + kk * 32), 1);
+        for (int kk = 0; kk < TG_TILE / 16; ++kk) tg_mma(T{}, d, desc_k_major(xs + kk * 32), desc_k_major(ws + kk * 32));
         wg_commit();
     }
     wg_wait0();
@@ -223,12 +238,8 @@ struct TrShape {
                   "thin_residual_norm shape");
 };
 
-__device__ __forceinline__ void tr_mma(__half, float (&d)[32], uint64_t da, uint64_t db) { tg_wgmma_f16(d, da, db, 1); }
-__device__ __forceinline__ void tr_mma(__nv_bfloat16, float (&d)[32], uint64_t da, uint64_t db) {
-    tg_wgmma_bf16(d, da, db, 1);
-}
-__device__ __forceinline__ void tr_mma(__half, float (&d)[48], uint64_t da, uint64_t db) { tr_wgmma96_f16(d, da, db); }
-__device__ __forceinline__ void tr_mma(__nv_bfloat16, float (&d)[48], uint64_t da, uint64_t db) {
+__device__ __forceinline__ void tg_mma(__half, float (&d)[48], uint64_t da, uint64_t db) { tr_wgmma96_f16(d, da, db); }
+__device__ __forceinline__ void tg_mma(__nv_bfloat16, float (&d)[48], uint64_t da, uint64_t db) {
     tr_wgmma96_bf16(d, da, db);
 }
 
@@ -248,8 +259,7 @@ __device__ void thin_residual_norm_tile(const CUtensorMap* th, const CUtensorMap
                                         float eps) {
     using S = TrShape<BN, KS>;
     constexpr int NT = S::NT, KB = S::KB, R = S::R, CHUNKS = (TR_C / 8 + 31) / 32;
-    extern __shared__ unsigned char tg_raw[];
-    unsigned char* smem = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(tg_raw) + 1023) & ~uintptr_t(1023));
+    unsigned char* smem = tg_smem();
     const uint32_t tiles = smem_addr(smem), parts = tiles + S::TILES, rows = parts + S::PART;
     const uint32_t bars = tiles + S::BARS, part_bar = bars + 8 * KB, row_bar = part_bar + 8;
     const float* part = reinterpret_cast<const float*>(smem + S::TILES);
@@ -265,27 +275,14 @@ __device__ void thin_residual_norm_tile(const CUtensorMap* th, const CUtensorMap
 #pragma unroll
         for (int b = 0; b < KB + 2; ++b) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bars + 8 * b));
         // The exchanges' byte counts: KS partial slabs, and `owned` whole rows.
-        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(part_bar), "r"(S::PART) : "memory");
-        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(row_bar),
-                     "r"(owned * TR_C * (int)sizeof(T))
-                     : "memory");
+        tg_expect(part_bar, S::PART);
+        tg_expect(row_bar, owned * TR_C * (int)sizeof(T));
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
         const int kbase = k * (TR_K / KS);
 #pragma unroll
         for (int b = 0; b < KB; ++b) {
-            const uint32_t bar = bars + 8 * b, xs = tiles + b * TG_TILE_BYTES, ws = tiles + KB * TG_TILE_BYTES + b * S::WT;
-            asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(TG_TILE_BYTES + S::WT)
-                         : "memory");
-            asm volatile(
-                "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];" ::"r"(
-                    xs),
-                "l"(th), "r"(kbase + b * TG_TILE), "r"(m0), "r"(bar)
-                : "memory");
-            asm volatile(
-                "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];" ::"r"(
-                    ws),
-                "l"(tw), "r"(kbase + b * TG_TILE), "r"(n0), "r"(bar)
-                : "memory");
+            tg_load_block(bars + 8 * b, tiles + b * TG_TILE_BYTES, tiles + KB * TG_TILE_BYTES + b * S::WT,
+                          TG_TILE_BYTES + S::WT, th, tw, kbase + b * TG_TILE, m0, n0);
         }
     }
     // No remote push before the whole cluster runs with its barriers armed: every thread arrives
@@ -318,7 +315,7 @@ __device__ void thin_residual_norm_tile(const CUtensorMap* th, const CUtensorMap
         const uint32_t xs = tiles + b * TG_TILE_BYTES, ws = tiles + KB * TG_TILE_BYTES + b * S::WT;
         wg_fence();
 #pragma unroll
-        for (int kk = 0; kk < TG_TILE / 16; ++kk) tr_mma(T{}, d, desc_k_major(xs + kk * 32), desc_k_major(ws + kk * 32));
+        for (int kk = 0; kk < TG_TILE / 16; ++kk) tg_mma(T{}, d, desc_k_major(xs + kk * 32), desc_k_major(ws + kk * 32));
         wg_commit();
     }
     wg_wait0();

@@ -99,9 +99,9 @@ const THIN_RESIDUAL_NORM_NAMES: [[&str; 2]; 2] = [
         "fastpath_thin_residual_norm_bf16_n64_s2",
     ],
 ];
-/// The widths [`ThinResidualNormOp`]'s kernels are built for: C (DeiT-S) and fc2's K = 4C
-/// (TR_C and TR_K in kernels/thin_gemm_sm90.cu).
-pub(crate) const THIN_RESIDUAL_NORM_C: usize = 384;
+/// The widths [`ThinResidualNormOp`]'s kernels are built for: C, DeiT-S's width as for
+/// [`LinearResidualNormOp`], and fc2's K = 4C (TR_C and TR_K in kernels/thin_gemm_sm90.cu).
+const THIN_RESIDUAL_NORM_C: usize = LRN_DIM;
 pub(crate) const THIN_RESIDUAL_NORM_K: usize = 4 * THIN_RESIDUAL_NORM_C;
 
 impl crate::ThinResidualNormTiles {
@@ -544,6 +544,12 @@ fn new_state(dev: &CudaDevice) -> candle_core::Result<DeviceState> {
     // at the device's limit (each launch asks for its own size); `None` below compute capability
     // 9.0 or when the PTX was built for an earlier one.
     let clusters = attribute(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)? >= 9;
+    // Compute capability 9.0 exactly: cuBLASLt's CUTLASS alternative and the thin GEMM module
+    // (compute_90a PTX).
+    let hopper = (
+        attribute(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
+        attribute(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?,
+    ) == (9, 0);
     let opt_in_smem = attribute(CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?.max(0);
     let at_opt_in = |names: &[&str]| -> candle_core::Result<Option<Vec<CudaFunction>>> {
         use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES as MAX_SMEM;
@@ -600,8 +606,8 @@ fn new_state(dev: &CudaDevice) -> candle_core::Result<DeviceState> {
             }
         },
         linear_residual_norm: at_opt_in(&LINEAR_RESIDUAL_NORM_NAMES)?,
-        thin_gemm: load_thin_gemm(dev, &context)?,
-        thin_residual_norm: load_thin_residual_norm(dev, &context)?,
+        thin_gemm: load_thin_gemm(dev, hopper)?,
+        thin_residual_norm: load_thin_residual_norm(dev, &context, hopper)?,
         attention_rnl: at_opt_in(&ATTENTION_RNL_NAMES)?.map(|f| (f, opt_in_smem as usize)),
         attention_residual: at_opt_in(&ATTENTION_RESIDUAL_NAMES)?,
         attention_block: at_opt_in(&ATTENTION_BLOCK_NAMES)?,
@@ -610,10 +616,7 @@ fn new_state(dev: &CudaDevice) -> candle_core::Result<DeviceState> {
         select_attention_block: at_opt_in(&SELECT_ATTENTION_BLOCK_NAMES)?,
         pooled_head: load_pooled_head(load)?,
         sm_count: attribute(CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?.max(1) as usize,
-        hopper: (
-            attribute(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
-            attribute(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?,
-        ) == (9, 0),
+        hopper,
         plans: HashMap::new(),
     })
 }
@@ -1396,35 +1399,37 @@ cuda_only_op3!(NormLinearOp, "fastpath-norm-linear", "norm_linear");
 #[cfg(fastpath_thin_gemm)]
 fn load_thin_gemm(
     dev: &CudaDevice,
-    context: &std::sync::Arc<candle_core::cuda_backend::cudarc::driver::CudaContext>,
+    hopper: bool,
 ) -> candle_core::Result<Option<Vec<CudaFunction>>> {
-    use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute::*;
-    use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES as MAX_SMEM;
-    let attribute = |a| context.attribute(a).map_err(candle_core::Error::wrap);
-    if (
-        attribute(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
-        attribute(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?,
-    ) != (9, 0)
-    {
+    if !hopper {
         return Ok(None);
     }
-    let mut funcs = Vec::with_capacity(THIN_GEMM_NAMES.len());
-    for name in THIN_GEMM_NAMES {
-        let f = dev
-            .get_or_load_custom_func(name, THIN_GEMM_MODULE, THIN_GEMM_PTX)?
-            .into_cuda_function();
-        f.set_attribute(MAX_SMEM, thin_gemm_smem_bytes() as i32)
-            .map_err(candle_core::Error::wrap)?;
-        funcs.push(f);
-    }
+    let funcs = THIN_GEMM_NAMES
+        .iter()
+        .map(|name| load_thin_module_func(dev, name, thin_gemm_smem_bytes()))
+        .collect::<candle_core::Result<Vec<_>>>()?;
     Ok(Some(funcs))
 }
 
+/// `name` from the thin GEMM's PTX module (compute_90a), opted into `smem` bytes of dynamic
+/// shared memory.
+#[cfg(fastpath_thin_gemm)]
+fn load_thin_module_func(
+    dev: &CudaDevice,
+    name: &str,
+    smem: usize,
+) -> candle_core::Result<CudaFunction> {
+    use dsys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES as MAX_SMEM;
+    let f = dev
+        .get_or_load_custom_func(name, THIN_GEMM_MODULE, THIN_GEMM_PTX)?
+        .into_cuda_function();
+    f.set_attribute(MAX_SMEM, smem as i32)
+        .map_err(candle_core::Error::wrap)?;
+    Ok(f)
+}
+
 #[cfg(not(fastpath_thin_gemm))]
-fn load_thin_gemm(
-    _: &CudaDevice,
-    _: &std::sync::Arc<candle_core::cuda_backend::cudarc::driver::CudaContext>,
-) -> candle_core::Result<Option<Vec<CudaFunction>>> {
+fn load_thin_gemm(_: &CudaDevice, _: bool) -> candle_core::Result<Option<Vec<CudaFunction>>> {
     Ok(None)
 }
 
@@ -1432,9 +1437,15 @@ fn load_thin_gemm(
 /// 9.0, PTX built for it), `None` otherwise: what the thin GEMM's applies check needs of the
 /// device, in one look at its state.
 pub(crate) fn thin_gemm_sm_count(dev: &CudaDevice) -> Option<usize> {
+    sm_count_where(dev, |s| s.thin_gemm.is_some())
+}
+
+/// `dev`'s streaming multiprocessors where its state passes `has` (its kernels for some op),
+/// `None` otherwise: the one look at the state that an applies check needing both takes.
+fn sm_count_where(dev: &CudaDevice, has: impl Fn(&DeviceState) -> bool) -> Option<usize> {
     let mut states = STATE.lock().unwrap_or_else(|e| e.into_inner());
     let state = device_state(&mut states, dev).ok()?;
-    state.thin_gemm.is_some().then_some(state.sm_count)
+    has(state).then_some(state.sm_count)
 }
 
 /// A TMA tensor map, passed to a kernel by value (`const __grid_constant__ CUtensorMap`).
@@ -1607,19 +1618,11 @@ cuda_only_op2!(
 fn load_thin_residual_norm(
     dev: &CudaDevice,
     context: &std::sync::Arc<candle_core::cuda_backend::cudarc::driver::CudaContext>,
+    hopper: bool,
 ) -> candle_core::Result<[Option<Vec<CudaFunction>>; 2]> {
-    use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute::*;
-    use dsys::CUfunction_attribute::{
-        CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES as MAX_SMEM,
-        CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED as NON_PORTABLE,
-    };
-    let attribute = |a| context.attribute(a).map_err(candle_core::Error::wrap);
+    use dsys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED as NON_PORTABLE;
     let mut out = [None, None];
-    if (
-        attribute(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
-        attribute(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?,
-    ) != (9, 0)
-    {
+    if !hopper {
         return Ok(out);
     }
     for tiles in [
@@ -1628,11 +1631,7 @@ fn load_thin_residual_norm(
     ] {
         let mut funcs = Vec::with_capacity(2);
         for name in THIN_RESIDUAL_NORM_NAMES[tiles.index()] {
-            let f = dev
-                .get_or_load_custom_func(name, THIN_GEMM_MODULE, THIN_GEMM_PTX)?
-                .into_cuda_function();
-            f.set_attribute(MAX_SMEM, tiles.smem_bytes() as i32)
-                .map_err(candle_core::Error::wrap)?;
+            let f = load_thin_module_func(dev, name, tiles.smem_bytes())?;
             f.set_attribute(NON_PORTABLE, 1)
                 .map_err(candle_core::Error::wrap)?;
             funcs.push(f);
@@ -1663,6 +1662,7 @@ fn load_thin_residual_norm(
 fn load_thin_residual_norm(
     _: &CudaDevice,
     _: &std::sync::Arc<candle_core::cuda_backend::cudarc::driver::CudaContext>,
+    _: bool,
 ) -> candle_core::Result<[Option<Vec<CudaFunction>>; 2]> {
     Ok([None, None])
 }
@@ -1673,11 +1673,7 @@ pub(crate) fn thin_residual_norm_sm_count(
     dev: &CudaDevice,
     tiles: crate::ThinResidualNormTiles,
 ) -> Option<usize> {
-    let mut states = STATE.lock().unwrap_or_else(|e| e.into_inner());
-    let state = device_state(&mut states, dev).ok()?;
-    state.thin_residual_norm[tiles.index()]
-        .is_some()
-        .then_some(state.sm_count)
+    sm_count_where(dev, |s| s.thin_residual_norm[tiles.index()].is_some())
 }
 
 /// The CustomOp behind [`crate::linear_residual_norm`] with fc2 in front (lever 103; compute
@@ -1706,10 +1702,9 @@ impl ThinResidualNormOp {
         const WHAT: &str = "linear_residual_norm";
         let dev = &h.device;
         let size = size_of::<T>();
-        let (m, k) = lh.shape().dims2()?;
         let c = THIN_RESIDUAL_NORM_C;
         let bf16 = is_bf16::<T>(WHAT)?;
-        front_operands_fit(WHAT, lh, lr, THIN_RESIDUAL_NORM_K, c, size)?;
+        let (m, k) = front_operands_fit(WHAT, lh, lr, THIN_RESIDUAL_NORM_K, c, size)?;
         let carried = self.params.carried(c, k);
         let guards = carried.map(|(t, _, _)| t.storage_and_layout());
         let views = carried_views::<T>(WHAT, &guards, &carried.map(|(_, n, v)| (n, v)))?;
@@ -1750,7 +1745,7 @@ impl ThinResidualNormOp {
         let (r_ptr, _r_sync) = rs.device_ptr(&stream);
         let (lnw_ptr, _lnw_sync) = views[2].device_ptr(&stream);
         let (lnb_ptr, _lnb_sync) = views[3].device_ptr(&stream);
-        let (out_ptr, _out_sync) = out.device_ptr_mut(&stream);
+        let (out_ptr, out_sync) = out.device_ptr_mut(&stream);
         let z_ptr = out_ptr + (m * c * size) as u64;
         let mut args: [*mut c_void; 10] = [
             &th as *const TensorMap as *mut c_void,
@@ -1780,7 +1775,8 @@ impl ThinResidualNormOp {
             )
         }
         .map_err(candle_core::Error::wrap)?;
-        drop(_out_sync);
+        // `out` is borrowed by its guard until here.
+        drop(out_sync);
         Ok((
             CudaStorage::wrap_cuda_slice(out, dev.clone()),
             Shape::from(2 * m * c),
@@ -1887,12 +1883,7 @@ fn step_scores_view<'a>(
 /// capability 9.0 and up, PTX built for it), `None` otherwise: what the applies check needs of
 /// the device, in one look at its state.
 pub(crate) fn residual_norm_linear_sm_count(dev: &CudaDevice) -> Option<usize> {
-    let mut states = STATE.lock().unwrap_or_else(|e| e.into_inner());
-    let state = device_state(&mut states, dev).ok()?;
-    state
-        .residual_norm_linear
-        .is_some()
-        .then_some(state.sm_count)
+    sm_count_where(dev, |s| s.residual_norm_linear.is_some())
 }
 
 /// The CustomOp behind [`crate::residual_norm_linear`]: `(o [M, K], r [M, C], W [N, C])` →
@@ -2124,7 +2115,7 @@ impl ResidualNormParams {
 
 /// What the linear_residual_norm kernels need of their two operands, checked before a launch:
 /// `o` `[M, K]` with K = `want_k`, `r` `[M, C]`, M > 0, both contiguous and 16-byte aligned
-/// (`size`-byte elements); a clear error otherwise.
+/// (`size`-byte elements); `(M, K)`, or a clear error otherwise.
 fn front_operands_fit(
     what: &str,
     lo: &Layout,
@@ -2132,7 +2123,7 @@ fn front_operands_fit(
     want_k: usize,
     c: usize,
     size: usize,
-) -> candle_core::Result<()> {
+) -> candle_core::Result<(usize, usize)> {
     let (m, k) = lo.shape().dims2()?;
     let aligned = |l: &Layout| contiguous_16b(l, size);
     if k != want_k || lr.shape().dims() != [m, c] || m == 0 || !aligned(lo) || !aligned(lr) {
@@ -2144,7 +2135,7 @@ fn front_operands_fit(
             lr.stride()
         );
     }
-    Ok(())
+    Ok((m, k))
 }
 
 impl LinearResidualNormOp {
@@ -2161,10 +2152,9 @@ impl LinearResidualNormOp {
         const WHAT: &str = "linear_residual_norm";
         let dev = &o.device;
         let size = size_of::<T>();
-        let (m, k) = lo.shape().dims2()?;
         let c = LRN_DIM;
         let bf16 = is_bf16::<T>(WHAT)?;
-        front_operands_fit(WHAT, lo, lr, c, c, size)?;
+        let (m, k) = front_operands_fit(WHAT, lo, lr, c, c, size)?;
         let carried = self.params.carried(c, k);
         let guards = carried.map(|(t, _, _)| t.storage_and_layout());
         let views = carried_views::<T>(WHAT, &guards, &carried.map(|(_, n, v)| (n, v)))?;
@@ -2231,13 +2221,12 @@ fn fused_sm_count(
     smem: usize,
     kernels: impl Fn(&DeviceState) -> bool,
 ) -> Option<usize> {
-    let mut states = STATE.lock().unwrap_or_else(|e| e.into_inner());
-    let s = device_state(&mut states, dev).ok()?;
-    (kernels(s)
-        && s.attention_rnl
-            .as_ref()
-            .is_some_and(|(_, max)| smem <= *max))
-    .then_some(s.sm_count)
+    sm_count_where(dev, |s| {
+        kernels(s)
+            && s.attention_rnl
+                .as_ref()
+                .is_some_and(|(_, max)| smem <= *max)
+    })
 }
 
 /// Whether [`fused_sm_count`] finds the kernels.

@@ -572,7 +572,7 @@ fn linear_residual_norm_kernel(
             .is_some_and(|sms| fits_one_wave(sms, rows.div_ceil(16) * crate::cuda::LRN_SPLIT))
             .then_some(LrnKernel::Proj);
     }
-    if k != crate::cuda::THIN_RESIDUAL_NORM_K || c != crate::cuda::THIN_RESIDUAL_NORM_C {
+    if k != crate::cuda::THIN_RESIDUAL_NORM_K {
         return None;
     }
     let tiles = thin_residual_norm_tiles()?;
