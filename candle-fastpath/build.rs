@@ -50,6 +50,7 @@ fn main() {
     let ragged_include = std::env::var("DEP_CANDLE_RAGGED_INCLUDE")
         .expect("candle-ragged publishes its kernel folder (links metadata `include`)");
     println!("cargo:rerun-if-changed={ragged_include}/attention_warp.cuh");
+    println!("cargo:rerun-if-changed={ragged_include}/convert_f32.cuh");
     println!("cargo:rerun-if-changed={ragged_include}/attention_common.cuh");
     println!("cargo:rerun-if-changed={ragged_include}/row_norm.cuh");
     println!("cargo:rerun-if-changed={ragged_include}/select_common.cuh");

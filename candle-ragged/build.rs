@@ -11,6 +11,7 @@ fn main() {
     println!("cargo:rerun-if-changed=kernels/ragged_attention_sm90.cu");
     println!("cargo:rerun-if-changed=kernels/attention_common.cuh");
     println!("cargo:rerun-if-changed=kernels/attention_warp.cuh");
+    println!("cargo:rerun-if-changed=kernels/convert_f32.cuh");
     println!("cargo:rerun-if-changed=kernels/row_norm.cuh");
     println!("cargo:rerun-if-changed=kernels/select_common.cuh");
     println!("cargo:rerun-if-changed=kernels/wgmma_common.cuh");

@@ -1,24 +1,17 @@
-// Storage-type conversions and the GEMM epilogue shared by fastpath.cu's kernels, small_block.cu
-// and thin_gemm_sm90.cu: each output pair's bias, its rounding to the storage type, then (GELU)
-// x·Φ(x) of that rounded value, rounded again — what cuBLASLt's bias epilogue followed by the
-// GELU pass computes — from an m16n8 accumulator layout (mma.sync's, and wgmma's per warp).
+// The GEMM epilogue shared by fastpath.cu's kernels, small_block.cu and thin_gemm_sm90.cu (with
+// convert_f32.cuh's storage-type conversions): each output pair's bias, its rounding to the
+// storage type, then (GELU) x·Φ(x) of that rounded value, rounded again — what cuBLASLt's bias
+// epilogue followed by the GELU pass computes — from an m16n8 accumulator layout (mma.sync's,
+// and wgmma's per warp).
 #pragma once
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+// candle-ragged's kernel folder (on the include path): to_f32 / from_f32.
+#include "convert_f32.cuh"
 #include "gelu_phi.cuh"
 
-__device__ __forceinline__ float to_f32(float x) { return x; }
-__device__ __forceinline__ float to_f32(__half x) { return __half2float(x); }
-__device__ __forceinline__ float to_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
-
-template <typename T> __device__ __forceinline__ T from_f32(float x);
-template <> __device__ __forceinline__ float from_f32<float>(float x) { return x; }
-template <> __device__ __forceinline__ __half from_f32<__half>(float x) { return __float2half_rn(x); }
-template <> __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float x) {
-    return __float2bfloat16_rn(x);
-}
 
 template <typename T>
 struct __align__(4) NlPair {

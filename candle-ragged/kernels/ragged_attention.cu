@@ -22,6 +22,7 @@
 #include <stdint.h>
 
 #include "attention_warp.cuh"
+#include "convert_f32.cuh"
 #include "row_norm.cuh"
 #include "select_common.cuh"
 
@@ -466,16 +467,6 @@ COPY_ENTRIES(v2, uint16_t)
 #define SELECT_MAX_LEN 2048
 
 namespace select_detail {
-
-__device__ __forceinline__ float to_f32(float x) { return x; }
-__device__ __forceinline__ float to_f32(__half x) { return __half2float(x); }
-__device__ __forceinline__ float to_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
-template <typename T> __device__ __forceinline__ T from_f32(float x);
-template <> __device__ __forceinline__ float from_f32<float>(float x) { return x; }
-template <> __device__ __forceinline__ __half from_f32<__half>(float x) { return __float2half_rn(x); }
-template <> __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float x) {
-    return __float2bfloat16_rn(x);
-}
 
 using select_common::total_key;
 using select_common::weight;
@@ -1267,8 +1258,6 @@ extern "C" __global__ void __launch_bounds__(OFFSETS_THREADS)
 #define MEAN_PARTIALS 8
 
 namespace mean_detail {
-using select_detail::from_f32;
-using select_detail::to_f32;
 
 template <typename T>
 __device__ __forceinline__ void sequence_mean_cols(const T *__restrict__ x, T *__restrict__ out,
