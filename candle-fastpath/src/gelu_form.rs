@@ -13,6 +13,7 @@ use crate::switches::read_once;
 use std::sync::OnceLock;
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub(crate) enum GeluForm {
     Erf,
     Phi,
@@ -24,4 +25,12 @@ pub(crate) fn gelu_form() -> GeluForm {
         Some("erf") => GeluForm::Erf,
         _ => GeluForm::Phi,
     })
+}
+
+/// Whether the CUDA kernels evaluate the exact GELU in its x·Φ(x) form (the default; `false`
+/// under `CANDLE_FASTPATH_GELU=erf`). The thin GEMM's GELU epilogue (lever 100) is built for that
+/// form only, so with `erf` fc1 takes cuBLASLt and the GELU pass: what tests asserting where a
+/// kernel runs need to know.
+pub fn gelu_phi_form() -> bool {
+    gelu_form() == GeluForm::Phi
 }

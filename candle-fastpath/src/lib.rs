@@ -51,7 +51,6 @@ mod cuda;
 mod cutlass;
 mod embed;
 mod error;
-#[cfg(feature = "cuda")]
 mod gelu_form;
 #[cfg(feature = "cuda")]
 mod graph;
@@ -85,6 +84,7 @@ pub use attention_norm_linear::{
 };
 pub use embed::embed_tokens;
 pub use error::{FastpathError, Result};
+pub use gelu_form::gelu_phi_form;
 pub use graph::CapturedForward;
 pub use graph_nodes::{is_capturing, GraphNodes};
 pub use head::{linear_log_prob, HEAD_MAX_CLASSES};

@@ -1,21 +1,38 @@
 #!/usr/bin/env bash
 # Builds, on a machine without a GPU, everything the GPU checks run, and packs it into .gpu/
-# (ignored by git) for the device machine: the release binaries built with --features cuda and the
-# candle-ragged / candle-fastpath test executables. Then, on the GPU machine: scripts/gpu/device-checks.sh.
+# (ignored by git) for the device machine: the release binaries built with --features cuda and
+# every GPU test executable (all integration tests of candle-ragged and candle-fastpath, and the
+# workspace's full-size path-agreement test). Then, on the GPU machine:
+# scripts/gpu/device-checks.sh.
 #
-#   scripts/gpu/bundle.sh            # uses $CARGO_TARGET_DIR, default target/
+#   scripts/gpu/bundle.sh [NAME...]      # uses $CARGO_TARGET_DIR, default target/
+#
+# NAMEs pick what is packed (everything is built either way; packing takes seconds): a test's name
+# (attention, norm_linear, paths_agreement, ...; packed as test-NAME.xz) or a binary's (classify,
+# eval, bench, bench-attention); no NAME packs all of them. Each executable is ~5-7 MB compressed
+# (candle's and our PTX are in every one), ~130 MB in all: where the device tool carries at most
+# 64 MiB with the repository's own files (~37 MB), pack four or five at a time (under ~30 MB), e.g.
+#   scripts/gpu/bundle.sh attention pack select select_bounded select_rule
+#   scripts/gpu/bundle.sh sequence_mean step_scores attention_norm_linear embed head
+#   scripts/gpu/bundle.sh linear norm norm_linear patch
+#   scripts/gpu/bundle.sh pooled_head small_block graph gelu_phi bench-attention
+#   scripts/gpu/bundle.sh classify bench paths_agreement
+# and run device-checks.sh on each (its tests and sanitizer stages take what the bundle holds).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 eval "$(scripts/install-cuda-toolkit.sh)"
 target=${CARGO_TARGET_DIR:-target}
 export CARGO_TARGET_DIR=$target
+names=" $* "
 
 cargo build --release --features cuda -p bin --bins
 # Test executables: cargo names them in its JSON messages.
-cargo test --release --features cuda -p candle-ragged -p candle-fastpath -p workspace-tests \
-  --test attention --test pack --test select --test step_scores --test select_rule --test select_bounded --test sequence_mean --test linear --test head --test norm --test patch --test embed --test small_block --test norm_linear --test attention_norm_linear --test graph --test paths_agreement \
-  --no-run --message-format=json 2>/dev/null \
-  | python3 -c '
+{
+  cargo test --release --features cuda -p candle-ragged -p candle-fastpath --test '*' \
+    --no-run --message-format=json 2>/dev/null
+  cargo test --release --features cuda -p workspace-tests --test paths_agreement \
+    --no-run --message-format=json 2>/dev/null
+} | python3 -c '
 import json, sys
 for line in sys.stdin:
     try:
@@ -24,14 +41,16 @@ for line in sys.stdin:
         continue
     if m.get("reason") == "compiler-artifact" and m.get("profile", {}).get("test") and m.get("executable"):
         print(m["target"]["name"], m["executable"])
-' > "$target/gpu-tests.txt"
+' | sort -u > "$target/gpu-tests.txt"
+
+wanted() { [[ $names == "  " || $names == *" $1 "* ]]; }
 
 rm -rf .gpu && mkdir -p .gpu
 for b in classify eval bench-attention bench; do
-  xz -T0 -6 -c "$target/release/$b" > ".gpu/$b.xz"
+  if wanted "$b"; then xz -T0 -6 -c "$target/release/$b" > ".gpu/$b.xz"; fi
 done
 while read -r name exe; do
-  xz -T0 -6 -c "$exe" > ".gpu/test-$name.xz"
+  if wanted "$name"; then xz -T0 -6 -c "$exe" > ".gpu/test-$name.xz"; fi
 done < "$target/gpu-tests.txt"
 ls -la .gpu
 du -sh .gpu
