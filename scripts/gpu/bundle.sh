@@ -52,5 +52,12 @@ done
 while read -r name exe; do
   if wanted "$name"; then xz -T0 -6 -c "$exe" > ".gpu/test-$name.xz"; fi
 done < "$target/gpu-tests.txt"
+# A NAME that is neither a binary nor a test (a typo) would otherwise pack nothing, silently.
+for name in $names; do
+  if [[ ! -f .gpu/$name.xz && ! -f .gpu/test-$name.xz ]]; then
+    echo "bundle.sh: no binary or test named '$name' (tests: $(cut -d' ' -f1 "$target/gpu-tests.txt" | tr '\n' ' '))" >&2
+    exit 2
+  fi
+done
 ls -la .gpu
 du -sh .gpu
