@@ -45,19 +45,23 @@ for line in sys.stdin:
 
 wanted() { [[ $names == "  " || $names == *" $1 "* ]]; }
 
+binaries="classify eval bench-attention bench"
+tests=$(cut -d' ' -f1 "$target/gpu-tests.txt" | tr '\n' ' ')
+# A NAME that is neither a binary nor a test (a typo) would otherwise pack nothing, silently:
+# refuse it before the bundle already there is replaced.
+for name in $names; do
+  if [[ " $binaries $tests " != *" $name "* ]]; then
+    echo "bundle.sh: no binary or test named '$name' (tests: $tests)" >&2
+    exit 2
+  fi
+done
+
 rm -rf .gpu && mkdir -p .gpu
-for b in classify eval bench-attention bench; do
+for b in $binaries; do
   if wanted "$b"; then xz -T0 -6 -c "$target/release/$b" > ".gpu/$b.xz"; fi
 done
 while read -r name exe; do
   if wanted "$name"; then xz -T0 -6 -c "$exe" > ".gpu/test-$name.xz"; fi
 done < "$target/gpu-tests.txt"
-# A NAME that is neither a binary nor a test (a typo) would otherwise pack nothing, silently.
-for name in $names; do
-  if [[ ! -f .gpu/$name.xz && ! -f .gpu/test-$name.xz ]]; then
-    echo "bundle.sh: no binary or test named '$name' (tests: $(cut -d' ' -f1 "$target/gpu-tests.txt" | tr '\n' ' '))" >&2
-    exit 2
-  fi
-done
 ls -la .gpu
 du -sh .gpu

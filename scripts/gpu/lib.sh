@@ -104,15 +104,19 @@ anatomy() {
 # summary, the hazard reports counted per kernel and the number of log lines naming KERNEL
 # appended to $C. Racecheck also reports cuBLASLt's nvjet GEMMs that reference steps run, which
 # are not ours; ours must have none. (--kernel-name kns=... made the sanitizer fail with an
-# internal error, hence the count.)
+# internal error, hence the count.) Succeeds only if the run did and no log line names KERNEL (a
+# grep basic regex); /tmp/race.log keeps the whole log.
 racecheck_ours() {
   local name=$1 filter=$2 kernel=$3
   echo "== test-$name $filter under racecheck" >> "$C"
   timeout "${4:-300}" compute-sanitizer --tool racecheck $B/test-$name --test-threads=1 "$filter" > /tmp/race.log 2>&1
+  local rc=$? ours
   grep -E "RACECHECK SUMMARY|test result" /tmp/race.log >> "$C"
   echo "hazard reports by kernel:" >> "$C"
   grep -oE "Race reported between [A-Za-z]+ access at [A-Za-z0-9_]+" /tmp/race.log | awk '{print $NF}' | sort | uniq -c >> "$C"
-  echo "lines naming $kernel: $(grep -c "$kernel" /tmp/race.log)" >> "$C"
+  ours=$(grep -c "$kernel" /tmp/race.log)
+  echo "lines naming $kernel: $ours" >> "$C"
+  [[ $rc -eq 0 && $ours -eq 0 ]]
 }
 
 # ncu_forward ENV TITLE BENCH_ARGS...: per-kernel times (ncu, caches and clocks left alone: warm,
