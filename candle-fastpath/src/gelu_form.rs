@@ -13,7 +13,6 @@ use crate::switches::read_once;
 use std::sync::OnceLock;
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
-#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub(crate) enum GeluForm {
     Erf,
     Phi,
