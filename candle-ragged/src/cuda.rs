@@ -44,6 +44,7 @@ const RESIDENT_NAMES: [[&str; 2]; 2] = [
 ];
 use crate::resident_plan::{
     resident_merge_max_bytes, resident_plan, resident_smem_bytes, KEY_PARTS, RESIDENT_MAX_LEN,
+    SPLIT_BELOW_WARPS_PER_SM,
 };
 
 const ATTN_NAMES: [[&str; 3]; 3] = [
@@ -124,6 +125,8 @@ struct Kernels {
     /// Most key parts per query tile (`CANDLE_RAGGED_KEY_PARTS`, for A/B: 1 turns them off, 4
     /// keeps lever 16's rule; default 8).
     max_key_parts: usize,
+    /// `resident_plan`'s split threshold (warps per SM): `CANDLE_RAGGED_SPLIT_BELOW`, for A/B.
+    split_below: usize,
     select: Vec<CudaFunction>,
     decide: Vec<CudaFunction>,
     gather: Vec<CudaFunction>,
@@ -230,6 +233,10 @@ fn kernels(dev: &CudaDevice) -> Result<Arc<Kernels>> {
         Ok("4") => KEY_PARTS,
         _ => 8,
     };
+    let split_below = std::env::var("CANDLE_RAGGED_SPLIT_BELOW")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(SPLIT_BELOW_WARPS_PER_SM);
     let decide: Vec<CudaFunction> = DECIDE_NAMES
         .iter()
         .map(|n| load(n))
@@ -251,6 +258,7 @@ fn kernels(dev: &CudaDevice) -> Result<Arc<Kernels>> {
         resident_enabled,
         wgmma,
         max_key_parts,
+        split_below,
         select: SELECT_NAMES
             .iter()
             .map(|n| load(n))
@@ -417,6 +425,7 @@ pub(crate) fn attention(
             dim,
             k.sm_count,
             k.max_key_parts,
+            k.split_below,
         );
         let cfg = LaunchConfig {
             grid_dim: plan.grid,

@@ -13,6 +13,14 @@ pub(crate) const RESIDENT_MAX_WARPS: usize = 8;
 pub(crate) const KEY_PARTS: usize = 4;
 /// The larger split of lever 29.
 const KEY_PARTS_WIDE: usize = 8;
+/// Below this many warps per SM (one block per (sequence, head), two query tiles a warp) a batch
+/// gets two blocks per (sequence, head) and a tile per warp (see [`resident_plan`]).
+/// `CANDLE_RAGGED_SPLIT_BELOW` overrides it (A/B knob). Lever 109 (H100, bench-attention f16,
+/// two rounds, `scripts/gpu/ab-split-below.sh`) moved it from 8 to 11: DeiT-T at batch 64 (3
+/// heads, 197 tokens: 192 blocks of 7 warps, ~10 warps a SM) then splits, 22.9 → 20.2 µs, and its
+/// batch-64 graphs gain 2–3 %; at 12 and above 6 heads at batch 64 and keep 0.5 (384 blocks of 4
+/// warps) splits too and loses (16.5 → 18.2 µs).
+pub(crate) const SPLIT_BELOW_WARPS_PER_SM: usize = 11;
 
 /// Shared memory of a resident block: K and V rows (head_dim + 8 elements, padded so ldmatrix
 /// is conflict-free) for the longest sequence rounded up to 16 keys.
@@ -94,7 +102,8 @@ fn wants_low_registers(warps: usize, blocks: usize, sm_count: usize) -> bool {
 ///   every tile of the longest sequence has its warps);
 /// - else one block per (sequence, head) whose warps take two 16-row query tiles each (a block
 ///   holds its shared memory until its slowest warp ends, so the tiles must spread evenly), or,
-///   when that would leave SMs idle (about 16 warps fit per SM, so under half a wave), two
+///   when that would leave SMs idle (under `split_below` warps a SM,
+///   [`SPLIT_BELOW_WARPS_PER_SM`] by default; 20–24 fit), two
 ///   blocks per (sequence, head) and a tile per warp.
 pub(crate) fn resident_plan(
     batch: usize,
@@ -103,6 +112,7 @@ pub(crate) fn resident_plan(
     head_dim: usize,
     sm_count: usize,
     max_parts: usize,
+    split_below: usize,
 ) -> ResidentPlan {
     let pairs = batch * heads;
     let q_tiles = max_len.div_ceil(16);
@@ -117,7 +127,7 @@ pub(crate) fn resident_plan(
         };
     }
     let warps = q_tiles.div_ceil(2).clamp(1, RESIDENT_MAX_WARPS);
-    let splits = if pairs * warps < 8 * sm_count {
+    let splits = if pairs * warps < split_below * sm_count {
         q_tiles.div_ceil(warps).clamp(1, 2)
     } else {
         1
@@ -137,7 +147,15 @@ mod tests {
     const H100_SMS: usize = 132;
 
     fn plan(batch: usize, heads: usize, max_len: usize, max_parts: usize) -> ResidentPlan {
-        resident_plan(batch, heads, max_len, 64, H100_SMS, max_parts)
+        resident_plan(
+            batch,
+            heads,
+            max_len,
+            64,
+            H100_SMS,
+            max_parts,
+            SPLIT_BELOW_WARPS_PER_SM,
+        )
     }
 
     #[test]
@@ -170,10 +188,16 @@ mod tests {
         assert!(plan(256, 12, 197, 8).low_registers);
         // Lever 35's measured cells: 7-warp blocks past two per SM take the 80-register kernel;
         // 5-warp blocks (keep 0.7), 4-warp blocks (keep 0.5) and grids that fit at two blocks
-        // per SM (3 heads at batch 64: 192 blocks) the 96-register one.
+        // per SM the 96-register one.
         assert!(plan(64, 6, 197, 8).low_registers);
         assert!(plan(64, 12, 197, 8).low_registers);
-        assert!(!plan(64, 3, 197, 8).low_registers);
+        assert!(!plan(32, 3, 197, 8).low_registers);
+        // Lever 109: DeiT-T at batch 64 (192 pairs of 7 warps, under 11 warps a SM) splits, its
+        // 384 blocks on the 80-register kernel (three a SM, one wave); 6 heads at batch 64 and
+        // keep 0.5 (384 pairs of 4 warps) does not.
+        assert_eq!(plan(64, 3, 197, 8).grid, (2, 3, 64));
+        assert!(plan(64, 3, 197, 8).low_registers);
+        assert_eq!(plan(64, 6, 113, 8).grid, (1, 6, 64));
         assert!(!plan(256, 12, 159, 8).low_registers);
         assert!(!plan(256, 12, 113, 8).low_registers);
         // Key parts (batch 1): a wave at most, never the low-register kernel.
@@ -193,8 +217,15 @@ mod tests {
                 for batch in [1, 2, 3, 8, 64, 256] {
                     for heads in [1, 3, 6, 12, 16] {
                         for max_len in [1, 2, 15, 16, 17, 63, 64, 65, 129, 197, 255, 256] {
-                            let p =
-                                resident_plan(batch, heads, max_len, head_dim, H100_SMS, max_parts);
+                            let p = resident_plan(
+                                batch,
+                                heads,
+                                max_len,
+                                head_dim,
+                                H100_SMS,
+                                max_parts,
+                                SPLIT_BELOW_WARPS_PER_SM,
+                            );
                             let q_tiles = max_len.div_ceil(16) as u32;
                             let (warps, parts) = (p.block.0 / 32, p.block.1);
                             assert!((1..=RESIDENT_MAX_WARPS as u32).contains(&(warps * parts)));
