@@ -853,22 +853,33 @@ __device__ __forceinline__ double block_min(double v, double *dred) {
     return m;
 }
 
-// Ranks counted with the block's threads split P ways per element (P = threads / n, at most 32),
-// each part counting a slice of the others and adding its count to cnt[j] (zero on entry) with a
-// shared-memory atomic: integer adds, so the order they land in does not matter. At 196 patches
-// and 1024 threads each thread compares ~40 pairs instead of 196. `before(i, j)`: element i ranks
-// before element j. Ends on a barrier.
-template <typename Before>
-__device__ __forceinline__ void count_ranks(int from, int to, int *cnt, Before before) {
+// Ranks of the distinct 64-bit keys K[from..to): cnt[j] (zero on entry) += the number of i with
+// K[i] ranking before K[j], i.e. K[i] > K[j] (DESC) or K[i] < K[j]. Callers pack a 32-bit sort
+// key and the position into one key, so one unsigned compare is their whole ordering rule. A warp
+// takes 32 consecutive j (one a lane, its key in a register) against a slice of the i: every
+// lane reads the same K[i], a shared-memory broadcast. Lever 110: the per-element form before
+// (a thread per (j, slice) and the rule as a lambda over two arrays: f64 weights and positions
+// for ATS) was the decide kernel's longest phase, ~9,000 of ~36,000 cycles for 196 patches.
+// Ends on a barrier.
+template <bool DESC>
+__device__ __forceinline__ void count_ranks(const unsigned long long *__restrict__ K, int from, int to, int *cnt) {
     const int n = to - from;
-    const int parts = max(1, min(32, (int)blockDim.x / max(n, 1)));
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    const int groups = (n + 31) / 32;
+    const int parts = max(1, min(warps / max(groups, 1), (n + 15) / 16));
     const int slice = (n + parts - 1) / parts;
-    for (int w = threadIdx.x; w < n * parts; w += blockDim.x) {
-        const int j = from + w / parts, p = w % parts;
+    for (int w = warp; w < groups * parts; w += warps) {
+        const int g = w / parts, p = w % parts;
+        const int j = from + g * 32 + lane;
+        const unsigned long long kj = j < to ? K[j] : 0ull;
         const int lo = from + p * slice, hi = min(to, lo + slice);
         int c = 0;
-        for (int i = lo; i < hi; ++i) c += before(i, j);
-        if (c) atomicAdd(&cnt[j], c);
+#pragma unroll 4
+        for (int i = lo; i < hi; ++i) {
+            const unsigned long long ki = K[i];
+            c += DESC ? (ki > kj) : (ki < kj);
+        }
+        if (j < to && c) atomicAdd(&cnt[j], c);
     }
     __syncthreads();
 }
@@ -936,9 +947,17 @@ __device__ void inverse_transform(const float *sc, int prefix, int n, int sample
         for (int i = threadIdx.x; i < n; i += blockDim.x) flag[prefix + i] = 1;
         return;
     }
+    // Ranking keys in c's space (c is written only once the order is known): (the weight's f32
+    // bits, the position), ascending. The order of the f64 weights below: the weights are these
+    // f32 values divided by one positive total (or all 1 / n), and distinct f32 values divided by
+    // one double stay distinct and in order (24 significant bits against 53), so (weight,
+    // position) and (key, position) order the patches alike.
+    unsigned long long *rank_key = reinterpret_cast<unsigned long long *>(c);
     for (int i = threadIdx.x; i < n; i += blockDim.x) {
-        const double s = (double)sc[prefix + i];  // NaN stays NaN and fails both tests below
-        a[i] = (isfinite(s) && s > 0.0) ? s : 0.0;
+        const float f = sc[prefix + i];  // NaN fails both tests below
+        const float w = (isfinite(f) && f > 0.f) ? f : 0.f;
+        a[i] = (double)w;
+        rank_key[i] = ((unsigned long long)__float_as_uint(w) << 32) | (unsigned)i;
     }
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -953,9 +972,8 @@ __device__ void inverse_transform(const float *sc, int prefix, int n, int sample
     for (int i = threadIdx.x; i < n; i += blockDim.x)
         a[i] = total > 0.0 ? __ddiv_rn(a[i], total) : __ddiv_rn(1.0, (double)n);
     __syncthreads();
-    // Ascending (weight, position): every weight is a finite non-negative double. Counted into
-    // cnt (n ints, zero on entry).
-    count_ranks(0, n, cnt, [&](int l, int i) { return (a[l] < a[i]) || (a[l] == a[i] && l < i); });
+    // Ascending (weight, position), counted into cnt (n ints, zero on entry).
+    count_ranks<false>(rank_key, 0, n, cnt);
     for (int i = threadIdx.x; i < n; i += blockDim.x) order[cnt[i]] = i;
     __syncthreads();
     // The weights in ascending order first (in parallel), then the running sum over that
@@ -1023,18 +1041,21 @@ __device__ void select_decide(const T *__restrict__ x, const float *__restrict__
     int *flag = order + len;
 
     sequence_scores<T>(sc, tmp, tmp_floats, red, x, scores, score_stride, qkv, start, len, C, mode, heads, scale);
+    // Ranking keys in tmp (free once the scores are in sc; tmp_floats >= 4 · len): the score's
+    // total_key as an unsigned (sign bit flipped), then the position inverted, so that a larger
+    // key is a higher score, or the same score at a lower position.
+    unsigned long long *rank_key = reinterpret_cast<unsigned long long *>(tmp);
+    const bool best_first = rule == RULE_TOP || rule == RULE_MASS_SHARE;
     for (int j = threadIdx.x; j < len; j += blockDim.x) {
         key[j] = total_key(sc[j]);
         flag[j] = 0;
+        if (best_first) rank_key[j] = ((unsigned long long)((unsigned)key[j] ^ 0x80000000u) << 32) | (unsigned)~j;
     }
     __syncthreads();
     // order[r]: the patch position ranked r-th best (descending score, ties to the lower position),
     // for the rules that take tokens best-first; counted into flag (zero), which is cleared after.
-    if (rule == RULE_TOP || rule == RULE_MASS_SHARE) {
-        count_ranks(prefix, len, flag, [&](int i, int j) {
-            const int ki = key[i], kj = key[j];
-            return (ki > kj) || (ki == kj && i < j);
-        });
+    if (best_first) {
+        count_ranks<true>(rank_key, prefix, len, flag);
         for (int j = prefix + threadIdx.x; j < len; j += blockDim.x) order[flag[j]] = j;
         __syncthreads();
         for (int j = prefix + threadIdx.x; j < len; j += blockDim.x) flag[j] = 0;

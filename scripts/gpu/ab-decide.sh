@@ -4,11 +4,15 @@
 # d8f7c33): 1024 threads, the ordered f64 sums over arrays gathered in parallel. Lever 32 (against
 # d98101f): ranks counted by split threads and only where a rule needs them, the threshold
 # fallback by a block argmax, slots by a block scan. Lever 34 (584f676 against 301d218): the
-# mass share's two ordered passes as one chain of running sums and a parallel search.
+# mass share's two ordered passes as one chain of running sums and a parallel search. Lever 110
+# (against 3d5a93d): ranks from one 64-bit key per patch (sort key and position packed), a warp
+# of 32 patches against broadcast keys. The bundle of all six executables passes the device
+# tool's 64 MiB: run `checks` with the tests (bundle.sh select_rule select_bounded select
+# paths_agreement) and `ncu e2e` with bench and bench-prev in separate calls.
 # STAGES (default "checks ncu e2e"):
 #   checks  the selection tests on the new bundle, memcheck over them, racecheck of the rule tests
 #   ncu     decide / gather kernel times per pruner (ncu-decide.sh's runs), each binary
-#   e2e     bench, every pruner, ragged path, T/S/B, batch 1/8, f16, arms interleaved, twice
+#   e2e     bench, every pruner (or PRUNERS), ragged path, T/S/B, batch 1/8, f16, arms interleaved, twice
 set -u
 stages=${STAGES:-checks ncu e2e}
 . scripts/gpu/lib.sh
@@ -36,7 +40,7 @@ if has ncu; then
       bash scripts/gpu/ncu-decide.sh 2>&1 | grep -E "^==|decide|gather|offsets" >> "$C"
   done
 fi
-e2e_run() { $B/$(bin_of $1) --device cuda --models deit-tiny,deit-small,deit-base --dtype f16 --batch 1,8 --pruners none,threshold-l2,dynamicvit,evit,ats --paths ragged --reps 10 --out "$2"; }
+e2e_run() { $B/$(bin_of $1) --device cuda --models deit-tiny,deit-small,deit-base --dtype f16 --batch 1,8 --pruners ${PRUNERS:-none,threshold-l2,dynamicvit,evit,ats} --paths ragged --reps 10 --out "$2"; }
 has e2e && ab_rounds e2e e2e_run
 pack decide-json.tgz 'e2e-*.json'
 cat "$C"
