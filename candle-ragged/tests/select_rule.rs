@@ -46,7 +46,14 @@ const FUSIONS: [Option<DroppedFusion>; 3] = [
 
 /// Scores of one sequence: coarse values (ties), a few NaN, negatives and zeros; for the
 /// inverse-transform rule mostly distinct positive values (its CDF), still with ties and zeros.
+/// One sequence in eight has no positive score at all (zeros, -0.0, negatives, NaN): every
+/// weight is 0, ATS's total is 0 and its ranking falls back to positions alone.
 fn scores(r: &mut StdRng, len: usize, rule: KeepRule) -> Vec<f32> {
+    if r.random_range(0..8) == 0 {
+        return (0..len)
+            .map(|_| [0.0f32, -0.0, -1.0, -0.25, f32::NAN][r.random_range(0..5)])
+            .collect();
+    }
     (0..len)
         .map(|_| match (rule, r.random_range(0..20)) {
             (_, 0) => f32::NAN,
