@@ -6,7 +6,9 @@
 # fallback by a block argmax, slots by a block scan. Lever 34 (584f676 against 301d218): the
 # mass share's two ordered passes as one chain of running sums and a parallel search. Lever 110
 # (against 3d5a93d): ranks from one 64-bit key per patch (sort key and position packed), a warp
-# of 32 patches against broadcast keys. The bundle of all six executables passes the device
+# of 32 patches against broadcast keys. Lever 112 (not kept; docs/benchmarks/history/
+# lever112-blocked-scan.patch): the rules' f64 sums as warp scans in chunks of 32, host and device
+# alike. The bundle of all six executables passes the device
 # tool's 64 MiB: run `checks` with the tests (bundle.sh select_rule select_bounded select
 # paths_agreement) and `ncu e2e` with bench and bench-prev in separate calls.
 # STAGES (default "checks ncu e2e"):
