@@ -9,8 +9,7 @@
 set -u
 . scripts/gpu/lib.sh
 unpack bench
-C="$out/select-per-seq.txt"
-nvidia-smi --query-gpu=name --format=csv,noheader >> "$C"
+start_log select-per-seq.txt
 ARMS=${ARMS:-default 1 2 8}
 for r in 1 2; do
   anatomy CANDLE_RAGGED_SELECT_PER_SEQ "$ARMS" --models deit-tiny,deit-small --dtype f16 --batch "${BATCH:-64}" \

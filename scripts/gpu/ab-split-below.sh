@@ -18,8 +18,7 @@ set -u
 stages=${STAGES:-checks attn ncu e2e}
 . scripts/gpu/lib.sh
 unpack bench bench-attention test-attention test-paths_agreement
-C="$out/split-below.txt"
-nvidia-smi --query-gpu=name --format=csv,noheader >> "$C"
+start_log split-below.txt
 ARMS=${ARMS:-default 12 16 24}
 V=CANDLE_RAGGED_SPLIT_BELOW
 val() { [ "$1" = default ] && echo "" || echo "$1"; }

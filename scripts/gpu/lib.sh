@@ -8,6 +8,12 @@ export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 export PATH=/usr/local/cuda/bin:$PATH
 export CANDLE_RAGGED_REQUIRE_CUDA=1
 
+# start_log FILE: the script's log $C = $out/FILE, opened with the GPU's name.
+start_log() {
+  C="$out/$1"
+  nvidia-smi --query-gpu=name --format=csv,noheader >> "$C"
+}
+
 # unpack [NAME...]: .gpu/NAME.xz into $B/NAME, executable; with no NAME, every .gpu/*.xz. A named
 # binary the bundle lacks is skipped (the step that needs it then fails with its name).
 unpack() {

@@ -10,8 +10,7 @@
 set -u
 . scripts/gpu/lib.sh
 unpack bench
-C="$out/ncu-graph-replay.txt"
-nvidia-smi --query-gpu=name --format=csv,noheader >> "$C"
+start_log ncu-graph-replay.txt
 for spec in ${FORWARDS:-deit-tiny:64:none deit-tiny:64:threshold-l2-fixed}; do
   IFS=: read -r m b p <<< "$spec"
   args=(--device cuda --models "$m" --dtype "${DTYPE:-f16}" --batch "$b" --pruners "$p" --paths ragged)
