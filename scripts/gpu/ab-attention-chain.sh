@@ -24,8 +24,7 @@ unpack bench bench-attention test-attention test-graph test-paths_agreement
 for p in bench-prev bench-attention-prev; do
   if [ -f .gpu-prev/$p.xz ]; then xz -dc .gpu-prev/$p.xz > $B/$p && chmod +x $B/$p; fi
 done
-C="$out/attention-chain.txt"
-nvidia-smi --query-gpu=name --format=csv,noheader >> "$C"
+start_log attention-chain.txt
 if has tests; then
   for a in default r96 r80 k64 tiled; do
     echo "== test-attention ($a)" >> "$C"

@@ -18,8 +18,7 @@ stages=${STAGES:-checks host gpu e2e}
 . scripts/gpu/lib.sh
 unpack bench bench-attention test-attention
 unpack_prev bench bench-attention || exit 1
-C="$out/attention-host.txt"
-nvidia-smi --query-gpu=name --format=csv,noheader >> "$C"
+start_log attention-host.txt
 if has checks; then
   echo "== test-attention" >> "$C"
   timeout 120 $B/test-attention --test-threads=1 2>&1 | grep -E "test result|panicked" >> "$C"

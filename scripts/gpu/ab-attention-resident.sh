@@ -20,8 +20,7 @@ set -u
 stages=${STAGES:-checks attn ncu e2e}
 . scripts/gpu/lib.sh
 unpack
-C="$out/attention-resident.txt"
-nvidia-smi --query-gpu=name --format=csv,noheader >> "$C"
+start_log attention-resident.txt
 ARMS=${ARMS:-base k32 k32b3}
 var() { [ "$1" = base ] && echo "CANDLE_RAGGED_RESIDENT=base" || echo "CANDLE_RAGGED_RESIDENT=$1"; }
 if has checks; then

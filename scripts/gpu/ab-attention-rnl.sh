@@ -24,8 +24,7 @@ set -u
 stages=${STAGES:-checks anatomy e2e}
 . scripts/gpu/lib.sh
 unpack bench test-attention_norm_linear test-norm_linear test-graph test-paths_agreement
-C="$out/attention-rnl.txt"
-nvidia-smi --query-gpu=name --format=csv,noheader >> "$C"
+start_log attention-rnl.txt
 if has checks; then
   for t in attention_norm_linear norm_linear; do
     echo "== test-$t" >> "$C"

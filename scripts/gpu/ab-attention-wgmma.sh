@@ -19,8 +19,7 @@ set -u
 stages=${STAGES:-checks attn ncu}
 . scripts/gpu/lib.sh
 unpack bench bench-attention test-attention
-C="$out/wgmma.txt"
-nvidia-smi --query-gpu=name --format=csv,noheader >> "$C"
+start_log wgmma.txt
 ARMS=${ARMS:-res wgmma1}
 if has checks; then
   for a in $ARMS; do

@@ -24,8 +24,7 @@ stages=${STAGES:-checks anatomy e2e}
 . scripts/gpu/lib.sh
 unpack bench test-norm_linear test-attention_norm_linear test-graph test-paths_agreement
 unpack_prev bench
-C="$out/cluster-exchange.txt"
-nvidia-smi --query-gpu=name --format=csv,noheader >> "$C"
+start_log cluster-exchange.txt
 if has checks; then
   tests_memcheck norm_linear attention_norm_linear
   echo "== racecheck test-attention_norm_linear (quick)" >> "$C"

@@ -14,8 +14,7 @@ set -u
 stages=${STAGES:-checks e2e}
 . scripts/gpu/lib.sh
 unpack bench test-graph test-paths_agreement
-C="$out/copy.txt"
-nvidia-smi --query-gpu=name --format=csv,noheader >> "$C"
+start_log copy.txt
 if has checks; then
   for a in memcpy kernel; do
     echo "== test-graph (CANDLE_FASTPATH_COPY=$a)" >> "$C"

@@ -14,8 +14,7 @@ set -u
 stages=${STAGES:-checks e2e}
 . scripts/gpu/lib.sh
 unpack
-C="$out/checks.txt"
-nvidia-smi --query-gpu=name --format=csv,noheader >> "$C"
+start_log checks.txt
 if has checks; then
   for mode in 1 default; do
     echo "== test-linear (CANDLE_FASTPATH_CUTLASS=$mode)" >> "$C"

@@ -19,8 +19,7 @@ set -u
 stages=${STAGES:-checks ncu e2e}
 . scripts/gpu/lib.sh
 unpack bench bench-prev test-select_rule test-select_bounded test-select test-paths_agreement
-C="$out/decide.txt"
-nvidia-smi --query-gpu=name --format=csv,noheader >> "$C"
+start_log decide.txt
 ARMS=${ARMS:-prev new}
 bin_of() { if [ "$1" = prev ]; then echo bench-prev; else echo bench; fi; }
 if has checks; then

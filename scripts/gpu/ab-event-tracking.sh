@@ -8,8 +8,7 @@
 set -u
 . scripts/gpu/lib.sh
 unpack bench bench-attention
-C="$out/summary.txt"
-nvidia-smi --query-gpu=name --format=csv,noheader >> "$C"
+start_log summary.txt
 for r in 1 2; do
   for t in true false; do
     $B/bench-attention --heads 3,6,12 --batch 1,8 --keep 1.0,0.7 --dtype f16,bf16 --event-tracking $t --out "$out/attn-$t-$r.json" > /tmp/attn.log 2>&1

@@ -25,8 +25,7 @@ set -u
 stages=${STAGES:-checks anatomy e2e}
 . scripts/gpu/lib.sh
 unpack bench test-norm_linear test-attention_norm_linear test-graph test-paths_agreement
-C="$out/evit-step.txt"
-nvidia-smi --query-gpu=name --format=csv,noheader >> "$C"
+start_log evit-step.txt
 if has checks; then
   tests_memcheck attention_norm_linear norm_linear
   echo "== test-attention_norm_linear under racecheck (quick)" >> "$C"

@@ -15,8 +15,7 @@ set -u
 stages=${STAGES:-ncu e2e checks}
 . scripts/gpu/lib.sh
 unpack
-C="$out/fc1-tile.txt"
-nvidia-smi --query-gpu=name --format=csv,noheader >> "$C"
+start_log fc1-tile.txt
 ARMS=${ARMS:-base epi64 pingpong pingpong-epi64}
 if has ncu; then
   for a in $ARMS; do

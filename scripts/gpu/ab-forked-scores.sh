@@ -17,8 +17,7 @@ set -u
 stages=${STAGES:-checks anatomy e2e}
 . scripts/gpu/lib.sh
 unpack bench test-forked_scores test-select test-paths_agreement
-C="$out/forked-scores.txt"
-nvidia-smi --query-gpu=name --format=csv,noheader >> "$C"
+start_log forked-scores.txt
 if has checks; then
   test_arms CANDLE_RAGGED_FORKED_SCORES "default 0" forked_scores
   test_arms CANDLE_RAGGED_FORKED_SCORES default select

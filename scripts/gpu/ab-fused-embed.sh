@@ -22,8 +22,7 @@ set -u
 stages=${STAGES:-checks anatomy e2e}
 . scripts/gpu/lib.sh
 unpack bench test-patch test-norm_linear test-attention_norm_linear test-graph test-paths_agreement
-C="$out/fused-embed.txt"
-nvidia-smi --query-gpu=name --format=csv,noheader >> "$C"
+start_log fused-embed.txt
 if has checks; then
   tests_memcheck patch norm_linear
   for t in attention_norm_linear graph; do

@@ -16,8 +16,7 @@ set -u
 stages=${STAGES:-checks attn ncu e2e}
 . scripts/gpu/lib.sh
 unpack bench bench-attention test-attention
-C="$out/key-parts.txt"
-nvidia-smi --query-gpu=name --format=csv,noheader >> "$C"
+start_log key-parts.txt
 ARMS=${ARMS:-4 8}
 if has checks; then
   for a in $ARMS; do

@@ -15,8 +15,7 @@ set -u
 stages=${STAGES:-checks ab ncu}
 . scripts/gpu/lib.sh
 unpack bench test-norm test-paths_agreement
-C="$out/l2-prefetch.txt"
-nvidia-smi --query-gpu=name --format=csv,noheader >> "$C"
+start_log l2-prefetch.txt
 if has checks; then
   for a in 0 1; do
     echo "== test-norm (CANDLE_FASTPATH_L2_PREFETCH=$a)" >> "$C"

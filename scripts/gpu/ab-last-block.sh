@@ -14,8 +14,7 @@ set -u
 stages=${STAGES:-checks e2e}
 . scripts/gpu/lib.sh
 unpack bench test-graph test-paths_agreement
-C="$out/last-block.txt"
-nvidia-smi --query-gpu=name --format=csv,noheader >> "$C"
+start_log last-block.txt
 if has checks; then
   echo "== test-graph" >> "$C"
   timeout 120 $B/test-graph --test-threads=1 2>&1 | grep -E "test result|panicked" >> "$C"

@@ -15,8 +15,7 @@ stages=${STAGES:-checks ab ncu}
 . scripts/gpu/lib.sh
 unpack bench test-norm test-paths_agreement
 unpack_prev bench || exit 1
-C="$out/layer-norm.txt"
-nvidia-smi --query-gpu=name --format=csv,noheader >> "$C"
+start_log layer-norm.txt
 if has checks; then
   echo "== test-norm" >> "$C"; $B/test-norm --test-threads=1 2>&1 | grep -E "test result|panicked" >> "$C"
   echo "== memcheck test-norm" >> "$C"

@@ -21,8 +21,7 @@ set -u
 stages=${STAGES:-checks e2e ncu}
 . scripts/gpu/lib.sh
 unpack
-C="$out/checks.txt"
-nvidia-smi --query-gpu=name --format=csv,noheader >> "$C"
+start_log checks.txt
 arm() {
   case $1 in
     old) echo "CANDLE_FASTPATH_GELU=erf CANDLE_FASTPATH_LN_CHUNKS=8 CANDLE_FASTPATH_EMBED=ops" ;;

@@ -26,8 +26,7 @@ stages=${STAGES:-checks attn ncu}
 . scripts/gpu/lib.sh
 unpack
 unpack_prev bench bench-attention || exit 1
-C="$out/levers-27-28.txt"
-nvidia-smi --query-gpu=name --format=csv,noheader >> "$C"
+start_log levers-27-28.txt
 if has checks; then
   for a in default k64 tiled; do
     echo "== test-attention ($a)" >> "$C"

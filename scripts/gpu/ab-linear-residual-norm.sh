@@ -18,8 +18,7 @@ set -u
 stages=${STAGES:-checks anatomy ncu e2e}
 . scripts/gpu/lib.sh
 unpack bench test-norm_linear test-paths_agreement
-C="$out/linear-residual-norm.txt"
-nvidia-smi --query-gpu=name --format=csv,noheader >> "$C"
+start_log linear-residual-norm.txt
 ARMS=${ARMS:-0 default}
 V=CANDLE_FASTPATH_LINEAR_RESIDUAL_NORM
 if has checks; then

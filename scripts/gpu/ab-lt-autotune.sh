@@ -14,8 +14,7 @@ set -u
 stages=${STAGES:-checks anatomy e2e}
 . scripts/gpu/lib.sh
 unpack bench test-linear test-graph test-paths_agreement
-C="$out/lt-autotune.txt"
-nvidia-smi --query-gpu=name --format=csv,noheader >> "$C"
+start_log lt-autotune.txt
 if has checks; then
   for arm in 0 default; do
     echo "== test-linear, CANDLE_FASTPATH_LT_AUTOTUNE=${arm#default}" >> "$C"

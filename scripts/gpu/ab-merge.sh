@@ -19,8 +19,7 @@ stages=${STAGES:-checks attn ncu e2e}
 . scripts/gpu/lib.sh
 unpack bench bench-attention test-attention test-paths_agreement
 unpack_prev bench bench-attention || exit 1
-C="$out/merge.txt"
-nvidia-smi --query-gpu=name --format=csv,noheader >> "$C"
+start_log merge.txt
 if has checks; then
   echo "== test-attention" >> "$C"
   timeout 300 $B/test-attention --test-threads=1 2>&1 | grep -E -A3 "test result|panicked|FAIL" | head -20 >> "$C"

@@ -16,8 +16,7 @@ set -u
 stages=${STAGES:-checks anatomy e2e}
 . scripts/gpu/lib.sh
 unpack bench test-norm_linear test-paths_agreement
-C="$out/norm-linear-wide.txt"
-nvidia-smi --query-gpu=name --format=csv,noheader >> "$C"
+start_log norm-linear-wide.txt
 PRUNERS_ALL=none,threshold-l2-fixed,threshold-l2-adaptive,dynamicvit-fixed,dynamicvit-adaptive,evit-fixed,evit-adaptive,ats-fixed,ats-adaptive
 if has checks; then
   echo "== test-norm_linear" >> "$C"

@@ -21,8 +21,7 @@ set -u
 stages=${STAGES:-checks ncu attn anatomy}
 . scripts/gpu/lib.sh
 unpack bench bench-attention test-attention test-paths_agreement
-C="$out/parts-shape.txt"
-nvidia-smi --query-gpu=name --format=csv,noheader >> "$C"
+start_log parts-shape.txt
 ARMS=${ARMS:-default p8w2 p16w1 p4w4}
 V=CANDLE_RAGGED_PARTS_SHAPE
 # shape ARM: the switch's value for an arm name (pPwW -> P:W, default -> empty).

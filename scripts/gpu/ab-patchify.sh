@@ -15,8 +15,7 @@ stages=${STAGES:-checks ab ncu}
 . scripts/gpu/lib.sh
 unpack bench test-patch test-linear test-paths_agreement
 unpack_prev bench || exit 1
-C="$out/patchify.txt"
-nvidia-smi --query-gpu=name --format=csv,noheader >> "$C"
+start_log patchify.txt
 if has checks; then
   echo "== test-patch" >> "$C"; $B/test-patch --test-threads=1 2>&1 | grep -E "test result|panicked" >> "$C"
   echo "== memcheck test-patch" >> "$C"

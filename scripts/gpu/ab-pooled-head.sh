@@ -15,8 +15,7 @@ set -u
 stages=${STAGES:-checks anatomy e2e}
 . scripts/gpu/lib.sh
 unpack bench test-pooled_head test-paths_agreement
-C="$out/pooled-head.txt"
-nvidia-smi --query-gpu=name --format=csv,noheader >> "$C"
+start_log pooled-head.txt
 if has checks; then
   echo "== test-pooled_head" >> "$C"
   timeout 200 $B/test-pooled_head --test-threads=1 --nocapture 2>&1 | grep -E "test result|panicked|worst|rror" >> "$C"

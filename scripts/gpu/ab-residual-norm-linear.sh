@@ -18,8 +18,7 @@ set -u
 stages=${STAGES:-checks anatomy e2e}
 . scripts/gpu/lib.sh
 unpack bench test-norm_linear test-graph test-paths_agreement
-C="$out/residual-norm-linear.txt"
-nvidia-smi --query-gpu=name --format=csv,noheader >> "$C"
+start_log residual-norm-linear.txt
 if has checks; then
   for mode in "" always; do
     echo "== test-norm_linear (CANDLE_FASTPATH_NORM_LINEAR='$mode')" >> "$C"

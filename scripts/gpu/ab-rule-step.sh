@@ -16,8 +16,7 @@ set -u
 stages=${STAGES:-checks anatomy e2e}
 . scripts/gpu/lib.sh
 unpack bench test-select_bounded test-select_rule test-paths_agreement
-C="$out/rule-step.txt"
-nvidia-smi --query-gpu=name --format=csv,noheader >> "$C"
+start_log rule-step.txt
 RULE_PRUNERS=threshold-l2-adaptive,dynamicvit-adaptive,evit-adaptive,ats-fixed,ats-adaptive
 if has checks; then
   test_arms CANDLE_RAGGED_FUSED_STEP "default 0" select_bounded

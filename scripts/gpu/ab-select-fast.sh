@@ -25,8 +25,7 @@ stages=${STAGES:-checks anatomy ncu e2e}
 . scripts/gpu/lib.sh
 unpack bench test-attention_norm_linear test-select test-step_scores test-select_bounded test-select_rule test-paths_agreement
 unpack_prev bench
-C="$out/select-fast.txt"
-nvidia-smi --query-gpu=name --format=csv,noheader >> "$C"
+start_log select-fast.txt
 PRUNERS_ALL=none,threshold-l2-fixed,threshold-l2-adaptive,dynamicvit-fixed,dynamicvit-adaptive,evit-fixed,evit-adaptive,ats-fixed,ats-adaptive
 ARMS=${ARMS:-prev new}
 if has checks; then

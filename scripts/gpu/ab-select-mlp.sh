@@ -25,8 +25,7 @@ set -u
 stages=${STAGES:-checks anatomy e2e}
 . scripts/gpu/lib.sh
 unpack bench test-attention_norm_linear test-select test-step_scores test-select_bounded test-select_rule test-paths_agreement
-C="$out/select-mlp.txt"
-nvidia-smi --query-gpu=name --format=csv,noheader >> "$C"
+start_log select-mlp.txt
 PRUNERS_ALL=none,threshold-l2-fixed,threshold-l2-adaptive,dynamicvit-fixed,dynamicvit-adaptive,evit-fixed,evit-adaptive,ats-fixed,ats-adaptive
 # arm_env ARM: the switches of an arm, as env assignments.
 arm_env() {

@@ -22,8 +22,7 @@ stages=${STAGES:-checks ncu ab}
 . scripts/gpu/lib.sh
 unpack bench test-select test-paths_agreement
 unpack_prev bench || exit 1
-C="$out/select-rank.txt"
-nvidia-smi --query-gpu=name --format=csv,noheader >> "$C"
+start_log select-rank.txt
 if has checks; then
   for t in select; do
     echo "== test-$t" >> "$C"; timeout 300 $B/test-$t --test-threads=1 2>&1 | grep -E "test result|panicked" >> "$C"

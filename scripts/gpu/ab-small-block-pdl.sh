@@ -8,8 +8,7 @@
 # pdl eager, cooperative always, pdl always (ARM = <launch>-<mode>).
 . scripts/gpu/lib.sh
 unpack bench test-small_block test-paths_agreement
-C=$out/pdl.txt
-nvidia-smi --query-gpu=name --format=csv,noheader >> $C
+start_log pdl.txt
 CANDLE_FASTPATH_SMALL_BLOCK_LAUNCH=pdl timeout 60 $B/test-small_block --test-threads=1 > $out/t.log 2>&1; rc=$?
 echo "test-small_block (pdl) rc=$rc $(grep -E 'test result' $out/t.log)" >> $C
 [ $rc = 0 ] || { cat $C $out/t.log | tail -30; exit 1; }

@@ -19,9 +19,8 @@ set -u
 stages=${STAGES:-checks e2e}
 . scripts/gpu/lib.sh
 unpack bench test-small_block test-graph test-paths_agreement
-C="$out/small-block.txt"
+start_log small-block.txt
 L="$C"
-nvidia-smi --query-gpu=name --format=csv,noheader >> "$C"
 if has checks; then
   echo "== test-small_block" >> "$C"
   timeout 120 $B/test-small_block --test-threads=1 --nocapture > "$out/test-small-block.log" 2>&1

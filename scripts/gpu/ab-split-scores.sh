@@ -12,8 +12,7 @@ set -u
 stages=${STAGES:-checks ncu e2e}
 . scripts/gpu/lib.sh
 unpack bench test-select_rule test-select_bounded test-paths_agreement
-C="$out/split-scores.txt"
-nvidia-smi --query-gpu=name --format=csv,noheader >> "$C"
+start_log split-scores.txt
 ARMS=${ARMS:-0 default}
 if has checks; then
   for a in 0 1; do

@@ -13,8 +13,7 @@ set -u
 stages=${STAGES:-checks e2e}
 . scripts/gpu/lib.sh
 unpack bench test-select test-graph test-paths_agreement
-C="$out/split-topk.txt"
-nvidia-smi --query-gpu=name --format=csv,noheader >> "$C"
+start_log split-topk.txt
 if has checks; then
   for a in 0 1; do
     echo "== test-select (CANDLE_RAGGED_SPLIT_SCORES=$a)" >> "$C"

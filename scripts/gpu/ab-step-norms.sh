@@ -22,8 +22,7 @@ pruners=${PRUNERS:-none,threshold-l2-fixed}
 . scripts/gpu/lib.sh
 unpack bench test-attention_norm_linear test-graph test-paths_agreement
 unpack_prev bench || exit 1
-C="$out/step-norms.txt"
-nvidia-smi --query-gpu=name --format=csv,noheader >> "$C"
+start_log step-norms.txt
 if has checks; then
   echo "== test-attention_norm_linear" >> "$C"
   timeout 200 $B/test-attention_norm_linear --test-threads=1 2>&1 | grep -E "test result|panicked|norm" >> "$C"

@@ -20,8 +20,7 @@ set -u
 stages=${STAGES:-checks anatomy ncu e2e}
 . scripts/gpu/lib.sh
 unpack bench test-linear test-paths_agreement
-C="$out/thin-gemm-rows.txt"
-nvidia-smi --query-gpu=name --format=csv,noheader >> "$C"
+start_log thin-gemm-rows.txt
 ARMS=${ARMS:-default r2048 r2048g r16384}
 # envs ARM: the arm's assignments.
 envs() { case $1 in

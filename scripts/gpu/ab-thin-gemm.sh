@@ -20,8 +20,7 @@ set -u
 stages=${STAGES:-checks anatomy ncu}
 . scripts/gpu/lib.sh
 unpack bench test-linear test-norm_linear test-paths_agreement
-C="$out/thin-gemm.txt"
-nvidia-smi --query-gpu=name --format=csv,noheader >> "$C"
+start_log thin-gemm.txt
 ARMS=${ARMS:-0 gelu default}
 # The models of the anatomy, ncu and e2e stages (lever 100: deit-small; lever 101 ran deit-base
 # with the K = 768 kernel of its patch).

@@ -20,8 +20,7 @@ set -u
 stages=${STAGES:-checks anatomy ncu}
 . scripts/gpu/lib.sh
 unpack bench test-linear test-norm_linear test-paths_agreement
-C="$out/thin-proj-norm.txt"
-nvidia-smi --query-gpu=name --format=csv,noheader >> "$C"
+start_log thin-proj-norm.txt
 ARMS=${ARMS:-0 default}
 MODELS=${MODELS:-deit-base}
 V=CANDLE_FASTPATH_THIN_PROJ_NORM

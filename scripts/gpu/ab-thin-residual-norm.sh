@@ -20,8 +20,7 @@ set -u
 stages=${STAGES:-checks anatomy ncu}
 . scripts/gpu/lib.sh
 unpack bench test-linear test-norm_linear test-paths_agreement
-C="$out/thin-residual-norm.txt"
-nvidia-smi --query-gpu=name --format=csv,noheader >> "$C"
+start_log thin-residual-norm.txt
 ARMS=${ARMS:-0 n64 default}
 MODELS=${MODELS:-deit-small}
 E2E_ARMS=${E2E_ARMS:-0 default}

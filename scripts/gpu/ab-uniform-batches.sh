@@ -19,8 +19,7 @@ stages=${STAGES:-checks anatomy ab}
 . scripts/gpu/lib.sh
 unpack bench test-graph test-paths_agreement
 unpack_prev bench || exit 1
-C="$out/uniform-batches.txt"
-nvidia-smi --query-gpu=name --format=csv,noheader >> "$C"
+start_log uniform-batches.txt
 if has checks; then
   echo "== test-graph" >> "$C"
   timeout 120 $B/test-graph --test-threads=1 2>&1 | grep -E "test result|panicked" >> "$C"

@@ -15,8 +15,7 @@ set -u
 stages=${STAGES:-checks attn e2e ncu}
 . scripts/gpu/lib.sh
 unpack bench bench-attention test-attention test-paths_agreement
-C="$out/uniform-spans.txt"
-nvidia-smi --query-gpu=name --format=csv,noheader >> "$C"
+start_log uniform-spans.txt
 ARMS=${ARMS:-0 1}
 if has checks; then
   for a in 0 1; do

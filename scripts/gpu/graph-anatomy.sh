@@ -16,8 +16,7 @@ set -u
 stages=${STAGES:-probe anatomy checks}
 . scripts/gpu/lib.sh
 unpack bench test-graph
-C="$out/anatomy.txt"
-nvidia-smi --query-gpu=name --format=csv,noheader >> "$C"
+start_log anatomy.txt
 if has probe; then
   echo "== block_floor probe" >> "$C"
   nvcc -O3 -std=c++17 -arch=sm_90a -o /tmp/block_floor scripts/gpu/probes/block_floor.cu -lcublasLt -lcuda >> "$C" 2>&1 \

@@ -8,8 +8,7 @@ set -u
 . scripts/gpu/lib.sh
 bench=${BENCH:-bench-attention}
 unpack "$bench"
-C="$out/ncu-attention-detail-$bench.txt"
-nvidia-smi --query-gpu=name --format=csv,noheader >> "$C"
+start_log "ncu-attention-detail-$bench.txt"
 for shape in ${SHAPES:-12:256:1.0 12:256:0.7 3:64:0.7}; do
   IFS=: read -r h b k <<< "$shape"
   rep=/tmp/attn-$h-$b-$k

@@ -8,8 +8,7 @@
 set -u
 . scripts/gpu/lib.sh
 unpack bench
-C="$out/ncu-batch1-kernels.txt"
-nvidia-smi --query-gpu=name --format=csv,noheader >> "$C"
+start_log ncu-batch1-kernels.txt
 for spec in ${KERNELS:-attention_block:none:22 ragged_select_top_k:threshold-l2-fixed:4 attention_residual_norm_linear:evit-fixed:4 ragged_cls_probs:evit-fixed:4 ragged_select_top_k:evit-fixed:4 mlp_block:evit-fixed:4 fastpath_residual_norm_linear:none:4}; do
   IFS=: read -r name pruner skip <<< "$spec"
   echo "== $name ($pruner, launch-skip $skip)" >> "$C"

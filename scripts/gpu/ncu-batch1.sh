@@ -11,8 +11,7 @@ set -u
 stages=${STAGES:-forward source}
 . scripts/gpu/lib.sh
 unpack bench bench-attention
-C="$out/ncu-batch1.txt"
-nvidia-smi --query-gpu=name --format=csv,noheader >> "$C"
+start_log ncu-batch1.txt
 has forward && for m in ${MODELS:-deit-small}; do
   ncu_forward "" "$m dense batch 1 f16, separate kernels, warm, boost clocks" --models $m --dtype f16 --batch 1 --pruners none
 done

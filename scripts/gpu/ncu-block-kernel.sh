@@ -8,8 +8,7 @@
 set -u
 . scripts/gpu/lib.sh
 unpack bench
-C="$out/ncu-block-kernel.txt"
-nvidia-smi --query-gpu=name --format=csv,noheader >> "$C"
+start_log ncu-block-kernel.txt
 ncu --cache-control none --clock-control none --kernel-name regex:attention_block --launch-skip ${LAUNCH_SKIP:-22} --launch-count 1 \
   --section SpeedOfLight --section WarpStateStats --section LaunchStats --section Occupancy --section SchedulerStats --print-details all \
   $B/bench --device cuda --models deit-tiny --dtype f16 --batch 1 --pruners none --paths ragged --reps 5 --warmup 1 --out /tmp/x.json 2>&1 \

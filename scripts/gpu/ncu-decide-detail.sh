@@ -5,8 +5,7 @@
 set -u
 . scripts/gpu/lib.sh
 unpack bench
-C="$out/ncu-decide-detail.txt"
-nvidia-smi --query-gpu=name --format=csv,noheader >> "$C"
+start_log ncu-decide-detail.txt
 for run in ${RUNS:-deit-small:1:threshold-l2-adaptive deit-small:1:evit-adaptive deit-small:1:ats-fixed}; do
   IFS=: read -r m b p <<< "$run"
   rep=/tmp/decide-$p

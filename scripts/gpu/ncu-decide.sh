@@ -8,8 +8,7 @@
 set -u
 . scripts/gpu/lib.sh
 unpack ${BENCH:-bench}
-C="$out/ncu-decide.txt"
-nvidia-smi --query-gpu=name --format=csv,noheader >> "$C"
+start_log ncu-decide.txt
 for run in ${RUNS:-deit-small:1:ats-fixed deit-small:1:evit-adaptive deit-small:1:threshold-l2-adaptive deit-small:1:dynamicvit-adaptive deit-small:8:ats-fixed deit-small:8:evit-adaptive}; do
   IFS=: read -r m b p <<< "$run"
   ncu --metrics gpu__time_duration.sum --csv --print-units base $B/${BENCH:-bench} --device cuda --models $m --dtype ${DTYPE:-f16} \

@@ -8,8 +8,7 @@
 set -u
 . scripts/gpu/lib.sh
 unpack bench
-C=$out/evit-b1-ncu.txt
-nvidia-smi --query-gpu=name --format=csv,noheader >> $C
+start_log evit-b1-ncu.txt
 for p in none threshold-l2-fixed evit-fixed; do
 CANDLE_FASTPATH_SMALL_BLOCK=0 ncu --cache-control none --clock-control none --metrics gpu__time_duration.sum --csv --print-units base \
     $B/bench --device cuda --models deit-tiny --dtype f16 --batch 1 --pruners $p --paths ragged --reps 1 --warmup 1 --cuda-graph false --out /tmp/x.json > /tmp/ncu.csv 2>/dev/null

@@ -9,8 +9,7 @@
 set -u
 . scripts/gpu/lib.sh
 unpack bench
-C="$out/ncu-forward-kernels.txt"
-nvidia-smi --query-gpu=name --format=csv,noheader >> "$C"
+start_log ncu-forward-kernels.txt
 for spec in ${FORWARDS:-deit-base:256 deit-small:1}; do
   IFS=: read -r m b p <<< "$spec"
   p=${p:-none}

@@ -6,8 +6,7 @@
 set -u
 . scripts/gpu/lib.sh
 unpack bench
-C="$out/ncu-select-b1.txt"
-nvidia-smi --query-gpu=name --format=csv,noheader >> "$C"
+start_log ncu-select-b1.txt
 run() { CANDLE_FASTPATH_SMALL_BLOCK=0 "$@" $B/bench --device cuda --models ${MODEL:-deit-small} --dtype f16 --batch ${BATCH:-1} --pruners "$p" --paths ragged --reps 1 --warmup 1 --cuda-graph false --out /tmp/x.json; }
 for p in ${PRUNERS:-threshold-l2-fixed evit-fixed}; do
   run ncu --cache-control none --clock-control none -k 'regex:select|cls_probs|gather|decide|offsets' --metrics gpu__time_duration.sum --csv --print-units base > /tmp/ncu.csv 2>/dev/null

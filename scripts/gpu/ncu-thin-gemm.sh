@@ -9,8 +9,7 @@
 set -u
 . scripts/gpu/lib.sh
 unpack bench
-C="$out/ncu-thin-gemm.txt"
-nvidia-smi --query-gpu=name --format=csv,noheader >> "$C"
+start_log ncu-thin-gemm.txt
 K=${KERNEL:-thin_gemm_f16_k384_gelu}
 NV=${NVJET:-nvjet_sm90_hsh_64x40_64x16_4x1}
 run() { env CANDLE_FASTPATH_SMALL_BLOCK=0 "$@" $B/bench --device cuda --models deit-small --dtype f16 --batch 1 --pruners none --paths ragged --reps 2 --warmup 1 --cuda-graph false --out /tmp/x.json; }

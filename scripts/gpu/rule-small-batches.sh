@@ -6,8 +6,7 @@
 set -u
 . scripts/gpu/lib.sh
 unpack bench
-C="$out/rule-small-batches.txt"
-nvidia-smi --query-gpu=name --format=csv,noheader >> "$C"
+start_log rule-small-batches.txt
 for r in $(seq 1 "${RULE_ROUNDS:-2}"); do
   timeout 280 $B/bench --device cuda --models deit-tiny,deit-small,deit-base --dtype f16 --batch "${RULE_BATCH:-1,8}" \
     --pruners none,threshold-l2,dynamicvit,evit,ats --paths ragged --reps 20 --out "$out/rule-$r.json" > /dev/null 2>&1

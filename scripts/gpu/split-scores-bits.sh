@@ -8,8 +8,7 @@ set -u
 . scripts/gpu/lib.sh
 unpack test-select test-select_rule test-select_bounded test-paths_agreement
 unpack_prev test-select
-C=$out/split-bits.txt
-nvidia-smi --query-gpu=name --format=csv,noheader >> $C
+start_log split-bits.txt
 for arm in prev new; do for split in default 0 1; do
   echo "== test-select ($arm kernel) a_sequence_selects_the_same_in_any_batch, CANDLE_RAGGED_SPLIT_SCORES=${split#default}" >> $C
   CANDLE_RAGGED_SPLIT_SCORES=${split#default} timeout 120 $(prev_or_new $arm test-select) --test-threads=1 a_sequence_selects_the_same_in_any_batch 2>&1 | grep -E "test result|: the first" | cut -c1-200 >> $C

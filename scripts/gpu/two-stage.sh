@@ -16,8 +16,7 @@ set -u
 stages=${STAGES:-e2e checks}
 . scripts/gpu/lib.sh
 unpack bench test-graph test-paths_agreement
-C="$out/two-stage.txt"
-nvidia-smi --query-gpu=name --format=csv,noheader >> "$C"
+start_log two-stage.txt
 if has e2e; then
   for r in $(seq 1 "${ROUNDS:-2}"); do
     [ "$r" -gt 1 ] && [ $SECONDS -gt ${ROUND2_BEFORE:-200} ] && { echo "e2e round $r skipped (time)" >> "$C"; break; }
