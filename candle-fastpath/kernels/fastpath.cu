@@ -125,9 +125,39 @@ LAYER_NORM_ENTRIES(2)
 LAYER_NORM_ENTRIES(4)
 LAYER_NORM_ENTRIES(8)
 
+// Rows of at most MAX_CHUNKS vectors with a row to each group of G lanes (layer_norm_group_row:
+// the same bits as the one-warp kernels above), at most three vectors a lane: g8 for rows of up
+// to 24 vectors (C ≤ 192 in 16-bit storage, ≤ 96 in f32), g16 up to 48 (C ≤ 384 / 192).
+template <int CHUNKS, int G, int MAX_CHUNKS, typename T>
+__device__ void layer_norm_group_rows(const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ b,
+                                      T* __restrict__ y, unsigned rows, unsigned C, float eps) {
+    constexpr unsigned VEC = 16 / sizeof(T);
+    const unsigned t = blockIdx.x * blockDim.x + threadIdx.x;
+    const unsigned row = t / G;
+    const bool valid = row < rows;
+    // A warp whose groups are all past the end leaves together (no shuffle is split).
+    if ((t & ~31u) / G >= rows) return;
+    const size_t at = valid ? (size_t)row * C : 0;
+    layer_norm_group_row<CHUNKS, G, MAX_CHUNKS, T>(reinterpret_cast<const uint4*>(x + at), reinterpret_cast<uint4*>(y + at), w,
+                                       b, C / VEC, C, eps, threadIdx.x % G, valid);
+}
+#define LAYER_NORM_GROUP_ENTRY(CHUNKS, G, MAXC, SUFFIX, T)                                            \
+    extern "C" __global__ void fastpath_layer_norm_##SUFFIX##_g##G(const T* x, const T* w, const T* b, T* y, \
+                                                                 unsigned rows, unsigned C, float eps) { \
+        layer_norm_group_rows<CHUNKS, G, MAXC>(x, w, b, y, rows, C, eps);                               \
+    }
+#define LAYER_NORM_GROUP_ENTRIES(CHUNKS, G, MAXC)                                               \
+    LAYER_NORM_GROUP_ENTRY(CHUNKS, G, MAXC, f32, float)                                         \
+    LAYER_NORM_GROUP_ENTRY(CHUNKS, G, MAXC, f16, __half)                                        \
+    LAYER_NORM_GROUP_ENTRY(CHUNKS, G, MAXC, bf16, __nv_bfloat16)
+LAYER_NORM_GROUP_ENTRIES(1, 8, 24)
+LAYER_NORM_GROUP_ENTRIES(2, 16, 48)
+
 // Non-overlapping patches as matmul rows (im2col for a stride-p, p×p conv), cast on the way:
 //   out[b·(L + gh·gw) + L + gy·gw + gx, (c·p + py)·p + px] = pixels[b, c, gy·p + py, gx·p + px]
-// for f32 pixels [B, Cin, H, W] (contiguous; H and W multiples of p, checked on the host), and
+// for pixels [B, Cin, H, W] (contiguous; H and W multiples of p, checked on the host) in f32 or
+// in the output's 16-bit type (a caller that already holds f16 images, as timm's half-precision
+// models take them: half the bytes to read; lever 114), and
 // each image's L leading rows zero (L = 0 for plain patch rows; L = the class / distillation
 // rows when the patch GEMM runs over a whole sequence's rows, lever 67: their x is then the
 // residual operand plus the bias alone).
@@ -137,8 +167,8 @@ LAYER_NORM_ENTRIES(8)
 // mapping (one thread per run, in output order) had a warp's loads 32 image rows apart, 16 bytes
 // of each 32-byte sector per instruction: 204 µs at DeiT's batch 256 against a 77 µs floor.
 // Index arithmetic is 32-bit when the element count fits (one divide chain per V pixels).
-template <typename T, typename I, int V>
-__device__ void patchify_walk(const float* __restrict__ px, T* __restrict__ out, I items, I cin, I h,
+template <typename P, typename T, typename I, int V>
+__device__ void patchify_walk(const P* __restrict__ px, T* __restrict__ out, I items, I cin, I h,
                               I w, I p, I lead) {
     const I wv = w / V, gh = h / p, gw = w / p, cols = cin * p * p;
     for (I i = (I)blockIdx.x * blockDim.x + threadIdx.x; i < items; i += (I)gridDim.x * blockDim.x) {
@@ -148,7 +178,10 @@ __device__ void patchify_walk(const float* __restrict__ px, T* __restrict__ out,
         const I x = xv * V;
         const I gx = x / p, pxl = x % p, gy = y / p, py = y % p;
         T* dst = out + (b * (lead + gh * gw) + lead + gy * gw + gx) * cols + (c * p + py) * p + pxl;
-        if constexpr (V == 4) {
+        if constexpr (V == 4 && sizeof(P) == 2) {
+            // 16-bit pixels of the output's type: 8 bytes in, the same 8 bytes out.
+            *reinterpret_cast<uint2*>(dst) = reinterpret_cast<const uint2*>(px)[i];
+        } else if constexpr (V == 4) {
             const float4 v = reinterpret_cast<const float4*>(px)[i];
             if constexpr (sizeof(T) == 4) {
                 *reinterpret_cast<float4*>(dst) = v;
@@ -157,17 +190,17 @@ __device__ void patchify_walk(const float* __restrict__ px, T* __restrict__ out,
                 *reinterpret_cast<uint2*>(dst) = *reinterpret_cast<const uint2*>(e);
             }
         } else {
-            *dst = from_f32<T>(px[i]);
+            *dst = from_f32<T>(to_f32(px[i]));
         }
     }
 }
 
 // n: the pixel count (B·Cin·H·W); lead: the zero rows in front of each image's patch rows.
-template <typename T>
-__device__ void patchify(const float* __restrict__ px, T* __restrict__ out, unsigned long long n,
+template <typename P, typename T>
+__device__ void patchify(const P* __restrict__ px, T* __restrict__ out, unsigned long long n,
                          int cin, int h, int w, int p, int lead) {
     // Uniform across the grid: every thread takes the same branch.
-    const bool vec = p % 4 == 0 && w % 4 == 0 && (reinterpret_cast<uintptr_t>(px) & 15) == 0 &&
+    const bool vec = p % 4 == 0 && w % 4 == 0 && (reinterpret_cast<uintptr_t>(px) & (4 * sizeof(P) - 1)) == 0 &&
                      (reinterpret_cast<uintptr_t>(out) & (4 * sizeof(T) - 1)) == 0;
     const unsigned long long items = vec ? n / 4 : n;
     // The output holds n + B·lead·cols elements: 32-bit indices while that and every grid-stride
@@ -177,12 +210,12 @@ __device__ void patchify(const float* __restrict__ px, T* __restrict__ out, unsi
     const unsigned long long images = n / ((unsigned long long)cin * h * w);
     const unsigned long long zeros = images * lead * cols;
     if (n + zeros < (1ull << 31)) {
-        if (vec) patchify_walk<T, unsigned, 4>(px, out, (unsigned)items, cin, h, w, p, lead);
-        else patchify_walk<T, unsigned, 1>(px, out, (unsigned)items, cin, h, w, p, lead);
+        if (vec) patchify_walk<P, T, unsigned, 4>(px, out, (unsigned)items, cin, h, w, p, lead);
+        else patchify_walk<P, T, unsigned, 1>(px, out, (unsigned)items, cin, h, w, p, lead);
     } else {
         using U = unsigned long long;
-        if (vec) patchify_walk<T, U, 4>(px, out, items, cin, h, w, p, lead);
-        else patchify_walk<T, U, 1>(px, out, items, cin, h, w, p, lead);
+        if (vec) patchify_walk<P, T, U, 4>(px, out, items, cin, h, w, p, lead);
+        else patchify_walk<P, T, U, 1>(px, out, items, cin, h, w, p, lead);
     }
     // The leading rows: lead·cols zeros at the start of each image's rows.
     const unsigned long long per_image = (unsigned long long)lead * cols;
@@ -202,6 +235,16 @@ extern "C" __global__ void fastpath_patchify_f16(const float* px, __half* out, u
 }
 extern "C" __global__ void fastpath_patchify_bf16(const float* px, __nv_bfloat16* out, unsigned long long n,
                                                   int cin, int h, int w, int p, int lead) {
+    patchify(px, out, n, cin, h, w, p, lead);
+}
+// Pixels already in the output's 16-bit type.
+extern "C" __global__ void fastpath_patchify_f16_from_f16(const __half* px, __half* out, unsigned long long n,
+                                                          int cin, int h, int w, int p, int lead) {
+    patchify(px, out, n, cin, h, w, p, lead);
+}
+extern "C" __global__ void fastpath_patchify_bf16_from_bf16(const __nv_bfloat16* px, __nv_bfloat16* out,
+                                                            unsigned long long n, int cin, int h, int w, int p,
+                                                            int lead) {
     patchify(px, out, n, cin, h, w, p, lead);
 }
 

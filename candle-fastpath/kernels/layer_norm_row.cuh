@@ -82,3 +82,111 @@ __device__ __forceinline__ void layer_norm_params(const void* w, const void* b, 
         }
     }
 }
+
+// The same row normalisation with a row to each group of G lanes (G = 8 or 16; 32 / G rows a
+// warp), bit for bit layer_norm_warp_row's output. Lane g of a group holds what lanes g, g + G,
+// g + 2G, ... hold in the one-warp form (chunks g + G·m + 32·t), adds each of those lanes' values
+// in the same order into its own partial, then does the butterfly's levels 16 .. G in registers
+// (the pairs those levels add are partials of the same lane here) and levels G/2 .. 1 by shuffles
+// inside the group: the same additions of the same operands, so the same sums.
+//
+// Why: at ViT widths a row is a few 16-byte chunks (C = 192 in f16: 24), so one warp per row
+// left a quarter of its lanes idle and, at DeiT-T's batch-64 rows (12,608), needed 1.5 waves of
+// warps whose loads each waited alone; a group of 8 lanes keeps 3 loads a lane in flight.
+// MAX_CHUNKS bounds the row's chunks at compile time, so the slots no row can reach (g + G·m +
+// 32·t ≥ MAX_CHUNKS for every g < G) take no registers; the row stays in its 16-byte raw form
+// (converted when used, exactly) to keep the registers low enough for a full SM of lanes.
+//
+// Every lane of the warp must call this (the shuffles name the whole warp); a group whose row is
+// past the end passes valid = false: it loads nothing, stores nothing, and adds zeros.
+template <int LN_MAX_CHUNKS, int G, int MAX_CHUNKS, typename T>
+__device__ __forceinline__ void layer_norm_group_row(const uint4* row, uint4* out, const void* w, const void* b,
+                                                     unsigned chunks, unsigned C, float eps, unsigned g,
+                                                     bool valid) {
+    static_assert(G == 8 || G == 16, "a group of 8 or 16 lanes");
+    constexpr int R = 32 / G;  // one-warp lanes folded into each lane of the group
+    constexpr unsigned VEC = 16 / sizeof(T);
+    const uint4* wr = reinterpret_cast<const uint4*>(w);
+    const uint4* br = reinterpret_cast<const uint4*>(b);
+    // Whether slot (m, t) holds a chunk of this row: reachable at all, then below `chunks`.
+    auto has = [&](int m, int t) { return G * m + 32 * t < MAX_CHUNKS && valid && g + G * m + 32 * t < chunks; };
+    // Weight and bias beside the row (layer_norm_params' reason: off the reductions' path).
+    uint4 wraw[R][LN_MAX_CHUNKS], braw[R][LN_MAX_CHUNKS], raw[R][LN_MAX_CHUNKS];
+#pragma unroll
+    for (int m = 0; m < R; ++m) {
+#pragma unroll
+        for (int t = 0; t < LN_MAX_CHUNKS; ++t) {
+            if (has(m, t)) {
+                const unsigned c = g + G * m + 32 * t;
+                wraw[m][t] = wr[c];
+                braw[m][t] = br[c];
+                raw[m][t] = row[c];
+            }
+        }
+    }
+    float part[R];
+#pragma unroll
+    for (int m = 0; m < R; ++m) {
+        part[m] = 0.f;
+#pragma unroll
+        for (int t = 0; t < LN_MAX_CHUNKS; ++t) {
+            if (has(m, t)) {
+                const T* e = reinterpret_cast<const T*>(&raw[m][t]);
+#pragma unroll
+                for (unsigned j = 0; j < VEC; ++j) part[m] += to_f32(e[j]);
+            }
+        }
+    }
+    // Butterfly levels 16 .. G: the one-warp lane g + G·m adds lane g + G·(m ^ (16 / G)), ...
+#pragma unroll
+    for (int step = R / 2; step >= 1; step /= 2) {
+#pragma unroll
+        for (int m = 0; m < step; ++m) part[m] = part[m] + part[m + step];
+    }
+    float sum = part[0];
+#pragma unroll
+    for (int o = G / 2; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    const float mean = sum / (float)C;
+#pragma unroll
+    for (int m = 0; m < R; ++m) {
+        part[m] = 0.f;
+#pragma unroll
+        for (int t = 0; t < LN_MAX_CHUNKS; ++t) {
+            if (has(m, t)) {
+                const T* e = reinterpret_cast<const T*>(&raw[m][t]);
+#pragma unroll
+                for (unsigned j = 0; j < VEC; ++j) {
+                    const float d = to_f32(e[j]) - mean;
+                    part[m] += d * d;
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int step = R / 2; step >= 1; step /= 2) {
+#pragma unroll
+        for (int m = 0; m < step; ++m) part[m] = part[m] + part[m + step];
+    }
+    float sq = part[0];
+#pragma unroll
+    for (int o = G / 2; o > 0; o >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, o);
+    const float rstd = 1.0f / sqrtf(sq / (float)C + eps);
+#pragma unroll
+    for (int m = 0; m < R; ++m) {
+#pragma unroll
+        for (int t = 0; t < LN_MAX_CHUNKS; ++t) {
+            if (has(m, t)) {
+                uint4 o;
+                const T* e = reinterpret_cast<const T*>(&raw[m][t]);
+                const T* we = reinterpret_cast<const T*>(&wraw[m][t]);
+                const T* be = reinterpret_cast<const T*>(&braw[m][t]);
+                T* oe = reinterpret_cast<T*>(&o);
+#pragma unroll
+                for (unsigned j = 0; j < VEC; ++j) {
+                    oe[j] = from_f32<T>((to_f32(e[j]) - mean) * rstd * to_f32(we[j]) + to_f32(be[j]));
+                }
+                out[g + G * m + 32 * t] = o;
+            }
+        }
+    }
+}

@@ -40,7 +40,7 @@ const GELU_NAMES: [&str; 6] = [
     "fastpath_gelu_phi_bf16",
 ];
 /// Per size class (16-byte chunks per lane: 1, 2, 4, 8), then per `dtype_index`.
-const LN_NAMES: [&str; 12] = [
+const LN_NAMES: [&str; 18] = [
     "fastpath_layer_norm_f32_c1",
     "fastpath_layer_norm_f16_c1",
     "fastpath_layer_norm_bf16_c1",
@@ -53,6 +53,12 @@ const LN_NAMES: [&str; 12] = [
     "fastpath_layer_norm_f32_c8",
     "fastpath_layer_norm_f16_c8",
     "fastpath_layer_norm_bf16_c8",
+    "fastpath_layer_norm_f32_g8",
+    "fastpath_layer_norm_f16_g8",
+    "fastpath_layer_norm_bf16_g8",
+    "fastpath_layer_norm_f32_g16",
+    "fastpath_layer_norm_f16_g16",
+    "fastpath_layer_norm_bf16_g16",
 ];
 
 /// [`NormLinearOp`]'s kernels: per width of [`crate::NORM_LINEAR_DIMS`], then per tile height
@@ -345,26 +351,47 @@ fn norm_linear_smem_bytes(c: usize, tile_rows: usize) -> usize {
     (tile_rows + NL_BN) * (c + 8) * 2
 }
 
-/// Index into [`LN_NAMES`]: the smallest size class whose `32 · chunks` lanes' worth of 16-byte
-/// vectors hold a row of `vectors`; `CANDLE_FASTPATH_LN_CHUNKS=8` takes the largest for every C
-/// (the single kernel of before, for A/B runs).
-fn layer_norm_index(dtype: DType, vectors: usize) -> candle_core::Result<usize> {
-    static FORCE_WIDE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    let wide =
-        crate::switches::read_once(&FORCE_WIDE, "CANDLE_FASTPATH_LN_CHUNKS", |v| v == Some("8"));
-    let class = match vectors.div_ceil(32) {
-        _ if wide => 3,
-        0 | 1 => 0,
-        2 => 1,
-        3 | 4 => 2,
-        _ => 3,
+/// The LayerNorm kernel for rows of `vectors` 16-byte vectors: its index into [`LN_NAMES`] and
+/// the lanes that share a row. Rows of up to 24 / 48 vectors (DeiT-T's and DeiT-S's widths in
+/// 16-bit storage) go to the grouped kernels (8 / 16 lanes a row, the same bits: lever 113);
+/// wider ones to the smallest size class whose `32 · chunks` lanes' worth of vectors hold the row,
+/// one warp a row. A/B switch `CANDLE_FASTPATH_LN_CHUNKS`: `warp` takes the one-warp class for
+/// every width (the kernels before lever 113), `8` the largest class for every width (the single
+/// kernel of before lever 20).
+fn layer_norm_kernel(dtype: DType, vectors: usize) -> candle_core::Result<(usize, u32)> {
+    #[derive(Clone, Copy, PartialEq)]
+    enum Form {
+        Grouped,
+        Warp,
+        Wide,
+    }
+    static FORM: std::sync::OnceLock<Form> = std::sync::OnceLock::new();
+    let form = crate::switches::read_once(&FORM, "CANDLE_FASTPATH_LN_CHUNKS", |v| match v {
+        Some("8") => Form::Wide,
+        Some("warp") => Form::Warp,
+        _ => Form::Grouped,
+    });
+    let (class, lanes) = match vectors {
+        _ if form == Form::Wide => (3, 32),
+        0..=24 if form == Form::Grouped => (4, 8),
+        25..=48 if form == Form::Grouped => (5, 16),
+        v => match v.div_ceil(32) {
+            0 | 1 => (0, 32),
+            2 => (1, 32),
+            3 | 4 => (2, 32),
+            _ => (3, 32),
+        },
     };
-    Ok(3 * class + dtype_index(dtype)?)
+    Ok((3 * class + dtype_index(dtype)?, lanes))
 }
-const PATCH_NAMES: [&str; 3] = [
+/// f32 pixels → f32 / f16 / bf16 rows (by `dtype_index`), then 16-bit pixels → rows of the same
+/// type (f16, bf16).
+const PATCH_NAMES: [&str; 5] = [
     "fastpath_patchify_f32",
     "fastpath_patchify_f16",
     "fastpath_patchify_bf16",
+    "fastpath_patchify_f16_from_f16",
+    "fastpath_patchify_bf16_from_bf16",
 ];
 const EMBED_NAMES: [&str; 3] = [
     "fastpath_embed_tokens_f32",
@@ -1234,17 +1261,19 @@ impl LayerNormOp {
         let xs = x.as_cuda_slice::<T>()?.slice(lx.start_offset()..);
         let ws = w.as_cuda_slice::<T>()?.slice(lw.start_offset()..);
         let bs = b.as_cuda_slice::<T>()?.slice(lb.start_offset()..);
-        // SAFETY: every element is written by the kernel (one warp per row, every chunk).
+        // SAFETY: every element is written by the kernel (a warp or a group of lanes per row, every
+        // chunk).
         let out = unsafe { dev.alloc::<T>(n)? };
+        let (index, lanes) = layer_norm_kernel(T::DTYPE, c / (16 / size))?;
         let func = {
             let mut states = STATE.lock().unwrap_or_else(|e| e.into_inner());
-            device_state(&mut states, dev)?.layer_norm[layer_norm_index(T::DTYPE, c / (16 / size))?]
-                .clone()
+            device_state(&mut states, dev)?.layer_norm[index].clone()
         };
-        let rows_per_block = 8u32;
+        // 256 threads a block: 8 rows with one warp a row, 32 / 16 with a group of 8 / 16 lanes.
+        let rows_per_block = 256 / lanes;
         let cfg = LaunchConfig {
             grid_dim: (rows.div_ceil(rows_per_block), 1, 1),
-            block_dim: (32 * rows_per_block, 1, 1),
+            block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
         let stream = dev.cuda_stream();
@@ -2896,8 +2925,8 @@ impl EmbedTokensOp {
 
 cuda_only_op3!(EmbedTokensOp, "fastpath-embed-tokens", "embed_tokens");
 
-/// [`crate::patchify_after_zero_rows`] on CUDA: f32 pixels `[B, C, H, W]` (contiguous) → patch
-/// rows in `dtype`, each image's after `lead` zero rows.
+/// [`crate::patchify_after_zero_rows`] on CUDA: pixels `[B, C, H, W]` (contiguous; f32, or f16 /
+/// bf16 when `dtype` is the same) → patch rows in `dtype`, each image's after `lead` zero rows.
 pub(crate) struct PatchifyOp {
     pub patch: usize,
     pub dtype: DType,
@@ -2928,10 +2957,17 @@ impl candle_core::CustomOp1 for PatchifyOp {
         let lead = i32::try_from(self.lead).map_err(|_| {
             candle_core::Error::Msg(format!("patchify: {} leading rows", self.lead))
         })?;
-        let px = s.as_cuda_slice::<f32>()?.slice(l.start_offset()..);
+        let index = match (s.dtype(), self.dtype) {
+            (DType::F32, out) => dtype_index(out)?,
+            (DType::F16, DType::F16) => 3,
+            (DType::BF16, DType::BF16) => 4,
+            (px, out) => {
+                candle_core::bail!("patchify: no kernel for {px:?} pixels to {out:?} rows")
+            }
+        };
         let func = {
             let mut states = STATE.lock().unwrap_or_else(|e| e.into_inner());
-            device_state(&mut states, dev)?.patchify[dtype_index(self.dtype)?].clone()
+            device_state(&mut states, dev)?.patchify[index].clone()
         };
         // One thread per 4 pixels (or per pixel when the rows are not 16-byte vectors; see the
         // kernel), grid-stride beyond 16 blocks of 256 per SM.
@@ -2949,7 +2985,16 @@ impl candle_core::CustomOp1 for PatchifyOp {
                 // then the leading rows' zeros).
                 let out = unsafe { dev.alloc::<$t>(out_len)? };
                 let mut builder = stream.launch_builder(&func);
-                builder.arg(&px);
+                // The pixels' own type: f32, or the rows' (checked above).
+                let px_f32;
+                let px_same;
+                if s.dtype() == DType::F32 {
+                    px_f32 = s.as_cuda_slice::<f32>()?.slice(l.start_offset()..);
+                    builder.arg(&px_f32);
+                } else {
+                    px_same = s.as_cuda_slice::<$t>()?.slice(l.start_offset()..);
+                    builder.arg(&px_same);
+                }
                 builder.arg(&out);
                 builder.arg(&n);
                 builder.arg(&ci);

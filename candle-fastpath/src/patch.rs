@@ -41,7 +41,8 @@ pub fn patchify_after_zero_rows(
     }
     let (gh, gw) = (h / patch, w / patch);
     #[cfg(feature = "cuda")]
-    if pixels.device().is_cuda() && pixels.dtype() == DType::F32 {
+    // The kernel takes f32 pixels, or 16-bit ones of the rows' own type (lever 114).
+    if pixels.device().is_cuda() && (pixels.dtype() == DType::F32 || pixels.dtype() == dtype) {
         let op = crate::cuda::PatchifyOp { patch, dtype, lead };
         return Ok(pixels.contiguous()?.apply_op1_no_bwd(&op)?);
     }

@@ -123,3 +123,78 @@ fn bad_inputs_are_clear_errors() {
         .to_string();
     assert!(e.contains("x has no elements"), "{e}");
 }
+
+/// Every output of the LayerNorm kernels over fixed random rows (f32 / f16 / bf16; widths that
+/// take the grouped kernels, 8 and 16 lanes a row, and their edges; row counts that leave a
+/// block or a warp part full), as f32 bits (exact for f16 / bf16), outputs poisoned first.
+fn kernel_bits(dev: &Device) -> Vec<u32> {
+    let mut rng = StdRng::seed_from_u64(11);
+    let mut bits = Vec::new();
+    for dtype in [DType::F32, DType::F16, DType::BF16] {
+        for &c in &[8, 64, 96, 128, 192, 200, 256, 384, 392, 512] {
+            for &rows in &[1, 2, 3, 5, 31, 33, 197, 1031] {
+                let v = |n: usize, lo: f32, hi: f32, rng: &mut StdRng| {
+                    let data = (0..n).map(|_| rng.random_range(lo..hi)).collect::<Vec<_>>();
+                    Tensor::from_vec(data, n, dev)
+                        .unwrap()
+                        .to_dtype(dtype)
+                        .unwrap()
+                };
+                let shift = rng.random_range(-20.0f32..20.0);
+                let x = (v(rows * c, -2.0, 2.0, &mut rng) + shift as f64)
+                    .unwrap()
+                    .reshape((rows, c))
+                    .unwrap();
+                let w = v(c, 0.5, 1.5, &mut rng);
+                let b = v(c, -0.5, 0.5, &mut rng);
+                let ln = LayerNorm::new(w, b, 1e-6).unwrap();
+                poison(dev, rows * c, dtype);
+                bits.extend(host(&ln.forward(&x).unwrap()).iter().map(|f| f.to_bits()));
+            }
+        }
+    }
+    bits
+}
+
+/// Lever 113's grouped LayerNorm kernels (a row to 8 or 16 lanes) give the one-warp kernels'
+/// output bit for bit: the fused kernels that normalise rows with `layer_norm_warp_row` (the
+/// cluster kernels' z, norm_linear's tiles) are asserted equal to this op's output elsewhere.
+/// The kernel is picked once per process, so the one-warp outputs come from this test binary run
+/// again with `CANDLE_FASTPATH_LN_CHUNKS=warp` (the ignored test below). CUDA only.
+#[test]
+fn grouped_rows_equal_one_warp_rows_bit_for_bit() {
+    let dev = device();
+    if !dev.is_cuda() || std::env::var_os("LN_BITS_OUT").is_some() {
+        return;
+    }
+    let ours = kernel_bits(&dev);
+    let path = std::env::temp_dir().join(format!("ln-bits-{}.bin", std::process::id()));
+    let status = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "one_warp_bits", "--ignored", "--test-threads=1"])
+        .env("CANDLE_FASTPATH_LN_CHUNKS", "warp")
+        .env("LN_BITS_OUT", &path)
+        .status()
+        .unwrap();
+    assert!(status.success(), "the one-warp run failed: {status}");
+    let raw = std::fs::read(&path).unwrap();
+    std::fs::remove_file(&path).ok();
+    let theirs: Vec<u32> = raw
+        .chunks_exact(4)
+        .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect();
+    assert_eq!(ours.len(), theirs.len());
+    let differ = ours.iter().zip(&theirs).filter(|(a, b)| a != b).count();
+    assert_eq!(differ, 0, "{differ} of {} outputs differ", ours.len());
+}
+
+/// The other half of the test above: writes `kernel_bits` to `LN_BITS_OUT`.
+#[test]
+#[ignore = "run by grouped_rows_equal_one_warp_rows_bit_for_bit"]
+fn one_warp_bits() {
+    let Some(path) = std::env::var_os("LN_BITS_OUT") else {
+        return;
+    };
+    let bits = kernel_bits(&device());
+    let raw: Vec<u8> = bits.iter().flat_map(|b| b.to_le_bytes()).collect();
+    std::fs::write(path, raw).unwrap();
+}

@@ -1,7 +1,9 @@
 //! patchify against an independent host loop over the conv's index map: f32/f16/bf16 output,
 //! 1-4 channels, square and non-square images, patch sizes 1, 2, 4, 6, 8, 16 (4, 8 and 16 with
 //! widths divisible by 4 take the CUDA kernel's 4-pixel path, 1, 2 and 6 its per-pixel one);
-//! with and without zero leading rows per image; output memory poisoned.
+//! with and without zero leading rows per image; pixels in f32, f16 or bf16 (16-bit pixels of the
+//! output's type take the kernel's copy path, lever 114; other pairs the candle-ops path); output
+//! memory poisoned.
 
 mod common;
 
@@ -27,46 +29,51 @@ fn matches_the_conv_index_map() {
             let px: Vec<f32> = (0..n)
                 .map(|i| ((i * 7919) % 1000) as f32 / 97.0 - 5.0)
                 .collect();
-            let t = Tensor::from_slice(&px, (b, c, h, w), &dev).unwrap();
-            let (gh, gw) = (h / p, w / p);
-            let cols = c * p * p;
-            // lead 0 is `patchify`; 1 and 2 put zero rows (the class / distillation slots) in
-            // front of each image's patch rows.
-            for lead in [0, 1, 2] {
-                poison(&dev, n + b * lead * cols, dtype);
-                let out = if lead == 0 {
-                    patchify(&t, p, dtype).unwrap()
-                } else {
-                    patchify_after_zero_rows(&t, p, dtype, lead).unwrap()
-                };
-                let image_rows = lead + gh * gw;
-                assert_eq!(out.dims(), &[b * image_rows, cols]);
-                assert_eq!(out.dtype(), dtype);
-                let got = host(&out);
-                // The pixels as the op's output dtype holds them.
-                let rounded = quantize(&px, dtype);
-                for bi in 0..b {
-                    for r in 0..lead {
-                        let row = bi * image_rows + r;
-                        assert!(
-                            got[row * cols..(row + 1) * cols].iter().all(|&v| v == 0.0),
-                            "{dtype:?} {b}x{c}x{h}x{w}/{p} lead {lead}: row {row} not zero"
-                        );
-                    }
-                    for gy in 0..gh {
-                        for gx in 0..gw {
-                            let row = bi * image_rows + lead + gy * gw + gx;
-                            for ch in 0..c {
-                                for y in 0..p {
-                                    for x in 0..p {
-                                        let col = (ch * p + y) * p + x;
-                                        let want = rounded
-                                            [((bi * c + ch) * h + gy * p + y) * w + gx * p + x];
-                                        assert_eq!(
+            for px_dtype in [DType::F32, DType::F16, DType::BF16] {
+                let t = Tensor::from_slice(&px, (b, c, h, w), &dev)
+                    .unwrap()
+                    .to_dtype(px_dtype)
+                    .unwrap();
+                let (gh, gw) = (h / p, w / p);
+                let cols = c * p * p;
+                // lead 0 is `patchify`; 1 and 2 put zero rows (the class / distillation slots) in
+                // front of each image's patch rows.
+                for lead in [0, 1, 2] {
+                    poison(&dev, n + b * lead * cols, dtype);
+                    let out = if lead == 0 {
+                        patchify(&t, p, dtype).unwrap()
+                    } else {
+                        patchify_after_zero_rows(&t, p, dtype, lead).unwrap()
+                    };
+                    let image_rows = lead + gh * gw;
+                    assert_eq!(out.dims(), &[b * image_rows, cols]);
+                    assert_eq!(out.dtype(), dtype);
+                    let got = host(&out);
+                    // The pixels as their own dtype holds them, then as the op's output dtype does.
+                    let rounded = quantize(&quantize(&px, px_dtype), dtype);
+                    for bi in 0..b {
+                        for r in 0..lead {
+                            let row = bi * image_rows + r;
+                            assert!(
+                                got[row * cols..(row + 1) * cols].iter().all(|&v| v == 0.0),
+                                "{dtype:?} {b}x{c}x{h}x{w}/{p} lead {lead}: row {row} not zero"
+                            );
+                        }
+                        for gy in 0..gh {
+                            for gx in 0..gw {
+                                let row = bi * image_rows + lead + gy * gw + gx;
+                                for ch in 0..c {
+                                    for y in 0..p {
+                                        for x in 0..p {
+                                            let col = (ch * p + y) * p + x;
+                                            let want = rounded
+                                                [((bi * c + ch) * h + gy * p + y) * w + gx * p + x];
+                                            assert_eq!(
                                         got[row * cols + col],
                                         want,
-                                        "{dtype:?} {b}x{c}x{h}x{w}/{p} lead {lead} row {row} col {col}"
+                                        "{px_dtype:?} → {dtype:?} {b}x{c}x{h}x{w}/{p} lead {lead} row {row} col {col}"
                                     );
+                                        }
                                     }
                                 }
                             }

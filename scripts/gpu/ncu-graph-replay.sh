@@ -10,14 +10,16 @@
 set -u
 . scripts/gpu/lib.sh
 unpack bench
-start_log ncu-graph-replay.txt
+start_log "${LOG:-ncu-graph-replay.txt}"
+# (Until stop 47 the ncu line lacked --cache-control / --clock-control none: its times were at
+# base clocks with caches flushed before each kernel, lever 109's list among them.)
 for spec in ${FORWARDS:-deit-tiny:64:none deit-tiny:64:threshold-l2-fixed}; do
   IFS=: read -r m b p <<< "$spec"
   args=(--device cuda --models "$m" --dtype "${DTYPE:-f16}" --batch "$b" --pruners "$p" --paths ragged)
   line=$($B/bench "${args[@]}" --reps 50 --graph-anatomy --out /tmp/anat.json 2>&1 | grep "^graph" | grep -v "head only" | tail -1)
   echo "$line" >> "$C"
   k=$(sed -E 's/.*: ([0-9]+) kernel,.*/\1/' <<< "$line")
-  ncu --graph-profiling node --metrics gpu__time_duration.sum --csv --print-units base \
+  ncu --graph-profiling node --cache-control none --clock-control none --metrics gpu__time_duration.sum --csv --print-units base \
     $B/bench "${args[@]}" --reps 1 --warmup 1 --out /tmp/x.json > /tmp/ncu.csv 2>/dev/null
   python3 scripts/gpu/ncu_last_replay.py /tmp/ncu.csv "$k" "$m batch $b ${DTYPE:-f16} $p" >> "$C"
 done

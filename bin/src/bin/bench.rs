@@ -102,9 +102,23 @@ struct Args {
     #[arg(long, default_value_t = false)]
     graph_anatomy: bool,
 
+    /// Dtype of the input images: `model` (each row's compute dtype, as timm's half-precision
+    /// models take them and scripts/peers/timm_deit.py feeds them; the default since lever 114)
+    /// or `f32` (what a preprocessing pipeline hands over; the rows before lever 114).
+    #[arg(long, value_enum, default_value_t = PixelsArg::Model)]
+    pixels: PixelsArg,
+
     /// Output JSON file.
     #[arg(long, default_value = "docs/benchmarks/h100-e2e.json")]
     out: PathBuf,
+}
+
+/// `--pixels`: the input images' dtype.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize)]
+#[serde(rename_all = "lowercase")]
+enum PixelsArg {
+    Model,
+    F32,
 }
 
 #[derive(Debug, Serialize)]
@@ -141,6 +155,8 @@ struct Report {
     event_tracking: bool,
     /// `--seed` of the random weights and images.
     seed: u64,
+    /// `--pixels`: the input images' dtype (`model` or `f32`).
+    pixels: PixelsArg,
     rows: Vec<Row>,
 }
 
@@ -396,6 +412,7 @@ fn main() -> ExitCode {
             command: std::env::args().collect::<Vec<_>>().join(" "),
             event_tracking: args.event_tracking,
             seed: args.seed,
+            pixels: args.pixels,
             rows: Vec::new(),
         };
         if let Some(dir) = args.out.parent().filter(|d| !d.as_os_str().is_empty()) {
@@ -407,6 +424,10 @@ fn main() -> ExitCode {
                 let model = random_model(&cfg, dtype_arg.dtype(), args.seed, &device)?;
                 for &batch in &args.batch {
                     let pixels = random_pixels(batch, &cfg, args.seed, &device)?;
+                    let pixels = match args.pixels {
+                        PixelsArg::Model => pixels.to_dtype(dtype_arg.dtype())?,
+                        PixelsArg::F32 => pixels,
+                    };
                     for v in &variants {
                         let schedule = match v.spec.kind {
                             None => PruningSchedule::none(),
