@@ -1,10 +1,11 @@
 //! pack / unpack: gather by lengths, by kept indices and by mask, exact round trips in every dtype,
-//! zeros where nothing was kept, and clear errors on bad input.
+//! zeros where nothing was kept, and clear errors on bad input; leading_rows against a host loop
+//! (its one-sequence view included).
 
 mod common;
 
 use candle_core::{DType, Device, Tensor};
-use candle_ragged::{pack, unpack, RaggedBatch, RaggedError};
+use candle_ragged::{leading_rows, pack, unpack, RaggedBatch, RaggedError};
 use common::*;
 use rand::Rng;
 
@@ -156,6 +157,63 @@ fn u32_payloads_round_trip() {
         back,
         vec![0, 1, 2, 3, 4, 5, 0, 0, 0, 0, 0, 0, 12, 13, 14, 15, 16, 17, 18, 19, 20, 0, 0, 0]
     );
+}
+
+/// leading_rows against a host loop: the first `rows` rows of every sequence, zeros past a short
+/// one; batches of one (the view, lever 116, when the length holds the rows; the kernel when it
+/// does not) and of several, contiguous and column-sliced (strided) inputs, every dtype, output
+/// memory poisoned.
+#[test]
+fn leading_rows_match_a_host_loop() {
+    let dev = device();
+    for dtype in [DType::F32, DType::F16, DType::BF16] {
+        for lengths in [
+            vec![197usize],
+            vec![1],
+            vec![2],
+            vec![3, 1, 70],
+            vec![65, 64, 63],
+        ] {
+            let total: usize = lengths.iter().sum();
+            let batch = RaggedBatch::from_lengths(&lengths, &dev).unwrap();
+            for rows in [1usize, 2] {
+                for sliced in [false, true] {
+                    let c = 24;
+                    let wide = if sliced { 2 * c } else { c };
+                    let (v, t) = image_tensor(&dev, 1, total, wide, dtype, 7 + rows as u64);
+                    let t = t.reshape((total, wide)).unwrap();
+                    let packed = if sliced {
+                        t.narrow(1, c, c).unwrap()
+                    } else {
+                        t
+                    };
+                    poison(&dev, lengths.len() * rows * c, dtype);
+                    let got = leading_rows(&packed, &batch, rows).unwrap();
+                    assert_eq!(got.dims(), &[lengths.len(), rows, c]);
+                    assert!(got.is_contiguous());
+                    let got = host(&got);
+                    let mut start = 0;
+                    for (b, &len) in lengths.iter().enumerate() {
+                        for j in 0..rows {
+                            for k in 0..c {
+                                let want = if j < len {
+                                    v[(start + j) * wide + if sliced { c } else { 0 } + k]
+                                } else {
+                                    0.0
+                                };
+                                assert_eq!(
+                                    got[(b * rows + j) * c + k],
+                                    want,
+                                    "{dtype:?} lengths {lengths:?} rows {rows} sliced {sliced}: [{b}, {j}, {k}]"
+                                );
+                            }
+                        }
+                        start += len;
+                    }
+                }
+            }
+        }
+    }
 }
 
 #[test]
