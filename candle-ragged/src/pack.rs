@@ -290,29 +290,9 @@ impl CustomOp1 for Unpack<'_> {
 /// * `packed` - `[batch.total_tokens(), channels]`, f32 / f16 / bf16 / u32.
 ///
 /// Returns `[batch.batch_size(), rows, channels]`, contiguous.
-///
-/// One sequence whose length the host knows to hold the rows: they are `packed`'s first rows, so
-/// the result is a view of them (no kernel; at batch 1 a classifier's last block took two
-/// launches for its class rows, ~2.7 µs each under ncu: lever 116), unless
-/// `CANDLE_RAGGED_LEADING_VIEW=0` (read once; for A/B measurements).
 pub fn leading_rows(packed: &Tensor, batch: &RaggedBatch, rows: usize) -> Result<Tensor> {
     check_packed("leading_rows", packed, batch)?;
-    if let (1, Some(&[0, end])) = (batch.batch_size(), batch.host_offsets()) {
-        if rows <= end as usize && leading_view_enabled() {
-            let c = packed.dim(1)?;
-            return Ok(packed
-                .narrow(0, 0, rows)?
-                .contiguous()?
-                .reshape((1, rows, c))?);
-        }
-    }
     Ok(unit_column_stride(packed)?.apply_op1_no_bwd(&LeadingRows { batch, rows })?)
-}
-
-/// [`leading_rows`]' view for one sequence, unless `CANDLE_RAGGED_LEADING_VIEW=0`.
-fn leading_view_enabled() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("CANDLE_RAGGED_LEADING_VIEW").as_deref() != Ok("0"))
 }
 
 /// `[total, channels]` -> `[batch, rows, channels]`; see [`leading_rows`].

@@ -160,9 +160,8 @@ fn u32_payloads_round_trip() {
 }
 
 /// leading_rows against a host loop: the first `rows` rows of every sequence, zeros past a short
-/// one; batches of one (the view, lever 116, when the length holds the rows; the kernel when it
-/// does not) and of several, contiguous and column-sliced (strided) inputs, every dtype, output
-/// memory poisoned.
+/// one; batches of one and of several, contiguous and column-sliced (strided) inputs, every
+/// dtype, output memory poisoned.
 #[test]
 fn leading_rows_match_a_host_loop() {
     let dev = device();

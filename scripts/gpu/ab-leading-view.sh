@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# Lever 116 was NOT kept: the code is docs/benchmarks/history/lever116-leading-view.patch.
 # Lever 116 on the GPU machine, from the repo root: candle_ragged::leading_rows as a view of the
 # packed tensor's first rows for a batch of one (the class rows a classifier's last block and head
 # read: two `ragged_unpack` launches a batch-1 pruned forward before), against the kernel
