@@ -99,6 +99,22 @@ __device__ __forceinline__ void layer_norm_params(const void* w, const void* b, 
 //
 // Every lane of the warp must call this (the shuffles name the whole warp); a group whose row is
 // past the end passes valid = false: it loads nothing, stores nothing, and adds zeros.
+// The group's total of its lanes' slot partials `part` (slot m of lane g standing for the
+// one-warp lane g + G·m): the one-warp butterfly's levels 16 .. G in registers (lane g + G·m adds
+// lane g + G·(m ^ (16 / G)), ...), then levels G/2 .. 1 by shuffles inside the group.
+template <int R, int G>
+__device__ __forceinline__ float group_total(float (&part)[R]) {
+#pragma unroll
+    for (int step = R / 2; step >= 1; step /= 2) {
+#pragma unroll
+        for (int m = 0; m < step; ++m) part[m] = part[m] + part[m + step];
+    }
+    float total = part[0];
+#pragma unroll
+    for (int o = G / 2; o > 0; o >>= 1) total += __shfl_xor_sync(0xffffffffu, total, o);
+    return total;
+}
+
 template <int LN_MAX_CHUNKS, int G, int MAX_CHUNKS, typename T>
 __device__ __forceinline__ void layer_norm_group_row(const uint4* row, uint4* out, const void* w, const void* b,
                                                      unsigned chunks, unsigned C, float eps, unsigned g,
@@ -124,52 +140,29 @@ __device__ __forceinline__ void layer_norm_group_row(const uint4* row, uint4* ou
             }
         }
     }
+    // Each slot's running sum of term(x) over its chunk's elements, in the one-warp form's order.
     float part[R];
+    auto accumulate = [&](auto term) {
 #pragma unroll
-    for (int m = 0; m < R; ++m) {
-        part[m] = 0.f;
+        for (int m = 0; m < R; ++m) {
+            part[m] = 0.f;
 #pragma unroll
-        for (int t = 0; t < LN_MAX_CHUNKS; ++t) {
-            if (has(m, t)) {
-                const T* e = reinterpret_cast<const T*>(&raw[m][t]);
+            for (int t = 0; t < LN_MAX_CHUNKS; ++t) {
+                if (has(m, t)) {
+                    const T* e = reinterpret_cast<const T*>(&raw[m][t]);
 #pragma unroll
-                for (unsigned j = 0; j < VEC; ++j) part[m] += to_f32(e[j]);
-            }
-        }
-    }
-    // Butterfly levels 16 .. G: the one-warp lane g + G·m adds lane g + G·(m ^ (16 / G)), ...
-#pragma unroll
-    for (int step = R / 2; step >= 1; step /= 2) {
-#pragma unroll
-        for (int m = 0; m < step; ++m) part[m] = part[m] + part[m + step];
-    }
-    float sum = part[0];
-#pragma unroll
-    for (int o = G / 2; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-    const float mean = sum / (float)C;
-#pragma unroll
-    for (int m = 0; m < R; ++m) {
-        part[m] = 0.f;
-#pragma unroll
-        for (int t = 0; t < LN_MAX_CHUNKS; ++t) {
-            if (has(m, t)) {
-                const T* e = reinterpret_cast<const T*>(&raw[m][t]);
-#pragma unroll
-                for (unsigned j = 0; j < VEC; ++j) {
-                    const float d = to_f32(e[j]) - mean;
-                    part[m] += d * d;
+                    for (unsigned j = 0; j < VEC; ++j) part[m] += term(to_f32(e[j]));
                 }
             }
         }
-    }
-#pragma unroll
-    for (int step = R / 2; step >= 1; step /= 2) {
-#pragma unroll
-        for (int m = 0; m < step; ++m) part[m] = part[m] + part[m + step];
-    }
-    float sq = part[0];
-#pragma unroll
-    for (int o = G / 2; o > 0; o >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, o);
+    };
+    accumulate([](float x) { return x; });
+    const float mean = group_total<R, G>(part) / (float)C;
+    accumulate([&](float x) {
+        const float d = x - mean;
+        return d * d;
+    });
+    const float sq = group_total<R, G>(part);
     const float rstd = 1.0f / sqrtf(sq / (float)C + eps);
 #pragma unroll
     for (int m = 0; m < R; ++m) {

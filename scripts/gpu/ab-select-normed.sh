@@ -30,15 +30,7 @@ if has checks; then
   paths_check deit-tiny 64 300
   paths_check deit-small 32 300
 fi
-if has replay; then
-  for a in $ARMS; do
-    echo "== replay, $V=$(val $a)" >> "$C"
-    env "$V=$(val $a)" FORWARDS="deit-tiny:64:threshold-l2-fixed" LOG=replay-$a.txt \
-      bash scripts/gpu/ncu-graph-replay.sh > /dev/null 2>&1
-    grep -E "^graph|^==|launches" "$out/replay-$a.txt" >> "$C"
-    grep -E "^ +[0-9]+ +[0-9.]+ +[0-9.]+ " "$out/replay-$a.txt" | grep -E "layer_norm|select" >> "$C"
-  done
-fi
+has replay && replay_arms "$V" "$ARMS" "deit-tiny:64:threshold-l2-fixed" "layer_norm|select"
 e2e_run() { env "$V=$(val $1)" timeout 280 $B/bench --device cuda --models deit-tiny,deit-small,deit-base --dtype f16 \
   --batch "${E2E_BATCH:-8,64,256}" --pruners none,threshold-l2-fixed,dynamicvit-fixed --paths ragged --reps 10 --out "$2"; }
 has e2e && ab_rounds e2e e2e_run

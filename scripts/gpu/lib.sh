@@ -138,6 +138,20 @@ ncu_forward() {
   python3 scripts/gpu/ncu_kernels.py /tmp/ncu.csv "$title" >> "$C"
 }
 
+# replay_arms VAR "ARMS" "FORWARDS" KERNELS: per arm of ARMS (`default`: VAR empty), one graph
+# replay's kernels under ncu (ncu-graph-replay.sh with FORWARDS, its log $out/replay-ARM.txt), then
+# its graph and total lines and the by-name rows of the kernels matching the extended regex
+# KERNELS appended to $C under a header naming the arm.
+replay_arms() {
+  local var=$1 arms=$2 forwards=$3 kernels=$4 a
+  for a in $arms; do
+    echo "== replay, $var=${a#default}" >> "$C"
+    env "$var=${a#default}" FORWARDS="$forwards" LOG="replay-$a.txt" bash scripts/gpu/ncu-graph-replay.sh > /dev/null 2>&1
+    grep -E "^graph|^==|launches" "$out/replay-$a.txt" >> "$C"
+    grep -E "^ +[0-9]+ +[0-9.]+ +[0-9.]+ " "$out/replay-$a.txt" | grep -E "$kernels" >> "$C"
+  done
+}
+
 # graphs_check [LIMIT]: test-paths_agreement's one_image_graphs_agree_with_the_padded_path on CUDA
 # (DeiT-T and DeiT-T distilled, batch 1, f16 / bf16: dense and fixed-pruner CUDA graphs, where
 # the chained batch-1 kernels run, against the padded path); appends its exit status, its
