@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Lever 115 was NOT kept: the code is in docs/benchmarks/history/lever115-select-normed.patch
-# (git apply it on the commit after stop 47's levers 113 / 114, then bundle.sh bench select
+# (git apply it on e3c409e, the commit after stop 47's levers 113 / 114, then bundle.sh bench select
 # paths_agreement).
 # Lever 115 on the GPU machine, from the repo root: a fixed-count pruning step before a block
 # hands the block norm1 of its kept rows (candle_ragged::select_top_k_normed: the selection kernel
