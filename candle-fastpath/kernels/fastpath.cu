@@ -12,6 +12,7 @@
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 #include <stdint.h>
+#include <type_traits>
 
 #include "epilogue.cuh"
 #include "gelu_phi.cuh"
@@ -199,6 +200,8 @@ __device__ void patchify_walk(const P* __restrict__ px, T* __restrict__ out, I i
 template <typename P, typename T>
 __device__ void patchify(const P* __restrict__ px, T* __restrict__ out, unsigned long long n,
                          int cin, int h, int w, int p, int lead) {
+    // patchify_walk copies 16-bit pixels as they are: only into rows of their own type.
+    static_assert(sizeof(P) == 4 || std::is_same<P, T>::value, "16-bit pixels must be the rows' type");
     // Uniform across the grid: every thread takes the same branch.
     const bool vec = p % 4 == 0 && w % 4 == 0 && (reinterpret_cast<uintptr_t>(px) & (4 * sizeof(P) - 1)) == 0 &&
                      (reinterpret_cast<uintptr_t>(out) & (4 * sizeof(T) - 1)) == 0;

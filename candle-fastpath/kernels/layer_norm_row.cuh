@@ -83,22 +83,6 @@ __device__ __forceinline__ void layer_norm_params(const void* w, const void* b, 
     }
 }
 
-// The same row normalisation with a row to each group of G lanes (G = 8 or 16; 32 / G rows a
-// warp), bit for bit layer_norm_warp_row's output. Lane g of a group holds what lanes g, g + G,
-// g + 2G, ... hold in the one-warp form (chunks g + G·m + 32·t), adds each of those lanes' values
-// in the same order into its own partial, then does the butterfly's levels 16 .. G in registers
-// (the pairs those levels add are partials of the same lane here) and levels G/2 .. 1 by shuffles
-// inside the group: the same additions of the same operands, so the same sums.
-//
-// Why: at ViT widths a row is a few 16-byte chunks (C = 192 in f16: 24), so one warp per row
-// left a quarter of its lanes idle and, at DeiT-T's batch-64 rows (12,608), needed 1.5 waves of
-// warps whose loads each waited alone; a group of 8 lanes keeps 3 loads a lane in flight.
-// MAX_CHUNKS bounds the row's chunks at compile time, so the slots no row can reach (g + G·m +
-// 32·t ≥ MAX_CHUNKS for every g < G) take no registers; the row stays in its 16-byte raw form
-// (converted when used, exactly) to keep the registers low enough for a full SM of lanes.
-//
-// Every lane of the warp must call this (the shuffles name the whole warp); a group whose row is
-// past the end passes valid = false: it loads nothing, stores nothing, and adds zeros.
 // The group's total of its lanes' slot partials `part` (slot m of lane g standing for the
 // one-warp lane g + G·m): the one-warp butterfly's levels 16 .. G in registers (lane g + G·m adds
 // lane g + G·(m ^ (16 / G)), ...), then levels G/2 .. 1 by shuffles inside the group.
@@ -115,6 +99,22 @@ __device__ __forceinline__ float group_total(float (&part)[R]) {
     return total;
 }
 
+// The same row normalisation with a row to each group of G lanes (G = 8 or 16; 32 / G rows a
+// warp), bit for bit layer_norm_warp_row's output. Lane g of a group holds what lanes g, g + G,
+// g + 2G, ... hold in the one-warp form (chunks g + G·m + 32·t), adds each of those lanes' values
+// in the same order into its own partial, then does the butterfly's levels 16 .. G in registers
+// (the pairs those levels add are partials of the same lane here) and levels G/2 .. 1 by shuffles
+// inside the group: the same additions of the same operands, so the same sums.
+//
+// Why: at ViT widths a row is a few 16-byte chunks (C = 192 in f16: 24), so one warp per row
+// left a quarter of its lanes idle and, at DeiT-T's batch-64 rows (12,608), needed 1.5 waves of
+// warps whose loads each waited alone; a group of 8 lanes keeps 3 loads a lane in flight.
+// MAX_CHUNKS bounds the row's chunks at compile time, so the slots no row can reach (g + G·m +
+// 32·t ≥ MAX_CHUNKS for every g < G) take no registers; the row stays in its 16-byte raw form
+// (converted when used, exactly) to keep the registers low enough for a full SM of lanes.
+//
+// Every lane of the warp must call this (the shuffles name the whole warp); a group whose row is
+// past the end passes valid = false: it loads nothing, stores nothing, and adds zeros.
 template <int LN_MAX_CHUNKS, int G, int MAX_CHUNKS, typename T>
 __device__ __forceinline__ void layer_norm_group_row(const uint4* row, uint4* out, const void* w, const void* b,
                                                      unsigned chunks, unsigned C, float eps, unsigned g,
