@@ -459,6 +459,13 @@ fn lt_autotune_enabled() -> bool {
     crate::switches::on_unless_off(&ON, "CANDLE_FASTPATH_LT_AUTOTUNE")
 }
 
+/// `CANDLE_FASTPATH_LT_LOG` (read once): set to `1`, every timed plan prints its shape, its
+/// candidates' times and the pick to stderr (for profiling runs; off by default).
+fn lt_log_enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    crate::switches::read_once(&ON, "CANDLE_FASTPATH_LT_LOG", |v| v == Some("1"))
+}
+
 impl Drop for Plan {
     fn drop(&mut self) {
         // Errors on destroy are not actionable; the handles are gone either way.
@@ -810,6 +817,7 @@ fn tune_plan(
     plan: &mut Plan,
     spin: &CudaFunction,
     stream: &std::sync::Arc<candle_core::cuda_backend::cudarc::driver::CudaStream>,
+    (m, n, k): (usize, usize, usize),
     mut run: impl FnMut(&sys::cublasLtMatmulAlgo_t) -> candle_core::Result<()>,
 ) -> candle_core::Result<()> {
     use candle_core::cuda_backend::cudarc::driver::sys::CUevent_flags;
@@ -843,12 +851,29 @@ fn tune_plan(
             .map_err(candle_core::Error::wrap)?;
         let ms = e0.elapsed_ms(&e1).map_err(candle_core::Error::wrap)?;
         if times.is_empty() && ms * 1000.0 / TUNE_REPS as f32 > TUNE_MAX_US {
+            if lt_log_enabled() {
+                eprintln!(
+                    "lt-tune m={m} n={n} k={k}: first pick {:.2} us > {TUNE_MAX_US} us, kept untimed",
+                    ms * 1000.0 / TUNE_REPS as f32
+                );
+            }
             return Ok(()); // throughput-bound: the first pick stays (see TUNE_MAX_US)
         }
         times.push((ms, algo));
     }
     if let Some(algo) = crate::tuning::fastest_or_first(&times, 0.03) {
         plan.algo = algo;
+    }
+    if lt_log_enabled() {
+        let us: Vec<String> = times
+            .iter()
+            .map(|(ms, _)| format!("{:.2}", ms * 1000.0 / TUNE_REPS as f32))
+            .collect();
+        let chosen = times.iter().position(|(_, a)| a.data == plan.algo.data);
+        eprintln!(
+            "lt-tune m={m} n={n} k={k}: candidates us [{}], chosen #{chosen:?}",
+            us.join(", ")
+        );
     }
     Ok(())
 }
@@ -1075,7 +1100,7 @@ impl LinearOp {
         // and leaves the timing to the next eager one). The output is only written: C, when
         // read, is the residual, another buffer.
         if !plan.tuned && lt_autotune_enabled() && !stream_is_capturing(dev) {
-            tune_plan(plan, spin, &stream, gemm)?;
+            tune_plan(plan, spin, &stream, (m, n, k), gemm)?;
         }
         gemm(&plan.algo)?;
         if self.gelu {

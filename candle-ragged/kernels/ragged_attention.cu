@@ -847,8 +847,11 @@ __device__ __forceinline__ double block_min(double v, double *dred) {
     for (int o = 16; o > 0; o >>= 1) v = fmin(v, __shfl_xor_sync(0xffffffffu, v, o));
     if (lane == 0) dred[warp] = v;
     __syncthreads();
-    double m = dred[0];
-    for (int w = 1; w < warps; ++w) m = fmin(m, dred[w]);
+    // Every warp reduces the partials by shuffles (lever 118: a chain of 32 dependent shared
+    // loads was ~1,000 cycles). A minimum does not depend on the order.
+    double m = lane < warps ? dred[lane] : INFINITY;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) m = fmin(m, __shfl_xor_sync(0xffffffffu, m, o));
     __syncthreads();  // dred is reused
     return m;
 }
@@ -860,11 +863,15 @@ __device__ __forceinline__ double block_min(double v, double *dred) {
 // lane reads the same K[i], a shared-memory broadcast. Lever 110: the per-element form before
 // (a thread per (j, slice) and the rule as a lambda over two arrays: f64 weights and positions
 // for ATS) was the decide kernel's longest phase, ~9,000 of ~36,000 cycles for 196 patches.
-// Ends on a barrier.
+// Warps first_warp and up take part (ATS leaves warp 0 its f64 total meanwhile, lever 118); no
+// barrier at the end: the caller's comes before anyone reads cnt.
 template <bool DESC>
-__device__ __forceinline__ void count_ranks(const unsigned long long *__restrict__ K, int from, int to, int *cnt) {
+__device__ __forceinline__ void count_ranks(const unsigned long long *__restrict__ K, int from, int to, int *cnt,
+                                            int first_warp) {
     const int n = to - from;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) - first_warp,
+              warps = (blockDim.x >> 5) - first_warp;
+    if (warp < 0) return;
     const int groups = (n + 31) / 32;
     const int parts = max(1, min(warps / max(groups, 1), (n + 15) / 16));
     const int slice = (n + parts - 1) / parts;
@@ -881,7 +888,6 @@ __device__ __forceinline__ void count_ranks(const unsigned long long *__restrict
         }
         if (j < to && c) atomicAdd(&cnt[j], c);
     }
-    __syncthreads();
 }
 
 // Exclusive prefix sum of in[from..to) into out[from..to) (out may not alias in), chunks of
@@ -932,8 +938,13 @@ __device__ __forceinline__ int block_best(const int *key, int from, int to) {
     }
     if (lane == 0) best[w] = m;
     __syncthreads();
-    unsigned long long all = 0;
-    for (int i = 0; i < warps; ++i) all = best[i] > all ? best[i] : all;
+    // As block_min: shuffles over the partials (a maximum of distinct keys: any order).
+    unsigned long long all = lane < warps ? best[lane] : 0ull;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const unsigned long long u = __shfl_xor_sync(0xffffffffu, all, o);
+        all = u > all ? u : all;
+    }
     __syncthreads();  // best[] is free again
     return (int)~(unsigned)(all & 0xffffffffu);
 }
@@ -960,6 +971,10 @@ __device__ void inverse_transform(const float *sc, int prefix, int n, int sample
         rank_key[i] = ((unsigned long long)__float_as_uint(w) << 32) | (unsigned)i;
     }
     __syncthreads();
+    // Thread 0's ordered f64 total and the ranking by the other warps at once (lever 118: they
+    // read the same arrays and write different ones); then the weights normalised and the order
+    // laid out in one phase. Ascending (weight, position), counted into cnt (n ints, zero on
+    // entry).
     if (threadIdx.x == 0) {
         double total = -0.0;  // Rust's f64 sum starts at -0.0
         // Unrolled so that the loads run ahead of the (ordered, unchanged) chain of adds.
@@ -967,14 +982,13 @@ __device__ void inverse_transform(const float *sc, int prefix, int n, int sample
         for (int i = 0; i < n; ++i) total = __dadd_rn(total, a[i]);
         dshared[0] = total;
     }
+    count_ranks<false>(rank_key, 0, n, cnt, blockDim.x > 32 ? 1 : 0);
     __syncthreads();
     const double total = dshared[0];
-    for (int i = threadIdx.x; i < n; i += blockDim.x)
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
         a[i] = total > 0.0 ? __ddiv_rn(a[i], total) : __ddiv_rn(1.0, (double)n);
-    __syncthreads();
-    // Ascending (weight, position), counted into cnt (n ints, zero on entry).
-    count_ranks<false>(rank_key, 0, n, cnt);
-    for (int i = threadIdx.x; i < n; i += blockDim.x) order[cnt[i]] = i;
+        order[cnt[i]] = i;
+    }
     __syncthreads();
     // The weights in ascending order first (in parallel), then the running sum over that
     // contiguous array: a chain of a[order[r]] loads, each waiting on the one before, made this
@@ -1055,7 +1069,8 @@ __device__ void select_decide(const T *__restrict__ x, const float *__restrict__
     // order[r]: the patch position ranked r-th best (descending score, ties to the lower position),
     // for the rules that take tokens best-first; counted into flag (zero), which is cleared after.
     if (best_first) {
-        count_ranks<true>(rank_key, prefix, len, flag);
+        count_ranks<true>(rank_key, prefix, len, flag, 0);
+        __syncthreads();
         for (int j = prefix + threadIdx.x; j < len; j += blockDim.x) order[flag[j]] = j;
         __syncthreads();
         for (int j = prefix + threadIdx.x; j < len; j += blockDim.x) flag[j] = 0;
@@ -1123,34 +1138,50 @@ __device__ void select_decide(const T *__restrict__ x, const float *__restrict__
     }
     for (int r = threadIdx.x; r < k; r += blockDim.x) flag[order[r]] = 1;
     __syncthreads();
-    // Slots (kept rows in ascending position after the prefix) and the kept count: a block scan of
-    // the flags into key (free by now).
-    const int kept = block_exclusive_sum(flag, key, prefix, len);
+    // The dropped rows' weights, f64 in position order (the EViT pruner's host rule): laid out in
+    // parallel first, kept rows as -0.0 (x + -0.0 is x, signed zeros included), then summed over
+    // the contiguous array by one thread. Lever 118: laid out and summed whenever the step fuses
+    // (used only if some row is dropped), so that thread 0's sum runs while warp 1 scans the
+    // flags: slots (kept rows in ascending position after the prefix) into key, free by now, and
+    // the kept count. One warp's scan, not the block's: no barriers, and the block's four cost
+    // more than its 32-row chunks (integer sums: the same slots either way).
+    double *dropped_w = reinterpret_cast<double *>(tmp);
+    if (fuse != 0) {
+        for (int j = prefix + threadIdx.x; j < len; j += blockDim.x)
+            dropped_w[j - prefix] = flag[j] ? -0.0 : (double)weight(sc[j]);
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) {
+        double whole = -0.0;
+        if (fuse != 0) {
+#pragma unroll 8
+            for (int i = 0; i < n; ++i) whole = __dadd_rn(whole, dropped_w[i]);
+        }
+        dshared[0] = whole;
+    } else if (threadIdx.x / 32 == 1) {  // DECIDE_THREADS: 32 warps
+        const int lane = threadIdx.x % 32;
+        int carry = 0;
+        for (int base = prefix; base < len; base += 32) {
+            const int j = base + lane;
+            const int f = j < len ? flag[j] : 0;
+            const int inclusive = select_common::warp_inclusive_sum(f);
+            if (j < len) key[j] = carry + inclusive - f;
+            carry += __shfl_sync(0xffffffffu, inclusive, 31);
+        }
+        if (lane == 0) ishared[1] = carry;
+    }
+    __syncthreads();
+    const int kept = ishared[1];
     for (int j = threadIdx.x; j < len; j += blockDim.x) {
         const int slot = j < prefix ? j : (flag[j] ? prefix + key[j] : -1);
         plan[2 * batch + start + j] = (uint32_t)slot;
     }
     const int fused = fuse != 0 && kept < n;
     float *w_out = reinterpret_cast<float *>(plan + 2 * batch + total) + start;
-    // The dropped rows' weights, f64 in position order (the EViT pruner's host rule): laid out in
-    // parallel first, kept rows as -0.0 (x + -0.0 is x, signed zeros included), then summed over
-    // the contiguous array by one thread.
-    double *dropped_w = reinterpret_cast<double *>(tmp);
-    if (fused)
-        for (int j = prefix + threadIdx.x; j < len; j += blockDim.x)
-            dropped_w[j - prefix] = flag[j] ? -0.0 : (double)weight(sc[j]);
-    __syncthreads();
     if (threadIdx.x == 0) {
         plan[b] = (uint32_t)(prefix + kept + fused);
         plan[batch + b] = (uint32_t)fused;
-        double whole = -0.0;
-        if (fused) {
-#pragma unroll 8
-            for (int i = 0; i < n; ++i) whole = __dadd_rn(whole, dropped_w[i]);
-        }
-        dshared[0] = whole;
     }
-    __syncthreads();
     const double whole = dshared[0];
     const int dropped = n - kept;
     for (int j = threadIdx.x; j < len; j += blockDim.x) {

@@ -8,13 +8,15 @@
 # (against 3d5a93d): ranks from one 64-bit key per patch (sort key and position packed), a warp
 # of 32 patches against broadcast keys. Lever 112 (not kept; docs/benchmarks/history/
 # lever112-blocked-scan.patch): the rules' f64 sums as warp scans in chunks of 32, host and device
-# alike. The bundle of all six executables passes the device
+# alike. Lever 118 (against 18caef8): warp-shuffle reductions of block_min / block_best's partials,
+# ATS's f64 total beside the ranking, the slots' scan by one warp beside the fused-row total. The bundle of all six executables passes the device
 # tool's 64 MiB: run `checks` with the tests (bundle.sh select_rule select_bounded select
 # paths_agreement) and `ncu e2e` with bench and bench-prev in separate calls.
 # STAGES (default "checks ncu e2e"):
 #   checks  the selection tests on the new bundle, memcheck over them, racecheck of the rule tests
 #   ncu     decide / gather kernel times per pruner (ncu-decide.sh's runs), each binary
-#   e2e     bench, every pruner (or PRUNERS), ragged path, T/S/B, batch 1/8, f16, arms interleaved, twice
+#   e2e     bench, every pruner (or PRUNERS), ragged path, T/S/B (or MODELS), batch 1/8, f16, arms
+#           interleaved, twice
 set -u
 stages=${STAGES:-checks ncu e2e}
 . scripts/gpu/lib.sh
@@ -41,7 +43,7 @@ if has ncu; then
       bash scripts/gpu/ncu-decide.sh 2>&1 | grep -E "^==|decide|gather|offsets" >> "$C"
   done
 fi
-e2e_run() { $B/$(bin_of $1) --device cuda --models deit-tiny,deit-small,deit-base --dtype f16 --batch 1,8 --pruners ${PRUNERS:-none,threshold-l2,dynamicvit,evit,ats} --paths ragged --reps 10 --out "$2"; }
+e2e_run() { $B/$(bin_of $1) --device cuda --models ${MODELS:-deit-tiny,deit-small,deit-base} --dtype f16 --batch 1,8 --pruners ${PRUNERS:-none,threshold-l2,dynamicvit,evit,ats} --paths ragged --reps 10 --out "$2"; }
 has e2e && ab_rounds e2e e2e_run
 pack decide-json.tgz 'e2e-*.json'
 cat "$C"

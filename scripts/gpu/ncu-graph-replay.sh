@@ -13,6 +13,10 @@ unpack bench
 start_log "${LOG:-ncu-graph-replay.txt}"
 # (Until stop 47 the ncu line lacked --cache-control / --clock-control none: its times were at
 # base clocks with caches flushed before each kernel, lever 109's list among them.)
+# (Stop 48: under ncu the eager rows' GEMM plan timing (lever 79) sees every launch slowed past
+# its 20 µs cut-off, so the profiled replay runs cuBLASLt's first picks, not the bench's tuned
+# ones: its nvjet rows can be slower than the bench's (DeiT-T batch 64 qkv: 17.1 µs listed, the
+# tuned pick 11.4 µs). CANDLE_FASTPATH_LT_LOG=1 on a plain bench run prints the picks and times.)
 for spec in ${FORWARDS:-deit-tiny:64:none deit-tiny:64:threshold-l2-fixed}; do
   IFS=: read -r m b p <<< "$spec"
   args=(--device cuda --models "$m" --dtype "${DTYPE:-f16}" --batch "$b" --pruners "$p" --paths ragged)
