@@ -4,8 +4,10 @@
 # ($SWITCH=0). Lever 82 (SWITCH=CANDLE_RAGGED_FUSED_STEP, a binary built with
 # docs/benchmarks/history/lever82-rule-step.patch applied; not kept): one cooperative launch,
 # decide, a grid-wide barrier, each block's offset and rows. Lever 117 (SWITCH=
-# CANDLE_RAGGED_RULE_STEP, the default): an ordinary launch whose blocks find their offsets by a
-# decoupled look-back over the lengths the blocks before them publish. Needs
+# CANDLE_RAGGED_RULE_STEP, the default; a binary built with
+# docs/benchmarks/history/lever117-rule-step-lookback.patch applied; not kept either): an ordinary
+# launch whose blocks find their offsets by a decoupled look-back over the lengths the blocks
+# before them publish. Neither switch exists in main's code. Needs
 # .gpu/{bench,test-select_bounded,test-select_rule,test-paths_agreement}.xz.
 # STAGES (default "checks anatomy e2e"):
 #   checks   test-select_bounded (bounded steps bit for bit against exact ones; 132 and 133
