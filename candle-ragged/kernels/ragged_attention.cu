@@ -892,8 +892,8 @@ __device__ __forceinline__ void count_ranks(const unsigned long long *__restrict
 
 // Exclusive prefix sum of in[from..to) into out[from..to) (out may not alias in), chunks of
 // blockDim.x scanned with warp shuffles and carried in order; returns the total to every thread.
-// Ends on a barrier. The decide kernel's slots (flags are 0 or 1, so the sum counts the kept
-// tokens before each one) and select_by_rule_bounded's offsets both use it.
+// Ends on a barrier. select_by_rule_bounded's offsets use it (the decide kernel's slots did until
+// lever 118, which scans them with one warp beside the fused-row total).
 template <typename T>
 __device__ __forceinline__ T block_exclusive_sum(const T *in, T *out, int from, int to) {
     __shared__ T warp_sums[32];

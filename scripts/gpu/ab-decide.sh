@@ -9,9 +9,10 @@
 # of 32 patches against broadcast keys. Lever 112 (not kept; docs/benchmarks/history/
 # lever112-blocked-scan.patch): the rules' f64 sums as warp scans in chunks of 32, host and device
 # alike. Lever 118 (against 18caef8): warp-shuffle reductions of block_min / block_best's partials,
-# ATS's f64 total beside the ranking, the slots' scan by one warp beside the fused-row total. The bundle of all six executables passes the device
-# tool's 64 MiB: run `checks` with the tests (bundle.sh select_rule select_bounded select
-# paths_agreement) and `ncu e2e` with bench and bench-prev in separate calls.
+# ATS's f64 total beside the ranking, the slots' scan by one warp beside the fused-row total. The
+# bundle of all six executables passes the device tool's 64 MiB: run `checks` with the tests
+# (bundle.sh select_rule select_bounded select paths_agreement) and `ncu e2e` with bench and
+# bench-prev in separate calls.
 # STAGES (default "checks ncu e2e"):
 #   checks  the selection tests on the new bundle, memcheck over them, racecheck of the rule tests
 #   ncu     decide / gather kernel times per pruner (ncu-decide.sh's runs), each binary

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """The last K launches of an ncu CSV (`--csv --print-units base`, several --metrics) as one row per
 launch: duration (us), DRAM bytes read (KB) and L2 hit rate (%), then the sums. K: the graph's
-kernel nodes (bench --graph-anatomy), so that the rows are the last replay.
+kernel nodes (bench --graph-anatomy), so that the rows are the last replay. ncu-graph-replay.sh
+runs it with DRAM=1.
 
   scripts/gpu/ncu_replay_metrics.py NCU.csv K LABEL
 """
