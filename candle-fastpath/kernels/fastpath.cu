@@ -1092,6 +1092,74 @@ __device__ void arnl_cls_rows(const T* __restrict__ qkv, const T* ks, int len, i
     }
 }
 
+// The K and V rows of head `head` (rows 0 .. kv_rows - 1, ROW = D + 8 elements apart) from the
+// fused qkv projection `qkv` ([M, 3C], C = `C`), cp.async by all threads: input row `in_row(row)`
+// for row < M, zeros from M on. The caller commits the group.
+template <typename T, int C, typename InRow>
+__device__ __forceinline__ void arnl_stage_kv(T* ks, T* vs, const T* __restrict__ qkv, int head, int kv_rows, int M,
+                                              InRow in_row) {
+    constexpr int D = ARNL_HEAD_DIM, ROW = TileCfg<D>::ROW, QKV = 3 * C;
+    for (int i = threadIdx.x; i < kv_rows * (D / 8); i += NL_WARPS * 32) {
+        const int row = i / (D / 8), c = i % (D / 8);
+        const bool ok = row < M;
+        const T* at = qkv + (size_t)(ok ? in_row(row) : 0) * QKV + head * D + c * 8;
+        nl_cp_async16(ks + row * ROW + c * 8, at + C, ok);
+        nl_cp_async16(vs + row * ROW + c * 8, at + 2 * C, ok);
+    }
+}
+
+// Rows past the sequence may hold anything; those up to its next multiple of 16 must be finite
+// (P is exactly 0 there, and 0 · NaN is not). Each thread zeroes the K / V rows it loaded
+// (arnl_stage_kv's split of the work), once its cp.async group has landed.
+template <typename T>
+__device__ __forceinline__ void arnl_zero_kv_tail(T* ks, T* vs, int kv_rows, int len) {
+    constexpr int D = ARNL_HEAD_DIM, ROW = TileCfg<D>::ROW;
+    for (int i = threadIdx.x; i < kv_rows * (D / 8); i += NL_WARPS * 32) {
+        const int row = i / (D / 8), c = i % (D / 8);
+        if (row >= len) {
+            *reinterpret_cast<uint4*>(ks + row * ROW + c * 8) = make_uint4(0, 0, 0, 0);
+            *reinterpret_cast<uint4*>(vs + row * ROW + c * 8) = make_uint4(0, 0, 0, 0);
+        }
+    }
+}
+
+// The merge of the ARNL_PARTS warps' online-softmax states (`sstate`, save_state's layout) into
+// head `head`'s normalised 16 × 64 tile, by all NL_WARPS warps: warp g takes accumulators 2g and
+// 2g + 1 of every lane's state (one row, two adjacent columns), weighs each part by exp2(its
+// maximum - the row's), normalises and rounds the pair (zero for rows at or past `len`), waits on
+// the cluster arrive made at kernel entry, and pushes the pair into the attention tile `so` (LDO
+// elements a row) of cluster CTAs first .. first + COUNT - 1, counted on their barrier `bar`.
+template <typename T, int LDO, int COUNT>
+__device__ __forceinline__ void arnl_merge_push(const float* sstate, T* so, int head, int m0, int len, uint32_t bar,
+                                                int first, int warp, int lane) {
+    constexpr int D = ARNL_HEAD_DIM, PARTS = ARNL_PARTS, STATE = ARNL_STATE;
+    static_assert(2 * NL_WARPS == D / 2, "two accumulators of every lane's state per warp");
+    const int hi = warp % 2, i0 = 2 * warp;
+    float m = -INFINITY;
+#pragma unroll
+    for (int p = 0; p < PARTS; ++p) m = fmaxf(m, sstate[(p * STATE + D / 2 + hi) * 32 + lane]);
+    float l = 0.f, o0 = 0.f, o1 = 0.f;
+    if (m != -INFINITY) {  // else no key at all (len 0): zeros below
+#pragma unroll
+        for (int p = 0; p < PARTS; ++p) {
+            const float* s = sstate + p * STATE * 32 + lane;
+            const float wgt = exp2f(s[(D / 2 + hi) * 32] - m);  // 0 for a part without keys
+            l += s[(D / 2 + 2 + hi) * 32] * wgt;
+            o0 += s[i0 * 32] * wgt;
+            o1 += s[(i0 + 1) * 32] * wgt;
+        }
+    }
+    // The four threads of a quad hold the row's partial sums over their columns.
+    l += __shfl_xor_sync(0xffffffff, l, 1);
+    l += __shfl_xor_sync(0xffffffff, l, 2);
+    const int row = lane / 4 + hi * 8, col = head * D + (warp / 2) * 8 + (lane % 4) * 2;
+    const uint32_t pair = m0 + row < len ? Pack2<T>::from_floats(o0 / l, o1 / l) : 0u;
+    asm volatile("barrier.cluster.wait;" ::: "memory");
+    const uint32_t dst = smem_addr(so + row * LDO + col);
+#pragma unroll
+    for (int q = 0; q < COUNT; ++q) xbar_push(dst, bar, first + q, pair);
+}
+
 // X1_ONLY (attention_residual, lever 86): x1 only, neither W's rows nor the LayerNorm's
 // parameters loaded (w, bias, ln_w, ln_b and y unused).
 // SELECT (select_attention_block, lever 90; BLOCK only): `qkv` and `r` hold the step's `sel.len`
@@ -1178,13 +1246,7 @@ __device__ void attention_residual_norm_linear_tile(const T* __restrict__ qkv, c
     }
     const int kv_rows = (M + 15) & ~15;
     T* vs = ks + kv_rows * ROW;
-    for (int i = tid; i < kv_rows * (D / 8); i += THREADS) {
-        const int row = i / (D / 8), c = i % (D / 8);
-        const bool ok = row < M;
-        const T* at = qkv + (size_t)(ok ? in_row(row) : 0) * QKV + head * D + c * 8;
-        nl_cp_async16(ks + row * ROW + c * 8, at + K, ok);
-        nl_cp_async16(vs + row * ROW + c * 8, at + 2 * K, ok);
-    }
+    arnl_stage_kv<T, K>(ks, vs, qkv, head, kv_rows, M, in_row);
     asm volatile("cp.async.commit_group;" ::: "memory");
     auto load_weights = [&] {
         if (!SELECT) {
@@ -1213,17 +1275,7 @@ __device__ void attention_residual_norm_linear_tile(const T* __restrict__ qkv, c
         asm volatile("cp.async.wait_group 1;" ::: "memory");  // Wp's and K / V's
     else
         asm volatile("cp.async.wait_group 2;" ::: "memory");
-    // Rows past the sequence may hold anything; those up to its next multiple of 16 must be
-    // finite (P is exactly 0 there, and 0 · NaN is not). Each thread zeroes the rows it loaded.
-    if (len < M) {
-        for (int i = tid; i < kv_rows * (D / 8); i += THREADS) {
-            const int row = i / (D / 8), c = i % (D / 8);
-            if (row >= len) {
-                *reinterpret_cast<uint4*>(ks + row * ROW + c * 8) = make_uint4(0, 0, 0, 0);
-                *reinterpret_cast<uint4*>(vs + row * ROW + c * 8) = make_uint4(0, 0, 0, 0);
-            }
-        }
-    }
+    if (len < M) arnl_zero_kv_tail<T>(ks, vs, kv_rows, len);
     __syncthreads();
     if (LATE_W) load_weights();
 
@@ -1250,35 +1302,8 @@ __device__ void attention_residual_norm_linear_tile(const T* __restrict__ qkv, c
         asm volatile("cp.async.commit_group;" ::: "memory");
     }
 
-    // 3. The merge: warp g takes accumulators 2g and 2g + 1 of every lane's state (one row, two
-    // adjacent columns), weighs each part by exp2(its maximum - the row's), normalises, and
-    // stores the pair into HEADS cluster CTAs' tiles.
-    {
-        const int hi = warp % 2, i0 = 2 * warp;
-        float m = -INFINITY;
-#pragma unroll
-        for (int p = 0; p < PARTS; ++p) m = fmaxf(m, sstate[(p * STATE + D / 2 + hi) * 32 + lane]);
-        float l = 0.f, o0 = 0.f, o1 = 0.f;
-        if (m != -INFINITY) {  // else no key at all (len 0): zeros below
-#pragma unroll
-            for (int p = 0; p < PARTS; ++p) {
-                const float* s = sstate + p * STATE * 32 + lane;
-                const float wgt = exp2f(s[(D / 2 + hi) * 32] - m);  // 0 for a part without keys
-                l += s[(D / 2 + 2 + hi) * 32] * wgt;
-                o0 += s[i0 * 32] * wgt;
-                o1 += s[(i0 + 1) * 32] * wgt;
-            }
-        }
-        // The four threads of a quad hold the row's partial sums over their columns.
-        l += __shfl_xor_sync(0xffffffff, l, 1);
-        l += __shfl_xor_sync(0xffffffff, l, 2);
-        const int row = lane / 4 + hi * 8, col = head * D + (warp / 2) * 8 + (lane % 4) * 2;
-        const uint32_t pair = m0 + row < len ? Pack2<T>::from_floats(o0 / l, o1 / l) : 0u;
-        asm volatile("barrier.cluster.wait;" ::: "memory");
-        const uint32_t dst = smem_addr(so + row * LDF + col);
-#pragma unroll
-        for (int q = 0; q < HEADS; ++q) xbar_push(dst, bars + 8 * BAR_ATTN, half * HEADS + q, pair);
-    }
+    // 3. The merge, into HEADS cluster CTAs' tiles.
+    arnl_merge_push<T, LDF, HEADS>(sstate, so, head, m0, len, bars + 8 * BAR_ATTN, half * HEADS, warp, lane);
     // Wp's group done (W's, and BLOCK's fourth, may still be in flight).
     if (BLOCK)
         asm volatile("cp.async.wait_group 2;" ::: "memory");
@@ -1401,6 +1426,146 @@ ATTENTION_BLOCK_ENTRY(bf16, __nv_bfloat16, true, _late)
     }
 SELECT_ATTENTION_BLOCK_ENTRY(f16, __half)
 SELECT_ATTENTION_BLOCK_ENTRY(bf16, __nv_bfloat16)
+
+// ---------------------------------------------------------------------------------------------
+// attention_linear_residual_norm (lever 119): linear_residual_norm's kernel (lever 98) with the
+// attention computed in it, for one sequence (batch 1) at DeiT-S's width:
+//   o = softmax(q kᵀ · scale) v per head (q, k, v read from the fused qkv projection),
+//   x1 = (o·Wpᵀ + r) + bp,   z = LayerNorm(x1),
+// one launch where the graph ran candle-ragged's attention kernel and then lever 98's (fc1 on
+// the thin GEMM follows, as before). The same move as attention_residual_norm_linear's at DeiT-T's
+// width (lever 64), which took ~1.6 µs a block off the graph there.
+//
+// The LRN_SPLIT = 8 CTAs of a 16-row tile's cluster: ranks h < 6 compute head h for the tile's
+// 16 queries over all keys exactly as attention_residual_norm_linear_tile does (K and V of the
+// head staged whole, ARNL_PARTS warps over ranges of 16-key tiles, the merge by all warps:
+// arnl_merge_push) and push the rounded rows into all eight CTAs' attention tile; ranks 6 and 7
+// only stage their Wp slice and wait for the tile. From there on, linear_residual_norm_tile's
+// steps 2-4: each rank's 48 columns of x1 (K split over LRN_KW warps, partials summed in a fixed
+// order), pushed into every CTA's rows, then two rows per rank normalised with the LayerNorm
+// kernel's row code. So x1 and z are lever 98's kernel's outputs for this o, bit for bit; o itself
+// sums the keys in another order than candle-ragged's attention kernel (one rounding of T apart).
+// Query rows at or past the sequence's length get zero rows of o (x1 = r + bp there).
+//
+// Constraints (the host's, attention_linear_residual_norm in candle-fastpath): C = 384 (six heads
+// of 64), one sequence (cu_seqlens = [0, len], len ≤ M), every operand contiguous and 16-byte
+// aligned, compute capability 9.0; grid (LRN_SPLIT, ceil(M / NL_BM)) within one wave, clusters of
+// LRN_SPLIT along x, NL_WARPS · 32 threads, attention_lrn_smem_bytes(M) (the host's) of dynamic
+// shared memory.
+template <typename T>
+__device__ void attention_linear_residual_norm_tile(const T* __restrict__ qkv, const uint32_t* __restrict__ cu_seqlens,
+                                                    const T* __restrict__ wp, const T* __restrict__ bp,
+                                                    const T* __restrict__ r, const T* __restrict__ ln_w,
+                                                    const T* __restrict__ ln_b, T* __restrict__ x1,
+                                                    T* __restrict__ z, int M, float eps, float scale_log2) {
+    constexpr int C = LRN_DIM, D = ARNL_HEAD_DIM, HEADS = C / D, ROW = TileCfg<D>::ROW;
+    constexpr int PARTS = ARNL_PARTS, STATE = ARNL_STATE, LDS = C + 8, VECS = C / 8, CHUNKS = (VECS + 31) / 32;
+    constexpr int PAIRS = NL_BM * LRN_SLICE / 2, ROWS_PER_RANK = NL_BM / LRN_SPLIT;
+    static_assert(HEADS <= LRN_SPLIT && NL_WARPS == 2 * PARTS && NL_BM == 16 && PAIRS <= NL_WARPS * 32 &&
+                      ROWS_PER_RANK <= NL_WARPS,
+                  "tile shape");
+    extern __shared__ __align__(16) unsigned char nl_smem[];
+    const uint32_t bars = smem_addr(nl_smem);                // the attention tile's and x1's exchanges
+    T* sa = reinterpret_cast<T*>(nl_smem + RNL_BAR_BYTES);  // the tile's 16 rows of x1 (the cluster's)
+    T* so = sa + NL_BM * LDS;                                // the attention's 16 × C tile (the cluster's)
+    T* sp = so + NL_BM * LDS;                                // this rank's LRN_SLICE rows of Wp
+    float* spart = reinterpret_cast<float*>(sp + LRN_SLICE * LDS);  // [LRN_KW][NL_BM][LRN_SLICE]
+    float* sstate = spart + LRN_KW * NL_BM * LRN_SLICE;              // [PARTS][STATE][32 lanes]
+    T* ks = reinterpret_cast<T*>(sstate + PARTS * STATE * 32);      // K rows, then V rows, ROW wide
+    const int rank = blockIdx.x, m0 = blockIdx.y * NL_BM, c0 = rank * LRN_SLICE;
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    const bool attends = rank < HEADS;  // uniform over the CTA
+    // No remote store before the whole cluster runs, its barriers armed.
+    constexpr uint32_t TILE_BYTES = NL_BM * C * sizeof(T);
+    xbar_arm<2>(bars, {TILE_BYTES, TILE_BYTES});
+    asm volatile("barrier.cluster.arrive.relaxed;" ::: "memory");
+
+    // 1. The query fragments (global → registers, before any cp.async: behind the bytes of K / V
+    // they would arrive last), K and V of this rank's head (M rows, up to a multiple of 16
+    // zero-filled; a group, empty on ranks 6 and 7), this rank's Wp rows (a group); meanwhile
+    // the LayerNorm's parameters, and the residual and bias of the x1 pair this thread finishes.
+    RowState<D> st;
+    if (attends && warp < PARTS) begin_rows<T, D>(st, qkv + rank * D, 3 * C, m0, M, lane);
+    const int kv_rows = (M + 15) & ~15;
+    T* vs = ks + kv_rows * ROW;
+    if (attends) arnl_stage_kv<T, C>(ks, vs, qkv, rank, kv_rows, M, [](int row) { return row; });
+    asm volatile("cp.async.commit_group;" ::: "memory");
+    nl_stage_rows<T, C, LRN_SLICE>(sp, wp, c0, C);
+    asm volatile("cp.async.commit_group;" ::: "memory");
+    uint4 wraw[CHUNKS], braw[CHUNKS];
+    layer_norm_params<CHUNKS>(ln_w, ln_b, wraw, braw, VECS, lane);
+    const int prow = tid / (LRN_SLICE / 2), pcol = c0 + (tid % (LRN_SLICE / 2)) * 2;
+    float res[2] = {0.f, 0.f}, pb[2] = {0.f, 0.f};
+    if (tid < PAIRS) {
+        if (m0 + prow < M) {
+            const NlPair<T> p = *reinterpret_cast<const NlPair<T>*>(r + (size_t)(m0 + prow) * C + pcol);
+            res[0] = to_f32(p.a);
+            res[1] = to_f32(p.b);
+        }
+        pb[0] = to_f32(bp[pcol]);
+        pb[1] = to_f32(bp[pcol + 1]);
+    }
+    const int len = min(static_cast<int>(cu_seqlens[1]), M);
+
+    // 2. The attention (ranks h < HEADS): warp p < PARTS over the 16-key tiles [p · kt / PARTS,
+    // (p + 1) · kt / PARTS) of the sequence, then the merge into all LRN_SPLIT CTAs' tiles.
+    if (attends) {
+        asm volatile("cp.async.wait_group 1;" ::: "memory");  // K / V (Wp's may be in flight)
+        if (len < M) arnl_zero_kv_tail<T>(ks, vs, kv_rows, len);
+        __syncthreads();
+        if (warp < PARTS) {
+            const int kt = (len + 15) / 16;
+            const int key0 = warp * kt / PARTS * 16, key_end = min(len, (warp + 1) * kt / PARTS * 16);
+            if (key0 < key_end) attend_keys<T, D, 32, false>(st, ks, vs, key0, key_end, scale_log2, lane);
+            save_state<D>(st, sstate + warp * STATE * 32 + lane);
+        }
+        __syncthreads();
+        arnl_merge_push<T, LDS, LRN_SPLIT>(sstate, so, rank, m0, len, bars + 8 * BAR_ATTN, 0, warp, lane);
+    } else {
+        asm volatile("barrier.cluster.wait;" ::: "memory");  // before this CTA's x1 pushes below
+    }
+    // Wp's rows landed, and this CTA's attention tile complete (the HEADS pushers' bytes), both
+    // visible to all its threads.
+    asm volatile("cp.async.wait_group 0;" ::: "memory");
+    xbar_wait(bars + 8 * BAR_ATTN);
+    __syncthreads();
+
+    // 3. This rank's 16 × LRN_SLICE slice of o·Wpᵀ, K split over LRN_KW warps into partials.
+    front_partials<T, C, LRN_KW, LDS, LRN_SLICE>(so, sp, spart);
+    __syncthreads();
+
+    // 4. x1 = (o·Wpᵀ + r) + bp, rounded once, to global memory and into every cluster CTA's rows.
+    if (tid < PAIRS) {
+        const NlPair<T> p = front_pair<T, LRN_KW, NL_BM, LRN_SLICE>(spart, prow, pcol - c0, res, pb);
+        const uint32_t dst = smem_addr(sa + prow * LDS + pcol);
+#pragma unroll
+        for (int q = 0; q < LRN_SPLIT; ++q) xbar_push(dst, bars + 8 * BAR_X1, q, pair_bits(p));
+        if (m0 + prow < M) *reinterpret_cast<NlPair<T>*>(x1 + (size_t)(m0 + prow) * C + pcol) = p;
+    }
+    // Every rank's x1 pairs in this CTA's rows (no CTA writes another's shared memory after this).
+    xbar_wait(bars + 8 * BAR_X1);
+
+    // 5. Rows ROWS_PER_RANK · rank .. of the tile normalised, one warp each, into z.
+    if (warp < ROWS_PER_RANK) {
+        const int row = rank * ROWS_PER_RANK + warp;
+        if (m0 + row < M)
+            layer_norm_warp_row<CHUNKS, T>(reinterpret_cast<const uint4*>(sa + row * LDS),
+                                           reinterpret_cast<uint4*>(z + (size_t)(m0 + row) * C), wraw, braw, VECS, C,
+                                           eps, lane);
+    }
+}
+
+// One entry per storage type, named as the Rust side's ATTENTION_LRN_NAMES table expects.
+#define ATTENTION_LINEAR_RESIDUAL_NORM_ENTRY(SUFFIX, T)                                                       \
+    extern "C" __global__ void __cluster_dims__(LRN_SPLIT, 1, 1) __launch_bounds__(NL_WARPS * 32)          \
+        fastpath_attention_linear_residual_norm_##SUFFIX##_c384(                                             \
+            const T* qkv, const uint32_t* cu_seqlens, const T* wp, const T* bp, const T* r, const T* ln_w,   \
+            const T* ln_b, T* x1, T* z, int M, float eps, float scale_log2) {                                \
+        attention_linear_residual_norm_tile<T>(qkv, cu_seqlens, wp, bp, r, ln_w, ln_b, x1, z, M, eps,        \
+                                               scale_log2);                                                  \
+    }
+ATTENTION_LINEAR_RESIDUAL_NORM_ENTRY(f16, __half)
+ATTENTION_LINEAR_RESIDUAL_NORM_ENTRY(bf16, __nv_bfloat16)
 
 // ---------------------------------------------------------------------------------------------
 // mlp_block (lever 72): a pre-norm block's MLP half from its hidden states x1 on through the next

@@ -226,6 +226,136 @@ fn arnl_applies(
     }
 }
 
+/// Whether [`attention_linear_residual_norm`] may run, from `CANDLE_FASTPATH_ATTENTION_LRN`
+/// (read once): unset (yes), `0` / `off` (no: the attention kernel, then
+/// [`crate::linear_residual_norm`]; for A/B measurements).
+pub fn attention_linear_residual_norm_enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    crate::switches::on_unless_off(&ON, "CANDLE_FASTPATH_ATTENTION_LRN")
+}
+
+/// Attention over one sequence's tokens from their fused qkv projection, then what
+/// [`crate::linear_residual_norm`] computes from its output with the attention projection in
+/// front: `x1 = residual + o·Wpᵀ + bp`, `z = norm(x1)`, one launch at DeiT-S's width (lever 119
+/// in `docs/BENCHMARKS.md`): that op's cluster kernel with the attention computed inside it, as
+/// [`attention_residual_norm_linear`] does at DeiT-T's width. fc1 stays a launch of its own.
+///
+/// # Arguments
+/// * `qkv` - `[M, 3C]`: q | k | v, each `heads × 64` head-major (timm's layout), the rows of one
+///   sequence first.
+/// * `cu_seqlens` - u32 `[2]` on `qkv`'s device: `[0, len]`, `len ≤ M` (read on the device
+///   only; rows past `len`, a capacity-sized buffer's tail, are neither queries nor keys).
+/// * `heads` - the attention's heads (of 64: the kernel's one head width).
+/// * `scale` - the softmax scale (`head_dim^-0.5` for DeiT).
+/// * `residual` - `[M, C]`.
+/// * `proj` - `Wp` `[C, C]` with its bias; `norm` - LayerNorm over C.
+///
+/// # Returns
+/// `(x1, z)`, both `[M, C]`, contiguous views of one buffer: for rows `< len`, what the attention
+/// kernel followed by [`crate::linear_residual_norm`] returns (the attention sums its keys in
+/// another order, one rounding of the storage type apart at most; the rest is that op's kernel
+/// bit for bit). Rows past `len` get a zero attention output.
+///
+/// Only where [`attention_linear_residual_norm_applies`] says so; anything else is an error, so
+/// callers check first and otherwise run the attention and [`crate::linear_residual_norm`].
+pub fn attention_linear_residual_norm(
+    qkv: &Tensor,
+    cu_seqlens: &Tensor,
+    heads: usize,
+    scale: f64,
+    residual: &Tensor,
+    proj: &FusedLinear,
+    norm: &LayerNorm,
+) -> Result<(Tensor, Tensor)> {
+    const WHAT: &str = "attention_linear_residual_norm";
+    if !attention_linear_residual_norm_applies(qkv, cu_seqlens, heads, residual, proj, norm) {
+        return Err(FastpathError::NotApplicable {
+            op: WHAT,
+            inputs: format!(
+                "qkv {:?} {:?} on {:?}, {heads} heads, cu_seqlens {:?} {:?}, residual {:?} {:?}, proj {:?}",
+                qkv.dims(),
+                qkv.dtype(),
+                qkv.device().location(),
+                cu_seqlens.dims(),
+                cu_seqlens.dtype(),
+                residual.dims(),
+                residual.dtype(),
+                proj.weight().dims()
+            ),
+        });
+    }
+    #[cfg(feature = "cuda")]
+    {
+        let params =
+            crate::cuda::ResidualNormParams::from_layers(proj, norm).unwrap_or_else(|| {
+                unreachable!(
+                    "attention_linear_residual_norm_applies requires the projection's bias"
+                )
+            });
+        let op = crate::cuda::AttentionLinearResidualNormOp {
+            cu_seqlens: cu_seqlens.clone(),
+            scale_log2: (scale * std::f64::consts::LOG2_E) as f32,
+            params,
+        };
+        let (m, c) = residual.dims2()?;
+        let both = qkv.apply_op2_no_bwd(residual, &op)?;
+        // Narrowing a contiguous 1-D tensor and reshaping it are views, not copies.
+        let x1 = both.narrow(0, 0, m * c)?.reshape((m, c))?;
+        let z = both.narrow(0, m * c, m * c)?.reshape((m, c))?;
+        Ok((x1, z))
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = scale;
+        unreachable!("attention_linear_residual_norm_applies is false without the cuda feature")
+    }
+}
+
+/// Whether [`attention_linear_residual_norm`] runs: what [`crate::linear_residual_norm_applies`]
+/// requires of the projection step on `residual`'s shape (C = 384, f16 / bf16, `proj` `[C, C]`
+/// with a bias, compute capability 9.0, a grid of one wave: up to 256 rows on the H100, its
+/// switch), `heads` heads of 64 (six), `qkv` `[M, 3C]` contiguous and 16-byte aligned in the
+/// residual's dtype and device, `residual` `[M, C]`, `cu_seqlens` a contiguous u32 `[2]` on the
+/// same device (one sequence), the K / V rows of M tokens within the device's shared memory, and
+/// `CANDLE_FASTPATH_ATTENTION_LRN` not `0`.
+pub fn attention_linear_residual_norm_applies(
+    qkv: &Tensor,
+    cu_seqlens: &Tensor,
+    heads: usize,
+    residual: &Tensor,
+    proj: &FusedLinear,
+    norm: &LayerNorm,
+) -> bool {
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (qkv, cu_seqlens, heads, residual, proj, norm);
+        false
+    }
+    #[cfg(feature = "cuda")]
+    {
+        let candle_core::Device::Cuda(dev) = residual.device() else {
+            return false;
+        };
+        let Ok((m, c)) = residual.dims2() else {
+            return false;
+        };
+        attention_linear_residual_norm_enabled()
+            && cu_seqlens.dtype() == candle_core::DType::U32
+            && cu_seqlens.dims() == [2]
+            && cu_seqlens.is_contiguous()
+            && cu_seqlens.device().same_device(residual.device())
+            && heads * crate::cuda::ARNL_HEAD_DIM == c
+            && qkv.dims() == [m, 3 * c]
+            && qkv.dtype() == residual.dtype()
+            && qkv.device().same_device(residual.device())
+            && crate::cuda::contiguous_16b(qkv.layout(), qkv.dtype().size_in_bytes())
+            // The projection step's rules (the attention output this kernel makes has the
+            // residual's shape, dtype and device).
+            && crate::linear_residual_norm_applies(residual, residual, proj, norm)
+            && crate::cuda::attention_lrn_sm_count(dev, m).is_some()
+    }
+}
+
 /// Whether [`attention_residual`] may run, from `CANDLE_FASTPATH_ATTENTION_RESIDUAL` (read
 /// once): unset (yes), `0` / `off` (no: [`attention_residual_norm_linear`], whose norm2 → fc1
 /// output the caller drops; for A/B measurements).

@@ -74,13 +74,14 @@ mod tuning;
 
 pub use attention_norm_linear::{
     attention_block, attention_block_applies, attention_block_enabled, attention_block_with_norms,
-    attention_cls_probs_enabled, attention_residual, attention_residual_applies,
-    attention_residual_enabled, attention_residual_norm_linear,
-    attention_residual_norm_linear_applies, attention_residual_norm_linear_enabled,
-    attention_residual_with_cls_probs, mlp_block, mlp_block_applies, mlp_block_enabled,
-    select_attention_block, select_attention_block_applies, select_attention_block_enabled,
-    select_attention_block_with_norms, select_mlp_block, select_mlp_block_applies,
-    select_mlp_block_enabled, BlockTail, MlpTail,
+    attention_cls_probs_enabled, attention_linear_residual_norm,
+    attention_linear_residual_norm_applies, attention_linear_residual_norm_enabled,
+    attention_residual, attention_residual_applies, attention_residual_enabled,
+    attention_residual_norm_linear, attention_residual_norm_linear_applies,
+    attention_residual_norm_linear_enabled, attention_residual_with_cls_probs, mlp_block,
+    mlp_block_applies, mlp_block_enabled, select_attention_block, select_attention_block_applies,
+    select_attention_block_enabled, select_attention_block_with_norms, select_mlp_block,
+    select_mlp_block_applies, select_mlp_block_enabled, BlockTail, MlpTail,
 };
 pub use embed::embed_tokens;
 pub use error::{FastpathError, Result};

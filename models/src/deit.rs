@@ -301,10 +301,11 @@ impl Block {
     }
 
     /// From the block's input `x` and its qkv projection to `(x1, gelu(fc1(norm2(x1))))` with
-    /// `x1 = x + proj(attention)`: for one image's packed
-    /// tokens one kernel from the qkv projection where
-    /// `candle_fastpath::attention_residual_norm_linear` applies (DeiT-T's width), else the
-    /// attention and then `candle_fastpath::residual_norm_linear`.
+    /// `x1 = x + proj(attention)`: for one image's packed tokens one kernel from the qkv
+    /// projection where `candle_fastpath::attention_residual_norm_linear` applies (DeiT-T's
+    /// width), two where `candle_fastpath::attention_linear_residual_norm` does (DeiT-S's: the
+    /// attention through norm2, then fc1), else the attention and then
+    /// `candle_fastpath::residual_norm_linear`.
     fn attention_through_fc1(
         &self,
         x: &Tensor,
@@ -326,7 +327,9 @@ impl Block {
     }
 
     /// [`Self::attention_through_fc1`] as one kernel, `candle_fastpath::attention_residual_norm_linear`,
-    /// where it applies (one image's packed tokens at DeiT-T's width); `None` otherwise.
+    /// where it applies (one image's packed tokens at DeiT-T's width), or as two at DeiT-S's
+    /// width, `candle_fastpath::attention_linear_residual_norm` (the attention through norm2)
+    /// and fc1; `None` otherwise.
     fn fused_attention_through_fc1(
         &self,
         x: &Tensor,
@@ -336,6 +339,13 @@ impl Block {
         let AttentionInputs::Ragged { batch } = inputs else {
             return Ok(None);
         };
+        if let Some((x1, z)) = self.fused_attention_through_norm2(x, qkv, inputs)? {
+            let hidden = self
+                .mlp
+                .fc1
+                .forward_with(&z, candle_fastpath::Epilogue::Gelu)?;
+            return Ok(Some((x1, hidden)));
+        }
         let (heads, cu) = (self.attn.heads, batch.cu_seqlens());
         let (proj, norm2, fc1) = (&self.attn.proj, &self.norm2, &self.mlp.fc1);
         // One sequence only: the applies check reads that off cu_seqlens.
@@ -354,6 +364,36 @@ impl Block {
             norm2,
             fc1,
             true,
+        )?))
+    }
+
+    /// `(x1, norm2(x1))` with `x1 = x + proj(attention)`, from the block's qkv projection, as one
+    /// kernel, `candle_fastpath::attention_linear_residual_norm` (lever 119), where it applies
+    /// (one image's packed tokens at DeiT-S's width); `None` otherwise.
+    fn fused_attention_through_norm2(
+        &self,
+        x: &Tensor,
+        qkv: &Tensor,
+        inputs: &AttentionInputs,
+    ) -> Result<Option<(Tensor, Tensor)>> {
+        let AttentionInputs::Ragged { batch } = inputs else {
+            return Ok(None);
+        };
+        let (heads, cu) = (self.attn.heads, batch.cu_seqlens());
+        let (proj, norm2) = (&self.attn.proj, &self.norm2);
+        // One sequence only: the applies check reads that off cu_seqlens.
+        if !candle_fastpath::attention_linear_residual_norm_applies(qkv, cu, heads, x, proj, norm2)
+        {
+            return Ok(None);
+        }
+        Ok(Some(candle_fastpath::attention_linear_residual_norm(
+            qkv,
+            cu,
+            heads,
+            self.attn.scale,
+            x,
+            proj,
+            norm2,
         )?))
     }
 
@@ -544,7 +584,8 @@ impl Block {
     /// projection are one kernel (`candle_fastpath::attention_residual`, lever 86; with it
     /// switched off `attention_residual_norm_linear`, whose norm2 + fc1 output is dropped: the
     /// step decides which rows the MLP half sees, and the fused token it may add has to go
-    /// through norm2 + fc1 itself), else two.
+    /// through norm2 + fc1 itself); at DeiT-S's, `attention_linear_residual_norm` (lever 119),
+    /// whose norm2 output is dropped; else two.
     pub fn attention_residual_chained(
         &self,
         x: &Tensor,
@@ -572,6 +613,11 @@ impl Block {
                 )?;
                 return Ok((x1, qkv));
             }
+        }
+        // Else one launch from qkv through norm2 (lever 119: DeiT-S's width) or fc1 (DeiT-T's),
+        // whose last output is dropped.
+        if let Some((x1, _)) = self.fused_attention_through_norm2(x, &qkv, inputs)? {
+            return Ok((x1, qkv));
         }
         if let Some((x1, _)) = self.fused_attention_through_fc1(x, &qkv, inputs)? {
             return Ok((x1, qkv));
