@@ -856,87 +856,8 @@ RESIDUAL_NORM_LINEAR_ENTRY(bf16, __nv_bfloat16, 192, 768, 12, 96, false, _k768)
 // clusters of LRN_SPLIT along x, NL_WARPS · 32 threads, lrn_smem_bytes() (the host's) of dynamic
 // shared memory.
 constexpr int LRN_DIM = 384, LRN_SPLIT = 8, LRN_SLICE = LRN_DIM / LRN_SPLIT, LRN_KW = 8;
-
-template <typename T>
-__device__ void linear_residual_norm_tile(const T* __restrict__ o, const T* __restrict__ wp,
-                                          const T* __restrict__ bp, const T* __restrict__ r,
-                                          const T* __restrict__ ln_w, const T* __restrict__ ln_b,
-                                          T* __restrict__ x1, T* __restrict__ z, int M, float eps) {
-    constexpr int C = LRN_DIM, LDS = C + 8, VECS = C / 8, CHUNKS = (VECS + 31) / 32;
-    constexpr int PAIRS = NL_BM * LRN_SLICE / 2, ROWS_PER_RANK = NL_BM / LRN_SPLIT;
-    static_assert(LRN_KW <= NL_WARPS && PAIRS <= NL_WARPS * 32 && NL_BM % LRN_SPLIT == 0 && ROWS_PER_RANK <= NL_WARPS,
-                  "tile shape");
-    extern __shared__ __align__(16) unsigned char nl_smem[];
-    const uint32_t bar = smem_addr(nl_smem) + 8 * BAR_X1;  // x1's exchange (RNL_BAR_BYTES hold it)
-    T* sa = reinterpret_cast<T*>(nl_smem + RNL_BAR_BYTES);  // the tile's 16 rows of x1 (the cluster's)
-    T* so = sa + NL_BM * LDS;                                // o's 16 rows
-    T* sp = so + NL_BM * LDS;                                // this rank's LRN_SLICE rows of Wp
-    float* spart = reinterpret_cast<float*>(sp + LRN_SLICE * LDS);  // [LRN_KW][NL_BM][LRN_SLICE]
-    const int rank = blockIdx.x, m0 = blockIdx.y * NL_BM, c0 = rank * LRN_SLICE;
-    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-    // As residual_norm_linear_tile: no remote store before the whole cluster runs, its barrier
-    // armed.
-    xbar_arm<1>(bar, {NL_BM * C * (uint32_t)sizeof(T)});
-    asm volatile("barrier.cluster.arrive.relaxed;" ::: "memory");
-
-    // 1. o's rows and this rank's Wp rows; meanwhile the LayerNorm's parameters, and the residual
-    // and bias of the x1 pair this thread finishes (thread t < PAIRS: row t / (SLICE / 2)).
-    nl_stage_rows<T, C, NL_BM>(so, o, m0, M);
-    nl_stage_rows<T, C, LRN_SLICE>(sp, wp, c0, C);
-    asm volatile("cp.async.commit_group;" ::: "memory");
-    uint4 wraw[CHUNKS], braw[CHUNKS];
-    layer_norm_params<CHUNKS>(ln_w, ln_b, wraw, braw, VECS, lane);
-    const int prow = tid / (LRN_SLICE / 2), pcol = c0 + (tid % (LRN_SLICE / 2)) * 2;
-    float res[2] = {0.f, 0.f}, pb[2] = {0.f, 0.f};
-    if (tid < PAIRS) {
-        if (m0 + prow < M) {
-            const NlPair<T> p = *reinterpret_cast<const NlPair<T>*>(r + (size_t)(m0 + prow) * C + pcol);
-            res[0] = to_f32(p.a);
-            res[1] = to_f32(p.b);
-        }
-        pb[0] = to_f32(bp[pcol]);
-        pb[1] = to_f32(bp[pcol + 1]);
-    }
-    asm volatile("cp.async.wait_group 0;" ::: "memory");
-    __syncthreads();
-
-    // 2. This rank's 16 × LRN_SLICE slice of o·Wpᵀ, K split over LRN_KW warps into partials.
-    front_partials<T, C, LRN_KW, LDS, LRN_SLICE>(so, sp, spart);
-    __syncthreads();
-
-    // 3. x1 = (o·Wpᵀ + r) + bp, rounded once, to global memory and into every cluster CTA's rows.
-    asm volatile("barrier.cluster.wait;" ::: "memory");
-    if (tid < PAIRS) {
-        const NlPair<T> p = front_pair<T, LRN_KW, NL_BM, LRN_SLICE>(spart, prow, pcol - c0, res, pb);
-        const uint32_t dst = smem_addr(sa + prow * LDS + pcol);
-#pragma unroll
-        for (int q = 0; q < LRN_SPLIT; ++q) xbar_push(dst, bar, q, pair_bits(p));
-        if (m0 + prow < M) *reinterpret_cast<NlPair<T>*>(x1 + (size_t)(m0 + prow) * C + pcol) = p;
-    }
-    // Every rank's x1 pairs in this CTA's rows (no CTA writes another's shared memory after this).
-    xbar_wait(bar);
-
-    // 4. Rows ROWS_PER_RANK · rank .. of the tile normalised, one warp each, into z.
-    if (warp < ROWS_PER_RANK) {
-        const int row = rank * ROWS_PER_RANK + warp;
-        if (m0 + row < M)
-            layer_norm_warp_row<CHUNKS, T>(reinterpret_cast<const uint4*>(sa + row * LDS),
-                                           reinterpret_cast<uint4*>(z + (size_t)(m0 + row) * C), wraw, braw, VECS, C,
-                                           eps, lane);
-    }
-}
-
-// One entry per storage type, named as the Rust side's LINEAR_RESIDUAL_NORM_NAMES table expects.
-// Compute capability 9.0 and up only.
-#define LINEAR_RESIDUAL_NORM_ENTRY(SUFFIX, T)                                                                \
-    extern "C" __global__ void __cluster_dims__(LRN_SPLIT, 1, 1) __launch_bounds__(NL_WARPS * 32)          \
-        fastpath_linear_residual_norm_##SUFFIX##_c384(const T* o, const T* wp, const T* bp, const T* r,     \
-                                                      const T* ln_w, const T* ln_b, T* x1, T* z, int M,     \
-                                                      float eps) {                                          \
-        linear_residual_norm_tile<T>(o, wp, bp, r, ln_w, ln_b, x1, z, M, eps);                              \
-    }
-LINEAR_RESIDUAL_NORM_ENTRY(f16, __half)
-LINEAR_RESIDUAL_NORM_ENTRY(bf16, __nv_bfloat16)
+// The kernel itself (linear_residual_norm_tile) is below the attention kernels, whose code its
+// attention form (lever 119) shares.
 
 // ---------------------------------------------------------------------------------------------
 // attention_residual_norm_linear: the attention itself folded into residual_norm_linear's proj
@@ -1428,68 +1349,79 @@ SELECT_ATTENTION_BLOCK_ENTRY(f16, __half)
 SELECT_ATTENTION_BLOCK_ENTRY(bf16, __nv_bfloat16)
 
 // ---------------------------------------------------------------------------------------------
-// attention_linear_residual_norm (lever 119): linear_residual_norm's kernel (lever 98) with the
-// attention computed in it, for one sequence (batch 1) at DeiT-S's width:
+// linear_residual_norm_tile: lever 98's kernel (its comment is above, at LRN_DIM), and with ATTN
+// its attention form, attention_linear_residual_norm (lever 119), for one sequence (batch 1) at
+// DeiT-S's width:
 //   o = softmax(q kᵀ · scale) v per head (q, k, v read from the fused qkv projection),
 //   x1 = (o·Wpᵀ + r) + bp,   z = LayerNorm(x1),
 // one launch where the graph ran candle-ragged's attention kernel and then lever 98's (fc1 on
 // the thin GEMM follows, as before). The same move as attention_residual_norm_linear's at DeiT-T's
-// width (lever 64), which took ~1.6 µs a block off the graph there.
+// width (lever 64).
 //
-// The LRN_SPLIT = 8 CTAs of a 16-row tile's cluster: ranks h < 6 compute head h for the tile's
-// 16 queries over all keys exactly as attention_residual_norm_linear_tile does (K and V of the
-// head staged whole, ARNL_PARTS warps over ranges of 16-key tiles, the merge by all warps:
-// arnl_merge_push) and push the rounded rows into all eight CTAs' attention tile; ranks 6 and 7
-// only stage their Wp slice and wait for the tile. From there on, linear_residual_norm_tile's
-// steps 2-4: each rank's 48 columns of x1 (K split over LRN_KW warps, partials summed in a fixed
-// order), pushed into every CTA's rows, then two rows per rank normalised with the LayerNorm
-// kernel's row code. So x1 and z are lever 98's kernel's outputs for this o, bit for bit; o itself
-// sums the keys in another order than candle-ragged's attention kernel (one rounding of T apart).
-// Query rows at or past the sequence's length get zero rows of o (x1 = r + bp there).
+// ATTN: ranks h < 6 of a 16-row tile's cluster compute head h for the tile's 16 queries over all
+// keys exactly as attention_residual_norm_linear_tile does (K and V of the head staged whole,
+// ARNL_PARTS warps over ranges of 16-key tiles, the merge by all warps: arnl_merge_push) and push
+// the rounded rows into all eight CTAs' attention tile; ranks 6 and 7 only stage their Wp slice
+// and wait for the tile. Otherwise the tile's 16 rows of o are loaded from `in` ([M, C]). From
+// there on the two are one code: each rank's 48 columns of x1 (K split over LRN_KW warps,
+// partials summed in a fixed order), pushed into every CTA's rows, then two rows per rank
+// normalised with the LayerNorm kernel's row code. So x1 and z are lever 98's kernel's outputs
+// for the o it saw, bit for bit; the attention's o sums its keys in another order than
+// candle-ragged's attention kernel (one rounding of T apart). Query rows at or past the sequence's
+// length get zero rows of o (x1 = r + bp there).
 //
-// Constraints (the host's, attention_linear_residual_norm in candle-fastpath): C = 384 (six heads
-// of 64), one sequence (cu_seqlens = [0, len], len ≤ M), every operand contiguous and 16-byte
-// aligned, compute capability 9.0; grid (LRN_SPLIT, ceil(M / NL_BM)) within one wave, clusters of
-// LRN_SPLIT along x, NL_WARPS · 32 threads, attention_lrn_smem_bytes(M) (the host's) of dynamic
-// shared memory.
-template <typename T>
-__device__ void attention_linear_residual_norm_tile(const T* __restrict__ qkv, const uint32_t* __restrict__ cu_seqlens,
-                                                    const T* __restrict__ wp, const T* __restrict__ bp,
-                                                    const T* __restrict__ r, const T* __restrict__ ln_w,
-                                                    const T* __restrict__ ln_b, T* __restrict__ x1,
-                                                    T* __restrict__ z, int M, float eps, float scale_log2) {
+// Constraints (the host's, linear_residual_norm and attention_linear_residual_norm in
+// candle-fastpath): C = 384 (ATTN: six heads of 64, one sequence, cu_seqlens = [0, len], len ≤ M),
+// every operand contiguous and 16-byte aligned, compute capability 9.0; grid (LRN_SPLIT,
+// ceil(M / NL_BM)) within one wave, clusters of LRN_SPLIT along x, NL_WARPS · 32 threads,
+// lrn_smem_bytes() / attention_lrn_smem_bytes(M) (the host's) of dynamic shared memory.
+// `in`: o [M, C], or (ATTN) qkv [M, 3C]; cu_seqlens and scale_log2: ATTN only.
+template <typename T, bool ATTN>
+__device__ void linear_residual_norm_tile(const T* __restrict__ in, const uint32_t* __restrict__ cu_seqlens,
+                                          const T* __restrict__ wp, const T* __restrict__ bp,
+                                          const T* __restrict__ r, const T* __restrict__ ln_w,
+                                          const T* __restrict__ ln_b, T* __restrict__ x1, T* __restrict__ z, int M,
+                                          float eps, float scale_log2) {
     constexpr int C = LRN_DIM, D = ARNL_HEAD_DIM, HEADS = C / D, ROW = TileCfg<D>::ROW;
     constexpr int PARTS = ARNL_PARTS, STATE = ARNL_STATE, LDS = C + 8, VECS = C / 8, CHUNKS = (VECS + 31) / 32;
     constexpr int PAIRS = NL_BM * LRN_SLICE / 2, ROWS_PER_RANK = NL_BM / LRN_SPLIT;
-    static_assert(HEADS <= LRN_SPLIT && NL_WARPS == 2 * PARTS && NL_BM == 16 && PAIRS <= NL_WARPS * 32 &&
-                      ROWS_PER_RANK <= NL_WARPS,
+    static_assert(LRN_KW <= NL_WARPS && HEADS <= LRN_SPLIT && NL_WARPS == 2 * PARTS && NL_BM == 16 &&
+                      PAIRS <= NL_WARPS * 32 && NL_BM % LRN_SPLIT == 0 && ROWS_PER_RANK <= NL_WARPS,
                   "tile shape");
     extern __shared__ __align__(16) unsigned char nl_smem[];
     const uint32_t bars = smem_addr(nl_smem);                // the attention tile's and x1's exchanges
     T* sa = reinterpret_cast<T*>(nl_smem + RNL_BAR_BYTES);  // the tile's 16 rows of x1 (the cluster's)
-    T* so = sa + NL_BM * LDS;                                // the attention's 16 × C tile (the cluster's)
+    T* so = sa + NL_BM * LDS;                                // o's 16 rows (ATTN: the cluster's)
     T* sp = so + NL_BM * LDS;                                // this rank's LRN_SLICE rows of Wp
     float* spart = reinterpret_cast<float*>(sp + LRN_SLICE * LDS);  // [LRN_KW][NL_BM][LRN_SLICE]
-    float* sstate = spart + LRN_KW * NL_BM * LRN_SLICE;              // [PARTS][STATE][32 lanes]
-    T* ks = reinterpret_cast<T*>(sstate + PARTS * STATE * 32);      // K rows, then V rows, ROW wide
+    float* sstate = spart + LRN_KW * NL_BM * LRN_SLICE;              // ATTN: [PARTS][STATE][32 lanes]
+    T* ks = reinterpret_cast<T*>(sstate + PARTS * STATE * 32);      // ATTN: K rows, then V rows
     const int rank = blockIdx.x, m0 = blockIdx.y * NL_BM, c0 = rank * LRN_SLICE;
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-    const bool attends = rank < HEADS;  // uniform over the CTA
+    const bool attends = ATTN && rank < HEADS;  // uniform over the CTA
     // No remote store before the whole cluster runs, its barriers armed.
     constexpr uint32_t TILE_BYTES = NL_BM * C * sizeof(T);
-    xbar_arm<2>(bars, {TILE_BYTES, TILE_BYTES});
+    if constexpr (ATTN)
+        xbar_arm<2>(bars, {TILE_BYTES, TILE_BYTES});
+    else
+        xbar_arm<1>(bars + 8 * BAR_X1, {TILE_BYTES});
     asm volatile("barrier.cluster.arrive.relaxed;" ::: "memory");
 
-    // 1. The query fragments (global → registers, before any cp.async: behind the bytes of K / V
-    // they would arrive last), K and V of this rank's head (M rows, up to a multiple of 16
-    // zero-filled; a group, empty on ranks 6 and 7), this rank's Wp rows (a group); meanwhile
-    // the LayerNorm's parameters, and the residual and bias of the x1 pair this thread finishes.
+    // 1. ATTN: the query fragments (global → registers, before any cp.async: behind the bytes of
+    // K / V they would arrive last), K and V of this rank's head (M rows, up to a multiple of 16
+    // zero-filled; a group, empty on ranks 6 and 7). Else o's rows. Then this rank's Wp rows;
+    // meanwhile the LayerNorm's parameters, and the residual and bias of the x1 pair this thread
+    // finishes (thread t < PAIRS: row t / (SLICE / 2)).
     RowState<D> st;
-    if (attends && warp < PARTS) begin_rows<T, D>(st, qkv + rank * D, 3 * C, m0, M, lane);
     const int kv_rows = (M + 15) & ~15;
     T* vs = ks + kv_rows * ROW;
-    if (attends) arnl_stage_kv<T, C>(ks, vs, qkv, rank, kv_rows, M, [](int row) { return row; });
-    asm volatile("cp.async.commit_group;" ::: "memory");
+    if constexpr (ATTN) {
+        if (attends && warp < PARTS) begin_rows<T, D>(st, in + rank * D, 3 * C, m0, M, lane);
+        if (attends) arnl_stage_kv<T, C>(ks, vs, in, rank, kv_rows, M, [](int row) { return row; });
+        asm volatile("cp.async.commit_group;" ::: "memory");
+    } else {
+        nl_stage_rows<T, C, NL_BM>(so, in, m0, M);
+    }
     nl_stage_rows<T, C, LRN_SLICE>(sp, wp, c0, C);
     asm volatile("cp.async.commit_group;" ::: "memory");
     uint4 wraw[CHUNKS], braw[CHUNKS];
@@ -1505,36 +1437,42 @@ __device__ void attention_linear_residual_norm_tile(const T* __restrict__ qkv, c
         pb[0] = to_f32(bp[pcol]);
         pb[1] = to_f32(bp[pcol + 1]);
     }
-    const int len = min(static_cast<int>(cu_seqlens[1]), M);
 
-    // 2. The attention (ranks h < HEADS): warp p < PARTS over the 16-key tiles [p · kt / PARTS,
-    // (p + 1) · kt / PARTS) of the sequence, then the merge into all LRN_SPLIT CTAs' tiles.
-    if (attends) {
-        asm volatile("cp.async.wait_group 1;" ::: "memory");  // K / V (Wp's may be in flight)
-        if (len < M) arnl_zero_kv_tail<T>(ks, vs, kv_rows, len);
-        __syncthreads();
-        if (warp < PARTS) {
-            const int kt = (len + 15) / 16;
-            const int key0 = warp * kt / PARTS * 16, key_end = min(len, (warp + 1) * kt / PARTS * 16);
-            if (key0 < key_end) attend_keys<T, D, 32, false>(st, ks, vs, key0, key_end, scale_log2, lane);
-            save_state<D>(st, sstate + warp * STATE * 32 + lane);
+    if constexpr (ATTN) {
+        // The attention (ranks h < HEADS): warp p < PARTS over the 16-key tiles [p · kt / PARTS,
+        // (p + 1) · kt / PARTS) of the sequence, then the merge into all LRN_SPLIT CTAs' tiles.
+        const int len = min(static_cast<int>(cu_seqlens[1]), M);
+        if (attends) {
+            asm volatile("cp.async.wait_group 1;" ::: "memory");  // K / V (Wp's may be in flight)
+            if (len < M) arnl_zero_kv_tail<T>(ks, vs, kv_rows, len);
+            __syncthreads();
+            if (warp < PARTS) {
+                const int kt = (len + 15) / 16;
+                const int key0 = warp * kt / PARTS * 16, key_end = min(len, (warp + 1) * kt / PARTS * 16);
+                if (key0 < key_end) attend_keys<T, D, 32, false>(st, ks, vs, key0, key_end, scale_log2, lane);
+                save_state<D>(st, sstate + warp * STATE * 32 + lane);
+            }
+            __syncthreads();
+            arnl_merge_push<T, LDS, LRN_SPLIT>(sstate, so, rank, m0, len, bars + 8 * BAR_ATTN, 0, warp, lane);
+        } else {
+            asm volatile("barrier.cluster.wait;" ::: "memory");  // before this CTA's x1 pushes below
         }
+        // Wp's rows landed, and this CTA's attention tile complete (the HEADS pushers' bytes),
+        // both visible to all its threads.
+        asm volatile("cp.async.wait_group 0;" ::: "memory");
+        xbar_wait(bars + 8 * BAR_ATTN);
         __syncthreads();
-        arnl_merge_push<T, LDS, LRN_SPLIT>(sstate, so, rank, m0, len, bars + 8 * BAR_ATTN, 0, warp, lane);
     } else {
-        asm volatile("barrier.cluster.wait;" ::: "memory");  // before this CTA's x1 pushes below
+        asm volatile("cp.async.wait_group 0;" ::: "memory");
+        __syncthreads();
     }
-    // Wp's rows landed, and this CTA's attention tile complete (the HEADS pushers' bytes), both
-    // visible to all its threads.
-    asm volatile("cp.async.wait_group 0;" ::: "memory");
-    xbar_wait(bars + 8 * BAR_ATTN);
-    __syncthreads();
 
-    // 3. This rank's 16 × LRN_SLICE slice of o·Wpᵀ, K split over LRN_KW warps into partials.
+    // 2. This rank's 16 × LRN_SLICE slice of o·Wpᵀ, K split over LRN_KW warps into partials.
     front_partials<T, C, LRN_KW, LDS, LRN_SLICE>(so, sp, spart);
     __syncthreads();
 
-    // 4. x1 = (o·Wpᵀ + r) + bp, rounded once, to global memory and into every cluster CTA's rows.
+    // 3. x1 = (o·Wpᵀ + r) + bp, rounded once, to global memory and into every cluster CTA's rows.
+    if constexpr (!ATTN) asm volatile("barrier.cluster.wait;" ::: "memory");
     if (tid < PAIRS) {
         const NlPair<T> p = front_pair<T, LRN_KW, NL_BM, LRN_SLICE>(spart, prow, pcol - c0, res, pb);
         const uint32_t dst = smem_addr(sa + prow * LDS + pcol);
@@ -1545,7 +1483,7 @@ __device__ void attention_linear_residual_norm_tile(const T* __restrict__ qkv, c
     // Every rank's x1 pairs in this CTA's rows (no CTA writes another's shared memory after this).
     xbar_wait(bars + 8 * BAR_X1);
 
-    // 5. Rows ROWS_PER_RANK · rank .. of the tile normalised, one warp each, into z.
+    // 4. Rows ROWS_PER_RANK · rank .. of the tile normalised, one warp each, into z.
     if (warp < ROWS_PER_RANK) {
         const int row = rank * ROWS_PER_RANK + warp;
         if (m0 + row < M)
@@ -1555,17 +1493,19 @@ __device__ void attention_linear_residual_norm_tile(const T* __restrict__ qkv, c
     }
 }
 
-// One entry per storage type, named as the Rust side's ATTENTION_LRN_NAMES table expects.
-#define ATTENTION_LINEAR_RESIDUAL_NORM_ENTRY(SUFFIX, T)                                                       \
+// One entry per storage type and form, named as the Rust side's LINEAR_RESIDUAL_NORM_NAMES table
+// expects (the plain form's `cu_seqlens` and `scale_log2` unused). Compute capability 9.0 and up.
+#define LINEAR_RESIDUAL_NORM_ENTRY(NAME, SUFFIX, T, ATTN)                                                    \
     extern "C" __global__ void __cluster_dims__(LRN_SPLIT, 1, 1) __launch_bounds__(NL_WARPS * 32)          \
-        fastpath_attention_linear_residual_norm_##SUFFIX##_c384(                                             \
-            const T* qkv, const uint32_t* cu_seqlens, const T* wp, const T* bp, const T* r, const T* ln_w,   \
-            const T* ln_b, T* x1, T* z, int M, float eps, float scale_log2) {                                \
-        attention_linear_residual_norm_tile<T>(qkv, cu_seqlens, wp, bp, r, ln_w, ln_b, x1, z, M, eps,        \
-                                               scale_log2);                                                  \
+        fastpath_##NAME##_##SUFFIX##_c384(const T* in, const uint32_t* cu_seqlens, const T* wp, const T* bp, \
+                                          const T* r, const T* ln_w, const T* ln_b, T* x1, T* z, int M,       \
+                                          float eps, float scale_log2) {                                     \
+        linear_residual_norm_tile<T, ATTN>(in, cu_seqlens, wp, bp, r, ln_w, ln_b, x1, z, M, eps, scale_log2); \
     }
-ATTENTION_LINEAR_RESIDUAL_NORM_ENTRY(f16, __half)
-ATTENTION_LINEAR_RESIDUAL_NORM_ENTRY(bf16, __nv_bfloat16)
+LINEAR_RESIDUAL_NORM_ENTRY(linear_residual_norm, f16, __half, false)
+LINEAR_RESIDUAL_NORM_ENTRY(linear_residual_norm, bf16, __nv_bfloat16, false)
+LINEAR_RESIDUAL_NORM_ENTRY(attention_linear_residual_norm, f16, __half, true)
+LINEAR_RESIDUAL_NORM_ENTRY(attention_linear_residual_norm, bf16, __nv_bfloat16, true)
 
 // ---------------------------------------------------------------------------------------------
 // mlp_block (lever 72): a pre-norm block's MLP half from its hidden states x1 on through the next

@@ -149,6 +149,16 @@ fn step_op(
         .unwrap_or_else(|| unreachable!("the fused kernels' applies checks require every bias"))
 }
 
+/// Whether `cu_seqlens` describes one sequence the way this file's kernels read it: a contiguous
+/// u32 `[2]` (`[0, len]`) on `residual`'s device.
+#[cfg(feature = "cuda")]
+fn one_sequence(cu_seqlens: &Tensor, residual: &Tensor) -> bool {
+    cu_seqlens.dtype() == candle_core::DType::U32
+        && cu_seqlens.dims() == [2]
+        && cu_seqlens.is_contiguous()
+        && cu_seqlens.device().same_device(residual.device())
+}
+
 /// Whether [`attention_residual_norm_linear`] runs: what [`crate::residual_norm_linear_applies`]
 /// requires of the proj → norm2 → fc1 step (its proj form: C = 192, N in (640, 768], compute
 /// capability 9.0, a grid of one wave, its switches), `heads` heads of 64 (three), `qkv`
@@ -177,10 +187,7 @@ pub fn attention_residual_norm_linear_applies(
         let candle_core::Device::Cuda(dev) = residual.device() else {
             return false;
         };
-        cu_seqlens.dtype() == candle_core::DType::U32
-            && cu_seqlens.dims() == [2]
-            && cu_seqlens.is_contiguous()
-            && cu_seqlens.device().same_device(residual.device())
+        one_sequence(cu_seqlens, residual)
             && arnl_applies(qkv, heads, residual, proj, norm, linear, gelu)
             && residual
                 .dims2()
@@ -240,15 +247,8 @@ pub fn attention_linear_residual_norm_enabled() -> bool {
 /// in `docs/BENCHMARKS.md`): that op's cluster kernel with the attention computed inside it, as
 /// [`attention_residual_norm_linear`] does at DeiT-T's width. fc1 stays a launch of its own.
 ///
-/// # Arguments
-/// * `qkv` - `[M, 3C]`: q | k | v, each `heads × 64` head-major (timm's layout), the rows of one
-///   sequence first.
-/// * `cu_seqlens` - u32 `[2]` on `qkv`'s device: `[0, len]`, `len ≤ M` (read on the device
-///   only; rows past `len`, a capacity-sized buffer's tail, are neither queries nor keys).
-/// * `heads` - the attention's heads (of 64: the kernel's one head width).
-/// * `scale` - the softmax scale (`head_dim^-0.5` for DeiT).
-/// * `residual` - `[M, C]`.
-/// * `proj` - `Wp` `[C, C]` with its bias; `norm` - LayerNorm over C.
+/// Arguments as [`attention_residual_norm_linear`]'s, without the Linear after the LayerNorm
+/// (`proj`: `Wp` `[C, C]` with its bias; `norm`: the LayerNorm over C).
 ///
 /// # Returns
 /// `(x1, z)`, both `[M, C]`, contiguous views of one buffer: for rows `< len`, what the attention
@@ -267,22 +267,12 @@ pub fn attention_linear_residual_norm(
     proj: &FusedLinear,
     norm: &LayerNorm,
 ) -> Result<(Tensor, Tensor)> {
-    const WHAT: &str = "attention_linear_residual_norm";
     if !attention_linear_residual_norm_applies(qkv, cu_seqlens, heads, residual, proj, norm) {
-        return Err(FastpathError::NotApplicable {
-            op: WHAT,
-            inputs: format!(
-                "qkv {:?} {:?} on {:?}, {heads} heads, cu_seqlens {:?} {:?}, residual {:?} {:?}, proj {:?}",
-                qkv.dims(),
-                qkv.dtype(),
-                qkv.device().location(),
-                cu_seqlens.dims(),
-                cu_seqlens.dtype(),
-                residual.dims(),
-                residual.dtype(),
-                proj.weight().dims()
-            ),
-        });
+        let inputs = (qkv, cu_seqlens, heads, residual, proj);
+        return Err(attention_residual_refused(
+            "attention_linear_residual_norm",
+            inputs,
+        ));
     }
     #[cfg(feature = "cuda")]
     {
@@ -292,10 +282,12 @@ pub fn attention_linear_residual_norm(
                     "attention_linear_residual_norm_applies requires the projection's bias"
                 )
             });
-        let op = crate::cuda::AttentionLinearResidualNormOp {
-            cu_seqlens: cu_seqlens.clone(),
-            scale_log2: (scale * std::f64::consts::LOG2_E) as f32,
+        let op = crate::cuda::LinearResidualNormOp {
             params,
+            attention: Some(crate::cuda::LrnAttention {
+                cu_seqlens: cu_seqlens.clone(),
+                scale_log2: (scale * std::f64::consts::LOG2_E) as f32,
+            }),
         };
         let (m, c) = residual.dims2()?;
         let both = qkv.apply_op2_no_bwd(residual, &op)?;
@@ -340,10 +332,7 @@ pub fn attention_linear_residual_norm_applies(
             return false;
         };
         attention_linear_residual_norm_enabled()
-            && cu_seqlens.dtype() == candle_core::DType::U32
-            && cu_seqlens.dims() == [2]
-            && cu_seqlens.is_contiguous()
-            && cu_seqlens.device().same_device(residual.device())
+            && one_sequence(cu_seqlens, residual)
             && heads * crate::cuda::ARNL_HEAD_DIM == c
             && qkv.dims() == [m, 3 * c]
             && qkv.dtype() == residual.dtype()
@@ -547,10 +536,7 @@ pub fn attention_residual_applies(
             && same(qkv)
             && aligned(qkv)
             && aligned(residual)
-            && cu_seqlens.dtype() == candle_core::DType::U32
-            && cu_seqlens.dims() == [2]
-            && cu_seqlens.is_contiguous()
-            && cu_seqlens.device().same_device(residual.device())
+            && one_sequence(cu_seqlens, residual)
             && crate::cuda::attention_residual_sm_count(dev, m)
                 .is_some_and(|sms| m.div_ceil(16) * crate::cuda::RNL_SPLIT <= sms)
     }

@@ -175,15 +175,11 @@ const RESIDUAL_NORM_LINEAR_NAMES: [&str; 6] = [
     "fastpath_residual_norm_linear_bf16_c192_gelu",
     "fastpath_residual_norm_linear_bf16_c192_k768",
 ];
-/// [`LinearResidualNormOp`]'s kernels (compute capability 9.0 and up: thread-block clusters),
-/// by dtype.
-const LINEAR_RESIDUAL_NORM_NAMES: [&str; 2] = [
+/// [`LinearResidualNormOp`]'s kernels (compute capability 9.0 and up: thread-block clusters):
+/// f16, bf16, then the same with the attention in front ([`LrnAttention`], lever 119).
+const LINEAR_RESIDUAL_NORM_NAMES: [&str; 4] = [
     "fastpath_linear_residual_norm_f16_c384",
     "fastpath_linear_residual_norm_bf16_c384",
-];
-/// [`AttentionLinearResidualNormOp`]'s kernels (compute capability 9.0 and up: thread-block
-/// clusters), by dtype.
-const ATTENTION_LRN_NAMES: [&str; 2] = [
     "fastpath_attention_linear_residual_norm_f16_c384",
     "fastpath_attention_linear_residual_norm_bf16_c384",
 ];
@@ -506,9 +502,6 @@ struct DeviceState {
     residual_norm_linear: Option<Vec<CudaFunction>>,
     /// [`LinearResidualNormOp`]'s kernels, as `residual_norm_linear`.
     linear_residual_norm: Option<Vec<CudaFunction>>,
-    /// [`AttentionLinearResidualNormOp`]'s kernels, as `attention_rnl` (the same shared-memory
-    /// limit).
-    attention_lrn: Option<Vec<CudaFunction>>,
     /// [`AttentionRnlOp`]'s kernels and the most dynamic shared memory a block
     /// may opt into (its K / V rows grow with the sequence); `None` as `residual_norm_linear`.
     attention_rnl: Option<(Vec<CudaFunction>, usize)>,
@@ -652,7 +645,6 @@ fn new_state(dev: &CudaDevice) -> candle_core::Result<DeviceState> {
         thin_gemm: load_thin_gemm(dev, hopper)?,
         thin_residual_norm: load_thin_residual_norm(dev, &context, hopper)?,
         attention_rnl: at_opt_in(&ATTENTION_RNL_NAMES)?.map(|f| (f, opt_in_smem as usize)),
-        attention_lrn: at_opt_in(&ATTENTION_LRN_NAMES)?,
         attention_residual: at_opt_in(&ATTENTION_RESIDUAL_NAMES)?,
         attention_block: at_opt_in(&ATTENTION_BLOCK_NAMES)?,
         mlp_block: at_opt_in(&MLP_BLOCK_NAMES)?,
@@ -2137,10 +2129,21 @@ pub(crate) fn linear_residual_norm_sm_count(dev: &CudaDevice) -> Option<usize> {
 /// The CustomOp behind [`crate::linear_residual_norm`]: `(o [M, C], r [M, C])` →
 /// `x1 = (o·Wpᵀ + r) + bp` (`Wp` `[C, C]`, C = [`LRN_DIM`]) and `z = LayerNorm(x1)`,
 /// returned as one 1-D buffer of `2·M·C` elements: x1's rows, then z's. Wp, bp and the
-/// LayerNorm's parameters are carried here and read in place. The caller decides eligibility;
-/// shapes, strides and alignment are checked again here.
+/// LayerNorm's parameters are carried here and read in place. With `attention`, the op behind
+/// [`crate::attention_linear_residual_norm`]: its first operand is `qkv [M, 3C]` and o the
+/// attention over the one sequence of `cu_seqlens` (heads of [`ARNL_HEAD_DIM`]). The caller
+/// decides eligibility; shapes, strides, alignment and the offsets are checked again here.
 pub(crate) struct LinearResidualNormOp {
     pub params: ResidualNormParams,
+    pub attention: Option<LrnAttention>,
+}
+
+/// [`LinearResidualNormOp`]'s attention in front (lever 119).
+pub(crate) struct LrnAttention {
+    /// `[0, len]`, u32, `len ≤ M` (read on the device only).
+    pub cu_seqlens: Tensor,
+    /// The softmax scale times log2(e) (the kernel's exponentials are exp2).
+    pub scale_log2: f32,
 }
 
 /// The front Linear's weight `[C, K]` and bias and the LayerNorm's parameters that
@@ -2213,40 +2216,68 @@ impl LinearResidualNormOp {
             + candle_core::cuda_backend::cudarc::driver::DeviceRepr
             + candle_core::WithDType,
     {
-        const WHAT: &str = "linear_residual_norm";
+        let attn = self.attention.as_ref();
+        let what = match attn {
+            Some(_) => "attention_linear_residual_norm",
+            None => "linear_residual_norm",
+        };
         let dev = &o.device;
         let size = size_of::<T>();
         let c = LRN_DIM;
-        let bf16 = is_bf16::<T>(WHAT)?;
-        let (m, k) = front_operands_fit(WHAT, lo, lr, c, c, size)?;
-        let carried = self.params.carried(c, k);
+        let bf16 = is_bf16::<T>(what)?;
+        let in_k = if attn.is_some() { 3 * c } else { c };
+        let (m, _) = front_operands_fit(what, lo, lr, in_k, c, size)?;
+        let carried = self.params.carried(c, c);
         let guards = carried.map(|(t, _, _)| t.storage_and_layout());
-        let views = carried_views::<T>(WHAT, &guards, &carried.map(|(_, n, v)| (n, v)))?;
+        let views = carried_views::<T>(what, &guards, &carried.map(|(_, n, v)| (n, v)))?;
+        // The sequence's offsets (the attention form; the plain form's kernel takes a null
+        // pointer there and never reads it).
+        let cu_guard = attn.map(|a| a.cu_seqlens.storage_and_layout());
+        let offsets = match &cu_guard {
+            Some((storage, layout)) => Some(one_sequence_offsets(what, storage, layout)?),
+            None => None,
+        };
         let os = o.as_cuda_slice::<T>()?.slice(lo.start_offset()..);
         let rs = r.as_cuda_slice::<T>()?.slice(lr.start_offset()..);
+        let smem = match attn {
+            Some(_) => attention_lrn_smem_bytes(m),
+            None => lrn_smem_bytes(),
+        };
+        let func = {
+            let mut states = STATE.lock().unwrap_or_else(|e| e.into_inner());
+            let state = device_state(&mut states, dev)?;
+            let max_smem = state.attention_rnl.as_ref().map_or(0, |(_, max)| *max);
+            match &state.linear_residual_norm {
+                Some(funcs) if smem <= max_smem => {
+                    funcs[2 * attn.is_some() as usize + bf16 as usize].clone()
+                }
+                Some(_) => candle_core::bail!(
+                    "{what}: {m} rows need {smem} bytes of shared memory, the device allows {max_smem}"
+                ),
+                None => candle_core::bail!(
+                    "{what}: the fused kernel needs compute capability 9.0 (thread-block clusters)"
+                ),
+            }
+        };
         // SAFETY: every element is written by the kernel: x1's (row < M, column < C) by the
         // cluster rank owning the column's 48-wide slice in the row's tile, z's rows by the rank
         // owning the row (two per rank).
         let mut out = unsafe { dev.alloc::<T>(2 * m * c)? };
         let (mut x1, mut z) = out.split_at_mut(m * c);
-        let func = {
-            let mut states = STATE.lock().unwrap_or_else(|e| e.into_inner());
-            match &device_state(&mut states, dev)?.linear_residual_norm {
-                Some(funcs) => funcs[bf16 as usize].clone(),
-                None => candle_core::bail!(
-                    "{WHAT}: the fused kernel needs compute capability 9.0 (thread-block clusters)"
-                ),
-            }
-        };
         let cfg = LaunchConfig {
             grid_dim: (LRN_SPLIT as u32, m.div_ceil(NL_BM) as u32, 1),
             block_dim: (NL_THREADS, 1, 1),
-            shared_mem_bytes: lrn_smem_bytes() as u32,
+            shared_mem_bytes: smem as u32,
         };
         let m32 = m as i32;
+        let (no_offsets, scale_log2) = (0u64, attn.map_or(0.0, |a| a.scale_log2));
         let stream = dev.cuda_stream();
         let mut builder = stream.launch_builder(&func);
         builder.arg(&os);
+        match &offsets {
+            Some(cus) => builder.arg(cus),
+            None => builder.arg(&no_offsets),
+        };
         builder.arg(&views[0]);
         builder.arg(&views[1]);
         builder.arg(&rs);
@@ -2256,10 +2287,12 @@ impl LinearResidualNormOp {
         builder.arg(&mut z);
         builder.arg(&m32);
         builder.arg(&self.params.eps);
-        // SAFETY: shapes, contiguity and alignment checked above; the kernel reads rows < M of o
-        // and r and the C rows of Wp (tile rows past M zero-filled), and writes x1's and z's
-        // M · C elements only. Its clusters (LRN_SPLIT along x) are compiled in
-        // (__cluster_dims__): an ordinary launch whose grid's x is the cluster size.
+        builder.arg(&scale_log2);
+        // SAFETY: shapes, contiguity and alignment checked above; the kernel reads rows < M of
+        // its input (o, or qkv) and r, with the attention cu_seqlens[1] (clamped to M), and the C
+        // rows of Wp (tile rows past M zero-filled), and writes x1's and z's M · C elements only.
+        // Its clusters (LRN_SPLIT along x) are compiled in (__cluster_dims__): an ordinary launch
+        // whose grid's x is the cluster size.
         unsafe { builder.launch(cfg) }.map_err(candle_core::Error::wrap)?;
         Ok((
             CudaStorage::wrap_cuda_slice(out, dev.clone()),
@@ -2275,7 +2308,7 @@ cuda_only_op2!(
     [F16 => half::f16, BF16 => half::bf16]
 );
 
-/// Dynamic shared memory of an [`AttentionLinearResidualNormOp`] launch over `m` rows (16-bit
+/// Dynamic shared memory of a [`LinearResidualNormOp`] launch with [`LrnAttention`] over `m` rows (16-bit
 /// storage): [`lrn_smem_bytes`], then the attention's: the ARNL_PARTS = 8 warps' online-softmax
 /// states (ARNL_HEAD_DIM / 2 + 4 floats per lane) and the head's K and V rows (`m` rounded up to
 /// 16, ARNL_HEAD_DIM + 8 elements each).
@@ -2285,110 +2318,13 @@ pub(crate) fn attention_lrn_smem_bytes(m: usize) -> usize {
         + 2 * m.next_multiple_of(16) * (ARNL_HEAD_DIM + 8) * 2
 }
 
-/// `dev`'s streaming multiprocessors where it has [`AttentionLinearResidualNormOp`]'s kernels and
-/// a launch over `m` rows fits its shared memory, `None` otherwise.
+/// `dev`'s streaming multiprocessors where it has [`LinearResidualNormOp`]'s kernels and a launch
+/// with the attention in front over `m` rows fits its shared memory, `None` otherwise.
 pub(crate) fn attention_lrn_sm_count(dev: &CudaDevice, m: usize) -> Option<usize> {
     fused_sm_count(dev, attention_lrn_smem_bytes(m), |s| {
-        s.attention_lrn.is_some()
+        s.linear_residual_norm.is_some()
     })
 }
-
-/// The CustomOp behind [`crate::attention_linear_residual_norm`]: `(qkv [M, 3C], r [M, C])` →
-/// `o = attention(qkv)` over the one sequence of `cu_seqlens`, then [`LinearResidualNormOp`]'s
-/// `x1 = (o·Wpᵀ + r) + bp` and `z = LayerNorm(x1)` (C = [`LRN_DIM`], heads of
-/// [`ARNL_HEAD_DIM`]), returned as one 1-D buffer of `2·M·C` elements: x1's rows, then z's.
-/// The caller decides eligibility; shapes, strides, alignment and the offsets are checked again
-/// here.
-pub(crate) struct AttentionLinearResidualNormOp {
-    /// `[0, len]`, u32, `len ≤ M` (read on the device only).
-    pub cu_seqlens: Tensor,
-    /// The softmax scale times log2(e) (the kernel's exponentials are exp2).
-    pub scale_log2: f32,
-    pub params: ResidualNormParams,
-}
-
-impl AttentionLinearResidualNormOp {
-    fn run<T>(
-        &self,
-        (qkv, lq): (&CudaStorage, &Layout),
-        (r, lr): (&CudaStorage, &Layout),
-    ) -> candle_core::Result<(CudaStorage, Shape)>
-    where
-        T: candle_core::cuda_backend::CudaDType
-            + candle_core::cuda_backend::cudarc::driver::DeviceRepr
-            + candle_core::WithDType,
-    {
-        const WHAT: &str = "attention_linear_residual_norm";
-        let dev = &qkv.device;
-        let size = size_of::<T>();
-        let c = LRN_DIM;
-        let bf16 = is_bf16::<T>(WHAT)?;
-        let (m, _) = front_operands_fit(WHAT, lq, lr, 3 * c, c, size)?;
-        let carried = self.params.carried(c, c);
-        let guards = carried.map(|(t, _, _)| t.storage_and_layout());
-        let views = carried_views::<T>(WHAT, &guards, &carried.map(|(_, n, v)| (n, v)))?;
-        let cu_guard = self.cu_seqlens.storage_and_layout();
-        let offsets = one_sequence_offsets(WHAT, &cu_guard.0, cu_guard.1)?;
-        let qs = qkv.as_cuda_slice::<T>()?.slice(lq.start_offset()..);
-        let rs = r.as_cuda_slice::<T>()?.slice(lr.start_offset()..);
-        let smem = attention_lrn_smem_bytes(m);
-        let func = {
-            let mut states = STATE.lock().unwrap_or_else(|e| e.into_inner());
-            let state = device_state(&mut states, dev)?;
-            let max_smem = state.attention_rnl.as_ref().map_or(0, |(_, max)| *max);
-            match &state.attention_lrn {
-                Some(funcs) if smem <= max_smem => funcs[bf16 as usize].clone(),
-                Some(_) => candle_core::bail!(
-                    "{WHAT}: {m} rows need {smem} bytes of shared memory, the device allows {max_smem}"
-                ),
-                None => candle_core::bail!(
-                    "{WHAT}: the fused kernel needs compute capability 9.0 (thread-block clusters)"
-                ),
-            }
-        };
-        // SAFETY: every element is written by the kernel, as LinearResidualNormOp's: x1's (row <
-        // M, column < C) by the cluster rank owning the column's 48-wide slice in the row's tile,
-        // z's rows by the rank owning the row (two per rank).
-        let mut out = unsafe { dev.alloc::<T>(2 * m * c)? };
-        let (mut x1, mut z) = out.split_at_mut(m * c);
-        let cfg = LaunchConfig {
-            grid_dim: (LRN_SPLIT as u32, m.div_ceil(NL_BM) as u32, 1),
-            block_dim: (NL_THREADS, 1, 1),
-            shared_mem_bytes: smem as u32,
-        };
-        let m32 = m as i32;
-        let stream = dev.cuda_stream();
-        let mut builder = stream.launch_builder(&func);
-        builder.arg(&qs);
-        builder.arg(&offsets);
-        builder.arg(&views[0]);
-        builder.arg(&views[1]);
-        builder.arg(&rs);
-        builder.arg(&views[2]);
-        builder.arg(&views[3]);
-        builder.arg(&mut x1);
-        builder.arg(&mut z);
-        builder.arg(&m32);
-        builder.arg(&self.params.eps);
-        builder.arg(&self.scale_log2);
-        // SAFETY: shapes, contiguity and alignment checked above; the kernel reads rows < M of
-        // qkv and r, cu_seqlens[1] (clamped to M) and the C rows of Wp, and writes x1's and z's
-        // M · C elements only. Its clusters (LRN_SPLIT along x) are compiled in
-        // (__cluster_dims__): an ordinary launch whose grid's x is the cluster size.
-        unsafe { builder.launch(cfg) }.map_err(candle_core::Error::wrap)?;
-        Ok((
-            CudaStorage::wrap_cuda_slice(out, dev.clone()),
-            Shape::from(2 * m * c),
-        ))
-    }
-}
-
-cuda_only_op2!(
-    AttentionLinearResidualNormOp,
-    "fastpath-attention-linear-residual-norm",
-    "attention_linear_residual_norm",
-    [F16 => half::f16, BF16 => half::bf16]
-);
 
 /// `dev`'s streaming multiprocessors where it has the cluster kernels `kernels` picks from its
 /// state (which the attention kernels' opt-in shared-memory limit gates: compute capability

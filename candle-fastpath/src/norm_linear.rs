@@ -445,9 +445,13 @@ fn fused_linear_residual_norm(
         let rows = o.elem_count() / k;
         let (o2, r2) = (o.reshape((rows, k))?, residual.reshape((rows, c))?);
         let both = match kernel {
-            LrnKernel::Proj => {
-                o2.apply_op2_no_bwd(&r2, &crate::cuda::LinearResidualNormOp { params })?
-            }
+            LrnKernel::Proj => o2.apply_op2_no_bwd(
+                &r2,
+                &crate::cuda::LinearResidualNormOp {
+                    params,
+                    attention: None,
+                },
+            )?,
             LrnKernel::Fc2(tiles) => {
                 o2.apply_op2_no_bwd(&r2, &crate::cuda::ThinResidualNormOp { params, tiles })?
             }

@@ -26,24 +26,20 @@ use candle_fastpath::{
     LayerNorm, MlpTail,
 };
 use candle_ragged::{step_scores, StepScores, TokenScores};
-use common::{device, has_clusters, host, poison, quantize, randn};
+use common::attention::{
+    assert_rows_close, attention_host, fused_or_refused, sequence, sequence_cases, tensor,
+    under_test, RefusalInputs, HEAD_DIM,
+};
+use common::{device, has_clusters, host, poison, randn};
 use rand::{rngs::StdRng, SeedableRng};
 
 const C: usize = 192;
 const HEADS: usize = 3;
-const HEAD_DIM: usize = 64;
 
 struct Weights {
     proj: FusedLinear,
     norm: LayerNorm,
     fc1: FusedLinear,
-}
-
-fn tensor(dev: &Device, v: &[f32], shape: &[usize], dtype: DType) -> Tensor {
-    Tensor::from_slice(&quantize(v, dtype), shape, dev)
-        .unwrap()
-        .to_dtype(dtype)
-        .unwrap()
 }
 
 fn weights(dev: &Device, rng: &mut StdRng, dtype: DType, n: usize) -> Weights {
@@ -69,23 +65,6 @@ fn weights(dev: &Device, rng: &mut StdRng, dtype: DType, n: usize) -> Weights {
     .unwrap();
     let fc1 = linear(rng, n);
     Weights { proj, norm, fc1 }
-}
-
-/// `got` where the fused kernel should run (`fused`), else `None` after checking that the call
-/// was refused with a `NotApplicable` error.
-fn fused_or_refused<T: std::fmt::Debug>(
-    got: Result<T, FastpathError>,
-    fused: bool,
-    what: &str,
-) -> Option<T> {
-    if fused {
-        return Some(got.unwrap());
-    }
-    assert!(
-        matches!(got, Err(FastpathError::NotApplicable { .. })),
-        "{what}: not applicable here, got {got:?}"
-    );
-    None
 }
 
 /// `x2` and the next qkv of a fused block step equal, bit for bit and finite, to what the two
@@ -193,95 +172,26 @@ fn fc2_layer(dev: &Device, rng: &mut StdRng, dtype: DType) -> FusedLinear {
     .unwrap()
 }
 
-/// The dtypes and (rows, length) cases a test runs: f16 and bf16 over `full`, or with
-/// ATTENTION_RNL_TEST_QUICK=1 (for racecheck, thousands of times slower per launch) f16 over
-/// 197 rows and a 64-token sequence in a 70-row buffer.
-fn under_test(full: &'static [(usize, usize)]) -> (&'static [DType], &'static [(usize, usize)]) {
-    if std::env::var_os("ATTENTION_RNL_TEST_QUICK").is_some() {
-        (&[DType::F16], &[(197, 197), (70, 64)])
-    } else {
-        (&[DType::F16, DType::BF16], full)
-    }
-}
-
-/// One sequence of `len` tokens in buffers of `rows`: its qkv projection (q, k of unit spread, so
-/// scores of a few units, and v; NaN past the sequence, a capacity buffer's stale tail) as host
-/// values and as a tensor, the residual stream `[rows, C]`, and `cu_seqlens = [0, len]`.
-fn sequence(
-    dev: &Device,
-    rng: &mut StdRng,
-    dtype: DType,
-    rows: usize,
-    len: usize,
-) -> (Vec<f32>, Tensor, Tensor, Tensor) {
-    let mut qkv = quantize(&randn(rng, rows * 3 * C, 1.0), dtype);
-    qkv[len * 3 * C..].fill(f32::NAN);
-    let qkv_t = tensor(dev, &qkv, &[rows, 3 * C], dtype);
-    let r_t = tensor(dev, &randn(rng, rows * C, 3.0), &[rows, C], dtype);
-    let cu = Tensor::from_slice(&[0u32, len as u32], 2, dev).unwrap();
-    (qkv, qkv_t, r_t, cu)
-}
-
-/// softmax(q kᵀ · scale) v per head over the first `len` rows of `qkv` (`[rows, 3C]`, q | k | v
-/// head-major), in f64: `[len, C]`, heads merged.
-fn attention_host(qkv: &[f32], len: usize, scale: f64) -> Vec<f32> {
-    let at = |row: usize, part: usize, h: usize, d: usize| {
-        qkv[row * 3 * C + part * C + h * HEAD_DIM + d] as f64
-    };
-    let mut out = vec![0f32; len * C];
-    for h in 0..HEADS {
-        for i in 0..len {
-            let scores: Vec<f64> = (0..len)
-                .map(|j| {
-                    (0..HEAD_DIM)
-                        .map(|d| at(i, 0, h, d) * at(j, 1, h, d))
-                        .sum::<f64>()
-                        * scale
-                })
-                .collect();
-            let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-            let weights: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
-            let total: f64 = weights.iter().sum();
-            for d in 0..HEAD_DIM {
-                let v: f64 = (0..len).map(|j| weights[j] * at(j, 2, h, d)).sum();
-                out[i * C + h * HEAD_DIM + d] = (v / total) as f32;
-            }
-        }
-    }
-    out
-}
-
 #[test]
 fn matches_attention_then_the_steps() {
     let dev = device();
     let fused_expected = dev.is_cuda() && has_clusters(&dev);
     let mut rng = StdRng::seed_from_u64(64);
     let scale = (HEAD_DIM as f64).powf(-0.5);
-    // (rows in the buffer, the sequence's length): whole buffers, and capacity-sized ones
-    // whose tail rows hold NaN.
-    let (dtypes, cases) = under_test(&[
-        (1, 1),
-        (2, 2),
-        (15, 15),
-        (16, 16),
-        (17, 17),
-        (63, 63),
-        (64, 64),
-        (65, 65),
-        (138, 138),
-        (197, 197),
-        (352, 352),
-        (70, 64),
-        (197, 190),
-        (200, 1),
-    ]);
+    let full = sequence_cases(352);
+    let (dtypes, cases) = under_test(&full);
     for &dtype in dtypes {
         for gelu in [true, false] {
             let w = weights(&dev, &mut rng, dtype, 4 * C);
             for &(rows, len) in cases {
-                let (qkv, qkv_t, r_t, cu) = sequence(&dev, &mut rng, dtype, rows, len);
+                let (qkv, qkv_t, r_t, cu) = sequence(&dev, &mut rng, dtype, rows, len, C);
 
-                let o = tensor(&dev, &attention_host(&qkv, len, scale), &[len, C], dtype);
+                let o = tensor(
+                    &dev,
+                    &attention_host(&qkv, len, C, HEADS, scale),
+                    &[len, C],
+                    dtype,
+                );
                 let want_x1 = w
                     .proj
                     .forward_residual(&o, &r_t.narrow(0, 0, len).unwrap())
@@ -320,24 +230,8 @@ fn matches_attention_then_the_steps() {
                     _ => (1.6e-2, 6e-2),
                 };
                 let (x1, y) = (host(&x1), host(&y));
-                for (part, got, want, width, tol) in [
-                    ("x1", &x1, &want_x1, C, tol_x1),
-                    ("y", &y, &want_y, 4 * C, tol_y),
-                ] {
-                    for (i, (g, e)) in got[..len * width].iter().zip(want.iter()).enumerate() {
-                        assert!(
-                            g.is_finite() && (g - e).abs() <= tol * (1.0 + e.abs()),
-                            "{what}: {part} element {i} (row {}) is {g}, the steps give {e}",
-                            i / width
-                        );
-                    }
-                    // Rows past the sequence: a zero attention output, so finite values
-                    // (x1 = r + bp), never the NaN of their qkv rows.
-                    assert!(
-                        got[len * width..].iter().all(|v| v.is_finite()),
-                        "{what}: {part} rows past the sequence must be finite"
-                    );
-                }
+                assert_rows_close(&what, "x1", (&x1, &want_x1), len, C, tol_x1);
+                assert_rows_close(&what, "y", (&y, &want_y), len, 4 * C, tol_y);
             }
         }
     }
@@ -348,15 +242,8 @@ fn shapes_it_does_not_take_are_refused() {
     let dev = device();
     let mut rng = StdRng::seed_from_u64(65);
     let w = weights(&dev, &mut rng, DType::F16, 4 * C);
-    let qkv = tensor(
-        &dev,
-        &randn(&mut rng, 8 * 3 * C, 1.0),
-        &[8, 3 * C],
-        DType::F16,
-    );
-    let r = tensor(&dev, &randn(&mut rng, 8 * C, 1.0), &[8, C], DType::F16);
-    let one = Tensor::from_slice(&[0u32, 8], 2, &dev).unwrap();
-    let two = Tensor::from_slice(&[0u32, 4, 8], 3, &dev).unwrap();
+    let refusals = RefusalInputs::new(&dev, &mut rng, C);
+    let (qkv, r, r_big) = (&refusals.qkv, &refusals.r, &refusals.r_big);
     let refused = |qkv: &Tensor, cu: &Tensor, heads: usize, r: &Tensor, fc1: &FusedLinear| {
         assert!(!attention_residual_norm_linear_applies(
             qkv, cu, heads, r, &w.proj, &w.norm, fc1, true
@@ -365,32 +252,12 @@ fn shapes_it_does_not_take_are_refused() {
             attention_residual_norm_linear(qkv, cu, heads, 0.125, r, &w.proj, &w.norm, fc1, true);
         fused_or_refused(got, false, "attention_residual_norm_linear");
     };
-    // Two sequences; heads of another width; a residual of other rows or dtype; qkv of
-    // another width; fc1 of another width (not the proj form); the one-wave limit (577 rows,
-    // DeiT at 384 pixels); u8 offsets.
-    refused(&qkv, &two, HEADS, &r, &w.fc1);
-    refused(&qkv, &one, 6, &r, &w.fc1);
-    refused(&qkv, &one, HEADS, &r.narrow(0, 0, 4).unwrap(), &w.fc1);
-    refused(&qkv, &one, HEADS, &r.to_dtype(DType::F32).unwrap(), &w.fc1);
-    refused(&qkv.narrow(1, 0, 2 * C).unwrap(), &one, HEADS, &r, &w.fc1);
-    refused(
-        &qkv,
-        &one,
-        HEADS,
-        &r,
-        &weights(&dev, &mut rng, DType::F16, 3 * C).fc1,
-    );
-    let big = 577;
-    let qkv_big = tensor(
-        &dev,
-        &randn(&mut rng, big * 3 * C, 1.0),
-        &[big, 3 * C],
-        DType::F16,
-    );
-    let r_big = tensor(&dev, &randn(&mut rng, big * C, 1.0), &[big, C], DType::F16);
-    let cu_big = Tensor::from_slice(&[0u32, big as u32], 2, &dev).unwrap();
-    refused(&qkv_big, &cu_big, HEADS, &r_big, &w.fc1);
-    refused(&qkv, &one.to_dtype(DType::U8).unwrap(), HEADS, &r, &w.fc1);
+    refusals.each_common_refusal(HEADS, C, |qkv, cu, heads, r| {
+        refused(qkv, cu, heads, r, &w.fc1)
+    });
+    // And fc1 of another width (not the proj form).
+    let narrow_fc1 = weights(&dev, &mut rng, DType::F16, 3 * C).fc1;
+    refused(qkv, &refusals.one, HEADS, r, &narrow_fc1);
 
     // mlp_block: fc1 not 4C wide (a qkv-shaped weight), x1 of another dtype, a non-contiguous
     // x1, x1 of another width, the one-wave limit.
@@ -408,11 +275,11 @@ fn shapes_it_does_not_take_are_refused() {
         assert!(!mlp_block_applies(x1, t));
         fused_or_refused(mlp_block(x1, t), false, "mlp_block");
     };
-    mlp_refused(&r, &tail(&narrow_fc1.fc1));
+    mlp_refused(r, &tail(&narrow_fc1.fc1));
     mlp_refused(&r.to_dtype(DType::F32).unwrap(), &tail(&w.fc1));
     mlp_refused(&qkv.narrow(1, 0, C).unwrap(), &tail(&w.fc1));
-    mlp_refused(&qkv, &tail(&w.fc1));
-    mlp_refused(&r_big, &tail(&w.fc1));
+    mlp_refused(qkv, &tail(&w.fc1));
+    mlp_refused(r_big, &tail(&w.fc1));
 }
 
 /// `attention_block` (lever 65: the attention kernel continuing into fc2 and the next block's
@@ -449,7 +316,7 @@ fn block_matches_the_two_kernels() {
             next_qkv: &next.fc1,
         };
         for &(rows, len) in cases {
-            let (_, qkv_t, r_t, cu) = sequence(&dev, &mut rng, dtype, rows, len);
+            let (_, qkv_t, r_t, cu) = sequence(&dev, &mut rng, dtype, rows, len, C);
             let what = format!("{dtype:?} rows {rows} len {len}");
             let applies = attention_block_applies(&qkv_t, &cu, HEADS, &r_t, &tail);
             assert_eq!(applies, fused_expected, "{what}: applies");
@@ -621,7 +488,7 @@ fn attention_residual_is_the_fused_kernels_x1() {
     for &dtype in dtypes {
         let w = weights(&dev, &mut rng, dtype, 4 * C);
         for &(rows, len) in cases {
-            let (_, qkv_t, r_t, cu) = sequence(&dev, &mut rng, dtype, rows, len);
+            let (_, qkv_t, r_t, cu) = sequence(&dev, &mut rng, dtype, rows, len, C);
             let what = format!("{dtype:?} rows {rows} len {len}");
             let applies = attention_residual_applies(&qkv_t, &cu, HEADS, &r_t, &w.proj);
             assert_eq!(applies, fused_expected, "{what}: applies");
@@ -645,10 +512,10 @@ fn attention_residual_is_the_fused_kernels_x1() {
     }
     let dtype = DType::F16;
     let w = weights(&dev, &mut rng, dtype, 4 * C);
-    let (_, qkv, r, cu) = sequence(&dev, &mut rng, dtype, 8, 8);
+    let (_, qkv, r, cu) = sequence(&dev, &mut rng, dtype, 8, 8, C);
     let two = Tensor::from_slice(&[0u32, 4, 8], 3, &dev).unwrap();
     let no_bias = FusedLinear::new(w.proj.weight().clone(), None).unwrap();
-    let (_, qkv_big, r_big, cu_big) = sequence(&dev, &mut rng, dtype, 577, 577);
+    let (_, qkv_big, r_big, cu_big) = sequence(&dev, &mut rng, dtype, 577, 577, C);
     for (what, qkv, cu, heads, r, proj) in [
         ("two sequences", &qkv, &two, HEADS, &r, &w.proj),
         ("heads of 32", &qkv, &cu, 6, &r, &w.proj),
@@ -802,7 +669,7 @@ fn attention_cls_probs_are_step_scores_bits() {
     for &dtype in dtypes {
         let w = weights(&dev, &mut rng, dtype, 4 * C);
         for &(rows, len) in cases {
-            let (_, qkv_t, r_t, cu) = sequence(&dev, &mut rng, dtype, rows, len);
+            let (_, qkv_t, r_t, cu) = sequence(&dev, &mut rng, dtype, rows, len, C);
             let what = format!("{dtype:?} rows {rows} len {len}");
             poison(&dev, rows * C + (HEADS + 1) * rows, dtype);
             let got = attention_residual_with_cls_probs(&qkv_t, &cu, HEADS, scale, &r_t, &w.proj);

@@ -156,6 +156,15 @@ impl Module for Mlp {
     }
 }
 
+/// `cu_seqlens` of packed (ragged) attention inputs, `None` for padded ones: what the one-image
+/// fused kernels read their sequence's length from.
+fn packed_offsets<'a>(inputs: &AttentionInputs<'a>) -> Option<&'a Tensor> {
+    match inputs {
+        AttentionInputs::Ragged { batch } => Some(batch.cu_seqlens()),
+        _ => None,
+    }
+}
+
 /// Pre-norm transformer block: `x = x + attn(norm1(x)); x = x + mlp(norm2(x))`.
 /// What [`Block::forward_chained_with_norms`] returns: the block's output, the next block's qkv
 /// projection of it (when this block computed it) and the L2 norm of each of its rows (when asked
@@ -336,9 +345,6 @@ impl Block {
         qkv: &Tensor,
         inputs: &AttentionInputs,
     ) -> Result<Option<(Tensor, Tensor)>> {
-        let AttentionInputs::Ragged { batch } = inputs else {
-            return Ok(None);
-        };
         if let Some((x1, z)) = self.fused_attention_through_norm2(x, qkv, inputs)? {
             let hidden = self
                 .mlp
@@ -346,25 +352,21 @@ impl Block {
                 .forward_with(&z, candle_fastpath::Epilogue::Gelu)?;
             return Ok(Some((x1, hidden)));
         }
-        let (heads, cu) = (self.attn.heads, batch.cu_seqlens());
-        let (proj, norm2, fc1) = (&self.attn.proj, &self.norm2, &self.mlp.fc1);
+        let Some(cu) = packed_offsets(inputs) else {
+            return Ok(None);
+        };
+        let (a, norm2, fc1) = (&self.attn, &self.norm2, &self.mlp.fc1);
         // One sequence only: the applies check reads that off cu_seqlens.
         if !candle_fastpath::attention_residual_norm_linear_applies(
-            qkv, cu, heads, x, proj, norm2, fc1, true,
+            qkv, cu, a.heads, x, &a.proj, norm2, fc1, true,
         ) {
             return Ok(None);
         }
-        Ok(Some(candle_fastpath::attention_residual_norm_linear(
-            qkv,
-            cu,
-            heads,
-            self.attn.scale,
-            x,
-            proj,
-            norm2,
-            fc1,
-            true,
-        )?))
+        let (heads, scale) = (a.heads, a.scale);
+        let done = candle_fastpath::attention_residual_norm_linear(
+            qkv, cu, heads, scale, x, &a.proj, norm2, fc1, true,
+        )?;
+        Ok(Some(done))
     }
 
     /// `(x1, norm2(x1))` with `x1 = x + proj(attention)`, from the block's qkv projection, as one
@@ -376,25 +378,24 @@ impl Block {
         qkv: &Tensor,
         inputs: &AttentionInputs,
     ) -> Result<Option<(Tensor, Tensor)>> {
-        let AttentionInputs::Ragged { batch } = inputs else {
+        let (Some(cu), a) = (packed_offsets(inputs), &self.attn) else {
             return Ok(None);
         };
-        let (heads, cu) = (self.attn.heads, batch.cu_seqlens());
-        let (proj, norm2) = (&self.attn.proj, &self.norm2);
         // One sequence only: the applies check reads that off cu_seqlens.
-        if !candle_fastpath::attention_linear_residual_norm_applies(qkv, cu, heads, x, proj, norm2)
-        {
+        let applies = candle_fastpath::attention_linear_residual_norm_applies;
+        if !applies(qkv, cu, a.heads, x, &a.proj, &self.norm2) {
             return Ok(None);
         }
-        Ok(Some(candle_fastpath::attention_linear_residual_norm(
+        let both = candle_fastpath::attention_linear_residual_norm(
             qkv,
             cu,
-            heads,
-            self.attn.scale,
+            a.heads,
+            a.scale,
             x,
-            proj,
-            norm2,
-        )?))
+            &a.proj,
+            &self.norm2,
+        )?;
+        Ok(Some(both))
     }
 
     /// The block's output at the first `num_prefix` rows of every sequence of `batch` only (the

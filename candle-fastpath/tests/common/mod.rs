@@ -5,6 +5,8 @@
 use candle_core::{DType, Device, Tensor};
 use rand::{rngs::StdRng, Rng};
 
+pub mod attention;
+
 /// CPU, or the first CUDA GPU when built with `cuda` and one is present: the same tests then
 /// check the CUDA paths (the GPU machine runs them; CI runs them on the CPU).
 pub fn device() -> Device {
