@@ -11,11 +11,12 @@
 # (attention, norm_linear, paths_agreement, ...; packed as test-NAME.xz) or a binary's (classify,
 # eval, bench, bench-attention); no NAME packs all of them. Each executable is ~5-7 MB compressed
 # (candle's and our PTX are in every one), ~130 MB in all: where the device tool carries at most
-# 64 MiB with the repository's own files (~37 MB), pack four or five at a time (under ~30 MB), e.g.
-#   scripts/gpu/bundle.sh attention pack select select_bounded select_rule
-#   scripts/gpu/bundle.sh sequence_mean step_scores attention_norm_linear embed head
-#   scripts/gpu/bundle.sh linear norm norm_linear patch
-#   scripts/gpu/bundle.sh pooled_head small_block graph gelu_phi bench-attention
+# 64 MiB with the repository's own files (~40 MB), pack four at a time (under ~26 MB), e.g.
+#   scripts/gpu/bundle.sh attention pack select select_bounded
+#   scripts/gpu/bundle.sh select_rule sequence_mean step_scores attention_norm_linear
+#   scripts/gpu/bundle.sh attention_lrn embed head linear
+#   scripts/gpu/bundle.sh norm norm_linear patch pooled_head
+#   scripts/gpu/bundle.sh small_block graph gelu_phi bench-attention
 #   scripts/gpu/bundle.sh classify bench paths_agreement
 # and run device-checks.sh on each (its tests and sanitizer stages take what the bundle holds).
 set -euo pipefail

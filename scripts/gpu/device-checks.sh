@@ -80,6 +80,7 @@ for stage in $stages; do
     race small_block repeated
     NORM_LINEAR_TEST_QUICK=1 race_ours norm_linear _matches_the_steps
     ATTENTION_RNL_TEST_QUICK=1 race_ours attention_norm_linear matches
+    ATTENTION_RNL_TEST_QUICK=1 race_ours attention_lrn matches
     race_ours linear thin_gemm_matches_reference_at_batch_one_rows
     grep -E "ERROR SUMMARY|RACECHECK SUMMARY|Invalid|Race" "$out/sanitizer.log" | sort | uniq -c | head -20
     ;;
