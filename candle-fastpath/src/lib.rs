@@ -10,7 +10,9 @@
 //!   on the CPU); [`norm_linear`]: a LayerNorm and the Linear (and GELU) after it as one kernel
 //!   where rows are few and narrow (a DeiT-T block at batch 1), [`residual_norm_linear`]
 //!   the attention's output projection and residual in front of that, and
-//!   [`attention_residual_norm_linear`] the attention itself too (one image's tokens).
+//!   [`attention_residual_norm_linear`] the attention itself too (one image's tokens); at
+//!   DeiT-S's width, [`linear_residual_norm`] the projection, residual and LayerNorm, and
+//!   [`attention_linear_residual_norm`] the attention in front of those (one image's tokens).
 //! - [`linear_log_prob`]: one class's log-probability under a small linear classifier (a learned
 //!   pruner's keep score) as one kernel.
 //! - [`patchify`]: a ViT's patch rows (im2col of the stride-p patch conv) gathered and cast in
