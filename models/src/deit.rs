@@ -362,9 +362,8 @@ impl Block {
         ) {
             return Ok(None);
         }
-        let (heads, scale) = (a.heads, a.scale);
         let done = candle_fastpath::attention_residual_norm_linear(
-            qkv, cu, heads, scale, x, &a.proj, norm2, fc1, true,
+            qkv, cu, a.heads, a.scale, x, &a.proj, norm2, fc1, true,
         )?;
         Ok(Some(done))
     }
@@ -378,22 +377,18 @@ impl Block {
         qkv: &Tensor,
         inputs: &AttentionInputs,
     ) -> Result<Option<(Tensor, Tensor)>> {
-        let (Some(cu), a) = (packed_offsets(inputs), &self.attn) else {
+        let Some(cu) = packed_offsets(inputs) else {
             return Ok(None);
         };
+        let (a, norm2) = (&self.attn, &self.norm2);
         // One sequence only: the applies check reads that off cu_seqlens.
-        let applies = candle_fastpath::attention_linear_residual_norm_applies;
-        if !applies(qkv, cu, a.heads, x, &a.proj, &self.norm2) {
+        if !candle_fastpath::attention_linear_residual_norm_applies(
+            qkv, cu, a.heads, x, &a.proj, norm2,
+        ) {
             return Ok(None);
         }
         let both = candle_fastpath::attention_linear_residual_norm(
-            qkv,
-            cu,
-            a.heads,
-            a.scale,
-            x,
-            &a.proj,
-            &self.norm2,
+            qkv, cu, a.heads, a.scale, x, &a.proj, norm2,
         )?;
         Ok(Some(both))
     }
