@@ -250,21 +250,31 @@ fn arnl_late_rows() -> usize {
 /// The head width [`AttentionRnlOp`]'s kernel is built for (ARNL_HEAD_DIM).
 pub(crate) const ARNL_HEAD_DIM: usize = 64;
 
+/// The K and V rows of one head over `m` rows in shared memory (16-bit storage: `m` rounded up
+/// to 16, ARNL_HEAD_DIM + 8 elements each), as the kernels that compute the attention inside
+/// them stage it (kernels/fastpath.cu's arnl_stage_kv).
+fn arnl_kv_smem_bytes(m: usize) -> usize {
+    2 * m.next_multiple_of(16) * (ARNL_HEAD_DIM + 8) * 2
+}
+
+/// What the attention adds to such a kernel's shared memory over `m` rows: the ARNL_PARTS = 8
+/// warps' online-softmax states (ARNL_HEAD_DIM / 2 + 4 floats per lane), then
+/// [`arnl_kv_smem_bytes`].
+fn arnl_attention_smem_bytes(m: usize) -> usize {
+    8 * (ARNL_HEAD_DIM / 2 + 4) * 32 * 4 + arnl_kv_smem_bytes(m)
+}
+
 /// Dynamic shared memory of an [`AttentionRnlOp`] launch over `m` rows (16-bit
-/// storage): the proj form of [`RnlForm::smem_bytes`], then the ARNL_PARTS = 8 warps'
-/// online-softmax states (ARNL_HEAD_DIM / 2 + 4 floats per lane) and the head's K and V rows
-/// (`m` rounded up to 16, ARNL_HEAD_DIM + 8 elements each).
+/// storage): the proj form of [`RnlForm::smem_bytes`], then [`arnl_attention_smem_bytes`].
 pub(crate) fn attention_rnl_smem_bytes(m: usize) -> usize {
-    RnlForm::Proj.smem_bytes()
-        + 8 * (ARNL_HEAD_DIM / 2 + 4) * 32 * 4
-        + 2 * m.next_multiple_of(16) * (ARNL_HEAD_DIM + 8) * 2
+    RnlForm::Proj.smem_bytes() + arnl_attention_smem_bytes(m)
 }
 
 /// Dynamic shared memory of an [`AttentionRnlOp`] (with `next`) launch over `m` rows: as
 /// [`attention_rnl_smem_bytes`], with the K / V region at least the second step's weights
 /// (W2's 32-row slice, 4C + 8 wide, and the next qkv's 96-row tile, C + 8 wide), which reuse it.
 pub(crate) fn attention_block_smem_bytes(m: usize) -> usize {
-    let kv = 2 * m.next_multiple_of(16) * (ARNL_HEAD_DIM + 8) * 2;
+    let kv = arnl_kv_smem_bytes(m);
     let second = (32 * (4 * RNL_DIM + 8) + 96 * (RNL_DIM + 8)) * 2;
     attention_rnl_smem_bytes(m) - kv + kv.max(second)
 }
@@ -2308,14 +2318,10 @@ cuda_only_op2!(
     [F16 => half::f16, BF16 => half::bf16]
 );
 
-/// Dynamic shared memory of a [`LinearResidualNormOp`] launch with [`LrnAttention`] over `m` rows (16-bit
-/// storage): [`lrn_smem_bytes`], then the attention's: the ARNL_PARTS = 8 warps' online-softmax
-/// states (ARNL_HEAD_DIM / 2 + 4 floats per lane) and the head's K and V rows (`m` rounded up to
-/// 16, ARNL_HEAD_DIM + 8 elements each).
+/// Dynamic shared memory of a [`LinearResidualNormOp`] launch with [`LrnAttention`] over `m`
+/// rows (16-bit storage): [`lrn_smem_bytes`], then [`arnl_attention_smem_bytes`].
 pub(crate) fn attention_lrn_smem_bytes(m: usize) -> usize {
-    lrn_smem_bytes()
-        + 8 * (ARNL_HEAD_DIM / 2 + 4) * 32 * 4
-        + 2 * m.next_multiple_of(16) * (ARNL_HEAD_DIM + 8) * 2
+    lrn_smem_bytes() + arnl_attention_smem_bytes(m)
 }
 
 /// `dev`'s streaming multiprocessors where it has [`LinearResidualNormOp`]'s kernels and a launch
