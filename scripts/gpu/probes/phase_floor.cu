@@ -1,0 +1,202 @@
+// What a phase boundary costs on this GPU: the step from one stage of a forward to the next as a
+// kernel boundary in a CUDA graph (what the batch-1 forward pays ~54 times a DeiT-S replay) against
+// the same step inside one persistent kernel (a "megakernel": one CTA per SM running every stage,
+// waiting on a grid-wide barrier, or only on the CTA whose data it reads). The question it answers:
+// would such a kernel remove the per-boundary cost that levers 104, 119 and 122 kept meeting (~1
+// µs a boundary in a graph), and by how much. Standalone (nvcc, runtime API); run on the GPU:
+//   nvcc -O3 -std=c++17 -arch=sm_90a -o /tmp/phase_floor scripts/gpu/probes/phase_floor.cu -lcuda -lcublasLt
+//   /tmp/phase_floor
+// Every row runs G = one CTA per SM of 128 threads and P phases; each phase is one of:
+//   token: each CTA reads the 16 bytes CTA (i + 1) mod G wrote in the phase before and writes its
+//     own (a cross-CTA dependency through L2, nothing else);
+//   load:  each CTA reads 48 KB (a batch-1 GEMM tile's activations: 64 rows of C = 384 in f16)
+//     from a buffer every CTA wrote a slice of in the phase before, then writes its 1.5 KB slice.
+// and each boundary one of:
+//   graph:    a graph of P launches of a one-phase kernel (stream order: the next starts when the
+//             previous has finished);
+//   barrier:  one launch, a grid-wide barrier between phases (an arrival counter and a generation
+//             word in global memory, release / acquire);
+//   flag:     one launch, each CTA waits only for the CTAs it reads (token: one; load: the
+//             slices its 48 KB span), through per-CTA phase words (the data-flow form).
+// Per-phase cost = (time of 2P phases − time of P phases) / P (fixed costs cancel), medians of 50.
+#include <cooperative_groups.h>
+
+#include "probe_common.cuh"
+
+constexpr int THREADS = 128, SLICE = 768;  // f16 elements a CTA writes in a load phase (1.5 KB)
+constexpr int READ = 64 * 384;             // f16 elements a CTA reads in a load phase (48 KB)
+static_assert(READ % (8 * THREADS) == 0, "whole 16-byte loads per thread");
+
+__device__ __forceinline__ unsigned ld_acquire(const unsigned* p) {
+    unsigned v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ void st_release(unsigned* p, unsigned v) {
+    asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+// One phase's work for CTA `b` of `g`: `in` the phase before's data, `out` this phase's.
+template <bool LOAD>
+__device__ __forceinline__ void phase_work(const __half* in, __half* out, int b, int g) {
+    if (!LOAD) {
+        if (threadIdx.x == 0) {
+            const uint4 v = __ldcg(reinterpret_cast<const uint4*>(in) + (b + 1) % g);
+            uint4 w = v;
+            w.x += 1;
+            __stcg(reinterpret_cast<uint4*>(out) + b, w);
+        }
+        return;
+    }
+    // 48 KB from the slices starting at CTA b's (wrapping at the buffer's end), summed per
+    // thread: each thread's 24 loads issued together (no load waits on another).
+    const int total = g * SLICE, start = b * SLICE;
+    constexpr int PER = READ / 8 / THREADS;
+    uint4 v[PER];
+#pragma unroll
+    for (int j = 0; j < PER; ++j) {
+        int e = start + (j * THREADS + threadIdx.x) * 8;
+        if (e >= total) e -= total;
+        v[j] = __ldcg(reinterpret_cast<const uint4*>(in + e));
+    }
+    float acc = 0.f;
+#pragma unroll
+    for (int j = 0; j < PER; ++j) {
+        const __half2* h = reinterpret_cast<const __half2*>(&v[j]);
+        acc += __low2float(h[0]) + __high2float(h[3]);
+    }
+    if (threadIdx.x < SLICE / 8) {
+        const __half2 o = __floats2half2_rn(acc, 1.f);
+        uint4 w;
+        w.x = w.y = w.z = w.w = *reinterpret_cast<const unsigned*>(&o);
+        __stcg(reinterpret_cast<uint4*>(out + start) + threadIdx.x, w);
+    }
+}
+
+// The slices CTA b reads in a load phase: READ elements from slice b on.
+__device__ __forceinline__ int slices_read(int g) { return (READ + SLICE - 1) / SLICE < g ? (READ + SLICE - 1) / SLICE : g; }
+
+template <bool LOAD>
+__global__ void __launch_bounds__(THREADS) one_phase(const __half* in, __half* out) {
+    phase_work<LOAD>(in, out, blockIdx.x, gridDim.x);
+}
+
+// All phases in one launch; buffers alternate between phases. mode 0: grid barrier; 1: flags.
+template <bool LOAD>
+__global__ void __launch_bounds__(THREADS)
+    persistent(__half* buf0, __half* buf1, int phases, int mode, unsigned* count, unsigned* gen, unsigned* flags) {
+    const int b = blockIdx.x, g = gridDim.x;
+    unsigned my_gen = 0;
+    if (threadIdx.x == 0) my_gen = ld_acquire(gen);
+    for (int p = 0; p < phases; ++p) {
+        const __half* in = p % 2 ? buf1 : buf0;
+        __half* out = p % 2 ? buf0 : buf1;
+        if (mode == 1 && p > 0 && threadIdx.x < 32) {
+            // Wait for the CTAs whose phase p − 1 output this CTA reads, a lane each.
+            const int n = LOAD ? slices_read(g) : 1, first = LOAD ? b : (b + 1) % g;
+            for (int j = threadIdx.x; j < n; j += 32) {
+                const unsigned* f = flags + (first + j) % g;
+                while (ld_acquire(f) < (unsigned)p) {
+                }
+            }
+        }
+        __syncthreads();
+        phase_work<LOAD>(in, out, b, g);
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            if (mode == 1) {
+                st_release(flags + b, p + 1);
+            } else {
+                // Grid barrier: the last arrival resets the counter and bumps the generation.
+                __threadfence();
+                if (atomicAdd(count, 1) == (unsigned)g - 1) {
+                    *count = 0;
+                    st_release(gen, my_gen + 1);
+                } else {
+                    while (ld_acquire(gen) == my_gen) {
+                    }
+                }
+                ++my_gen;
+            }
+        }
+    }
+}
+
+static double median_ms(cudaStream_t s, int reps, const std::function<void()>& run) {
+    cudaEvent_t e0, e1;
+    CK(cudaEventCreate(&e0));
+    CK(cudaEventCreate(&e1));
+    for (int i = 0; i < 5; ++i) run();
+    std::vector<float> ms;
+    for (int i = 0; i < reps; ++i) {
+        CK(cudaEventRecord(e0, s));
+        run();
+        CK(cudaEventRecord(e1, s));
+        CK(cudaEventSynchronize(e1));
+        float t;
+        CK(cudaEventElapsedTime(&t, e0, e1));
+        ms.push_back(t);
+    }
+    std::sort(ms.begin(), ms.end());
+    CK(cudaEventDestroy(e0));
+    CK(cudaEventDestroy(e1));
+    return ms[ms.size() / 2];
+}
+
+int main() {
+    int dev = 0, sms = 0;
+    CK(cudaSetDevice(dev));
+    CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+    cudaDeviceProp prop;
+    CK(cudaGetDeviceProperties(&prop, dev));
+    printf("%s, %d SMs; G = %d CTAs of %d threads\n", prop.name, sms, sms, THREADS);
+    cudaStream_t s;
+    CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    const size_t elems = (size_t)sms * SLICE;
+    auto* buf0 = static_cast<__half*>(dalloc(elems * 2));
+    auto* buf1 = static_cast<__half*>(dalloc(elems * 2));
+    auto* sync = static_cast<unsigned*>(dalloc((2 + sms) * sizeof(unsigned)));
+    unsigned *count = sync, *gen = sync + 1, *flags = sync + 2;
+    const int P = 96, REPS = 50;
+    for (int load = 0; load < 2; ++load) {
+        const char* what = load ? "load (48 KB a CTA)" : "token (16 B a CTA)";
+        // graph: P and 2P launches, µs per launch from the difference.
+        auto graph_ms = [&](int phases) {
+            cudaGraph_t gph;
+            cudaGraphExec_t ge;
+            CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+            for (int p = 0; p < phases; ++p) {
+                const __half* in = p % 2 ? buf1 : buf0;
+                __half* out = p % 2 ? buf0 : buf1;
+                if (load)
+                    one_phase<true><<<sms, THREADS, 0, s>>>(in, out);
+                else
+                    one_phase<false><<<sms, THREADS, 0, s>>>(in, out);
+            }
+            CK(cudaStreamEndCapture(s, &gph));
+            CK(cudaGraphInstantiate(&ge, gph, 0));
+            const double ms = median_ms(s, REPS, [&] { CK(cudaGraphLaunch(ge, s)); });
+            CK(cudaGraphExecDestroy(ge));
+            CK(cudaGraphDestroy(gph));
+            return ms;
+        };
+        // persistent: one cooperative launch of P and 2P phases (all CTAs resident).
+        auto persistent_ms = [&](int phases, int mode) {
+            return median_ms(s, REPS, [&] {
+                CK(cudaMemsetAsync(sync, 0, (2 + sms) * sizeof(unsigned), s));
+                void* args[] = {&buf0, &buf1, &phases, &mode, &count, &gen, &flags};
+                const void* f = load ? (const void*)persistent<true> : (const void*)persistent<false>;
+                CK(cudaLaunchCooperativeKernel(f, dim3(sms), dim3(THREADS), args, 0, s));
+            });
+        };
+        const double g1 = graph_ms(P), g2 = graph_ms(2 * P);
+        const double b1 = persistent_ms(P, 0), b2 = persistent_ms(2 * P, 0);
+        const double f1 = persistent_ms(P, 1), f2 = persistent_ms(2 * P, 1);
+        printf("%s, per phase: graph of launches %.2f us, grid barrier %.2f us, flags %.2f us "
+               "(whole: graph %.1f / %.1f us, barrier %.1f / %.1f, flags %.1f / %.1f for %d / %d phases)\n",
+               what, 1000 * (g2 - g1) / P, 1000 * (b2 - b1) / P, 1000 * (f2 - f1) / P, 1000 * g1, 1000 * g2,
+               1000 * b1, 1000 * b2, 1000 * f1, 1000 * f2, P, 2 * P);
+    }
+    CK(cudaStreamSynchronize(s));
+    return 0;
+}
