@@ -10,7 +10,8 @@
 //   token: each CTA reads the 16 bytes CTA (i + 1) mod G wrote in the phase before and writes its
 //     own (a cross-CTA dependency through L2, nothing else);
 //   load:  each CTA reads 48 KB (a batch-1 GEMM tile's activations: 64 rows of C = 384 in f16)
-//     from a buffer every CTA wrote a slice of in the phase before, then writes its 1.5 KB slice.
+//     from a buffer every CTA wrote a slice of in the phase before, then writes its 1.5 KB slice;
+//   static load: the same reads from a buffer no phase writes (a GEMM's weights), the same writes.
 // and each boundary one of:
 //   graph:    a graph of P launches of a one-phase kernel (stream order: the next starts when the
 //             previous has finished);
@@ -18,7 +19,9 @@
 //             word in global memory, release / acquire);
 //   flag:     one launch, each CTA waits only for the CTAs it reads (token: one; load: the
 //             slices its 48 KB span), through per-CTA phase words (the data-flow form).
-// Per-phase cost = (time of 2P phases − time of P phases) / P (fixed costs cancel), medians of 50.
+// Per-phase cost = (time of 2P phases − time of P phases) / P (fixed costs cancel), medians of 50;
+// the persistent forms with their spin loops backing off 0, 64 or 256 ns (__nanosleep) between
+// polls, since 131 CTAs polling one word in L2 may slow the loads of the others.
 #include <cooperative_groups.h>
 
 #include "probe_common.cuh"
@@ -62,8 +65,10 @@ __device__ __forceinline__ void phase_work(const __half* in, __half* out, int b,
     float acc = 0.f;
 #pragma unroll
     for (int j = 0; j < PER; ++j) {
+        // Every half of the 16 bytes, so the loads stay 16-byte loads.
         const __half2* h = reinterpret_cast<const __half2*>(&v[j]);
-        acc += __low2float(h[0]) + __high2float(h[3]);
+        const __half2 s2 = __hadd2(__hadd2(h[0], h[1]), __hadd2(h[2], h[3]));
+        acc += __low2float(s2) + __high2float(s2);
     }
     if (threadIdx.x < SLICE / 8) {
         const __half2 o = __floats2half2_rn(acc, 1.f);
@@ -83,21 +88,21 @@ __global__ void __launch_bounds__(THREADS) one_phase(const __half* in, __half* o
 
 // All phases in one launch; buffers alternate between phases. mode 0: grid barrier; 1: flags.
 template <bool LOAD>
-__global__ void __launch_bounds__(THREADS)
-    persistent(__half* buf0, __half* buf1, int phases, int mode, unsigned* count, unsigned* gen, unsigned* flags) {
+__global__ void __launch_bounds__(THREADS) persistent(__half* buf0, __half* buf1, const __half* fixed, int phases,
+                                                      int mode, unsigned* count, unsigned* gen, unsigned* flags,
+                                                      unsigned backoff) {
     const int b = blockIdx.x, g = gridDim.x;
     unsigned my_gen = 0;
     if (threadIdx.x == 0) my_gen = ld_acquire(gen);
     for (int p = 0; p < phases; ++p) {
-        const __half* in = p % 2 ? buf1 : buf0;
+        const __half* in = fixed ? fixed : p % 2 ? buf1 : buf0;
         __half* out = p % 2 ? buf0 : buf1;
         if (mode == 1 && p > 0 && threadIdx.x < 32) {
             // Wait for the CTAs whose phase p − 1 output this CTA reads, a lane each.
             const int n = LOAD ? slices_read(g) : 1, first = LOAD ? b : (b + 1) % g;
             for (int j = threadIdx.x; j < n; j += 32) {
                 const unsigned* f = flags + (first + j) % g;
-                while (ld_acquire(f) < (unsigned)p) {
-                }
+                while (ld_acquire(f) < (unsigned)p) __nanosleep(backoff);
             }
         }
         __syncthreads();
@@ -113,8 +118,7 @@ __global__ void __launch_bounds__(THREADS)
                     *count = 0;
                     st_release(gen, my_gen + 1);
                 } else {
-                    while (ld_acquire(gen) == my_gen) {
-                    }
+                    while (ld_acquire(gen) == my_gen) __nanosleep(backoff);
                 }
                 ++my_gen;
             }
@@ -155,18 +159,21 @@ int main() {
     const size_t elems = (size_t)sms * SLICE;
     auto* buf0 = static_cast<__half*>(dalloc(elems * 2));
     auto* buf1 = static_cast<__half*>(dalloc(elems * 2));
+    auto* buf2 = static_cast<__half*>(dalloc(elems * 2));
     auto* sync = static_cast<unsigned*>(dalloc((2 + sms) * sizeof(unsigned)));
     unsigned *count = sync, *gen = sync + 1, *flags = sync + 2;
     const int P = 96, REPS = 50;
-    for (int load = 0; load < 2; ++load) {
-        const char* what = load ? "load (48 KB a CTA)" : "token (16 B a CTA)";
+    for (int kind = 0; kind < 3; ++kind) {
+        const bool load = kind > 0;
+        const char* what = kind == 2 ? "static load (48 KB a CTA, unwritten)" : load ? "load (48 KB a CTA)" : "token (16 B a CTA)";
+        __half* fixed = kind == 2 ? buf2 : nullptr;
         // graph: P and 2P launches, µs per launch from the difference.
         auto graph_ms = [&](int phases) {
             cudaGraph_t gph;
             cudaGraphExec_t ge;
             CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
             for (int p = 0; p < phases; ++p) {
-                const __half* in = p % 2 ? buf1 : buf0;
+                const __half* in = fixed ? fixed : p % 2 ? buf1 : buf0;
                 __half* out = p % 2 ? buf0 : buf1;
                 if (load)
                     one_phase<true><<<sms, THREADS, 0, s>>>(in, out);
@@ -181,21 +188,24 @@ int main() {
             return ms;
         };
         // persistent: one cooperative launch of P and 2P phases (all CTAs resident).
-        auto persistent_ms = [&](int phases, int mode) {
+        auto persistent_ms = [&](int phases, int mode, unsigned backoff) {
             return median_ms(s, REPS, [&] {
                 CK(cudaMemsetAsync(sync, 0, (2 + sms) * sizeof(unsigned), s));
-                void* args[] = {&buf0, &buf1, &phases, &mode, &count, &gen, &flags};
+                void* args[] = {&buf0, &buf1, &fixed, &phases, &mode, &count, &gen, &flags, &backoff};
                 const void* f = load ? (const void*)persistent<true> : (const void*)persistent<false>;
                 CK(cudaLaunchCooperativeKernel(f, dim3(sms), dim3(THREADS), args, 0, s));
             });
         };
         const double g1 = graph_ms(P), g2 = graph_ms(2 * P);
-        const double b1 = persistent_ms(P, 0), b2 = persistent_ms(2 * P, 0);
-        const double f1 = persistent_ms(P, 1), f2 = persistent_ms(2 * P, 1);
-        printf("%s, per phase: graph of launches %.2f us, grid barrier %.2f us, flags %.2f us "
-               "(whole: graph %.1f / %.1f us, barrier %.1f / %.1f, flags %.1f / %.1f for %d / %d phases)\n",
-               what, 1000 * (g2 - g1) / P, 1000 * (b2 - b1) / P, 1000 * (f2 - f1) / P, 1000 * g1, 1000 * g2,
-               1000 * b1, 1000 * b2, 1000 * f1, 1000 * f2, P, 2 * P);
+        printf("%s, per phase: graph of launches %.2f us (whole: %.1f / %.1f us for %d / %d phases)\n", what,
+               1000 * (g2 - g1) / P, 1000 * g1, 1000 * g2, P, 2 * P);
+        for (unsigned backoff : {0u, 64u, 256u}) {
+            const double b1 = persistent_ms(P, 0, backoff), b2 = persistent_ms(2 * P, 0, backoff);
+            const double f1 = persistent_ms(P, 1, backoff), f2 = persistent_ms(2 * P, 1, backoff);
+            printf("  spin back-off %3u ns: grid barrier %.2f us, flags %.2f us (whole: barrier %.1f / %.1f, "
+                   "flags %.1f / %.1f)\n",
+                   backoff, 1000 * (b2 - b1) / P, 1000 * (f2 - f1) / P, 1000 * b1, 1000 * b2, 1000 * f1, 1000 * f2);
+        }
     }
     CK(cudaStreamSynchronize(s));
     return 0;
