@@ -5,8 +5,11 @@
 //! latency. A CUDA graph replays all of them with one launch.
 //!
 //! How the capture stays valid across replays:
-//! - the input lives in a buffer owned here (its address is baked into the graph); a call copies
-//!   the new input into it on the stream, then launches the graph;
+//! - the input lives in a buffer owned here (its address is baked into the graph); the graph's
+//!   first node copies the call's input into it (a memcpy node whose source address a replay
+//!   points at the new input's when it moved, `cuGraphExecMemcpyNodeSetParams`: no launch of its
+//!   own), so a replay is one graph launch (`CANDLE_FASTPATH_GRAPH_INPUT_COPY=stream`: the copy
+//!   as a separate stream-ordered copy before the launch, as before lever 123);
 //! - the forward's output is copied, inside the graph, into a second buffer owned here, so the
 //!   graph frees every allocation it makes (stream-ordered `cuMemAllocAsync`/`cuMemFreeAsync`
 //!   captured as graph memory nodes) and can be relaunched any number of times;
@@ -26,7 +29,7 @@ use candle_core::cuda_backend::CudaDevice;
 use candle_core::{CpuStorage, CudaStorage, DType, Device, Layout, Tensor};
 
 use crate::error::{FastpathError, Result};
-use crate::GraphNodes;
+use crate::{graph_input_copy_in_graph, GraphNodes};
 
 /// A captured forward: `run(x)` = `forward(x)` for every `x` shaped like the example; or, through
 /// [`Self::capture_many`], several inputs and outputs (a forward that continues from tensors an
@@ -36,6 +39,17 @@ pub struct CapturedForward {
     device: CudaDevice,
     inputs: Vec<Tensor>,
     outputs: Vec<Tensor>,
+    /// Per input, the graph's node copying it into its buffer and the address it reads from now;
+    /// empty when the copies run on the stream instead ([`graph_input_copy_in_graph`]).
+    input_copies: Vec<InputCopy>,
+}
+
+/// The memcpy node that copies one input into its buffer at the start of every replay.
+struct InputCopy {
+    /// A node of the graph the executable was instantiated from (owned by `graph`).
+    node: sys::CUgraphNode,
+    /// The device address the node reads from in the executable graph now.
+    source: std::cell::Cell<u64>,
 }
 
 impl std::fmt::Debug for CapturedForward {
@@ -104,6 +118,13 @@ impl CapturedForward {
             .iter()
             .map(|x| x.contiguous()?.copy())
             .collect::<candle_core::Result<Vec<_>>>()?;
+        // What the captured input copies read from: the examples, contiguous (a view of their
+        // storage when they already are).
+        let in_graph = graph_input_copy_in_graph();
+        let sources = examples
+            .iter()
+            .map(|x| x.contiguous())
+            .collect::<candle_core::Result<Vec<_>>>()?;
         let outputs = forward(&inputs)?
             .iter()
             .map(|y| y.contiguous()?.copy())
@@ -119,7 +140,15 @@ impl CapturedForward {
         stream
             .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
             .map_err(|e| graph_err("begin capture", e))?;
-        let captured = forward(&inputs).and_then(|ys| {
+        let copied = if in_graph {
+            inputs
+                .iter()
+                .zip(&sources)
+                .try_for_each(|(buffer, source)| buffer.inplace_op2(source, &CopyInto))
+        } else {
+            Ok(())
+        };
+        let captured = copied.and_then(|()| forward(&inputs)).and_then(|ys| {
             if ys.len() != outputs.len() {
                 candle_core::bail!(
                     "capture: the forward returned {} outputs, {} in its warm-up",
@@ -139,17 +168,23 @@ impl CapturedForward {
             .map_err(|e| graph_err("end capture", e))?
             .ok_or_else(|| FastpathError::Graph("the capture recorded nothing".into()))?;
         graph.upload().map_err(|e| graph_err("upload", e))?;
+        let input_copies = if in_graph {
+            input_copy_nodes(&graph, &inputs, &sources)?
+        } else {
+            Vec::new()
+        };
         Ok(Self {
             graph,
             device,
             inputs,
             outputs,
+            input_copies,
         })
     }
 
-    /// `forward(input)` by replaying the graph: one copy into the input buffer, one graph launch,
-    /// one copy of the output buffer into a fresh tensor (so that later replays do not change the
-    /// returned value). Does not wait on the GPU.
+    /// `forward(input)` by replaying the graph: one graph launch (whose first node copies the input
+    /// into the graph's buffer), then one copy of the output buffer into a fresh tensor (so that
+    /// later replays do not change the returned value). Does not wait on the GPU.
     pub fn run(&self, input: &Tensor) -> Result<Tensor> {
         self.replay(input)?;
         Ok(self.outputs[0].copy()?)
@@ -163,7 +198,10 @@ impl CapturedForward {
     }
 
     /// Replays a graph of several inputs: each copied into its buffer (same shape and dtype as
-    /// its example), then one launch; the results are in [`Self::outputs`] until the next replay.
+    /// its example) by the graph's first nodes, in one launch; the results are in
+    /// [`Self::outputs`] until the next replay. An input at the address the last replay read
+    /// (the same tensor again, or a graph's output buffer) costs nothing more; one elsewhere costs
+    /// one update of its copy node (host work only, no launch).
     pub fn replay_many(&self, inputs: &[&Tensor]) -> Result<()> {
         if inputs.len() != self.inputs.len() {
             return Err(FastpathError::Graph(format!(
@@ -188,10 +226,53 @@ impl CapturedForward {
                 buffer.device(),
             )?;
         }
-        for (buffer, input) in self.inputs.iter().zip(inputs) {
-            buffer.inplace_op2(&input.contiguous()?, &CopyInto)?;
+        if self.input_copies.is_empty() {
+            for (buffer, input) in self.inputs.iter().zip(inputs) {
+                buffer.inplace_op2(&input.contiguous()?, &CopyInto)?;
+            }
+            self.graph.launch().map_err(|e| graph_err("launch", e))?;
+            return Ok(());
+        }
+        // The graph copies each input itself: point its copy at the input where it moved (a
+        // contiguous copy of a strided input is a new tensor, freed on the stream after the
+        // launch that reads it).
+        let sources = inputs
+            .iter()
+            .map(|x| x.contiguous())
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        for (copy, source) in self.input_copies.iter().zip(&sources) {
+            let address = device_address(source)?;
+            if address != copy.source.get() {
+                self.point_copy_at(copy, address)?;
+            }
         }
         self.graph.launch().map_err(|e| graph_err("launch", e))?;
+        drop(sources);
+        Ok(())
+    }
+
+    /// `copy`'s node in the executable graph reading from `address` from the next launch on.
+    fn point_copy_at(&self, copy: &InputCopy, address: u64) -> Result<()> {
+        let mut params = std::mem::MaybeUninit::<sys::CUDA_MEMCPY3D>::zeroed();
+        // SAFETY: the node belongs to the live graph the executable was made from; `params` is
+        // written by the call before it is read.
+        let r = unsafe { sys::cuGraphMemcpyNodeGetParams(copy.node, params.as_mut_ptr()) };
+        if r != sys::CUresult::CUDA_SUCCESS {
+            return Err(graph_err("cuGraphMemcpyNodeGetParams", r));
+        }
+        // SAFETY: initialised by the successful call above.
+        let mut params = unsafe { params.assume_init() };
+        params.srcDevice = address;
+        let ctx = self.device.cuda_stream().context().cu_ctx();
+        // SAFETY: the executable graph and its node are alive; the copy stays 1-D, device to
+        // device, of the same width, from a live allocation of the same context (the input).
+        let r = unsafe {
+            sys::cuGraphExecMemcpyNodeSetParams(self.graph.cu_graph_exec(), copy.node, &params, ctx)
+        };
+        if r != sys::CUresult::CUDA_SUCCESS {
+            return Err(graph_err("cuGraphExecMemcpyNodeSetParams", r));
+        }
+        copy.source.set(address);
         Ok(())
     }
 
@@ -263,6 +344,99 @@ impl CapturedForward {
     pub fn device(&self) -> &CudaDevice {
         &self.device
     }
+}
+
+/// The device address of a contiguous CUDA tensor's first element.
+fn device_address(t: &Tensor) -> Result<u64> {
+    use candle_core::cuda_backend::cudarc::driver::DevicePtr;
+    let (storage, layout) = t.storage_and_layout();
+    let candle_core::Storage::Cuda(s) = &*storage else {
+        return Err(FastpathError::Graph(
+            "replay: an input is not on the CUDA device".into(),
+        ));
+    };
+    let stream = s.device.cuda_stream();
+    macro_rules! address {
+        ($t:ty) => {{
+            let (ptr, _sync) = s.as_cuda_slice::<$t>()?.device_ptr(&stream);
+            ptr + (layout.start_offset() * std::mem::size_of::<$t>()) as u64
+        }};
+    }
+    Ok(match s.dtype() {
+        DType::F32 => address!(f32),
+        DType::F16 => address!(half::f16),
+        DType::BF16 => address!(half::bf16),
+        DType::U32 => address!(u32),
+        DType::I64 => address!(i64),
+        DType::U8 => address!(u8),
+        other => {
+            return Err(FastpathError::Graph(format!(
+                "replay: unsupported input dtype {other:?}"
+            )))
+        }
+    })
+}
+
+/// The memcpy nodes of `graph` that copy `sources[i]` into `inputs[i]` (the capture's first
+/// nodes), found by their destination addresses.
+fn input_copy_nodes(
+    graph: &CudaGraph,
+    inputs: &[Tensor],
+    sources: &[Tensor],
+) -> Result<Vec<InputCopy>> {
+    let g = graph.cu_graph();
+    let mut count = 0usize;
+    // SAFETY: the graph is alive and only read; the node array has the length the first call
+    // reported.
+    let r = unsafe { sys::cuGraphGetNodes(g, std::ptr::null_mut(), &mut count) };
+    if r != sys::CUresult::CUDA_SUCCESS {
+        return Err(graph_err("cuGraphGetNodes", r));
+    }
+    let mut nodes = vec![std::ptr::null_mut(); count];
+    let r = unsafe { sys::cuGraphGetNodes(g, nodes.as_mut_ptr(), &mut count) };
+    if r != sys::CUresult::CUDA_SUCCESS {
+        return Err(graph_err("cuGraphGetNodes", r));
+    }
+    // Each memcpy node's destination.
+    let mut copies = Vec::new();
+    for &node in &nodes[..count] {
+        let mut kind = sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_EMPTY;
+        // SAFETY: `node` belongs to the live graph.
+        let r = unsafe { sys::cuGraphNodeGetType(node, &mut kind) };
+        if r != sys::CUresult::CUDA_SUCCESS {
+            return Err(graph_err("cuGraphNodeGetType", r));
+        }
+        if kind != sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_MEMCPY {
+            continue;
+        }
+        let mut params = std::mem::MaybeUninit::<sys::CUDA_MEMCPY3D>::zeroed();
+        // SAFETY: a memcpy node of the live graph; `params` is written before it is read.
+        let r = unsafe { sys::cuGraphMemcpyNodeGetParams(node, params.as_mut_ptr()) };
+        if r != sys::CUresult::CUDA_SUCCESS {
+            return Err(graph_err("cuGraphMemcpyNodeGetParams", r));
+        }
+        // SAFETY: initialised by the successful call above.
+        let params = unsafe { params.assume_init() };
+        copies.push((node, params.dstDevice));
+    }
+    inputs
+        .iter()
+        .zip(sources)
+        .map(|(buffer, source)| {
+            let dst = device_address(buffer)?;
+            let node = copies
+                .iter()
+                .find(|(_, d)| *d == dst)
+                .map(|(n, _)| *n)
+                .ok_or_else(|| {
+                    FastpathError::Graph("capture: an input's copy node is missing".into())
+                })?;
+            Ok(InputCopy {
+                node,
+                source: std::cell::Cell::new(device_address(source)?),
+            })
+        })
+        .collect()
 }
 
 /// `dst ← src` (same element count, both contiguous) as one stream-ordered device copy.

@@ -1,5 +1,6 @@
 //! [`GraphNodes`]: what a captured CUDA graph holds, by node type (`CapturedForward::nodes`), and
-//! [`is_capturing`]: whether a device's stream is being captured right now.
+//! [`is_capturing`]: whether a device's stream is being captured right now;
+//! [`graph_input_copy_in_graph`]: where a replay copies its inputs (a switch).
 
 /// A captured graph's nodes by type ([`crate::CapturedForward::nodes`]).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -40,4 +41,14 @@ pub fn is_capturing(device: &candle_core::Device) -> bool {
     }
     let _ = device;
     false
+}
+
+/// `CANDLE_FASTPATH_GRAPH_INPUT_COPY` (read once): unset ([`crate::CapturedForward`]'s input
+/// copies are its graph's first nodes, lever 123: a replay is one launch), or `stream` (each
+/// replay copies its inputs on the stream, then launches the graph), for A/B measurements.
+pub fn graph_input_copy_in_graph() -> bool {
+    static IN_GRAPH: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    crate::switches::read_once(&IN_GRAPH, "CANDLE_FASTPATH_GRAPH_INPUT_COPY", |v| {
+        v != Some("stream")
+    })
 }

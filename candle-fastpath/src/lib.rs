@@ -89,7 +89,7 @@ pub use embed::embed_tokens;
 pub use error::{FastpathError, Result};
 pub use gelu_form::gelu_phi_form;
 pub use graph::CapturedForward;
-pub use graph_nodes::{is_capturing, GraphNodes};
+pub use graph_nodes::{graph_input_copy_in_graph, is_capturing, GraphNodes};
 pub use head::{linear_log_prob, HEAD_MAX_CLASSES};
 pub use linear::{linear, linear_no_bias, thin_gemm_mode, Epilogue, FusedLinear, ThinGemmMode};
 pub use norm::{layer_norm, LayerNorm};

@@ -186,8 +186,9 @@ fn replay_copies_odd_sizes_and_offsets() -> anyhow::Result<()> {
 }
 
 /// The node census of a captured graph counts what the forward launched: two candle kernels
-/// (affine, sqr), the copy of the output into the graph's buffer, and a memory node pair per
-/// intermediate the forward allocated and dropped inside the capture; the nodes form a chain.
+/// (affine, sqr), the copies of the input into the graph's buffer (unless the switch puts it on
+/// the stream) and of the output into the graph's, and a memory node pair per intermediate the
+/// forward allocated and dropped inside the capture; the nodes form a chain.
 #[test]
 fn node_census_counts_the_forward() -> anyhow::Result<()> {
     let dev = device();
@@ -198,11 +199,133 @@ fn node_census_counts_the_forward() -> anyhow::Result<()> {
     };
     let nodes = captured.nodes()?;
     assert_eq!(nodes.kernels, 2, "{nodes}");
-    assert_eq!(nodes.memcpy, 1, "{nodes}");
+    let copies = if candle_fastpath::graph_input_copy_in_graph() {
+        2
+    } else {
+        1
+    };
+    assert_eq!(nodes.memcpy, copies, "{nodes}");
     assert_eq!(nodes.memset + nodes.other, 0, "{nodes}");
     assert_eq!(nodes.mem_alloc, 2, "{nodes}");
     assert_eq!(nodes.mem_free, 2, "{nodes}");
     let total = nodes.kernels + nodes.memcpy + nodes.mem_alloc + nodes.mem_free;
     assert_eq!(nodes.edges, total - 1, "{nodes}");
     Ok(())
+}
+
+/// The graph copies its input itself (lever 123): a replay must read the input it is given
+/// wherever that lives — the example again, new tensors, a strided view, a tensor at an address
+/// an earlier input had — and give the eager forward's result each time.
+#[test]
+fn replays_follow_the_input_wherever_it_lives() -> anyhow::Result<()> {
+    let dev = device();
+    let dtype = DType::F16;
+    let fc1 = FusedLinear::new(
+        Tensor::randn(0f32, 0.3, (32, 16), &dev)?.to_dtype(dtype)?,
+        Some(Tensor::randn(0f32, 0.1, 32, &dev)?.to_dtype(dtype)?),
+    )?;
+    let fc2 = FusedLinear::new(
+        Tensor::randn(0f32, 0.3, (16, 32), &dev)?.to_dtype(dtype)?,
+        Some(Tensor::randn(0f32, 0.1, 16, &dev)?.to_dtype(dtype)?),
+    )?;
+    let scale = Tensor::randn(1f32, 0.1, (1, 1, 32), &dev)?.to_dtype(dtype)?;
+    let f = |x: &Tensor| forward(x, &fc1, &fc2, &scale);
+    let random = |shift: f64| -> anyhow::Result<Tensor> {
+        Ok((Tensor::randn(0f32, 1.0, (3, 5, 16), &dev)? + shift)?.to_dtype(dtype)?)
+    };
+    let example = random(0.5)?;
+    let Some(captured) = captured_or_cpu_error(CapturedForward::capture(&example, f), &dev) else {
+        return Ok(());
+    };
+    let check = |x: &Tensor, what: &str| -> anyhow::Result<()> {
+        let eager = f(x)?
+            .to_dtype(DType::F32)?
+            .flatten_all()?
+            .to_vec1::<f32>()?;
+        let replayed = captured
+            .run(x)?
+            .to_dtype(DType::F32)?
+            .flatten_all()?
+            .to_vec1::<f32>()?;
+        assert_eq!(replayed, eager, "{what}: replay differs from eager");
+        Ok(())
+    };
+    // The example itself (the address captured), then a new tensor, then the example again.
+    check(&example, "the example")?;
+    let other = random(-1.0)?;
+    check(&other, "a new tensor")?;
+    check(&example, "the example again")?;
+    // The example's storage rewritten in place: the graph reads it at replay time.
+    let rewritten = random(2.0)?;
+    example.inplace_op2(&rewritten, &CopyFrom)?;
+    check(&example, "the example, rewritten")?;
+    // A strided view (its contiguous copy is a temporary), and inputs made and dropped in a loop
+    // (the allocator may hand a later one an earlier one's address).
+    let wide = random(0.0)?
+        .transpose(0, 1)?
+        .contiguous()?
+        .transpose(0, 1)?;
+    assert!(!wide.is_contiguous());
+    check(&wide, "a strided view")?;
+    for i in 0..4 {
+        check(&random(i as f64)?, &format!("loop input {i}"))?;
+    }
+    // A graph's own output buffer as the next input of another replay is read before it is
+    // overwritten: feed the output (shape [3, 16]) of a graph over that shape back into it.
+    let g = |x: &Tensor| x.affine(0.5, 1.0);
+    let seed = Tensor::randn(0f32, 1.0, (3, 16), &dev)?;
+    let chain = CapturedForward::capture(&seed, g)?;
+    chain.replay(&seed)?;
+    let mut want = g(&seed)?;
+    for _ in 0..3 {
+        chain.replay(&chain.output().clone())?;
+        want = g(&want)?;
+        assert_eq!(
+            chain.output().flatten_all()?.to_vec1::<f32>()?,
+            want.flatten_all()?.to_vec1::<f32>()?,
+            "an output fed back as the input"
+        );
+    }
+    Ok(())
+}
+
+/// `dst ← src` in place (test helper: rewrites a tensor's storage without a new allocation).
+struct CopyFrom;
+
+impl candle_core::InplaceOp2 for CopyFrom {
+    fn name(&self) -> &'static str {
+        "test-copy-from"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &mut candle_core::CpuStorage,
+        _: &candle_core::Layout,
+        _: &candle_core::CpuStorage,
+        _: &candle_core::Layout,
+    ) -> candle_core::Result<()> {
+        candle_core::bail!("test-copy-from: CUDA only")
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        dst: &mut candle_core::CudaStorage,
+        ld: &candle_core::Layout,
+        src: &candle_core::CudaStorage,
+        ls: &candle_core::Layout,
+    ) -> candle_core::Result<()> {
+        assert!(ld.is_contiguous() && ls.is_contiguous());
+        let n = ld.shape().elem_count();
+        let s = src
+            .as_cuda_slice::<half::f16>()?
+            .slice(ls.start_offset()..ls.start_offset() + n);
+        let mut d = dst
+            .as_cuda_slice_mut::<half::f16>()?
+            .slice_mut(ld.start_offset()..ld.start_offset() + n);
+        src.device
+            .cuda_stream()
+            .memcpy_dtod(&s, &mut d)
+            .map_err(candle_core::Error::wrap)
+    }
 }
