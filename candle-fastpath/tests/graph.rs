@@ -26,6 +26,21 @@ fn forward(
     candle_nn::ops::softmax_last_dim(&y.mean(1)?)
 }
 
+/// Random weights for [`forward`] in `dtype`: fc1 (16 → 32), fc2 (32 → 16) and the scale.
+fn layers(
+    dev: &candle_core::Device,
+    dtype: DType,
+) -> candle_core::Result<(FusedLinear, FusedLinear, Tensor)> {
+    let linear = |out: usize, inp: usize| -> candle_core::Result<FusedLinear> {
+        Ok(FusedLinear::new(
+            Tensor::randn(0f32, 0.3, (out, inp), dev)?.to_dtype(dtype)?,
+            Some(Tensor::randn(0f32, 0.1, out, dev)?.to_dtype(dtype)?),
+        )?)
+    };
+    let scale = Tensor::randn(1f32, 0.1, (1, 1, 32), dev)?.to_dtype(dtype)?;
+    Ok((linear(32, 16)?, linear(16, 32)?, scale))
+}
+
 /// The capture on CUDA; elsewhere `None`, after checking that the error says why.
 fn captured_or_cpu_error(
     captured: candle_fastpath::Result<CapturedForward>,
@@ -45,15 +60,7 @@ fn captured_or_cpu_error(
 fn replay_equals_eager() -> anyhow::Result<()> {
     let dev = device();
     for dtype in [DType::F32, DType::F16, DType::BF16] {
-        let fc1 = FusedLinear::new(
-            Tensor::randn(0f32, 0.3, (32, 16), &dev)?.to_dtype(dtype)?,
-            Some(Tensor::randn(0f32, 0.1, 32, &dev)?.to_dtype(dtype)?),
-        )?;
-        let fc2 = FusedLinear::new(
-            Tensor::randn(0f32, 0.3, (16, 32), &dev)?.to_dtype(dtype)?,
-            Some(Tensor::randn(0f32, 0.1, 16, &dev)?.to_dtype(dtype)?),
-        )?;
-        let scale = Tensor::randn(1f32, 0.1, (1, 1, 32), &dev)?.to_dtype(dtype)?;
+        let (fc1, fc2, scale) = layers(&dev, dtype)?;
         let f = |x: &Tensor| forward(x, &fc1, &fc2, &scale);
         let example = Tensor::zeros((3, 5, 16), dtype, &dev)?;
         let Some(captured) = captured_or_cpu_error(CapturedForward::capture(&example, f), &dev)
@@ -220,15 +227,7 @@ fn node_census_counts_the_forward() -> anyhow::Result<()> {
 fn replays_follow_the_input_wherever_it_lives() -> anyhow::Result<()> {
     let dev = device();
     let dtype = DType::F16;
-    let fc1 = FusedLinear::new(
-        Tensor::randn(0f32, 0.3, (32, 16), &dev)?.to_dtype(dtype)?,
-        Some(Tensor::randn(0f32, 0.1, 32, &dev)?.to_dtype(dtype)?),
-    )?;
-    let fc2 = FusedLinear::new(
-        Tensor::randn(0f32, 0.3, (16, 32), &dev)?.to_dtype(dtype)?,
-        Some(Tensor::randn(0f32, 0.1, 16, &dev)?.to_dtype(dtype)?),
-    )?;
-    let scale = Tensor::randn(1f32, 0.1, (1, 1, 32), &dev)?.to_dtype(dtype)?;
+    let (fc1, fc2, scale) = layers(&dev, dtype)?;
     let f = |x: &Tensor| forward(x, &fc1, &fc2, &scale);
     let random = |shift: f64| -> anyhow::Result<Tensor> {
         Ok((Tensor::randn(0f32, 1.0, (3, 5, 16), &dev)? + shift)?.to_dtype(dtype)?)

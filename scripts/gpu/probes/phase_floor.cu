@@ -126,27 +126,6 @@ __global__ void __launch_bounds__(THREADS) persistent(__half* buf0, __half* buf1
     }
 }
 
-static double median_ms(cudaStream_t s, int reps, const std::function<void()>& run) {
-    cudaEvent_t e0, e1;
-    CK(cudaEventCreate(&e0));
-    CK(cudaEventCreate(&e1));
-    for (int i = 0; i < 5; ++i) run();
-    std::vector<float> ms;
-    for (int i = 0; i < reps; ++i) {
-        CK(cudaEventRecord(e0, s));
-        run();
-        CK(cudaEventRecord(e1, s));
-        CK(cudaEventSynchronize(e1));
-        float t;
-        CK(cudaEventElapsedTime(&t, e0, e1));
-        ms.push_back(t);
-    }
-    std::sort(ms.begin(), ms.end());
-    CK(cudaEventDestroy(e0));
-    CK(cudaEventDestroy(e1));
-    return ms[ms.size() / 2];
-}
-
 int main() {
     int dev = 0, sms = 0;
     CK(cudaSetDevice(dev));
@@ -182,14 +161,14 @@ int main() {
             }
             CK(cudaStreamEndCapture(s, &gph));
             CK(cudaGraphInstantiate(&ge, gph, 0));
-            const double ms = median_ms(s, REPS, [&] { CK(cudaGraphLaunch(ge, s)); });
+            const double ms = median_event_ms(s, 5, REPS, [&] { CK(cudaGraphLaunch(ge, s)); });
             CK(cudaGraphExecDestroy(ge));
             CK(cudaGraphDestroy(gph));
             return ms;
         };
         // persistent: one cooperative launch of P and 2P phases (all CTAs resident).
         auto persistent_ms = [&](int phases, int mode, unsigned backoff) {
-            return median_ms(s, REPS, [&] {
+            return median_event_ms(s, 5, REPS, [&] {
                 CK(cudaMemsetAsync(sync, 0, (2 + sms) * sizeof(unsigned), s));
                 void* args[] = {&buf0, &buf1, &fixed, &phases, &mode, &count, &gen, &flags, &backoff};
                 const void* f = load ? (const void*)persistent<true> : (const void*)persistent<false>;

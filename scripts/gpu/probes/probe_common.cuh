@@ -44,23 +44,17 @@
         }                                                                              \
     } while (0)
 
-// µs per launch: `calls` launches made by `launch` on `s`, captured as one graph, replayed 20
-// times to warm up, then `reps` times between CUDA events; the median replay / calls.
-static double graph_us_per_call(cudaStream_t s, int calls, int reps, const std::function<void()>& launch) {
-    cudaGraph_t g;
-    cudaGraphExec_t ge;
-    CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
-    for (int i = 0; i < calls; ++i) launch();
-    CK(cudaStreamEndCapture(s, &g));
-    CK(cudaGraphInstantiate(&ge, g, 0));
+// Milliseconds of `run` (work it enqueues on `s`) between two CUDA events: `warmup` untimed
+// runs, then the median of `reps`.
+static double median_event_ms(cudaStream_t s, int warmup, int reps, const std::function<void()>& run) {
     cudaEvent_t e0, e1;
     CK(cudaEventCreate(&e0));
     CK(cudaEventCreate(&e1));
-    for (int i = 0; i < 20; ++i) CK(cudaGraphLaunch(ge, s));
+    for (int i = 0; i < warmup; ++i) run();
     std::vector<float> ms;
     for (int i = 0; i < reps; ++i) {
         CK(cudaEventRecord(e0, s));
-        CK(cudaGraphLaunch(ge, s));
+        run();
         CK(cudaEventRecord(e1, s));
         CK(cudaEventSynchronize(e1));
         float t;
@@ -70,9 +64,22 @@ static double graph_us_per_call(cudaStream_t s, int calls, int reps, const std::
     std::sort(ms.begin(), ms.end());
     CK(cudaEventDestroy(e0));
     CK(cudaEventDestroy(e1));
+    return ms[ms.size() / 2];
+}
+
+// µs per launch: `calls` launches made by `launch` on `s`, captured as one graph, replayed 20
+// times to warm up, then `reps` times between CUDA events; the median replay / calls.
+static double graph_us_per_call(cudaStream_t s, int calls, int reps, const std::function<void()>& launch) {
+    cudaGraph_t g;
+    cudaGraphExec_t ge;
+    CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+    for (int i = 0; i < calls; ++i) launch();
+    CK(cudaStreamEndCapture(s, &g));
+    CK(cudaGraphInstantiate(&ge, g, 0));
+    const double ms = median_event_ms(s, 20, reps, [&] { CK(cudaGraphLaunch(ge, s)); });
     CK(cudaGraphExecDestroy(ge));
     CK(cudaGraphDestroy(g));
-    return 1000.0 * ms[ms.size() / 2] / calls;
+    return 1000.0 * ms / calls;
 }
 
 // A zeroed device buffer of `bytes`.
