@@ -8,8 +8,6 @@
 // the GPU:
 //   nvcc -O3 -std=c++17 -arch=sm_90a -o /tmp/graph_nodes_floor scripts/gpu/probes/graph_nodes_floor.cu -lcuda -lcublasLt
 //   /tmp/graph_nodes_floor
-#include <chrono>
-
 #include "probe_common.cuh"
 
 // Busy for `ns` nanoseconds of the global timer, then one store into `out` (block 0, thread 0).
@@ -20,11 +18,6 @@ __global__ void busy_store(float* out, unsigned long long ns) {
         asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
     } while (t - t0 < ns);
     if (threadIdx.x == 0 && blockIdx.x == 0) out[0] = (float)(t - t0);
-}
-
-static double median(std::vector<double> v) {
-    std::sort(v.begin(), v.end());
-    return v[v.size() / 2];
 }
 
 int main() {
@@ -59,33 +52,19 @@ int main() {
             cudaEvent_t e0, e1;
             CK(cudaEventCreate(&e0));
             CK(cudaEventCreate(&e1));
-            using clk = std::chrono::steady_clock;
-            auto us = [](clk::time_point a, clk::time_point b) {
-                return std::chrono::duration<double, std::micro>(b - a).count();
-            };
             std::vector<double> wall, launch, gpu;
             for (int i = 0; i < 220; ++i) {
-                const auto t0 = clk::now();
-                CK(cudaGraphLaunch(ge, s));
-                const auto t1 = clk::now();
-                CK(cudaStreamSynchronize(s));
-                const auto t2 = clk::now();
-                CK(cudaEventRecord(e0, s));
-                CK(cudaGraphLaunch(ge, s));
-                CK(cudaEventRecord(e1, s));
-                CK(cudaStreamSynchronize(s));
-                float ms;
-                CK(cudaEventElapsedTime(&ms, e0, e1));
+                const ReplayClock t = clock_replay(ge, s, e0, e1);
                 if (i >= 20) {
-                    wall.push_back(us(t0, t2));
-                    launch.push_back(us(t0, t1));
-                    gpu.push_back(1000.0 * ms);
+                    wall.push_back(t.wall_us);
+                    launch.push_back(t.launch_us);
+                    gpu.push_back(t.gpu_us);
                 }
             }
             printf("%2d kernels of ~5 us, %s (%zu nodes): launch call %.1f us, wall %.1f us, events %.1f us "
                    "(medians of 200)\n",
                    kernels, memory_nodes ? "each output allocated and freed in the graph" : "fixed buffers",
-                   nodes, median(launch), median(wall), median(gpu));
+                   nodes, median_of(launch), median_of(wall), median_of(gpu));
             CK(cudaEventDestroy(e0));
             CK(cudaEventDestroy(e1));
             CK(cudaGraphExecDestroy(ge));

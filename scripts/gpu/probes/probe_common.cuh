@@ -8,6 +8,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -65,6 +66,37 @@ static double median_event_ms(cudaStream_t s, int warmup, int reps, const std::f
     CK(cudaEventDestroy(e0));
     CK(cudaEventDestroy(e1));
     return ms[ms.size() / 2];
+}
+
+// The median of `v`.
+static double median_of(std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+}
+
+// One replay of `ge` on `s` timed as `bench` times a graph row: host µs from the launch call to
+// its return (`launch_us`) and to the stream's synchronisation (`wall_us`); then a second replay
+// between the events `e0` / `e1` for the GPU's share (`gpu_us`).
+struct ReplayClock {
+    double launch_us, wall_us, gpu_us;
+};
+static ReplayClock clock_replay(cudaGraphExec_t ge, cudaStream_t s, cudaEvent_t e0, cudaEvent_t e1) {
+    using clk = std::chrono::steady_clock;
+    const auto us = [](clk::time_point a, clk::time_point b) {
+        return std::chrono::duration<double, std::micro>(b - a).count();
+    };
+    const auto t0 = clk::now();
+    CK(cudaGraphLaunch(ge, s));
+    const auto t1 = clk::now();
+    CK(cudaStreamSynchronize(s));
+    const auto t2 = clk::now();
+    CK(cudaEventRecord(e0, s));
+    CK(cudaGraphLaunch(ge, s));
+    CK(cudaEventRecord(e1, s));
+    CK(cudaStreamSynchronize(s));
+    float ms;
+    CK(cudaEventElapsedTime(&ms, e0, e1));
+    return {us(t0, t1), us(t0, t2), 1000.0 * ms};
 }
 
 // µs per launch: `calls` launches made by `launch` on `s`, captured as one graph, replayed 20

@@ -24,11 +24,6 @@ __global__ void busy(unsigned long long ns) {
 
 __global__ void empty() {}
 
-static double median(std::vector<double> v) {
-    std::sort(v.begin(), v.end());
-    return v[v.size() / 2];
-}
-
 int main(int argc, char** argv) {
     const char* mode = argc > 1 ? argv[1] : "auto";
     unsigned flags = CU_CTX_SCHED_AUTO;
@@ -56,34 +51,23 @@ int main(int argc, char** argv) {
     CK(cudaEventCreate(&e0));
     CK(cudaEventCreate(&e1));
     using clk = std::chrono::steady_clock;
-    auto us = [](clk::time_point a, clk::time_point b) { return std::chrono::duration<double, std::micro>(b - a).count(); };
-    std::vector<double> wall, gpu, bare, empty_rt;
+    std::vector<double> wall, gpu, empty_rt;
     for (int i = 0; i < 220; ++i) {
-        // As bench times a graph row: launch, then wait on the stream.
-        const auto t0 = clk::now();
-        CK(cudaGraphLaunch(ge, s));
-        CK(cudaStreamSynchronize(s));
-        const auto t1 = clk::now();
-        // The same with events around it, for the GPU's share.
-        CK(cudaEventRecord(e0, s));
-        CK(cudaGraphLaunch(ge, s));
-        CK(cudaEventRecord(e1, s));
-        CK(cudaStreamSynchronize(s));
-        float ms;
-        CK(cudaEventElapsedTime(&ms, e0, e1));
+        // As bench times a graph row, then the same between events for the GPU's share.
+        const ReplayClock t = clock_replay(ge, s, e0, e1);
         // One empty kernel, launched and waited for.
         const auto t2 = clk::now();
         empty<<<1, 1, 0, s>>>();
         CK(cudaStreamSynchronize(s));
         const auto t3 = clk::now();
         if (i >= 20) {
-            wall.push_back(us(t0, t1));
-            gpu.push_back(1000.0 * ms);
-            empty_rt.push_back(us(t2, t3));
+            wall.push_back(t.wall_us);
+            gpu.push_back(t.gpu_us);
+            empty_rt.push_back(std::chrono::duration<double, std::micro>(t3 - t2).count());
         }
     }
     printf("flags %-8s (context reports 0x%x): graph of 16 x 10 us kernels: wall %.1f us, events %.1f us, "
            "wall - events %.1f us; one empty kernel launched and synchronised: %.1f us (medians of 200)\n",
-           mode, got, median(wall), median(gpu), median(wall) - median(gpu), median(empty_rt));
+           mode, got, median_of(wall), median_of(gpu), median_of(wall) - median_of(gpu), median_of(empty_rt));
     return 0;
 }
