@@ -14,7 +14,9 @@
 //   static load: the same reads from a buffer no phase writes (a GEMM's weights), the same writes.
 // and each boundary one of:
 //   graph:    a graph of P launches of a one-phase kernel (stream order: the next starts when the
-//             previous has finished);
+//             previous has finished), and the same launched with programmatic dependent launch
+//             (programmatic edges: the next grid launches at once and waits in
+//             griddepcontrol.wait; a static load issues its loads before the wait);
 //   barrier:  one launch, a grid-wide barrier between phases (an arrival counter and a generation
 //             word in global memory, release / acquire);
 //   flag:     one launch, each CTA waits only for the CTAs it reads (token: one; load: the
@@ -39,20 +41,9 @@ __device__ __forceinline__ void st_release(unsigned* p, unsigned v) {
     asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
-// One phase's work for CTA `b` of `g`: `in` the phase before's data, `out` this phase's.
-template <bool LOAD>
-__device__ __forceinline__ void phase_work(const __half* in, __half* out, int b, int g) {
-    if (!LOAD) {
-        if (threadIdx.x == 0) {
-            const uint4 v = __ldcg(reinterpret_cast<const uint4*>(in) + (b + 1) % g);
-            uint4 w = v;
-            w.x += 1;
-            __stcg(reinterpret_cast<uint4*>(out) + b, w);
-        }
-        return;
-    }
-    // 48 KB from the slices starting at CTA b's (wrapping at the buffer's end), summed per
-    // thread: each thread's 24 loads issued together (no load waits on another).
+// 48 KB from the slices starting at CTA b's (wrapping at the buffer's end), summed per thread:
+// each thread's 24 loads issued together (no load waits on another).
+__device__ __forceinline__ float load_48k(const __half* in, int b, int g) {
     const int total = g * SLICE, start = b * SLICE;
     constexpr int PER = READ / 8 / THREADS;
     uint4 v[PER];
@@ -70,12 +61,32 @@ __device__ __forceinline__ void phase_work(const __half* in, __half* out, int b,
         const __half2 s2 = __hadd2(__hadd2(h[0], h[1]), __hadd2(h[2], h[3]));
         acc += __low2float(s2) + __high2float(s2);
     }
+    return acc;
+}
+
+// CTA b's 1.5 KB slice of `out` (the first 96 threads, 16 bytes each).
+__device__ __forceinline__ void store_slice(__half* out, int b, float acc) {
     if (threadIdx.x < SLICE / 8) {
         const __half2 o = __floats2half2_rn(acc, 1.f);
         uint4 w;
         w.x = w.y = w.z = w.w = *reinterpret_cast<const unsigned*>(&o);
-        __stcg(reinterpret_cast<uint4*>(out + start) + threadIdx.x, w);
+        __stcg(reinterpret_cast<uint4*>(out + b * SLICE) + threadIdx.x, w);
     }
+}
+
+// One phase's work for CTA `b` of `g`: `in` the phase before's data, `out` this phase's.
+template <bool LOAD>
+__device__ __forceinline__ void phase_work(const __half* in, __half* out, int b, int g) {
+    if (!LOAD) {
+        if (threadIdx.x == 0) {
+            const uint4 v = __ldcg(reinterpret_cast<const uint4*>(in) + (b + 1) % g);
+            uint4 w = v;
+            w.x += 1;
+            __stcg(reinterpret_cast<uint4*>(out) + b, w);
+        }
+        return;
+    }
+    store_slice(out, b, load_48k(in, b, g));
 }
 
 // The slices CTA b reads in a load phase: READ elements from slice b on.
@@ -83,6 +94,23 @@ __device__ __forceinline__ int slices_read(int g) { return (READ + SLICE - 1) / 
 
 template <bool LOAD>
 __global__ void __launch_bounds__(THREADS) one_phase(const __half* in, __half* out) {
+    phase_work<LOAD>(in, out, blockIdx.x, gridDim.x);
+}
+
+// One phase launched with programmatic dependent launch: it lets the next phase's grid launch at
+// once, and waits for the previous grid's memory (griddepcontrol.wait) before reading what that
+// grid wrote; EARLY (reads of a buffer no phase writes) issues its loads before the wait, as a
+// kernel would its weights, and waits only before its store.
+template <bool LOAD, bool EARLY>
+__global__ void __launch_bounds__(THREADS) one_phase_pdl(const __half* in, __half* out) {
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    if (EARLY) {
+        const float acc = load_48k(in, blockIdx.x, gridDim.x);
+        asm volatile("griddepcontrol.wait;" ::: "memory");
+        store_slice(out, blockIdx.x, acc);
+        return;
+    }
+    asm volatile("griddepcontrol.wait;" ::: "memory");
     phase_work<LOAD>(in, out, blockIdx.x, gridDim.x);
 }
 
@@ -147,17 +175,31 @@ int main() {
         const char* what = kind == 2 ? "static load (48 KB a CTA, unwritten)" : load ? "load (48 KB a CTA)" : "token (16 B a CTA)";
         __half* fixed = kind == 2 ? buf2 : nullptr;
         // graph: P and 2P launches, µs per launch from the difference.
-        auto graph_ms = [&](int phases) {
+        // pdl: the launches with the programmatic-stream-serialization attribute, so that the
+        // capture links them by programmatic edges.
+        auto graph_ms = [&](int phases, bool pdl) {
             cudaGraph_t gph;
             cudaGraphExec_t ge;
+            const void* f = kind == 0 ? (const void*)one_phase<false> : (const void*)one_phase<true>;
+            if (pdl)
+                f = kind == 0   ? (const void*)one_phase_pdl<false, false>
+                    : kind == 1 ? (const void*)one_phase_pdl<true, false>
+                                : (const void*)one_phase_pdl<true, true>;
+            cudaLaunchAttribute attr{};
+            attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+            attr.val.programmaticStreamSerializationAllowed = 1;
+            cudaLaunchConfig_t cfg{};
+            cfg.gridDim = dim3(sms);
+            cfg.blockDim = dim3(THREADS);
+            cfg.stream = s;
+            cfg.attrs = pdl ? &attr : nullptr;
+            cfg.numAttrs = pdl ? 1 : 0;
             CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
             for (int p = 0; p < phases; ++p) {
                 const __half* in = fixed ? fixed : p % 2 ? buf1 : buf0;
                 __half* out = p % 2 ? buf0 : buf1;
-                if (load)
-                    one_phase<true><<<sms, THREADS, 0, s>>>(in, out);
-                else
-                    one_phase<false><<<sms, THREADS, 0, s>>>(in, out);
+                void* args[] = {&in, &out};
+                CK(cudaLaunchKernelExC(&cfg, f, args));
             }
             CK(cudaStreamEndCapture(s, &gph));
             CK(cudaGraphInstantiate(&ge, gph, 0));
@@ -175,9 +217,12 @@ int main() {
                 CK(cudaLaunchCooperativeKernel(f, dim3(sms), dim3(THREADS), args, 0, s));
             });
         };
-        const double g1 = graph_ms(P), g2 = graph_ms(2 * P);
-        printf("%s, per phase: graph of launches %.2f us (whole: %.1f / %.1f us for %d / %d phases)\n", what,
-               1000 * (g2 - g1) / P, 1000 * g1, 1000 * g2, P, 2 * P);
+        const double g1 = graph_ms(P, false), g2 = graph_ms(2 * P, false);
+        const double p1 = graph_ms(P, true), p2 = graph_ms(2 * P, true);
+        printf("%s, per phase: graph of launches %.2f us, with programmatic edges %.2f us%s (whole: %.1f / %.1f "
+               "and %.1f / %.1f us for %d / %d phases)\n",
+               what, 1000 * (g2 - g1) / P, 1000 * (p2 - p1) / P, kind == 2 ? " (loads before the wait)" : "",
+               1000 * g1, 1000 * g2, 1000 * p1, 1000 * p2, P, 2 * P);
         for (unsigned backoff : {0u, 64u, 256u}) {
             const double b1 = persistent_ms(P, 0, backoff), b2 = persistent_ms(2 * P, 0, backoff);
             const double f1 = persistent_ms(P, 1, backoff), f2 = persistent_ms(2 * P, 1, backoff);
