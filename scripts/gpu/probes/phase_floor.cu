@@ -114,6 +114,18 @@ __global__ void __launch_bounds__(THREADS) one_phase_pdl(const __half* in, __hal
     phase_work<LOAD>(in, out, blockIdx.x, gridDim.x);
 }
 
+// The static-load phase of a kernel shaped like ours: `smem` bytes of dynamic shared memory a
+// CTA (reserved, one word touched) and, by the launch, clusters; PDL as one_phase_pdl's EARLY.
+template <bool PDL>
+__global__ void __launch_bounds__(THREADS) heavy_phase(const __half* in, __half* out) {
+    extern __shared__ float heavy_smem[];
+    if (PDL) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    const float acc = load_48k(in, blockIdx.x, gridDim.x);
+    if (PDL) asm volatile("griddepcontrol.wait;" ::: "memory");
+    if (threadIdx.x == 0) heavy_smem[0] = acc;
+    store_slice(out, blockIdx.x, acc);
+}
+
 // All phases in one launch; buffers alternate between phases. mode 0: grid barrier; 1: flags.
 template <bool LOAD>
 __global__ void __launch_bounds__(THREADS) persistent(__half* buf0, __half* buf1, const __half* fixed, int phases,
@@ -229,6 +241,61 @@ int main() {
             printf("  spin back-off %3u ns: grid barrier %.2f us, flags %.2f us (whole: barrier %.1f / %.1f, "
                    "flags %.1f / %.1f)\n",
                    backoff, 1000 * (b2 - b1) / P, 1000 * (f2 - f1) / P, 1000 * b1, 1000 * b2, 1000 * f1, 1000 * f2);
+        }
+    }
+    // Kernels shaped like ours: 128 CTAs (a multiple of the cluster sizes) with large shared
+    // memory, alone or in clusters of 8, the static load before the wait: can the next grid
+    // still start early when a CTA of the running one holds most of an SM's shared memory?
+    for (int smem : {0, 100 * 1024, 150 * 1024}) {
+        for (int cluster : {1, 8}) {
+            for (bool pdl : {false, true}) {
+                const void* f = pdl ? (const void*)heavy_phase<true> : (const void*)heavy_phase<false>;
+                CK(cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, smem + 16));
+            }
+            auto heavy_ms = [&](int phases, bool pdl) {
+                const void* f = pdl ? (const void*)heavy_phase<true> : (const void*)heavy_phase<false>;
+                cudaLaunchAttribute attrs[2]{};
+                int n = 0;
+                if (cluster > 1) {
+                    attrs[n].id = cudaLaunchAttributeClusterDimension;
+                    attrs[n].val.clusterDim.x = cluster;
+                    attrs[n].val.clusterDim.y = 1;
+                    attrs[n].val.clusterDim.z = 1;
+                    ++n;
+                }
+                if (pdl) {
+                    attrs[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+                    attrs[n].val.programmaticStreamSerializationAllowed = 1;
+                    ++n;
+                }
+                cudaLaunchConfig_t cfg{};
+                cfg.gridDim = dim3(128);
+                cfg.blockDim = dim3(THREADS);
+                cfg.dynamicSmemBytes = smem + 16;  // the word the kernel touches, even at 0
+                cfg.stream = s;
+                cfg.attrs = n ? attrs : nullptr;
+                cfg.numAttrs = n;
+                cudaGraph_t gph;
+                cudaGraphExec_t ge;
+                CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+                for (int p = 0; p < phases; ++p) {
+                    const __half* in = buf2;
+                    __half* out = p % 2 ? buf0 : buf1;
+                    void* args[] = {&in, &out};
+                    CK(cudaLaunchKernelExC(&cfg, f, args));
+                }
+                CK(cudaStreamEndCapture(s, &gph));
+                CK(cudaGraphInstantiate(&ge, gph, 0));
+                const double ms = median_event_ms(s, 5, REPS, [&] { CK(cudaGraphLaunch(ge, s)); });
+                CK(cudaGraphExecDestroy(ge));
+                CK(cudaGraphDestroy(gph));
+                return ms;
+            };
+            const double g1 = heavy_ms(P, false), g2 = heavy_ms(2 * P, false);
+            const double p1 = heavy_ms(P, true), p2 = heavy_ms(2 * P, true);
+            printf("static load, 128 CTAs, %3d KB shared memory a CTA, clusters of %d, per phase: graph %.2f us, "
+                   "with programmatic edges %.2f us (loads before the wait)\n",
+                   smem / 1024, cluster, 1000 * (g2 - g1) / P, 1000 * (p2 - p1) / P);
         }
     }
     CK(cudaStreamSynchronize(s));
