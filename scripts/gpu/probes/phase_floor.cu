@@ -166,6 +166,27 @@ __global__ void __launch_bounds__(THREADS) persistent(__half* buf0, __half* buf1
     }
 }
 
+// Milliseconds of one replay of a graph of `phases` launches of `f` with `cfg` (median of REPS
+// after 5 warm-ups), phase p reading `fixed` (when given) or buffer p mod 2 and writing the other.
+static double graph_of_phases_ms(cudaStream_t s, const cudaLaunchConfig_t& cfg, const void* f, int phases,
+                                 const __half* fixed, __half* buf0, __half* buf1, int reps) {
+    cudaGraph_t gph;
+    cudaGraphExec_t ge;
+    CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+    for (int p = 0; p < phases; ++p) {
+        const __half* in = fixed ? fixed : p % 2 ? buf1 : buf0;
+        __half* out = p % 2 ? buf0 : buf1;
+        void* args[] = {&in, &out};
+        CK(cudaLaunchKernelExC(&cfg, f, args));
+    }
+    CK(cudaStreamEndCapture(s, &gph));
+    CK(cudaGraphInstantiate(&ge, gph, 0));
+    const double ms = median_event_ms(s, 5, reps, [&] { CK(cudaGraphLaunch(ge, s)); });
+    CK(cudaGraphExecDestroy(ge));
+    CK(cudaGraphDestroy(gph));
+    return ms;
+}
+
 int main() {
     int dev = 0, sms = 0;
     CK(cudaSetDevice(dev));
@@ -190,8 +211,6 @@ int main() {
         // pdl: the launches with the programmatic-stream-serialization attribute, so that the
         // capture links them by programmatic edges.
         auto graph_ms = [&](int phases, bool pdl) {
-            cudaGraph_t gph;
-            cudaGraphExec_t ge;
             const void* f = kind == 0 ? (const void*)one_phase<false> : (const void*)one_phase<true>;
             if (pdl)
                 f = kind == 0   ? (const void*)one_phase_pdl<false, false>
@@ -206,19 +225,7 @@ int main() {
             cfg.stream = s;
             cfg.attrs = pdl ? &attr : nullptr;
             cfg.numAttrs = pdl ? 1 : 0;
-            CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
-            for (int p = 0; p < phases; ++p) {
-                const __half* in = fixed ? fixed : p % 2 ? buf1 : buf0;
-                __half* out = p % 2 ? buf0 : buf1;
-                void* args[] = {&in, &out};
-                CK(cudaLaunchKernelExC(&cfg, f, args));
-            }
-            CK(cudaStreamEndCapture(s, &gph));
-            CK(cudaGraphInstantiate(&ge, gph, 0));
-            const double ms = median_event_ms(s, 5, REPS, [&] { CK(cudaGraphLaunch(ge, s)); });
-            CK(cudaGraphExecDestroy(ge));
-            CK(cudaGraphDestroy(gph));
-            return ms;
+            return graph_of_phases_ms(s, cfg, f, phases, fixed, buf0, buf1, REPS);
         };
         // persistent: one cooperative launch of P and 2P phases (all CTAs resident).
         auto persistent_ms = [&](int phases, int mode, unsigned backoff) {
@@ -275,21 +282,7 @@ int main() {
                 cfg.stream = s;
                 cfg.attrs = n ? attrs : nullptr;
                 cfg.numAttrs = n;
-                cudaGraph_t gph;
-                cudaGraphExec_t ge;
-                CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
-                for (int p = 0; p < phases; ++p) {
-                    const __half* in = buf2;
-                    __half* out = p % 2 ? buf0 : buf1;
-                    void* args[] = {&in, &out};
-                    CK(cudaLaunchKernelExC(&cfg, f, args));
-                }
-                CK(cudaStreamEndCapture(s, &gph));
-                CK(cudaGraphInstantiate(&ge, gph, 0));
-                const double ms = median_event_ms(s, 5, REPS, [&] { CK(cudaGraphLaunch(ge, s)); });
-                CK(cudaGraphExecDestroy(ge));
-                CK(cudaGraphDestroy(gph));
-                return ms;
+                return graph_of_phases_ms(s, cfg, f, phases, buf2, buf0, buf1, REPS);
             };
             const double g1 = heavy_ms(P, false), g2 = heavy_ms(2 * P, false);
             const double p1 = heavy_ms(P, true), p2 = heavy_ms(2 * P, true);
