@@ -159,6 +159,21 @@ fn one_sequence(cu_seqlens: &Tensor, residual: &Tensor) -> bool {
         && cu_seqlens.device().same_device(residual.device())
 }
 
+/// Whether `qkv` is the fused projection of `residual`'s rows as this file's kernels read it:
+/// `[M, 3C]` for `residual` `[M, C]` with C = `heads` heads of
+/// [`crate::cuda::ARNL_HEAD_DIM`], in the residual's dtype and device, contiguous and 16-byte
+/// aligned.
+#[cfg(feature = "cuda")]
+fn fused_qkv_fits(qkv: &Tensor, heads: usize, residual: &Tensor) -> bool {
+    residual.dims2().is_ok_and(|(m, c)| {
+        heads * crate::cuda::ARNL_HEAD_DIM == c
+            && qkv.dims() == [m, 3 * c]
+            && qkv.dtype() == residual.dtype()
+            && qkv.device().same_device(residual.device())
+            && crate::cuda::contiguous_16b(qkv.layout(), qkv.dtype().size_in_bytes())
+    })
+}
+
 /// Whether [`attention_residual_norm_linear`] runs: what [`crate::residual_norm_linear_applies`]
 /// requires of the proj → norm2 → fc1 step (its proj form: C = 192, N in (640, 768], compute
 /// capability 9.0, a grid of one wave, its switches), `heads` heads of 64 (three), `qkv`
@@ -210,21 +225,15 @@ fn arnl_applies(
     {
         // (residual is on a CUDA device: the callers' first check.)
         let c = norm.weight().elem_count();
-        let Ok((m, rc)) = residual.dims2() else {
+        let Ok((_, rc)) = residual.dims2() else {
             return false;
         };
-        let aligned =
-            |t: &Tensor| crate::cuda::contiguous_16b(t.layout(), t.dtype().size_in_bytes());
         attention_residual_norm_linear_enabled()
             && rc == c
-            && heads * crate::cuda::ARNL_HEAD_DIM == c
             && proj.in_dim() == c
             && crate::cuda::RnlForm::of(c, linear.out_dim(), gelu)
                 == Some(crate::cuda::RnlForm::Proj)
-            && qkv.dims() == [m, 3 * c]
-            && qkv.dtype() == residual.dtype()
-            && qkv.device().same_device(residual.device())
-            && aligned(qkv)
+            && fused_qkv_fits(qkv, heads, residual)
             // The proj form's rules (the attention output this kernel makes has the residual's
             // shape, dtype and device).
             && crate::norm_linear::residual_norm_linear_step_applies(
@@ -328,16 +337,12 @@ pub fn attention_linear_residual_norm_applies(
         let candle_core::Device::Cuda(dev) = residual.device() else {
             return false;
         };
-        let Ok((m, c)) = residual.dims2() else {
+        let Ok((m, _)) = residual.dims2() else {
             return false;
         };
         attention_linear_residual_norm_enabled()
             && one_sequence(cu_seqlens, residual)
-            && heads * crate::cuda::ARNL_HEAD_DIM == c
-            && qkv.dims() == [m, 3 * c]
-            && qkv.dtype() == residual.dtype()
-            && qkv.device().same_device(residual.device())
-            && crate::cuda::contiguous_16b(qkv.layout(), qkv.dtype().size_in_bytes())
+            && fused_qkv_fits(qkv, heads, residual)
             // The projection step's rules (the attention output this kernel makes has the
             // residual's shape, dtype and device).
             && crate::linear_residual_norm_applies(residual, residual, proj, norm)
@@ -525,16 +530,13 @@ pub fn attention_residual_applies(
             && matches!(dtype, candle_core::DType::F16 | candle_core::DType::BF16)
             && m > 0
             && c == crate::cuda::RNL_DIM
-            && heads * crate::cuda::ARNL_HEAD_DIM == c
             && proj.weight().dims() == [c, c]
             && same(proj.weight())
             && aligned(proj.weight())
             && proj
                 .bias()
                 .is_some_and(|b| same(b) && b.is_contiguous() && b.elem_count() == c)
-            && qkv.dims() == [m, 3 * c]
-            && same(qkv)
-            && aligned(qkv)
+            && fused_qkv_fits(qkv, heads, residual)
             && aligned(residual)
             && one_sequence(cu_seqlens, residual)
             && crate::cuda::attention_residual_sm_count(dev, m)
