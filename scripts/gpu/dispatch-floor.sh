@@ -9,7 +9,7 @@ set -u
 . scripts/gpu/lib.sh
 unpack bench-attention
 C="$out/dispatch-floor.txt"
-nvcc -O3 -std=c++17 -arch=sm_90a -o /tmp/dispatch_floor scripts/gpu/probes/dispatch_floor.cu -lcuda -lcublasLt
+build_probe dispatch_floor
 echo "== probe" >> "$C"
 /tmp/dispatch_floor >> "$C" 2>&1
 for tracking in true false; do

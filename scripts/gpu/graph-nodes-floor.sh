@@ -5,9 +5,5 @@
 set -u
 . scripts/gpu/lib.sh
 start_log graph-nodes-floor.txt
-nvcc -O3 -std=c++17 -arch=sm_90a -o /tmp/graph_nodes_floor scripts/gpu/probes/graph_nodes_floor.cu -lcuda -lcublasLt
-for r in 1 2; do
-  echo "== run $r" >> "$C"
-  timeout 120 /tmp/graph_nodes_floor >> "$C" 2>&1
-done
+probe_twice graph_nodes_floor
 cat "$C"

@@ -38,6 +38,23 @@ unpack_prev() {
 # prev_or_new ARM NAME: $B/NAME-prev for ARM "prev", else $B/NAME (two-binary A/B arms).
 prev_or_new() { if [ "$1" = prev ]; then echo "$B/$2-prev"; else echo "$B/$2"; fi; }
 
+# build_probe NAME: the standalone probe scripts/gpu/probes/NAME.cu compiled for the H100 into
+# /tmp/NAME.
+build_probe() {
+  nvcc -O3 -std=c++17 -arch=sm_90a -o "/tmp/$1" "scripts/gpu/probes/$1.cu" -lcuda -lcublasLt
+}
+
+# probe_twice NAME [LIMIT]: build_probe NAME, then run it twice (under `timeout LIMIT`, default
+# 120 s), its output appended to $C under "== run N" headers (the GPU's clocks drift between runs).
+probe_twice() {
+  local r
+  build_probe "$1" || return 1
+  for r in 1 2; do
+    echo "== run $r" >> "$C"
+    timeout "${2:-120}" "/tmp/$1" >> "$C" 2>&1
+  done
+}
+
 # paths_check MODELS BATCH [LIMIT]: the full-size path-agreement test (test-paths_agreement
 # --ignored published_sizes_padded_equals_ragged) on CUDA for MODELS at BATCH, under `timeout
 # LIMIT` (0 or absent: none); appends "== paths MODELS", its exit status and its result line to

@@ -5,9 +5,5 @@
 set -u
 . scripts/gpu/lib.sh
 start_log phase-floor.txt
-nvcc -O3 -std=c++17 -arch=sm_90a -o /tmp/phase_floor scripts/gpu/probes/phase_floor.cu -lcuda -lcublasLt
-for r in 1 2; do
-  echo "== probe, run $r" >> "$C"
-  timeout 120 /tmp/phase_floor >> "$C" 2>&1
-done
+probe_twice phase_floor
 cat "$C"

@@ -5,7 +5,7 @@
 set -u
 . scripts/gpu/lib.sh
 start_log sync-floor.txt
-nvcc -O3 -std=c++17 -arch=sm_90a -o /tmp/sync_floor scripts/gpu/probes/sync_floor.cu -lcuda -lcublasLt
+build_probe sync_floor
 for r in 1 2; do
   for m in auto spin yield blocking; do
     timeout 60 /tmp/sync_floor $m >> "$C" 2>&1
