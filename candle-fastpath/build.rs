@@ -18,6 +18,7 @@ fn main() {
     println!("cargo:rerun-if-changed=kernels/epilogue.cuh");
     println!("cargo:rerun-if-changed=kernels/layer_norm_row.cuh");
     println!("cargo:rerun-if-changed=kernels/cluster_exchange.cuh");
+    println!("cargo:rerun-if-changed=kernels/dependent_launch.cuh");
     println!("cargo::rustc-check-cfg=cfg(fastpath_thin_gemm)");
     println!("cargo:rerun-if-env-changed=CUDA_COMPUTE_CAP");
     println!("cargo:rerun-if-env-changed=CUDA_HOME");
@@ -26,6 +27,7 @@ fn main() {
     println!("cargo:rerun-if-changed=kernels/cutlass_linear.cu");
     println!("cargo:rerun-if-env-changed=CUTLASS_HOME");
     println!("cargo::rustc-check-cfg=cfg(fastpath_cutlass)");
+    println!("cargo::rustc-check-cfg=cfg(fastpath_dependent_launch)");
     if std::env::var_os("CARGO_FEATURE_CUDA").is_none() {
         return;
     }
@@ -90,6 +92,9 @@ fn main() {
             panic!("nvcc failed to compile kernels/thin_gemm_sm90.cu ({status})");
         }
         println!("cargo:rustc-cfg=fastpath_thin_gemm");
+        // fastpath.cu's PTX was compiled for 9.0 too, so its kernels' `griddepcontrol.wait`
+        // (dependent_launch.cuh) is in it: they may get programmatic graph edges.
+        println!("cargo:rustc-cfg=fastpath_dependent_launch");
         build_cutlass(&nvcc);
     }
 }

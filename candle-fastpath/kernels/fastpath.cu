@@ -14,6 +14,7 @@
 #include <stdint.h>
 #include <type_traits>
 
+#include "dependent_launch.cuh"
 #include "epilogue.cuh"
 #include "gelu_phi.cuh"
 #include "layer_norm_row.cuh"
@@ -1407,21 +1408,14 @@ __device__ void linear_residual_norm_tile(const T* __restrict__ in, const uint32
         xbar_arm<1>(bars + 8 * BAR_X1, {TILE_BYTES});
     asm volatile("barrier.cluster.arrive.relaxed;" ::: "memory");
 
-    // 1. ATTN: the query fragments (global → registers, before any cp.async: behind the bytes of
-    // K / V they would arrive last), K and V of this rank's head (M rows, up to a multiple of 16
-    // zero-filled; a group, empty on ranks 6 and 7). Else o's rows. Then this rank's Wp rows;
-    // meanwhile the LayerNorm's parameters, and the residual and bias of the x1 pair this thread
-    // finishes (thread t < PAIRS: row t / (SLICE / 2)).
-    RowState<D> st;
-    const int kv_rows = (M + 15) & ~15;
-    T* vs = ks + kv_rows * ROW;
-    if constexpr (ATTN) {
-        if (attends && warp < PARTS) begin_rows<T, D>(st, in + rank * D, 3 * C, m0, M, lane);
-        if (attends) arnl_stage_kv<T, C>(ks, vs, in, rank, kv_rows, M, [](int row) { return row; });
-        asm volatile("cp.async.commit_group;" ::: "memory");
-    } else {
-        nl_stage_rows<T, C, NL_BM>(so, in, m0, M);
-    }
+    // 1. This rank's Wp rows, the LayerNorm's parameters and the bias of the x1 pair this thread
+    // finishes (thread t < PAIRS: row t / (SLICE / 2)): weights, asked for before
+    // `griddepcontrol.wait` (lever 124: in a graph this kernel may start while the one producing
+    // its input still runs; dependent_launch.cuh). Past it, ATTN: the query fragments (global →
+    // registers, before K / V's cp.async: behind those bytes they would arrive last), K and V of
+    // this rank's head (M rows, up to a multiple of 16 zero-filled; a group, empty on ranks 6 and
+    // 7); else o's rows. Then the residual of that x1 pair.
+    dl_launch_dependents();
     nl_stage_rows<T, C, LRN_SLICE>(sp, wp, c0, C);
     asm volatile("cp.async.commit_group;" ::: "memory");
     uint4 wraw[CHUNKS], braw[CHUNKS];
@@ -1429,13 +1423,24 @@ __device__ void linear_residual_norm_tile(const T* __restrict__ in, const uint32
     const int prow = tid / (LRN_SLICE / 2), pcol = c0 + (tid % (LRN_SLICE / 2)) * 2;
     float res[2] = {0.f, 0.f}, pb[2] = {0.f, 0.f};
     if (tid < PAIRS) {
-        if (m0 + prow < M) {
-            const NlPair<T> p = *reinterpret_cast<const NlPair<T>*>(r + (size_t)(m0 + prow) * C + pcol);
-            res[0] = to_f32(p.a);
-            res[1] = to_f32(p.b);
-        }
         pb[0] = to_f32(bp[pcol]);
         pb[1] = to_f32(bp[pcol + 1]);
+    }
+    dl_wait();
+    RowState<D> st;
+    const int kv_rows = (M + 15) & ~15;
+    T* vs = ks + kv_rows * ROW;
+    if constexpr (ATTN) {
+        if (attends && warp < PARTS) begin_rows<T, D>(st, in + rank * D, 3 * C, m0, M, lane);
+        if (attends) arnl_stage_kv<T, C>(ks, vs, in, rank, kv_rows, M, [](int row) { return row; });
+    } else {
+        nl_stage_rows<T, C, NL_BM>(so, in, m0, M);
+    }
+    asm volatile("cp.async.commit_group;" ::: "memory");
+    if (tid < PAIRS && m0 + prow < M) {
+        const NlPair<T> p = *reinterpret_cast<const NlPair<T>*>(r + (size_t)(m0 + prow) * C + pcol);
+        res[0] = to_f32(p.a);
+        res[1] = to_f32(p.b);
     }
 
     if constexpr (ATTN) {
@@ -1443,7 +1448,7 @@ __device__ void linear_residual_norm_tile(const T* __restrict__ in, const uint32
         // (p + 1) · kt / PARTS) of the sequence, then the merge into all LRN_SPLIT CTAs' tiles.
         const int len = min(static_cast<int>(cu_seqlens[1]), M);
         if (attends) {
-            asm volatile("cp.async.wait_group 1;" ::: "memory");  // K / V (Wp's may be in flight)
+            asm volatile("cp.async.wait_group 0;" ::: "memory");  // K / V (and Wp's, asked for first)
             if (len < M) arnl_zero_kv_tail<T>(ks, vs, kv_rows, len);
             __syncthreads();
             if (warp < PARTS) {

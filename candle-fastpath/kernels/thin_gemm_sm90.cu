@@ -13,8 +13,10 @@
 // Each CTA is one warpgroup computing a 64 × 64 tile of y over the whole of K (fc1 at 197 rows:
 // 4 × 24 = 96 CTAs, one wave). Thread 0 arms one transaction barrier per 64-wide block of K
 // and issues that block's two TMA copies (64 rows of x, 64 rows of W; rows past M or N arrive
-// zero-filled); the warpgroup runs the block's four m64n64k16 wgmmas as soon as it has landed,
-// while the later blocks still arrive. The epilogue is norm_linear's (epilogue.cuh): bias,
+// zero-filled): all of W's first, then, past `griddepcontrol.wait`, all of x's (lever 124: in a
+// graph the kernel may start while the one producing x still runs; dependent_launch.cuh); the
+// warpgroup runs the block's four m64n64k16 wgmmas as soon as it has landed, while the later
+// blocks still arrive. The epilogue is norm_linear's (epilogue.cuh): bias,
 // rounding to the storage type, then x·Φ(x) of the rounded value, rounded again — what cuBLASLt's
 // bias epilogue followed by the GELU pass computes.
 //
@@ -31,6 +33,7 @@
 // the wgmma descriptors and fences.
 #include "attention_common.cuh"
 #include "cluster_exchange.cuh"
+#include "dependent_launch.cuh"
 #include "epilogue.cuh"
 #include "layer_norm_row.cuh"
 #include "wgmma_common.cuh"
@@ -89,15 +92,6 @@ __device__ __forceinline__ void tg_load_box(uint32_t dst, const CUtensorMap* map
         : "memory");
 }
 
-// One 64-wide block of K: its x / W boxes asked for on the block's barrier `bar` (thread 0).
-__device__ __forceinline__ void tg_load_block(uint32_t bar, uint32_t xs, uint32_t ws, uint32_t bytes,
-                                              const CUtensorMap* tx, const CUtensorMap* tw, int col, int xrow,
-                                              int wrow) {
-    tg_expect(bar, bytes);
-    tg_load_box(xs, tx, col, xrow, bar);
-    tg_load_box(ws, tw, col, wrow, bar);
-}
-
 // Until the phase of the CTA-local barrier at `bar` has completed (its TMA bytes have landed).
 __device__ __forceinline__ void tg_wait(uint32_t bar) {
     uint32_t done = 0;
@@ -113,6 +107,9 @@ __device__ void thin_gemm_tile(const CUtensorMap* tx, const CUtensorMap* tw, con
                                T* __restrict__ y, int M, int N) {
     const uint32_t tiles = smem_addr(tg_smem()), bars = tiles + TG_BAR_OFFSET;
     const int m0 = blockIdx.y * TG_TILE, n0 = blockIdx.x * TG_TILE;
+    dl_launch_dependents();
+    // W's boxes first: weights, which no kernel writes, so they may be asked for before the kernel
+    // this one depends on has finished (dependent_launch.cuh); x's once it has.
     if (threadIdx.x == 0) {
         asm volatile("prefetch.tensormap [%0];" ::"l"(tx) : "memory");
         asm volatile("prefetch.tensormap [%0];" ::"l"(tw) : "memory");
@@ -122,16 +119,22 @@ __device__ void thin_gemm_tile(const CUtensorMap* tx, const CUtensorMap* tw, con
 #pragma unroll
         for (int b = 0; b < TG_BLOCKS; ++b) {
             const uint32_t xs = tiles + 2 * b * TG_TILE_BYTES;
-            tg_load_block(bars + 8 * b, xs, xs + TG_TILE_BYTES, 2 * TG_TILE_BYTES, tx, tw, b * TG_TILE, m0, n0);
+            tg_expect(bars + 8 * b, 2 * TG_TILE_BYTES);
+            tg_load_box(xs + TG_TILE_BYTES, tw, b * TG_TILE, n0, bars + 8 * b);
         }
     }
-    // The barriers' init is visible to every thread before any waits on them.
-    __syncthreads();
     // The bias of this thread's accumulator columns, loaded while the tiles arrive.
     const int warp = threadIdx.x / 32;
     float bias_lo[4][2], bias_hi[4][2];
     nl_load_bias(bias_lo, bias, n0, N);
     nl_load_bias(bias_hi, bias, n0 + 32, N);
+    dl_wait();
+    if (threadIdx.x == 0) {
+#pragma unroll
+        for (int b = 0; b < TG_BLOCKS; ++b) tg_load_box(tiles + 2 * b * TG_TILE_BYTES, tx, b * TG_TILE, m0, bars + 8 * b);
+    }
+    // The barriers' init is visible to every thread before any waits on them.
+    __syncthreads();
     float d[32];
 #pragma unroll
     for (int i = 0; i < 32; ++i) d[i] = 0.f;
@@ -269,6 +272,9 @@ __device__ void thin_residual_norm_tile(const CUtensorMap* th, const CUtensorMap
     // Rows [R·k, R·k + R) of the tile are this CTA's to finish; of those, i ≡ n (mod NT) its to
     // normalise.
     const int owned = (R - n + NT - 1) / NT;
+    const int kbase = k * (TR_K / KS);
+    dl_launch_dependents();
+    // W2's boxes first, h's once the kernel this one depends on has finished (as thin_gemm_tile).
     if (tid == 0) {
         asm volatile("prefetch.tensormap [%0];" ::"l"(th) : "memory");
         asm volatile("prefetch.tensormap [%0];" ::"l"(tw) : "memory");
@@ -278,22 +284,33 @@ __device__ void thin_residual_norm_tile(const CUtensorMap* th, const CUtensorMap
         tg_expect(part_bar, S::PART);
         tg_expect(row_bar, owned * TR_C * (int)sizeof(T));
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-        const int kbase = k * (TR_K / KS);
 #pragma unroll
         for (int b = 0; b < KB; ++b) {
-            tg_load_block(bars + 8 * b, tiles + b * TG_TILE_BYTES, tiles + KB * TG_TILE_BYTES + b * S::WT,
-                          TG_TILE_BYTES + S::WT, th, tw, kbase + b * TG_TILE, m0, n0);
+            tg_expect(bars + 8 * b, TG_TILE_BYTES + S::WT);
+            tg_load_box(tiles + KB * TG_TILE_BYTES + b * S::WT, tw, kbase + b * TG_TILE, n0, bars + 8 * b);
         }
     }
     // No remote push before the whole cluster runs with its barriers armed: every thread arrives
     // here and waits right before its first push.
     asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
-    __syncthreads();
-    // Meanwhile: the LayerNorm's parameters, and the residual and bias of the x1 pairs this thread
-    // finishes (pair p = tid + 128 i: row p / (BN / 2) of the R, columns 2 (p mod (BN / 2)) + 0, 1).
+    // Meanwhile: the LayerNorm's parameters and the bias (weights: before the wait), then the
+    // residual of the x1 pairs this thread finishes (pair p = tid + 128 i: row p / (BN / 2) of the
+    // R, columns 2 (p mod (BN / 2)) + 0, 1).
     uint4 wraw[CHUNKS], braw[CHUNKS];
     layer_norm_params<CHUNKS>(ln_w, ln_b, wraw, braw, TR_C / 8, lane);
     float res[S::PAIRS][2], pb[S::PAIRS][2];
+#pragma unroll
+    for (int i = 0; i < S::PAIRS; ++i) {
+        const int col = n0 + 2 * ((tid + 128 * i) % (BN / 2));
+        pb[i][0] = to_f32(bias[col]);
+        pb[i][1] = to_f32(bias[col + 1]);
+    }
+    dl_wait();
+    if (tid == 0) {
+#pragma unroll
+        for (int b = 0; b < KB; ++b) tg_load_box(tiles + b * TG_TILE_BYTES, th, kbase + b * TG_TILE, m0, bars + 8 * b);
+    }
+    __syncthreads();
 #pragma unroll
     for (int i = 0; i < S::PAIRS; ++i) {
         const int p = tid + 128 * i, row = m0 + R * k + p / (BN / 2), col = n0 + 2 * (p % (BN / 2));
@@ -303,8 +320,6 @@ __device__ void thin_residual_norm_tile(const CUtensorMap* th, const CUtensorMap
             res[i][0] = to_f32(v.a);
             res[i][1] = to_f32(v.b);
         }
-        pb[i][0] = to_f32(bias[col]);
-        pb[i][1] = to_f32(bias[col + 1]);
     }
     float d[BN / 2];
 #pragma unroll

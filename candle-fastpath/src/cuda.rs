@@ -27,6 +27,7 @@ use candle_core::cuda_backend::{CudaDevice, DeviceId};
 use candle_core::{CpuStorage, CudaStorage, DType, Layout, Shape, Storage, Tensor};
 
 use crate::error::FastpathError;
+use crate::programmatic::ProgrammaticEdge;
 
 const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/fastpath.ptx"));
 const MODULE: &str = "candle_fastpath";
@@ -1629,9 +1630,6 @@ impl ThinGemmOp {
             let (ptr, _sync) = ws.device_ptr(&stream);
             tensor_map_k64(ptr, n, k, THIN_GEMM_TILE, bf16)?
         };
-        // SAFETY: every element is written by the kernel: each (row < M, column < N) pair lies in
-        // exactly one tile, whose epilogue stores it.
-        let out = unsafe { dev.alloc::<T>(m * n)? };
         let func = {
             let mut states = STATE.lock().unwrap_or_else(|e| e.into_inner());
             match &device_state(&mut states, dev)?.thin_gemm {
@@ -1641,6 +1639,12 @@ impl ThinGemmOp {
                 ),
             }
         };
+        // In a capture: a programmatic edge from the kernel before (the kernel asks for W's
+        // boxes, then waits in griddepcontrol.wait before x's and any store).
+        let edge = ProgrammaticEdge::before_outputs(dev);
+        // SAFETY: every element is written by the kernel: each (row < M, column < N) pair lies in
+        // exactly one tile, whose epilogue stores it.
+        let out = unsafe { dev.alloc::<T>(m * n)? };
         let cfg = LaunchConfig {
             grid_dim: (
                 n.div_ceil(THIN_GEMM_TILE) as u32,
@@ -1658,6 +1662,9 @@ impl ThinGemmOp {
         builder.arg(&out);
         builder.arg(&m32);
         builder.arg(&n32);
+        if let Some(edge) = edge {
+            edge.before_launch(dev);
+        }
         // SAFETY: shapes, contiguity and 16-byte alignment checked above; the tensor maps cover
         // exactly x's M rows and W's N rows (the TMA zero-fills past them), and the kernel writes
         // `out`'s M · N elements only.
@@ -1784,9 +1791,6 @@ impl ThinResidualNormOp {
         let th = tensor_map_k64(h_ptr, m, k, THIN_GEMM_TILE, bf16)?;
         let (w_ptr, _w_sync) = views[0].device_ptr(&stream);
         let tw = tensor_map_k64(w_ptr, c, k, bn, bf16)?;
-        // SAFETY: every element is written by the kernel: x1's (row < M, column) by the CTA
-        // finishing the row's slice of its tile, z's rows by the CTA normalising them.
-        let mut out = unsafe { dev.alloc::<T>(2 * m * c)? };
         let func = {
             let mut states = STATE.lock().unwrap_or_else(|e| e.into_inner());
             match &device_state(&mut states, dev)?.thin_residual_norm[self.tiles.index()] {
@@ -1797,6 +1801,12 @@ impl ThinResidualNormOp {
                 ),
             }
         };
+        // In a capture: a programmatic edge from the kernel before (the kernel asks for W2's
+        // boxes, then waits before h's, the residual and any store).
+        let edge = ProgrammaticEdge::before_outputs(dev);
+        // SAFETY: every element is written by the kernel: x1's (row < M, column) by the CTA
+        // finishing the row's slice of its tile, z's rows by the CTA normalising them.
+        let mut out = unsafe { dev.alloc::<T>(2 * m * c)? };
         let cfg = LaunchConfig {
             grid_dim: (
                 (c / bn) as u32,
@@ -1825,6 +1835,9 @@ impl ThinResidualNormOp {
             &m32 as *const i32 as *mut c_void,
             &eps as *const f32 as *mut c_void,
         ];
+        if let Some(edge) = edge {
+            edge.before_launch(dev);
+        }
         // SAFETY: shapes, contiguity and 16-byte alignment checked above; the tensor maps cover
         // exactly h's M rows and W2's C rows (the TMA zero-fills past them); the kernel reads
         // rows < M of r, C elements of the bias and the LayerNorm's parameters, and writes x1's
@@ -2269,6 +2282,11 @@ impl LinearResidualNormOp {
                 ),
             }
         };
+        // In a capture: a programmatic edge from the kernel before (the kernel stages Wp's rows,
+        // then waits before its input, the residual and any store). Only where fastpath.cu's PTX
+        // was built for compute capability 9.0, where that wait is compiled in.
+        #[cfg(fastpath_dependent_launch)]
+        let edge = ProgrammaticEdge::before_outputs(dev);
         // SAFETY: every element is written by the kernel: x1's (row < M, column < C) by the
         // cluster rank owning the column's 48-wide slice in the row's tile, z's rows by the rank
         // owning the row (two per rank).
@@ -2298,6 +2316,10 @@ impl LinearResidualNormOp {
         builder.arg(&m32);
         builder.arg(&self.params.eps);
         builder.arg(&scale_log2);
+        #[cfg(fastpath_dependent_launch)]
+        if let Some(edge) = edge {
+            edge.before_launch(dev);
+        }
         // SAFETY: shapes, contiguity and alignment checked above; the kernel reads rows < M of
         // its input (o, or qkv) and r, with the attention cu_seqlens[1] (clamped to M), and the C
         // rows of Wp (tile rows past M zero-filled), and writes x1's and z's M · C elements only.

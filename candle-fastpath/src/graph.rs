@@ -137,6 +137,7 @@ impl CapturedForward {
         device.synchronize()?;
 
         let stream = device.cuda_stream();
+        let _in_progress = crate::programmatic::CaptureInProgress::start();
         stream
             .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
             .map_err(|e| graph_err("begin capture", e))?;
@@ -326,7 +327,29 @@ impl CapturedForward {
         if r != sys::CUresult::CUDA_SUCCESS {
             return Err(err("cuGraphGetEdges_v2", r));
         }
+        let mut from = vec![std::ptr::null_mut(); edges];
+        let mut to = vec![std::ptr::null_mut(); edges];
+        // SAFETY: plain C structs, all-zero valid (overwritten by the call).
+        let mut data: Vec<sys::CUgraphEdgeData> = vec![unsafe { std::mem::zeroed() }; edges];
+        // SAFETY: as above; the arrays hold the `edges` entries the first call reported.
+        let r = unsafe {
+            sys::cuGraphGetEdges_v2(
+                graph,
+                from.as_mut_ptr(),
+                to.as_mut_ptr(),
+                data.as_mut_ptr(),
+                &mut edges,
+            )
+        };
+        if r != sys::CUresult::CUDA_SUCCESS {
+            return Err(err("cuGraphGetEdges_v2", r));
+        }
+        let programmatic = sys::CUgraphDependencyType::CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC as u8;
         out.edges = edges;
+        out.programmatic_edges = data[..edges.min(data.len())]
+            .iter()
+            .filter(|e| e.type_ == programmatic)
+            .count();
         Ok(out)
     }
 

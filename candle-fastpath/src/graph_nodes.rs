@@ -1,6 +1,7 @@
 //! [`GraphNodes`]: what a captured CUDA graph holds, by node type (`CapturedForward::nodes`), and
 //! [`is_capturing`]: whether a device's stream is being captured right now;
-//! [`graph_input_copy_in_graph`]: where a replay copies its inputs (a switch).
+//! [`graph_input_copy_in_graph`]: where a replay copies its inputs (a switch);
+//! [`programmatic_edges_enabled`]: whether captures give programmatic edges (a switch).
 
 /// A captured graph's nodes by type ([`crate::CapturedForward::nodes`]).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -14,20 +15,25 @@ pub struct GraphNodes {
     pub other: usize,
     /// Dependency edges (a pure chain of n nodes has n - 1).
     pub edges: usize,
+    /// Of those, programmatic edges between two kernel nodes (lever 124: the second kernel may
+    /// start while the first runs; `CANDLE_FASTPATH_PDL`).
+    pub programmatic_edges: usize,
 }
 
 impl std::fmt::Display for GraphNodes {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "{} kernel, {} memcpy, {} memset, {} mem-alloc, {} mem-free, {} other nodes; {} edges",
+            "{} kernel, {} memcpy, {} memset, {} mem-alloc, {} mem-free, {} other nodes; {} edges \
+             ({} programmatic)",
             self.kernels,
             self.memcpy,
             self.memset,
             self.mem_alloc,
             self.mem_free,
             self.other,
-            self.edges
+            self.edges,
+            self.programmatic_edges
         )
     }
 }
@@ -51,4 +57,20 @@ pub fn graph_input_copy_in_graph() -> bool {
     crate::switches::read_once(&IN_GRAPH, "CANDLE_FASTPATH_GRAPH_INPUT_COPY", |v| {
         v != Some("stream")
     })
+}
+
+/// `CANDLE_FASTPATH_PDL` (read once): unset, graph captures give the kernels that wait for
+/// it a programmatic edge from the kernel before (lever 124; src/programmatic.rs); `0`, ordinary
+/// edges (or `off`), for A/B measurements; `debug`, on, and each edge the driver refuses is reported on
+/// stderr with its error. Always false in builds without `cuda`.
+pub fn programmatic_edges_enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    cfg!(feature = "cuda") && crate::switches::on_unless_off(&ON, "CANDLE_FASTPATH_PDL")
+}
+
+/// `CANDLE_FASTPATH_PDL=debug` (read once): report refused programmatic edges.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) fn programmatic_edges_debug() -> bool {
+    static DEBUG: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    crate::switches::read_once(&DEBUG, "CANDLE_FASTPATH_PDL", |v| v == Some("debug"))
 }

@@ -67,6 +67,8 @@ mod norm_linear;
 mod patch;
 mod pool;
 mod pooled_head;
+#[cfg(feature = "cuda")]
+mod programmatic;
 mod small_block;
 // Read only by CUDA code; compiled everywhere so its unit test runs in CI.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
@@ -89,7 +91,9 @@ pub use embed::embed_tokens;
 pub use error::{FastpathError, Result};
 pub use gelu_form::gelu_phi_form;
 pub use graph::CapturedForward;
-pub use graph_nodes::{graph_input_copy_in_graph, is_capturing, GraphNodes};
+pub use graph_nodes::{
+    graph_input_copy_in_graph, is_capturing, programmatic_edges_enabled, GraphNodes,
+};
 pub use head::{linear_log_prob, HEAD_MAX_CLASSES};
 pub use linear::{linear, linear_no_bias, thin_gemm_mode, Epilogue, FusedLinear, ThinGemmMode};
 pub use norm::{layer_norm, LayerNorm};
