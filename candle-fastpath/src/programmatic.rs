@@ -20,8 +20,8 @@
 //! [`ProgrammaticEdge::before_launch`] gives the launch ordinary edges from those allocations and a
 //! programmatic one from that kernel. Outside a capture, or with the switch off, nothing changes.
 //! The cost is graph memory: those outputs' allocations, roots, cannot reuse memory the graph
-//! freed before them (~20 MB more for a DeiT-S batch-1 graph, whose 48 such outputs hold ~1.7 MB
-//! a block).
+//! freed before them (a DeiT-S batch-1 graph has 48 such outputs, ~1.7 MB a block by their
+//! sizes: up to ~20 MB more, not measured).
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 
