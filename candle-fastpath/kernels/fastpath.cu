@@ -1098,7 +1098,8 @@ __device__ void attention_residual_norm_linear_tile(const T* __restrict__ qkv, c
                                                     const T* __restrict__ bias, T* __restrict__ x1, T* __restrict__ y,
                                                     int M, int N, float eps, float scale_log2,
                                                     ArnlNext<T> nx = ArnlNext<T>{}, float* probs = nullptr,
-                                                    float cls_scale = 0.f, StepSelect sel = StepSelect{}) {
+                                                    float cls_scale = 0.f, StepSelect sel = StepSelect{},
+                                                    int weights_first = 0) {
     constexpr int D = ARNL_HEAD_DIM, HEADS = K / D, ROW = TileCfg<D>::ROW, PARTS = ARNL_PARTS, STATE = ARNL_STATE;
     constexpr int THREADS = NL_WARPS * 32, LDS = K + 8;
     constexpr int KF = K, KW = 6, LDF = KF + 8, QKV = 3 * K;
@@ -1137,6 +1138,27 @@ __device__ void attention_residual_norm_linear_tile(const T* __restrict__ qkv, c
     // rows through it (K / V a group), then W's rows (a group, behind K / V in the SM's queue):
     // groups Wp, K / V, W where the others have K / V, Wp, W, so the waits below count the same.
     // The placement lives where the projection's partial sums go later (spart).
+    // weights_first (never a step's kernel; lever 124: the host sets it where the kernel gets a
+    // programmatic graph edge, so it may start while the kernel producing qkv and r still runs;
+    // dependent_launch.cuh): Wp's slice and W's rows (two groups) and the LayerNorm's parameters
+    // and biases before `griddepcontrol.wait`, then the query fragments, K / V (a third group) and
+    // the residual pair.
+    dl_launch_dependents();
+    auto load_weights = [&] {
+        if (!SELECT) {
+            nl_stage_rows<T, KF, SLICE>(sp, wp, c0, K);  // Wp has K = C rows: all of the slice
+            asm volatile("cp.async.commit_group;" ::: "memory");
+        }
+        if (!X1_ONLY) nl_stage_rows<T, K, BN>(sb, w, n0, N);
+        asm volatile("cp.async.commit_group;" ::: "memory");  // (X1_ONLY: an empty group)
+    };
+    const bool early = !SELECT && weights_first;
+    RnlRegs<K> g;
+    if (early) {
+        load_weights();
+        rnl_load_regs<T, K, BN, !X1_ONLY>(g, ln_w, ln_b, bias, r, bp, 0, N);  // 0 rows: no residual read
+    }
+    dl_wait();
     const int* src = nullptr;
     if (SELECT) {
         float score_in[select_common::STEP_SCORE_ROWS];
@@ -1170,20 +1192,12 @@ __device__ void attention_residual_norm_linear_tile(const T* __restrict__ qkv, c
     T* vs = ks + kv_rows * ROW;
     arnl_stage_kv<T, K>(ks, vs, qkv, head, kv_rows, M, in_row);
     asm volatile("cp.async.commit_group;" ::: "memory");
-    auto load_weights = [&] {
-        if (!SELECT) {
-            nl_stage_rows<T, KF, SLICE>(sp, wp, c0, K);  // Wp has K = C rows: all of the slice
-            asm volatile("cp.async.commit_group;" ::: "memory");
-        }
-        if (!X1_ONLY) nl_stage_rows<T, K, BN>(sb, w, n0, N);
-        asm volatile("cp.async.commit_group;" ::: "memory");  // (X1_ONLY: an empty group)
-    };
-    if (!LATE_W) load_weights();
+    if (!LATE_W && !early) load_weights();
     const int len = SELECT ? M : min(static_cast<int>(cu_seqlens[1]), M);
-    RnlRegs<K> g;
-    // SELECT: the residual pair through the placement (0 rows: no read in rnl_load_regs).
-    rnl_load_regs<T, K, BN, !X1_ONLY>(g, ln_w, ln_b, bias, r, bp, SELECT ? 0 : M, N);
-    if (SELECT && tid < RNL_PAIRS) {
+    // SELECT: the residual pair through the placement (0 rows: no read in rnl_load_regs); early:
+    // the residual pair alone (the rest is loaded).
+    if (!early) rnl_load_regs<T, K, BN, !X1_ONLY>(g, ln_w, ln_b, bias, r, bp, SELECT ? 0 : M, N);
+    if ((SELECT || early) && tid < RNL_PAIRS) {
         const int prow = tid / (SLICE / 2), pcol = c0 + (tid % (SLICE / 2)) * 2;
         if (m0 + prow < M) {
             const NlPair<T> p = *reinterpret_cast<const NlPair<T>*>(r + (size_t)in_row(m0 + prow) * K + pcol);
@@ -1191,15 +1205,15 @@ __device__ void attention_residual_norm_linear_tile(const T* __restrict__ qkv, c
             g.res[1] = to_f32(p.b);
         }
     }
-    if (LATE_W)
-        asm volatile("cp.async.wait_group 0;" ::: "memory");
+    if (LATE_W || early)
+        asm volatile("cp.async.wait_group 0;" ::: "memory");  // (early: K / V's group is the last)
     else if (SELECT)
         asm volatile("cp.async.wait_group 1;" ::: "memory");  // Wp's and K / V's
     else
         asm volatile("cp.async.wait_group 2;" ::: "memory");
     if (len < M) arnl_zero_kv_tail<T>(ks, vs, kv_rows, len);
     __syncthreads();
-    if (LATE_W) load_weights();
+    if (LATE_W && !early) load_weights();
 
     // 2. Warp p < PARTS: the 16 queries over the 16-key tiles [p · kt / PARTS, (p + 1) · kt /
     // PARTS) of the sequence, its online-softmax state left in shared memory.
@@ -1271,9 +1285,11 @@ __device__ void attention_residual_norm_linear_tile(const T* __restrict__ qkv, c
         fastpath_attention_residual_norm_linear_##SUFFIX##_c192##TAIL(                                       \
             const T* qkv, const uint32_t* cu_seqlens, const T* wp, const T* bp, const T* r, const T* ln_w,   \
             const T* ln_b, const T* w, const T* bias, T* x1, T* y, int M, int N, float eps,                  \
-            float scale_log2) {                                                                              \
+            float scale_log2, int weights_first) {                                                           \
         attention_residual_norm_linear_tile<T, 192, 128, GELU, LATE>(qkv, cu_seqlens, wp, bp, r, ln_w, ln_b, \
-                                                                     w, bias, x1, y, M, N, eps, scale_log2); \
+                                                                     w, bias, x1, y, M, N, eps, scale_log2,  \
+                                                                     ArnlNext<T>{}, nullptr, 0.f,            \
+                                                                     StepSelect{}, weights_first);           \
     }
 ATTENTION_RESIDUAL_NORM_LINEAR_ENTRY(f16, __half, false, false, )
 ATTENTION_RESIDUAL_NORM_LINEAR_ENTRY(f16, __half, true, false, _gelu)
@@ -1296,10 +1312,10 @@ ATTENTION_RESIDUAL_NORM_LINEAR_ENTRY(bf16, __nv_bfloat16, true, true, _gelu_late
     extern "C" __global__ void __cluster_dims__(RNL_SPLIT, 1, 1) __launch_bounds__(NL_WARPS * 32)           \
         fastpath_attention_residual_##SUFFIX##_c192(const T* qkv, const uint32_t* cu_seqlens, const T* wp,  \
                                                     const T* bp, const T* r, T* x1, int M, float scale_log2, \
-                                                    float* probs, float cls_scale) {                          \
+                                                    float* probs, float cls_scale, int weights_first) {       \
         attention_residual_norm_linear_tile<T, 192, 128, false, false, false, true>(                          \
             qkv, cu_seqlens, wp, bp, r, nullptr, nullptr, nullptr, nullptr, x1, nullptr, M, 0, 0.f, scale_log2, \
-            ArnlNext<T>{}, probs, cls_scale);                                                                 \
+            ArnlNext<T>{}, probs, cls_scale, StepSelect{}, weights_first);                                    \
     }
 ATTENTION_RESIDUAL_ENTRY(f16, __half)
 ATTENTION_RESIDUAL_ENTRY(bf16, __nv_bfloat16)
@@ -1317,10 +1333,11 @@ ATTENTION_RESIDUAL_ENTRY(bf16, __nv_bfloat16)
             const T* qkv, const uint32_t* cu_seqlens, const T* wp, const T* bp, const T* r, const T* ln2_w,  \
             const T* ln2_b, const T* w1, const T* b1, const T* w2, const T* b2, const T* ln1_w,              \
             const T* ln1_b, const T* wq, const T* bq, T* x2, T* qkv_next, int M, int N1, int N2, float eps2, \
-            float eps1, float scale_log2, float* norms) {                                                    \
+            float eps1, float scale_log2, float* norms, int weights_first) {                                 \
         attention_residual_norm_linear_tile<T, 192, 128, true, LATE, true>(                                  \
             qkv, cu_seqlens, wp, bp, r, ln2_w, ln2_b, w1, b1, nullptr, nullptr, M, N1, eps2, scale_log2,    \
-            ArnlNext<T>{w2, b2, ln1_w, ln1_b, wq, bq, x2, qkv_next, N2, eps1, norms});                      \
+            ArnlNext<T>{w2, b2, ln1_w, ln1_b, wq, bq, x2, qkv_next, N2, eps1, norms}, nullptr, 0.f,         \
+            StepSelect{}, weights_first);                                                                    \
     }
 ATTENTION_BLOCK_ENTRY(f16, __half, false, )
 ATTENTION_BLOCK_ENTRY(bf16, __nv_bfloat16, false, )
@@ -1382,7 +1399,7 @@ __device__ void linear_residual_norm_tile(const T* __restrict__ in, const uint32
                                           const T* __restrict__ wp, const T* __restrict__ bp,
                                           const T* __restrict__ r, const T* __restrict__ ln_w,
                                           const T* __restrict__ ln_b, T* __restrict__ x1, T* __restrict__ z, int M,
-                                          float eps, float scale_log2) {
+                                          float eps, float scale_log2, int weights_first) {
     constexpr int C = LRN_DIM, D = ARNL_HEAD_DIM, HEADS = C / D, ROW = TileCfg<D>::ROW;
     constexpr int PARTS = ARNL_PARTS, STATE = ARNL_STATE, LDS = C + 8, VECS = C / 8, CHUNKS = (VECS + 31) / 32;
     constexpr int PAIRS = NL_BM * LRN_SLICE / 2, ROWS_PER_RANK = NL_BM / LRN_SPLIT;
@@ -1408,16 +1425,19 @@ __device__ void linear_residual_norm_tile(const T* __restrict__ in, const uint32
         xbar_arm<1>(bars + 8 * BAR_X1, {TILE_BYTES});
     asm volatile("barrier.cluster.arrive.relaxed;" ::: "memory");
 
-    // 1. This rank's Wp rows, the LayerNorm's parameters and the bias of the x1 pair this thread
-    // finishes (thread t < PAIRS: row t / (SLICE / 2)): weights, asked for before
-    // `griddepcontrol.wait` (lever 124: in a graph this kernel may start while the one producing
-    // its input still runs; dependent_launch.cuh). Past it, ATTN: the query fragments (global →
-    // registers, before K / V's cp.async: behind those bytes they would arrive last), K and V of
-    // this rank's head (M rows, up to a multiple of 16 zero-filled; a group, empty on ranks 6 and
-    // 7); else o's rows. Then the residual of that x1 pair.
+    // 1. The LayerNorm's parameters and the bias of the x1 pair this thread finishes (thread t <
+    // PAIRS: row t / (SLICE / 2)); ATTN: the query fragments (global → registers, before K / V's
+    // cp.async: behind those bytes they would arrive last), K and V of this rank's head (M rows,
+    // up to a multiple of 16 zero-filled; a group, empty on ranks 6 and 7); else o's rows. Then
+    // this rank's Wp rows (a group) and the residual of that x1 pair. With `weights_first`
+    // (lever 124: the host sets it where the kernel gets a programmatic graph edge, so it may
+    // start while the kernel producing its input still runs; dependent_launch.cuh) Wp's rows are
+    // asked for first, before `griddepcontrol.wait`, as are the parameters and the bias.
     dl_launch_dependents();
-    nl_stage_rows<T, C, LRN_SLICE>(sp, wp, c0, C);
-    asm volatile("cp.async.commit_group;" ::: "memory");
+    if (weights_first) {
+        nl_stage_rows<T, C, LRN_SLICE>(sp, wp, c0, C);
+        asm volatile("cp.async.commit_group;" ::: "memory");
+    }
     uint4 wraw[CHUNKS], braw[CHUNKS];
     layer_norm_params<CHUNKS>(ln_w, ln_b, wraw, braw, VECS, lane);
     const int prow = tid / (LRN_SLICE / 2), pcol = c0 + (tid % (LRN_SLICE / 2)) * 2;
@@ -1437,6 +1457,10 @@ __device__ void linear_residual_norm_tile(const T* __restrict__ in, const uint32
         nl_stage_rows<T, C, NL_BM>(so, in, m0, M);
     }
     asm volatile("cp.async.commit_group;" ::: "memory");
+    if (!weights_first) {
+        nl_stage_rows<T, C, LRN_SLICE>(sp, wp, c0, C);
+        asm volatile("cp.async.commit_group;" ::: "memory");
+    }
     if (tid < PAIRS && m0 + prow < M) {
         const NlPair<T> p = *reinterpret_cast<const NlPair<T>*>(r + (size_t)(m0 + prow) * C + pcol);
         res[0] = to_f32(p.a);
@@ -1448,7 +1472,11 @@ __device__ void linear_residual_norm_tile(const T* __restrict__ in, const uint32
         // (p + 1) · kt / PARTS) of the sequence, then the merge into all LRN_SPLIT CTAs' tiles.
         const int len = min(static_cast<int>(cu_seqlens[1]), M);
         if (attends) {
-            asm volatile("cp.async.wait_group 0;" ::: "memory");  // K / V (and Wp's, asked for first)
+            // K / V (Wp's may be in flight, unless asked for first)
+            if (weights_first)
+                asm volatile("cp.async.wait_group 0;" ::: "memory");
+            else
+                asm volatile("cp.async.wait_group 1;" ::: "memory");
             if (len < M) arnl_zero_kv_tail<T>(ks, vs, kv_rows, len);
             __syncthreads();
             if (warp < PARTS) {
@@ -1504,8 +1532,9 @@ __device__ void linear_residual_norm_tile(const T* __restrict__ in, const uint32
     extern "C" __global__ void __cluster_dims__(LRN_SPLIT, 1, 1) __launch_bounds__(NL_WARPS * 32)          \
         fastpath_##NAME##_##SUFFIX##_c384(const T* in, const uint32_t* cu_seqlens, const T* wp, const T* bp, \
                                           const T* r, const T* ln_w, const T* ln_b, T* x1, T* z, int M,       \
-                                          float eps, float scale_log2) {                                     \
-        linear_residual_norm_tile<T, ATTN>(in, cu_seqlens, wp, bp, r, ln_w, ln_b, x1, z, M, eps, scale_log2); \
+                                          float eps, float scale_log2, int weights_first) {                  \
+        linear_residual_norm_tile<T, ATTN>(in, cu_seqlens, wp, bp, r, ln_w, ln_b, x1, z, M, eps, scale_log2, \
+                                           weights_first);                                                   \
     }
 LINEAR_RESIDUAL_NORM_ENTRY(linear_residual_norm, f16, __half, false)
 LINEAR_RESIDUAL_NORM_ENTRY(linear_residual_norm, bf16, __nv_bfloat16, false)

@@ -13,8 +13,9 @@
 // Each CTA is one warpgroup computing a 64 × 64 tile of y over the whole of K (fc1 at 197 rows:
 // 4 × 24 = 96 CTAs, one wave). Thread 0 arms one transaction barrier per 64-wide block of K
 // and issues that block's two TMA copies (64 rows of x, 64 rows of W; rows past M or N arrive
-// zero-filled): all of W's first, then, past `griddepcontrol.wait`, all of x's (lever 124: in a
-// graph the kernel may start while the one producing x still runs; dependent_launch.cuh); the
+// zero-filled), or, with `weights_first` (lever 124: the host sets it where the kernel gets a
+// programmatic graph edge, so it may start while the one producing x still runs;
+// dependent_launch.cuh), all of W's first and, past `griddepcontrol.wait`, all of x's; the
 // warpgroup runs the block's four m64n64k16 wgmmas as soon as it has landed, while the later
 // blocks still arrive. The epilogue is norm_linear's (epilogue.cuh): bias,
 // rounding to the storage type, then x·Φ(x) of the rounded value, rounded again — what cuBLASLt's
@@ -104,12 +105,14 @@ __device__ __forceinline__ void tg_wait(uint32_t bar) {
 
 template <typename T, bool GELU>
 __device__ void thin_gemm_tile(const CUtensorMap* tx, const CUtensorMap* tw, const T* __restrict__ bias,
-                               T* __restrict__ y, int M, int N) {
+                               T* __restrict__ y, int M, int N, int weights_first) {
     const uint32_t tiles = smem_addr(tg_smem()), bars = tiles + TG_BAR_OFFSET;
     const int m0 = blockIdx.y * TG_TILE, n0 = blockIdx.x * TG_TILE;
     dl_launch_dependents();
-    // W's boxes first: weights, which no kernel writes, so they may be asked for before the kernel
-    // this one depends on has finished (dependent_launch.cuh); x's once it has.
+    // weights_first (a programmatic graph edge in, dependent_launch.cuh): W's boxes, which no
+    // kernel writes, asked for before the kernel this one depends on has finished, x's once it
+    // has. Else each block's two boxes together (x's first: no wait to overlap, and W's 48 KB
+    // ahead of x's would only delay the first block).
     if (threadIdx.x == 0) {
         asm volatile("prefetch.tensormap [%0];" ::"l"(tx) : "memory");
         asm volatile("prefetch.tensormap [%0];" ::"l"(tw) : "memory");
@@ -120,6 +123,7 @@ __device__ void thin_gemm_tile(const CUtensorMap* tx, const CUtensorMap* tw, con
         for (int b = 0; b < TG_BLOCKS; ++b) {
             const uint32_t xs = tiles + 2 * b * TG_TILE_BYTES;
             tg_expect(bars + 8 * b, 2 * TG_TILE_BYTES);
+            if (!weights_first) tg_load_box(xs, tx, b * TG_TILE, m0, bars + 8 * b);
             tg_load_box(xs + TG_TILE_BYTES, tw, b * TG_TILE, n0, bars + 8 * b);
         }
     }
@@ -129,7 +133,7 @@ __device__ void thin_gemm_tile(const CUtensorMap* tx, const CUtensorMap* tw, con
     nl_load_bias(bias_lo, bias, n0, N);
     nl_load_bias(bias_hi, bias, n0 + 32, N);
     dl_wait();
-    if (threadIdx.x == 0) {
+    if (weights_first && threadIdx.x == 0) {
 #pragma unroll
         for (int b = 0; b < TG_BLOCKS; ++b) tg_load_box(tiles + 2 * b * TG_TILE_BYTES, tx, b * TG_TILE, m0, bars + 8 * b);
     }
@@ -160,8 +164,8 @@ __device__ void thin_gemm_tile(const CUtensorMap* tx, const CUtensorMap* tw, con
     extern "C" __global__ void __launch_bounds__(128)                                                      \
         fastpath_thin_gemm_##SUFFIX##_k384##TAIL(const __grid_constant__ CUtensorMap tx,                    \
                                                  const __grid_constant__ CUtensorMap tw, const T* bias, T* y, \
-                                                 int M, int N) {                                             \
-        thin_gemm_tile<T, GELU>(&tx, &tw, bias, y, M, N);                                                    \
+                                                 int M, int N, int weights_first) {                          \
+        thin_gemm_tile<T, GELU>(&tx, &tw, bias, y, M, N, weights_first);                                     \
     }
 THIN_GEMM_ENTRY(f16, __half, false, )
 THIN_GEMM_ENTRY(f16, __half, true, _gelu)
@@ -259,7 +263,7 @@ template <typename T, int BN, int KS>
 __device__ void thin_residual_norm_tile(const CUtensorMap* th, const CUtensorMap* tw, const T* __restrict__ bias,
                                         const T* __restrict__ r, const T* __restrict__ ln_w,
                                         const T* __restrict__ ln_b, T* __restrict__ x1, T* __restrict__ z, int M,
-                                        float eps) {
+                                        float eps, int weights_first) {
     using S = TrShape<BN, KS>;
     constexpr int NT = S::NT, KB = S::KB, R = S::R, CHUNKS = (TR_C / 8 + 31) / 32;
     unsigned char* smem = tg_smem();
@@ -274,7 +278,8 @@ __device__ void thin_residual_norm_tile(const CUtensorMap* th, const CUtensorMap
     const int owned = (R - n + NT - 1) / NT;
     const int kbase = k * (TR_K / KS);
     dl_launch_dependents();
-    // W2's boxes first, h's once the kernel this one depends on has finished (as thin_gemm_tile).
+    // weights_first: W2's boxes first, h's once the kernel this one depends on has finished; else
+    // each block's two together (as thin_gemm_tile).
     if (tid == 0) {
         asm volatile("prefetch.tensormap [%0];" ::"l"(th) : "memory");
         asm volatile("prefetch.tensormap [%0];" ::"l"(tw) : "memory");
@@ -287,6 +292,7 @@ __device__ void thin_residual_norm_tile(const CUtensorMap* th, const CUtensorMap
 #pragma unroll
         for (int b = 0; b < KB; ++b) {
             tg_expect(bars + 8 * b, TG_TILE_BYTES + S::WT);
+            if (!weights_first) tg_load_box(tiles + b * TG_TILE_BYTES, th, kbase + b * TG_TILE, m0, bars + 8 * b);
             tg_load_box(tiles + KB * TG_TILE_BYTES + b * S::WT, tw, kbase + b * TG_TILE, n0, bars + 8 * b);
         }
     }
@@ -306,7 +312,7 @@ __device__ void thin_residual_norm_tile(const CUtensorMap* th, const CUtensorMap
         pb[i][1] = to_f32(bias[col + 1]);
     }
     dl_wait();
-    if (tid == 0) {
+    if (weights_first && tid == 0) {
 #pragma unroll
         for (int b = 0; b < KB; ++b) tg_load_box(tiles + b * TG_TILE_BYTES, th, kbase + b * TG_TILE, m0, bars + 8 * b);
     }
@@ -379,8 +385,8 @@ __device__ void thin_residual_norm_tile(const CUtensorMap* th, const CUtensorMap
 #define THIN_RESIDUAL_NORM_ENTRY(SUFFIX, T, BN, KS)                                                           \
     extern "C" __global__ void __launch_bounds__(128) fastpath_thin_residual_norm_##SUFFIX##_n##BN##_s##KS(   \
         const __grid_constant__ CUtensorMap th, const __grid_constant__ CUtensorMap tw, const T* bias,        \
-        const T* r, const T* ln_w, const T* ln_b, T* x1, T* z, int M, float eps) {                            \
-        thin_residual_norm_tile<T, BN, KS>(&th, &tw, bias, r, ln_w, ln_b, x1, z, M, eps);                     \
+        const T* r, const T* ln_w, const T* ln_b, T* x1, T* z, int M, float eps, int weights_first) {         \
+        thin_residual_norm_tile<T, BN, KS>(&th, &tw, bias, r, ln_w, ln_b, x1, z, M, eps, weights_first);      \
     }
 THIN_RESIDUAL_NORM_ENTRY(f16, __half, 96, 4)
 THIN_RESIDUAL_NORM_ENTRY(bf16, __nv_bfloat16, 96, 4)

@@ -1,38 +1,32 @@
-//! Programmatic edges (lever 124): a CUDA graph of DeiT-S batch-1 blocks as the model runs them
-//! (qkv on the thin GEMM, `attention_linear_residual_norm`, fc1 + GELU on the thin GEMM, fc2 with
-//! its residual and the next norm1 in `linear_residual_norm`'s cluster kernel) gets a programmatic
-//! edge into every one of those kernels that follows another kernel, and replays exactly what the
-//! eager chain computes: the kernels ask for their weights before `griddepcontrol.wait` and read
-//! activations after it, so an early start must not change a bit. Fresh random inputs each
-//! replay, f16 and bf16, sequences of 197 (DeiT-S), 65 and 1 tokens; the graph's outputs are
-//! poisoned (NaN) before each replay. `CANDLE_FASTPATH_PDL=0`: no programmatic edge. Runs where
-//! the fused kernels apply (CUDA, compute capability 9.0); elsewhere it returns at once (CI's CPU
-//! checks the capture's CPU error in tests/graph.rs).
+//! Programmatic edges (lever 124): CUDA graphs of batch-1 blocks as the models run them get a
+//! programmatic edge into every one of our kernels that follows another kernel, and replay exactly
+//! what the eager chain computes: the kernels ask for their weights before `griddepcontrol.wait`
+//! and read activations after it, so an early start must not change a bit.
+//! - DeiT-S (C = 384): qkv on the thin GEMM, `attention_linear_residual_norm`, fc1 + GELU on the
+//!   thin GEMM, fc2 with its residual and the next norm1 in `linear_residual_norm`'s cluster
+//!   kernel; two blocks.
+//! - DeiT-T (C = 192): two `attention_block`s, `attention_residual`, then
+//!   `attention_residual_norm_linear` on the qkv two kernels back.
+//!
+//! Fresh random inputs each replay, f16 and bf16, sequences of 197, 65 and 1 tokens (DeiT-T's
+//! kernels load W late from 128 rows); the graph's outputs are poisoned (NaN) before each replay.
+//! `CANDLE_FASTPATH_PDL=0`: no programmatic edge. Runs where the fused kernels apply (CUDA,
+//! compute capability 9.0); elsewhere it returns at once (CI's CPU checks the capture's CPU error
+//! in tests/graph.rs).
 
 mod common;
 
 use candle_core::{DType, Device, Module, Tensor};
 use candle_fastpath::{
-    attention_linear_residual_norm, linear_residual_norm, CapturedForward, FusedLinear, LayerNorm,
+    attention_block, attention_linear_residual_norm, attention_residual,
+    attention_residual_norm_linear, linear_residual_norm, BlockTail, CapturedForward, FusedLinear,
+    LayerNorm,
 };
 use common::attention::tensor;
 use common::{device, has_clusters, host, randn};
 use rand::{rngs::StdRng, SeedableRng};
 
-const C: usize = 384;
-const HEADS: usize = 6;
-const BLOCKS: usize = 2;
-
-/// One block's layers, random: qkv, proj, fc1, fc2 and the LayerNorms after attention (norm2) and
-/// after the MLP (the next block's norm1).
-struct Block {
-    qkv: FusedLinear,
-    proj: FusedLinear,
-    fc1: FusedLinear,
-    fc2: FusedLinear,
-    norm2: LayerNorm,
-    norm1_next: LayerNorm,
-}
+const HEAD_DIM: usize = 64;
 
 fn linear(dev: &Device, rng: &mut StdRng, dtype: DType, out: usize, inp: usize) -> FusedLinear {
     let w = tensor(
@@ -45,55 +39,103 @@ fn linear(dev: &Device, rng: &mut StdRng, dtype: DType, out: usize, inp: usize) 
     FusedLinear::new(w, Some(b)).unwrap()
 }
 
-fn norm(dev: &Device, rng: &mut StdRng, dtype: DType) -> LayerNorm {
-    let gamma: Vec<f32> = randn(rng, C, 0.3).iter().map(|g| 1.0 + g).collect();
+fn norm(dev: &Device, rng: &mut StdRng, dtype: DType, c: usize) -> LayerNorm {
+    let gamma: Vec<f32> = randn(rng, c, 0.3).iter().map(|g| 1.0 + g).collect();
     LayerNorm::new(
-        tensor(dev, &gamma, &[C], dtype),
-        tensor(dev, &randn(rng, C, 0.2), &[C], dtype),
+        tensor(dev, &gamma, &[c], dtype),
+        tensor(dev, &randn(rng, c, 0.2), &[c], dtype),
         1e-6,
     )
     .unwrap()
 }
 
+/// One block's layers at width `c`, random: qkv, proj, fc1, fc2 and the LayerNorms after the
+/// attention (norm2) and after the MLP (the next block's norm1).
+struct Block {
+    qkv: FusedLinear,
+    proj: FusedLinear,
+    fc1: FusedLinear,
+    fc2: FusedLinear,
+    norm2: LayerNorm,
+    norm1_next: LayerNorm,
+}
+
 impl Block {
-    fn new(dev: &Device, rng: &mut StdRng, dtype: DType) -> Self {
+    fn new(dev: &Device, rng: &mut StdRng, dtype: DType, c: usize) -> Self {
         Self {
-            qkv: linear(dev, rng, dtype, 3 * C, C),
-            proj: linear(dev, rng, dtype, C, C),
-            fc1: linear(dev, rng, dtype, 4 * C, C),
-            fc2: linear(dev, rng, dtype, C, 4 * C),
-            norm2: norm(dev, rng, dtype),
-            norm1_next: norm(dev, rng, dtype),
+            qkv: linear(dev, rng, dtype, 3 * c, c),
+            proj: linear(dev, rng, dtype, c, c),
+            fc1: linear(dev, rng, dtype, 4 * c, c),
+            fc2: linear(dev, rng, dtype, c, 4 * c),
+            norm2: norm(dev, rng, dtype, c),
+            norm1_next: norm(dev, rng, dtype, c),
         }
     }
 
-    /// The block on the residual stream `x` and its norm1 output `z` (both `[M, C]`), one
-    /// sequence of M tokens (`cu_seqlens` = [0, M]): the next block's `(x, z)`.
-    fn forward(
+    /// DeiT-S's batch-1 block (C = 384) on the residual stream `x` and its norm1 output `z` (both
+    /// `[M, C]`), one sequence of M tokens (`cu_seqlens` = [0, M]): the next block's `(x, z)`.
+    fn forward_s(
         &self,
         x: &Tensor,
         z: &Tensor,
         cu: &Tensor,
     ) -> candle_core::Result<(Tensor, Tensor)> {
         let qkv = self.qkv.forward(z)?;
-        let scale = (C as f64 / HEADS as f64).powf(-0.5);
+        let scale = (HEAD_DIM as f64).powf(-0.5);
         let (x1, z2) =
-            attention_linear_residual_norm(&qkv, cu, HEADS, scale, x, &self.proj, &self.norm2)?;
+            attention_linear_residual_norm(&qkv, cu, 6, scale, x, &self.proj, &self.norm2)?;
         let h = self.fc1.forward_gelu(&z2)?;
         Ok(linear_residual_norm(&h, &x1, &self.fc2, &self.norm1_next)?)
     }
+
+    /// The block's tail as DeiT-T's fused block kernel takes it, `next` the block after.
+    fn tail<'a>(&'a self, next: &'a Block) -> BlockTail<'a> {
+        BlockTail {
+            proj: &self.proj,
+            norm2: &self.norm2,
+            fc1: &self.fc1,
+            fc2: &self.fc2,
+            next_norm1: &next.norm1_next,
+            next_qkv: &next.qkv,
+        }
+    }
 }
 
-fn chain(blocks: &[Block], xs: &[Tensor]) -> candle_core::Result<Vec<Tensor>> {
+/// Two DeiT-S blocks: inputs (x, z, cu_seqlens), outputs the last block's (x, z). Four kernels a
+/// block.
+fn chain_s(blocks: &[Block], xs: &[Tensor]) -> candle_core::Result<Vec<Tensor>> {
     let (mut x, mut z) = (xs[0].clone(), xs[1].clone());
     for b in blocks {
-        (x, z) = b.forward(&x, &z, &xs[2])?;
+        (x, z) = b.forward_s(&x, &z, &xs[2])?;
     }
     Ok(vec![x, z])
 }
 
-#[test]
-fn captured_blocks_launch_early_and_replay_exactly() {
+/// DeiT-T's kernels (C = 192, three heads): inputs (qkv, x, cu_seqlens); two whole blocks
+/// (`attention_block`), then a step's attention half (`attention_residual`, EViT's), then
+/// `attention_residual_norm_linear` reading the qkv two kernels back. Four kernels.
+fn chain_t(blocks: &[Block], xs: &[Tensor]) -> candle_core::Result<Vec<Tensor>> {
+    let (qkv, x, cu) = (&xs[0], &xs[1], &xs[2]);
+    let scale = (HEAD_DIM as f64).powf(-0.5);
+    let (x2, qkv2) = attention_block(qkv, cu, 3, scale, x, &blocks[0].tail(&blocks[1]))?;
+    let (x3, qkv3) = attention_block(&qkv2, cu, 3, scale, &x2, &blocks[1].tail(&blocks[2]))?;
+    let x4 = attention_residual(&qkv3, cu, 3, scale, &x3, &blocks[2].proj)?;
+    let b = &blocks[2];
+    let (x5, h5) =
+        attention_residual_norm_linear(&qkv3, cu, 3, scale, &x4, &b.proj, &b.norm2, &b.fc1, true)?;
+    Ok(vec![x4, x5, h5])
+}
+
+/// Captures `chain` at M rows for each dtype, checks its kernel and programmatic-edge counts, and
+/// replays it four times on fresh inputs (`inputs`) into poisoned outputs, each bit for bit the
+/// eager chain's result.
+fn captured_chain_replays_exactly(
+    c: usize,
+    blocks: usize,
+    chain: fn(&[Block], &[Tensor]) -> candle_core::Result<Vec<Tensor>>,
+    input_widths: [usize; 2],
+    kernels: usize,
+) {
     let dev = device();
     if !dev.is_cuda() || !has_clusters(&dev) {
         return;
@@ -101,30 +143,31 @@ fn captured_blocks_launch_early_and_replay_exactly() {
     let pdl = candle_fastpath::programmatic_edges_enabled();
     let mut rng = StdRng::seed_from_u64(124);
     for dtype in [DType::F16, DType::BF16] {
-        let blocks: Vec<Block> = (0..BLOCKS)
-            .map(|_| Block::new(&dev, &mut rng, dtype))
+        let layers: Vec<Block> = (0..blocks)
+            .map(|_| Block::new(&dev, &mut rng, dtype, c))
             .collect();
         for m in [197usize, 65, 1] {
             let inputs = |rng: &mut StdRng| -> Vec<Tensor> {
+                let [a, b] = input_widths;
                 vec![
-                    tensor(&dev, &randn(rng, m * C, 2.0), &[m, C], dtype),
-                    tensor(&dev, &randn(rng, m * C, 1.0), &[m, C], dtype),
+                    tensor(&dev, &randn(rng, m * a, 2.0), &[m, a], dtype),
+                    tensor(&dev, &randn(rng, m * b, 1.0), &[m, b], dtype),
                     Tensor::from_slice(&[0u32, m as u32], 2, &dev).unwrap(),
                 ]
             };
             let example = inputs(&mut rng);
             let captured =
-                CapturedForward::capture_many(&example, |xs| chain(&blocks, xs)).unwrap();
-            let what = format!("{dtype:?} M {m}");
+                CapturedForward::capture_many(&example, |xs| chain(&layers, xs)).unwrap();
+            let what = format!("C {c} {dtype:?} M {m}");
             let nodes = captured.nodes().unwrap();
-            // Four kernels a block, the first after the input copies (memcpy nodes): every
-            // other one follows a kernel.
-            assert_eq!(nodes.kernels, 4 * BLOCKS, "{what}: {nodes}");
-            let want = if pdl { 4 * BLOCKS - 1 } else { 0 };
+            // The first kernel follows the input copies (memcpy nodes): every other one follows a
+            // kernel.
+            assert_eq!(nodes.kernels, kernels, "{what}: {nodes}");
+            let want = if pdl { kernels - 1 } else { 0 };
             assert_eq!(nodes.programmatic_edges, want, "{what}: {nodes}");
             for replay in 0..4 {
                 let xs = inputs(&mut rng);
-                let want: Vec<Vec<f32>> = chain(&blocks, &xs).unwrap().iter().map(host).collect();
+                let want: Vec<Vec<f32>> = chain(&layers, &xs).unwrap().iter().map(host).collect();
                 for out in captured.outputs() {
                     out.inplace_op1(&Poison).unwrap();
                 }
@@ -144,6 +187,16 @@ fn captured_blocks_launch_early_and_replay_exactly() {
             }
         }
     }
+}
+
+#[test]
+fn captured_deit_s_blocks_launch_early_and_replay_exactly() {
+    captured_chain_replays_exactly(384, 2, chain_s, [384, 384], 8);
+}
+
+#[test]
+fn captured_deit_t_blocks_launch_early_and_replay_exactly() {
+    captured_chain_replays_exactly(192, 3, chain_t, [3 * 192, 192], 4);
 }
 
 /// NaN into every element of a tensor in place (a graph output before a replay).
