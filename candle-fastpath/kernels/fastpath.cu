@@ -1098,8 +1098,7 @@ __device__ void attention_residual_norm_linear_tile(const T* __restrict__ qkv, c
                                                     const T* __restrict__ bias, T* __restrict__ x1, T* __restrict__ y,
                                                     int M, int N, float eps, float scale_log2,
                                                     ArnlNext<T> nx = ArnlNext<T>{}, float* probs = nullptr,
-                                                    float cls_scale = 0.f, StepSelect sel = StepSelect{},
-                                                    int weights_first = 0) {
+                                                    float cls_scale = 0.f, StepSelect sel = StepSelect{}) {
     constexpr int D = ARNL_HEAD_DIM, HEADS = K / D, ROW = TileCfg<D>::ROW, PARTS = ARNL_PARTS, STATE = ARNL_STATE;
     constexpr int THREADS = NL_WARPS * 32, LDS = K + 8;
     constexpr int KF = K, KW = 6, LDF = KF + 8, QKV = 3 * K;
@@ -1138,27 +1137,6 @@ __device__ void attention_residual_norm_linear_tile(const T* __restrict__ qkv, c
     // rows through it (K / V a group), then W's rows (a group, behind K / V in the SM's queue):
     // groups Wp, K / V, W where the others have K / V, Wp, W, so the waits below count the same.
     // The placement lives where the projection's partial sums go later (spart).
-    // weights_first (never a step's kernel; lever 124: the host sets it where the kernel gets a
-    // programmatic graph edge, so it may start while the kernel producing qkv and r still runs;
-    // dependent_launch.cuh): Wp's slice and W's rows (two groups) and the LayerNorm's parameters
-    // and biases before `griddepcontrol.wait`, then the query fragments, K / V (a third group) and
-    // the residual pair.
-    dl_launch_dependents();
-    auto load_weights = [&] {
-        if (!SELECT) {
-            nl_stage_rows<T, KF, SLICE>(sp, wp, c0, K);  // Wp has K = C rows: all of the slice
-            asm volatile("cp.async.commit_group;" ::: "memory");
-        }
-        if (!X1_ONLY) nl_stage_rows<T, K, BN>(sb, w, n0, N);
-        asm volatile("cp.async.commit_group;" ::: "memory");  // (X1_ONLY: an empty group)
-    };
-    const bool early = !SELECT && weights_first;
-    RnlRegs<K> g;
-    if (early) {
-        load_weights();
-        rnl_load_regs<T, K, BN, !X1_ONLY>(g, ln_w, ln_b, bias, r, bp, 0, N);  // 0 rows: no residual read
-    }
-    dl_wait();
     const int* src = nullptr;
     if (SELECT) {
         float score_in[select_common::STEP_SCORE_ROWS];
@@ -1192,12 +1170,20 @@ __device__ void attention_residual_norm_linear_tile(const T* __restrict__ qkv, c
     T* vs = ks + kv_rows * ROW;
     arnl_stage_kv<T, K>(ks, vs, qkv, head, kv_rows, M, in_row);
     asm volatile("cp.async.commit_group;" ::: "memory");
-    if (!LATE_W && !early) load_weights();
+    auto load_weights = [&] {
+        if (!SELECT) {
+            nl_stage_rows<T, KF, SLICE>(sp, wp, c0, K);  // Wp has K = C rows: all of the slice
+            asm volatile("cp.async.commit_group;" ::: "memory");
+        }
+        if (!X1_ONLY) nl_stage_rows<T, K, BN>(sb, w, n0, N);
+        asm volatile("cp.async.commit_group;" ::: "memory");  // (X1_ONLY: an empty group)
+    };
+    if (!LATE_W) load_weights();
     const int len = SELECT ? M : min(static_cast<int>(cu_seqlens[1]), M);
-    // SELECT: the residual pair through the placement (0 rows: no read in rnl_load_regs); early:
-    // the residual pair alone (the rest is loaded).
-    if (!early) rnl_load_regs<T, K, BN, !X1_ONLY>(g, ln_w, ln_b, bias, r, bp, SELECT ? 0 : M, N);
-    if ((SELECT || early) && tid < RNL_PAIRS) {
+    RnlRegs<K> g;
+    // SELECT: the residual pair through the placement (0 rows: no read in rnl_load_regs).
+    rnl_load_regs<T, K, BN, !X1_ONLY>(g, ln_w, ln_b, bias, r, bp, SELECT ? 0 : M, N);
+    if (SELECT && tid < RNL_PAIRS) {
         const int prow = tid / (SLICE / 2), pcol = c0 + (tid % (SLICE / 2)) * 2;
         if (m0 + prow < M) {
             const NlPair<T> p = *reinterpret_cast<const NlPair<T>*>(r + (size_t)in_row(m0 + prow) * K + pcol);
@@ -1205,15 +1191,15 @@ __device__ void attention_residual_norm_linear_tile(const T* __restrict__ qkv, c
             g.res[1] = to_f32(p.b);
         }
     }
-    if (LATE_W || early)
-        asm volatile("cp.async.wait_group 0;" ::: "memory");  // (early: K / V's group is the last)
+    if (LATE_W)
+        asm volatile("cp.async.wait_group 0;" ::: "memory");
     else if (SELECT)
         asm volatile("cp.async.wait_group 1;" ::: "memory");  // Wp's and K / V's
     else
         asm volatile("cp.async.wait_group 2;" ::: "memory");
     if (len < M) arnl_zero_kv_tail<T>(ks, vs, kv_rows, len);
     __syncthreads();
-    if (LATE_W && !early) load_weights();
+    if (LATE_W) load_weights();
 
     // 2. Warp p < PARTS: the 16 queries over the 16-key tiles [p · kt / PARTS, (p + 1) · kt /
     // PARTS) of the sequence, its online-softmax state left in shared memory.
@@ -1285,11 +1271,9 @@ __device__ void attention_residual_norm_linear_tile(const T* __restrict__ qkv, c
         fastpath_attention_residual_norm_linear_##SUFFIX##_c192##TAIL(                                       \
             const T* qkv, const uint32_t* cu_seqlens, const T* wp, const T* bp, const T* r, const T* ln_w,   \
             const T* ln_b, const T* w, const T* bias, T* x1, T* y, int M, int N, float eps,                  \
-            float scale_log2, int weights_first) {                                                           \
+            float scale_log2) {                                                                              \
         attention_residual_norm_linear_tile<T, 192, 128, GELU, LATE>(qkv, cu_seqlens, wp, bp, r, ln_w, ln_b, \
-                                                                     w, bias, x1, y, M, N, eps, scale_log2,  \
-                                                                     ArnlNext<T>{}, nullptr, 0.f,            \
-                                                                     StepSelect{}, weights_first);           \
+                                                                     w, bias, x1, y, M, N, eps, scale_log2); \
     }
 ATTENTION_RESIDUAL_NORM_LINEAR_ENTRY(f16, __half, false, false, )
 ATTENTION_RESIDUAL_NORM_LINEAR_ENTRY(f16, __half, true, false, _gelu)
@@ -1312,10 +1296,10 @@ ATTENTION_RESIDUAL_NORM_LINEAR_ENTRY(bf16, __nv_bfloat16, true, true, _gelu_late
     extern "C" __global__ void __cluster_dims__(RNL_SPLIT, 1, 1) __launch_bounds__(NL_WARPS * 32)           \
         fastpath_attention_residual_##SUFFIX##_c192(const T* qkv, const uint32_t* cu_seqlens, const T* wp,  \
                                                     const T* bp, const T* r, T* x1, int M, float scale_log2, \
-                                                    float* probs, float cls_scale, int weights_first) {       \
+                                                    float* probs, float cls_scale) {                          \
         attention_residual_norm_linear_tile<T, 192, 128, false, false, false, true>(                          \
             qkv, cu_seqlens, wp, bp, r, nullptr, nullptr, nullptr, nullptr, x1, nullptr, M, 0, 0.f, scale_log2, \
-            ArnlNext<T>{}, probs, cls_scale, StepSelect{}, weights_first);                                    \
+            ArnlNext<T>{}, probs, cls_scale);                                                                 \
     }
 ATTENTION_RESIDUAL_ENTRY(f16, __half)
 ATTENTION_RESIDUAL_ENTRY(bf16, __nv_bfloat16)
@@ -1333,11 +1317,10 @@ ATTENTION_RESIDUAL_ENTRY(bf16, __nv_bfloat16)
             const T* qkv, const uint32_t* cu_seqlens, const T* wp, const T* bp, const T* r, const T* ln2_w,  \
             const T* ln2_b, const T* w1, const T* b1, const T* w2, const T* b2, const T* ln1_w,              \
             const T* ln1_b, const T* wq, const T* bq, T* x2, T* qkv_next, int M, int N1, int N2, float eps2, \
-            float eps1, float scale_log2, float* norms, int weights_first) {                                 \
+            float eps1, float scale_log2, float* norms) {                                                    \
         attention_residual_norm_linear_tile<T, 192, 128, true, LATE, true>(                                  \
             qkv, cu_seqlens, wp, bp, r, ln2_w, ln2_b, w1, b1, nullptr, nullptr, M, N1, eps2, scale_log2,    \
-            ArnlNext<T>{w2, b2, ln1_w, ln1_b, wq, bq, x2, qkv_next, N2, eps1, norms}, nullptr, 0.f,         \
-            StepSelect{}, weights_first);                                                                    \
+            ArnlNext<T>{w2, b2, ln1_w, ln1_b, wq, bq, x2, qkv_next, N2, eps1, norms});                      \
     }
 ATTENTION_BLOCK_ENTRY(f16, __half, false, )
 ATTENTION_BLOCK_ENTRY(bf16, __nv_bfloat16, false, )

@@ -2839,17 +2839,6 @@ impl AttentionRnlOp {
             None => (attention_rnl_smem_bytes(m), n),
             Some(_) => (attention_block_smem_bytes(m), n2),
         };
-        // In a capture: a programmatic edge from the kernel before (the kernel stages its weights,
-        // then waits before qkv, the residual and any store). Not a step's kernel, which ranks its
-        // scores first; only where fastpath.cu's PTX has the wait (compute capability 9.0).
-        #[cfg(fastpath_dependent_launch)]
-        let edge = if step_args.is_none() {
-            ProgrammaticEdge::before_outputs(dev)
-        } else {
-            None
-        };
-        #[cfg(not(fastpath_dependent_launch))]
-        let edge: Option<ProgrammaticEdge> = None;
         // SAFETY: every element is written by the kernel: the first M · C (x1, or x2) by the
         // cluster rank owning the column's slice in the row's tile, the next M · N_out (y, or the
         // next qkv) by their tiles, as ResidualNormLinearOp's.
@@ -2948,15 +2937,6 @@ impl AttentionRnlOp {
                 builder.arg(&no_norms);
             }
             (None, _) => {}
-        }
-        // The weights before the wait exactly where the kernel may start early (a step's kernel
-        // has no such argument).
-        let weights_first = edge.is_some() as i32;
-        if step_args.is_none() {
-            builder.arg(&weights_first);
-        }
-        if let Some(edge) = edge {
-            edge.before_launch(dev);
         }
         // SAFETY: shapes, contiguity and alignment checked above; the kernel reads rows < M of
         // qkv and r, cu_seqlens[1] (clamped to M) (a step: the `rows` input rows through
@@ -3967,11 +3947,6 @@ impl AttentionResidualOp {
         let qs = qkv.as_cuda_slice::<T>()?.slice(lq.start_offset()..);
         let rs = r.as_cuda_slice::<T>()?.slice(lr.start_offset()..);
         let ws = wp.as_cuda_slice::<T>()?.slice(lw.start_offset()..);
-        // In a capture: a programmatic edge from the kernel before (as AttentionRnlOp's).
-        #[cfg(fastpath_dependent_launch)]
-        let edge = ProgrammaticEdge::before_outputs(dev);
-        #[cfg(not(fastpath_dependent_launch))]
-        let edge: Option<ProgrammaticEdge> = None;
         // SAFETY: every element is written by the kernel: x1's (row < M, column < C) by the
         // cluster rank owning the column's slice in the row's tile.
         let mut out = unsafe { dev.alloc::<T>(m * c)? };
@@ -4005,12 +3980,6 @@ impl AttentionResidualOp {
             }
         }
         builder.arg(&cls_scale);
-        // Wp's slice before the wait exactly where the kernel may start early.
-        let weights_first = edge.is_some() as i32;
-        builder.arg(&weights_first);
-        if let Some(edge) = edge {
-            edge.before_launch(dev);
-        }
         // SAFETY: shapes, contiguity and alignment checked above; the kernel reads rows < M of
         // qkv and r, cu_seqlens[1] (clamped to M), Wp and bp, and writes the M · C elements of
         // `out` only (and, asked, the (heads + 1) · M scores); clusters as

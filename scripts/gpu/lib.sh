@@ -231,11 +231,11 @@ batch1_ncu() {
       --models "$model" --dtype f16 --batch 1 --pruners none
   done; done
 }
-# batch1_e2e NAME: bench at batch 1, f16 and bf16, every pruner and mode, ragged path, the arms
+# batch1_e2e NAME: bench at batch 1, DTYPES (default f16,bf16), every pruner and mode, ragged path, the arms
 # interleaved, two rounds (ab_rounds into $out/NAME-ARM-ROUND.json; VAR and MODELS from the
 # variables of those names).
 batch1_e2e_run() {
-  env "$VAR=${1#default}" timeout 250 "$B/bench" --device cuda --models "$MODELS" --dtype f16,bf16 --batch 1 \
+  env "$VAR=${1#default}" timeout 250 "$B/bench" --device cuda --models "$MODELS" --dtype "${DTYPES:-f16,bf16}" --batch 1 \
     --pruners none,threshold-l2,dynamicvit,evit,ats --paths ragged --reps 10 --out "$2"
 }
 batch1_e2e() { ab_rounds "$1" batch1_e2e_run; }

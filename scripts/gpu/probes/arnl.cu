@@ -103,7 +103,7 @@ static void run(cudaStream_t s, int M, int len, bool check_only) {
         CK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
         auto one = [&] {
             kernel<<<grid6, NL_WARPS * 32, smem, s>>>(qkv, cu, wp, bp, r, lnw, lnb, w, b, x1b, yb, M, N, eps,
-                                                      scale_log2, /*weights_first=*/0);
+                                                      scale_log2);
         };
         {
             CK(cudaMemsetAsync(x1b, 0xff, (size_t)M * C * 2, s));
