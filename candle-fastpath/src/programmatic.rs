@@ -8,7 +8,11 @@
 //! memory, and asks for its weights *before* that wait (kernels/dependent_launch.cuh), then
 //! overlaps its weight loads with the kernel before's tail. stop 50's probe
 //! (scripts/gpu/probes/phase_floor.cu) measured ~1 µs a boundary saved that way, against ~0.2 with
-//! the wait at entry (lever 70, which changed nothing end to end).
+//! the wait at entry (lever 70, which changed nothing end to end); DeiT-S's batch-1 graph saves
+//! ~0.3 µs a boundary, ~15 µs a forward (lever 125's A/B). The kernels take the weights-first
+//! order only when told (`weights_first`, which each op sets exactly when
+//! [`ProgrammaticEdge::before_outputs`] returned an edge): without one to overlap, asking for all
+//! the weights before any activation only delays the first block.
 //!
 //! Stream capture alone does not give the edge here: candle allocates each op's output with
 //! `cuMemAllocAsync` right before the launch and frees dropped tensors in between, so a capture
