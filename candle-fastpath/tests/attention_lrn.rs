@@ -60,12 +60,7 @@ fn matches_attention_then_the_projection_step() {
         let (proj, norm) = layers(&dev, &mut rng, dtype, true);
         for &(rows, len) in cases {
             let (qkv, qkv_t, r_t, cu) = sequence(&dev, &mut rng, dtype, rows, len, C);
-            let o = tensor(
-                &dev,
-                &attention_host(&qkv, len, C, HEADS, scale),
-                &[len, C],
-                dtype,
-            );
+            let o = attention_host(&dev, &qkv, len, C, HEADS, scale, dtype);
             let (want_x1, want_z) =
                 linear_residual_norm(&o, &r_t.narrow(0, 0, len).unwrap(), &proj, &norm).unwrap();
             let (want_x1, want_z) = (host(&want_x1), host(&want_z));

@@ -186,12 +186,7 @@ fn matches_attention_then_the_steps() {
             for &(rows, len) in cases {
                 let (qkv, qkv_t, r_t, cu) = sequence(&dev, &mut rng, dtype, rows, len, C);
 
-                let o = tensor(
-                    &dev,
-                    &attention_host(&qkv, len, C, HEADS, scale),
-                    &[len, C],
-                    dtype,
-                );
+                let o = attention_host(&dev, &qkv, len, C, HEADS, scale, dtype);
                 let want_x1 = w
                     .proj
                     .forward_residual(&o, &r_t.narrow(0, 0, len).unwrap())

@@ -79,8 +79,17 @@ pub fn sequence(
 }
 
 /// softmax(q kᵀ · scale) v per head over the first `len` rows of `qkv` (`[rows, 3c]`, q | k | v,
-/// `heads` heads of [`HEAD_DIM`] head-major), in f64: `[len, c]`, heads merged.
-pub fn attention_host(qkv: &[f32], len: usize, c: usize, heads: usize, scale: f64) -> Vec<f32> {
+/// `heads` heads of [`HEAD_DIM`] head-major), in f64, rounded to `dtype` as an attention kernel
+/// stores it: `[len, c]` on `dev`, heads merged.
+pub fn attention_host(
+    dev: &Device,
+    qkv: &[f32],
+    len: usize,
+    c: usize,
+    heads: usize,
+    scale: f64,
+    dtype: DType,
+) -> Tensor {
     let at = |row: usize, part: usize, h: usize, d: usize| {
         qkv[row * 3 * c + part * c + h * HEAD_DIM + d] as f64
     };
@@ -104,7 +113,7 @@ pub fn attention_host(qkv: &[f32], len: usize, c: usize, heads: usize, scale: f6
             }
         }
     }
-    out
+    tensor(dev, &out, &[len, c], dtype)
 }
 
 /// `got` (a kernel's output, rows of `width`) against `want` (the steps' rows `< len`): every
