@@ -282,28 +282,9 @@ impl CapturedForward {
     /// memcpy nodes).
     pub fn nodes(&self) -> Result<GraphNodes> {
         use sys::CUgraphNodeType as T;
-        let graph = self.graph.cu_graph();
         let err = |what: &str, r: sys::CUresult| graph_err(what, r);
-        let mut count = 0usize;
-        // SAFETY: the graph is alive (owned by self.graph) and only read here; the node array has
-        // the length the first call reported.
-        let r = unsafe { sys::cuGraphGetNodes(graph, std::ptr::null_mut(), &mut count) };
-        if r != sys::CUresult::CUDA_SUCCESS {
-            return Err(err("cuGraphGetNodes", r));
-        }
-        let mut nodes = vec![std::ptr::null_mut(); count];
-        let r = unsafe { sys::cuGraphGetNodes(graph, nodes.as_mut_ptr(), &mut count) };
-        if r != sys::CUresult::CUDA_SUCCESS {
-            return Err(err("cuGraphGetNodes", r));
-        }
         let mut out = GraphNodes::default();
-        for &node in &nodes[..count] {
-            let mut kind = T::CU_GRAPH_NODE_TYPE_EMPTY;
-            // SAFETY: `node` belongs to the live graph.
-            let r = unsafe { sys::cuGraphNodeGetType(node, &mut kind) };
-            if r != sys::CUresult::CUDA_SUCCESS {
-                return Err(err("cuGraphNodeGetType", r));
-            }
+        for (_, kind) in typed_nodes(&self.graph)? {
             match kind {
                 T::CU_GRAPH_NODE_TYPE_KERNEL => out.kernels += 1,
                 T::CU_GRAPH_NODE_TYPE_MEMCPY => out.memcpy += 1,
@@ -313,8 +294,10 @@ impl CapturedForward {
                 _ => out.other += 1,
             }
         }
+        let graph = self.graph.cu_graph();
         let mut edges = 0usize;
-        // SAFETY: as above; null arrays ask for the count only.
+        // SAFETY: the graph is alive (owned by self.graph) and only read here; null arrays ask for
+        // the count only.
         let r = unsafe {
             sys::cuGraphGetEdges_v2(
                 graph,
@@ -400,6 +383,42 @@ fn device_address(t: &Tensor) -> Result<u64> {
     })
 }
 
+/// `node`'s type.
+///
+/// # Safety
+/// `node` must belong to a live graph.
+pub(crate) unsafe fn node_type(node: sys::CUgraphNode) -> Result<sys::CUgraphNodeType> {
+    let mut kind = sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_EMPTY;
+    let r = sys::cuGraphNodeGetType(node, &mut kind);
+    if r != sys::CUresult::CUDA_SUCCESS {
+        return Err(graph_err("cuGraphNodeGetType", r));
+    }
+    Ok(kind)
+}
+
+/// Every node of `graph` with its type.
+fn typed_nodes(graph: &CudaGraph) -> Result<Vec<(sys::CUgraphNode, sys::CUgraphNodeType)>> {
+    let graph = graph.cu_graph();
+    let mut count = 0usize;
+    // SAFETY: the graph is alive (borrowed) and only read; the node array has the length the
+    // first call reported, and its nodes belong to it.
+    unsafe {
+        let r = sys::cuGraphGetNodes(graph, std::ptr::null_mut(), &mut count);
+        if r != sys::CUresult::CUDA_SUCCESS {
+            return Err(graph_err("cuGraphGetNodes", r));
+        }
+        let mut nodes = vec![std::ptr::null_mut(); count];
+        let r = sys::cuGraphGetNodes(graph, nodes.as_mut_ptr(), &mut count);
+        if r != sys::CUresult::CUDA_SUCCESS {
+            return Err(graph_err("cuGraphGetNodes", r));
+        }
+        nodes[..count]
+            .iter()
+            .map(|&node| Ok((node, node_type(node)?)))
+            .collect()
+    }
+}
+
 /// The memcpy nodes of `graph` that copy `sources[i]` into `inputs[i]` (the capture's first
 /// nodes), found by their destination addresses.
 fn input_copy_nodes(
@@ -407,28 +426,9 @@ fn input_copy_nodes(
     inputs: &[Tensor],
     sources: &[Tensor],
 ) -> Result<Vec<InputCopy>> {
-    let g = graph.cu_graph();
-    let mut count = 0usize;
-    // SAFETY: the graph is alive and only read; the node array has the length the first call
-    // reported.
-    let r = unsafe { sys::cuGraphGetNodes(g, std::ptr::null_mut(), &mut count) };
-    if r != sys::CUresult::CUDA_SUCCESS {
-        return Err(graph_err("cuGraphGetNodes", r));
-    }
-    let mut nodes = vec![std::ptr::null_mut(); count];
-    let r = unsafe { sys::cuGraphGetNodes(g, nodes.as_mut_ptr(), &mut count) };
-    if r != sys::CUresult::CUDA_SUCCESS {
-        return Err(graph_err("cuGraphGetNodes", r));
-    }
     // Each memcpy node's destination.
     let mut copies = Vec::new();
-    for &node in &nodes[..count] {
-        let mut kind = sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_EMPTY;
-        // SAFETY: `node` belongs to the live graph.
-        let r = unsafe { sys::cuGraphNodeGetType(node, &mut kind) };
-        if r != sys::CUresult::CUDA_SUCCESS {
-            return Err(graph_err("cuGraphNodeGetType", r));
-        }
+    for (node, kind) in typed_nodes(graph)? {
         if kind != sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_MEMCPY {
             continue;
         }

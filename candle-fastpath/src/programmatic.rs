@@ -32,6 +32,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use candle_core::cuda_backend::cudarc::driver::sys;
 use candle_core::cuda_backend::CudaDevice;
 
+use crate::graph::node_type;
 use crate::graph_nodes::{programmatic_edges_debug, programmatic_edges_enabled};
 
 /// [`CapturedForward`](crate::CapturedForward) captures in progress, process-wide: outside them
@@ -83,15 +84,6 @@ unsafe fn capture_tail(stream: sys::CUstream) -> Option<Vec<sys::CUgraphNode>> {
     }
     // SAFETY: the driver's array of `n` nodes, valid until the next capture call on the stream.
     Some(std::slice::from_raw_parts(deps, n).to_vec())
-}
-
-/// `node`'s type.
-///
-/// # Safety
-/// `node` must belong to a live graph.
-unsafe fn node_type(node: sys::CUgraphNode) -> Option<sys::CUgraphNodeType> {
-    let mut kind = sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_EMPTY;
-    (sys::cuGraphNodeGetType(node, &mut kind) == sys::CUresult::CUDA_SUCCESS).then_some(kind)
 }
 
 /// `node`'s dependencies. The edge data are read too: without them the driver refuses the query
@@ -166,7 +158,7 @@ impl ProgrammaticEdge {
             let mut tail = capture_tail(stream)?;
             let prev = loop {
                 let [node] = tail[..] else { return None };
-                match node_type(node)? {
+                match node_type(node).ok()? {
                     sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_KERNEL => break node,
                     sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_MEM_FREE => tail = dependencies(node)?,
                     _ => return None,
