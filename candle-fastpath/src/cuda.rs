@@ -1666,7 +1666,7 @@ impl ThinGemmOp {
         let weights_first = edge.is_some() as i32;
         builder.arg(&weights_first);
         if let Some(edge) = edge {
-            edge.before_launch(dev);
+            edge.before_launch(dev)?;
         }
         // SAFETY: shapes, contiguity and 16-byte alignment checked above; the tensor maps cover
         // exactly x's M rows and W's N rows (the TMA zero-fills past them), and the kernel writes
@@ -1842,7 +1842,7 @@ impl ThinResidualNormOp {
             &weights_first as *const i32 as *mut c_void,
         ];
         if let Some(edge) = edge {
-            edge.before_launch(dev);
+            edge.before_launch(dev)?;
         }
         // SAFETY: shapes, contiguity and 16-byte alignment checked above; the tensor maps cover
         // exactly h's M rows and W2's C rows (the TMA zero-fills past them); the kernel reads
@@ -2289,12 +2289,8 @@ impl LinearResidualNormOp {
             }
         };
         // In a capture: a programmatic edge from the kernel before (the kernel stages Wp's rows,
-        // then waits before its input, the residual and any store). Only where fastpath.cu's PTX
-        // was built for compute capability 9.0, where that wait is compiled in.
-        #[cfg(fastpath_dependent_launch)]
+        // then waits before its input, the residual and any store).
         let edge = ProgrammaticEdge::before_outputs(dev);
-        #[cfg(not(fastpath_dependent_launch))]
-        let edge: Option<ProgrammaticEdge> = None;
         // SAFETY: every element is written by the kernel: x1's (row < M, column < C) by the
         // cluster rank owning the column's 48-wide slice in the row's tile, z's rows by the rank
         // owning the row (two per rank).
@@ -2328,7 +2324,7 @@ impl LinearResidualNormOp {
         let weights_first = edge.is_some() as i32;
         builder.arg(&weights_first);
         if let Some(edge) = edge {
-            edge.before_launch(dev);
+            edge.before_launch(dev)?;
         }
         // SAFETY: shapes, contiguity and alignment checked above; the kernel reads rows < M of
         // its input (o, or qkv) and r, with the attention cu_seqlens[1] (clamped to M), and the C

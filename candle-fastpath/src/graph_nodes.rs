@@ -59,18 +59,30 @@ pub fn graph_input_copy_in_graph() -> bool {
     })
 }
 
-/// `CANDLE_FASTPATH_PDL` (read once): unset, graph captures give the kernels that wait for
-/// it a programmatic edge from the kernel before (lever 124; src/programmatic.rs); `0`, ordinary
-/// edges (or `off`), for A/B measurements; `debug`, on, and each edge the driver refuses is reported on
-/// stderr with its error. Always false in builds without `cuda`.
-pub fn programmatic_edges_enabled() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    cfg!(feature = "cuda") && crate::switches::on_unless_off(&ON, "CANDLE_FASTPATH_PDL")
+/// `CANDLE_FASTPATH_PDL` (read once): unset, graph captures give the kernels that wait for it a
+/// programmatic edge from the kernel before (lever 124; src/programmatic.rs); `0` or `off`,
+/// ordinary edges, for A/B measurements; `debug`, on, and each edge the driver refuses is
+/// reported on stderr with its error.
+#[derive(Clone, Copy, PartialEq, Eq)]
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) enum PdlMode {
+    Off,
+    On,
+    Debug,
 }
 
-/// `CANDLE_FASTPATH_PDL=debug` (read once): report refused programmatic edges.
-#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-pub(crate) fn programmatic_edges_debug() -> bool {
-    static DEBUG: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    crate::switches::read_once(&DEBUG, "CANDLE_FASTPATH_PDL", |v| v == Some("debug"))
+pub(crate) fn pdl_mode() -> PdlMode {
+    static MODE: std::sync::OnceLock<PdlMode> = std::sync::OnceLock::new();
+    crate::switches::read_once(&MODE, "CANDLE_FASTPATH_PDL", |v| match v {
+        Some("0") | Some("off") => PdlMode::Off,
+        Some("debug") => PdlMode::Debug,
+        _ => PdlMode::On,
+    })
+}
+
+/// Whether graph captures give programmatic edges (`CANDLE_FASTPATH_PDL`, read once: off at `0`
+/// or `off`, on otherwise; `debug` also reports refused edges). Always false in builds without
+/// `cuda`.
+pub fn programmatic_edges_enabled() -> bool {
+    cfg!(feature = "cuda") && pdl_mode() != PdlMode::Off
 }

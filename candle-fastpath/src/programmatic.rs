@@ -33,7 +33,7 @@ use candle_core::cuda_backend::cudarc::driver::sys;
 use candle_core::cuda_backend::CudaDevice;
 
 use crate::graph::node_type;
-use crate::graph_nodes::{programmatic_edges_debug, programmatic_edges_enabled};
+use crate::graph_nodes::{pdl_mode, programmatic_edges_enabled, PdlMode};
 
 /// [`CapturedForward`](crate::CapturedForward) captures in progress, process-wide: outside them
 /// [`ProgrammaticEdge::before_outputs`] returns at once, so an eager launch pays one atomic load,
@@ -142,14 +142,18 @@ pub(crate) struct ProgrammaticEdge {
 
 impl ProgrammaticEdge {
     /// Call right before allocating the outputs of a kernel that waits in `griddepcontrol.wait`
-    /// before it reads anything another kernel wrote or writes global memory. When `dev`'s
-    /// stream is capturing (a [`CapturedForward`](crate::CapturedForward) capture), the switch is
-    /// on and the capture's tail is one kernel node, or free
-    /// nodes that lead back to exactly one, the allocations made next become roots of the graph
-    /// and that kernel node is returned, for [`Self::before_launch`]. Otherwise nothing changes
-    /// (an ordinary launch follows).
+    /// before it reads anything another kernel wrote or writes global memory. When the crate's
+    /// kernels were built for compute capability 9.0 (build.rs's `fastpath_dependent_launch`:
+    /// below it the wait compiles to nothing), `dev`'s stream is capturing (a
+    /// [`CapturedForward`](crate::CapturedForward) capture), the switch is on and the capture's
+    /// tail is one kernel node, or free nodes that lead back to exactly one, the allocations made
+    /// next become roots of the graph and that kernel node is returned, for
+    /// [`Self::before_launch`]. Otherwise nothing changes (an ordinary launch follows).
     pub(crate) fn before_outputs(dev: &CudaDevice) -> Option<Self> {
-        if CAPTURES.load(Ordering::Relaxed) == 0 || !programmatic_edges_enabled() {
+        if !cfg!(fastpath_dependent_launch)
+            || CAPTURES.load(Ordering::Relaxed) == 0
+            || !programmatic_edges_enabled()
+        {
             return None;
         }
         let stream = dev.cuda_stream().cu_stream();
@@ -172,14 +176,15 @@ impl ProgrammaticEdge {
     /// Call after the outputs are allocated, right before the launch: the launch then depends on
     /// those allocations (ordinary edges) and programmatically on the kernel node found by
     /// [`Self::before_outputs`]. If the driver refuses the programmatic edge, the launch depends
-    /// on that kernel ordinarily (still correct, just not early).
-    pub(crate) fn before_launch(self, dev: &CudaDevice) {
+    /// on that kernel ordinarily (still correct, just not early); if it refuses that too, an
+    /// error (the launch would otherwise depend on the allocations alone).
+    pub(crate) fn before_launch(self, dev: &CudaDevice) -> candle_core::Result<()> {
         let stream = dev.cuda_stream().cu_stream();
         // SAFETY: candle's live stream, capturing (before_outputs checked it); the nodes are its
         // graph's; the edge data are plain C structs, all-zero an ordinary edge.
         unsafe {
             let Some(mut deps) = capture_tail(stream) else {
-                return;
+                candle_core::bail!("capture: the stream stopped capturing before a launch");
             };
             let mut edges: Vec<sys::CUgraphEdgeData> = vec![std::mem::zeroed(); deps.len()];
             let mut programmatic: sys::CUgraphEdgeData = std::mem::zeroed();
@@ -190,13 +195,19 @@ impl ProgrammaticEdge {
             edges.push(programmatic);
             let r = set_tail(stream, &mut deps, Some(&edges));
             if r != sys::CUresult::CUDA_SUCCESS {
-                if programmatic_edges_debug() {
+                if pdl_mode() == PdlMode::Debug {
                     eprintln!("candle-fastpath: programmatic edge refused (error {r:?})");
                 }
                 let n = deps.len();
                 edges[n - 1] = std::mem::zeroed();
-                set_tail(stream, &mut deps, Some(&edges));
+                let r = set_tail(stream, &mut deps, Some(&edges));
+                if r != sys::CUresult::CUDA_SUCCESS {
+                    candle_core::bail!(
+                        "capture: cannot make a launch depend on the kernel before it ({r:?})"
+                    );
+                }
             }
         }
+        Ok(())
     }
 }
