@@ -20,7 +20,20 @@ use common::attention::tensor;
 use common::{device, has_clusters, host, randn};
 use rand::{rngs::StdRng, SeedableRng};
 
-const HEAD_DIM: usize = 64;
+const C: usize = 384;
+const HEADS: usize = 6;
+const BLOCKS: usize = 2;
+
+/// One block's layers, random: qkv, proj, fc1, fc2 and the LayerNorms after attention (norm2) and
+/// after the MLP (the next block's norm1).
+struct Block {
+    qkv: FusedLinear,
+    proj: FusedLinear,
+    fc1: FusedLinear,
+    fc2: FusedLinear,
+    norm2: LayerNorm,
+    norm1_next: LayerNorm,
+}
 
 fn linear(dev: &Device, rng: &mut StdRng, dtype: DType, out: usize, inp: usize) -> FusedLinear {
     let w = tensor(
@@ -33,41 +46,30 @@ fn linear(dev: &Device, rng: &mut StdRng, dtype: DType, out: usize, inp: usize) 
     FusedLinear::new(w, Some(b)).unwrap()
 }
 
-fn norm(dev: &Device, rng: &mut StdRng, dtype: DType, c: usize) -> LayerNorm {
-    let gamma: Vec<f32> = randn(rng, c, 0.3).iter().map(|g| 1.0 + g).collect();
+fn norm(dev: &Device, rng: &mut StdRng, dtype: DType) -> LayerNorm {
+    let gamma: Vec<f32> = randn(rng, C, 0.3).iter().map(|g| 1.0 + g).collect();
     LayerNorm::new(
-        tensor(dev, &gamma, &[c], dtype),
-        tensor(dev, &randn(rng, c, 0.2), &[c], dtype),
+        tensor(dev, &gamma, &[C], dtype),
+        tensor(dev, &randn(rng, C, 0.2), &[C], dtype),
         1e-6,
     )
     .unwrap()
 }
 
-/// One block's layers at width `c`, random: qkv, proj, fc1, fc2 and the LayerNorms after the
-/// attention (norm2) and after the MLP (the next block's norm1).
-struct Block {
-    qkv: FusedLinear,
-    proj: FusedLinear,
-    fc1: FusedLinear,
-    fc2: FusedLinear,
-    norm2: LayerNorm,
-    norm1_next: LayerNorm,
-}
-
 impl Block {
-    fn new(dev: &Device, rng: &mut StdRng, dtype: DType, c: usize) -> Self {
+    fn new(dev: &Device, rng: &mut StdRng, dtype: DType) -> Self {
         Self {
-            qkv: linear(dev, rng, dtype, 3 * c, c),
-            proj: linear(dev, rng, dtype, c, c),
-            fc1: linear(dev, rng, dtype, 4 * c, c),
-            fc2: linear(dev, rng, dtype, c, 4 * c),
-            norm2: norm(dev, rng, dtype, c),
-            norm1_next: norm(dev, rng, dtype, c),
+            qkv: linear(dev, rng, dtype, 3 * C, C),
+            proj: linear(dev, rng, dtype, C, C),
+            fc1: linear(dev, rng, dtype, 4 * C, C),
+            fc2: linear(dev, rng, dtype, C, 4 * C),
+            norm2: norm(dev, rng, dtype),
+            norm1_next: norm(dev, rng, dtype),
         }
     }
 
-    /// DeiT-S's batch-1 block (C = 384) on the residual stream `x` and its norm1 output `z` (both
-    /// `[M, C]`), one sequence of M tokens (`cu_seqlens` = [0, M]): the next block's `(x, z)`.
+    /// The block on the residual stream `x` and its norm1 output `z` (both `[M, C]`), one
+    /// sequence of M tokens (`cu_seqlens` = [0, M]): the next block's `(x, z)`.
     fn forward(
         &self,
         x: &Tensor,
@@ -75,17 +77,15 @@ impl Block {
         cu: &Tensor,
     ) -> candle_core::Result<(Tensor, Tensor)> {
         let qkv = self.qkv.forward(z)?;
-        let scale = (HEAD_DIM as f64).powf(-0.5);
+        let scale = (C as f64 / HEADS as f64).powf(-0.5);
         let (x1, z2) =
-            attention_linear_residual_norm(&qkv, cu, 6, scale, x, &self.proj, &self.norm2)?;
+            attention_linear_residual_norm(&qkv, cu, HEADS, scale, x, &self.proj, &self.norm2)?;
         let h = self.fc1.forward_gelu(&z2)?;
         Ok(linear_residual_norm(&h, &x1, &self.fc2, &self.norm1_next)?)
     }
 }
 
-/// Two DeiT-S blocks: inputs (x, z, cu_seqlens), outputs the last block's (x, z). Four kernels a
-/// block.
-fn chain_blocks(blocks: &[Block], xs: &[Tensor]) -> candle_core::Result<Vec<Tensor>> {
+fn chain(blocks: &[Block], xs: &[Tensor]) -> candle_core::Result<Vec<Tensor>> {
     let (mut x, mut z) = (xs[0].clone(), xs[1].clone());
     for b in blocks {
         (x, z) = b.forward(&x, &z, &xs[2])?;
@@ -93,16 +93,8 @@ fn chain_blocks(blocks: &[Block], xs: &[Tensor]) -> candle_core::Result<Vec<Tens
     Ok(vec![x, z])
 }
 
-/// Captures `chain` at M rows for each dtype, checks its kernel and programmatic-edge counts, and
-/// replays it four times on fresh inputs (`inputs`) into poisoned outputs, each bit for bit the
-/// eager chain's result.
-fn captured_chain_replays_exactly(
-    c: usize,
-    blocks: usize,
-    chain: fn(&[Block], &[Tensor]) -> candle_core::Result<Vec<Tensor>>,
-    input_widths: [usize; 2],
-    kernels: usize,
-) {
+#[test]
+fn captured_blocks_launch_early_and_replay_exactly() {
     let dev = device();
     if !dev.is_cuda() || !has_clusters(&dev) {
         return;
@@ -110,31 +102,30 @@ fn captured_chain_replays_exactly(
     let pdl = candle_fastpath::programmatic_edges_enabled();
     let mut rng = StdRng::seed_from_u64(124);
     for dtype in [DType::F16, DType::BF16] {
-        let layers: Vec<Block> = (0..blocks)
-            .map(|_| Block::new(&dev, &mut rng, dtype, c))
+        let blocks: Vec<Block> = (0..BLOCKS)
+            .map(|_| Block::new(&dev, &mut rng, dtype))
             .collect();
         for m in [197usize, 65, 1] {
             let inputs = |rng: &mut StdRng| -> Vec<Tensor> {
-                let [a, b] = input_widths;
                 vec![
-                    tensor(&dev, &randn(rng, m * a, 2.0), &[m, a], dtype),
-                    tensor(&dev, &randn(rng, m * b, 1.0), &[m, b], dtype),
+                    tensor(&dev, &randn(rng, m * C, 2.0), &[m, C], dtype),
+                    tensor(&dev, &randn(rng, m * C, 1.0), &[m, C], dtype),
                     Tensor::from_slice(&[0u32, m as u32], 2, &dev).unwrap(),
                 ]
             };
             let example = inputs(&mut rng);
             let captured =
-                CapturedForward::capture_many(&example, |xs| chain(&layers, xs)).unwrap();
-            let what = format!("C {c} {dtype:?} M {m}");
+                CapturedForward::capture_many(&example, |xs| chain(&blocks, xs)).unwrap();
+            let what = format!("{dtype:?} M {m}");
             let nodes = captured.nodes().unwrap();
-            // The first kernel follows the input copies (memcpy nodes): every other one follows a
-            // kernel.
-            assert_eq!(nodes.kernels, kernels, "{what}: {nodes}");
-            let want = if pdl { kernels - 1 } else { 0 };
+            // Four kernels a block, the first after the input copies (memcpy nodes): every
+            // other one follows a kernel.
+            assert_eq!(nodes.kernels, 4 * BLOCKS, "{what}: {nodes}");
+            let want = if pdl { 4 * BLOCKS - 1 } else { 0 };
             assert_eq!(nodes.programmatic_edges, want, "{what}: {nodes}");
             for replay in 0..4 {
                 let xs = inputs(&mut rng);
-                let want: Vec<Vec<f32>> = chain(&layers, &xs).unwrap().iter().map(host).collect();
+                let want: Vec<Vec<f32>> = chain(&blocks, &xs).unwrap().iter().map(host).collect();
                 for out in captured.outputs() {
                     out.inplace_op1(&Poison).unwrap();
                 }
@@ -154,11 +145,6 @@ fn captured_chain_replays_exactly(
             }
         }
     }
-}
-
-#[test]
-fn captured_deit_s_blocks_launch_early_and_replay_exactly() {
-    captured_chain_replays_exactly(384, 2, chain_blocks, [384, 384], 8);
 }
 
 /// NaN into every element of a tensor in place (a graph output before a replay).
