@@ -17,10 +17,11 @@ use candle_fastpath::{
     FusedLinear, LayerNorm,
 };
 use common::attention::{
-    assert_rows_close, attention_host, fused_or_refused, sequence, sequence_cases, tensor,
-    under_test, RefusalInputs, HEAD_DIM,
+    assert_rows_close, attention_host, fused_or_refused, sequence, sequence_cases, under_test,
+    RefusalInputs, HEAD_DIM,
 };
-use common::{device, has_clusters, host, poison, randn};
+use common::layers::{random_layer_norm, random_linear};
+use common::{device, has_clusters, host, poison};
 use rand::{rngs::StdRng, SeedableRng};
 
 const C: usize = 384;
@@ -28,24 +29,9 @@ const HEADS: usize = 6;
 
 /// The attention projection (with a bias unless `bias` is false) and norm2, random.
 fn layers(dev: &Device, rng: &mut StdRng, dtype: DType, bias: bool) -> (FusedLinear, LayerNorm) {
-    let proj = FusedLinear::new(
-        tensor(
-            dev,
-            &randn(rng, C * C, 1.0 / (C as f32).sqrt()),
-            &[C, C],
-            dtype,
-        ),
-        bias.then(|| tensor(dev, &randn(rng, C, 0.5), &[C], dtype)),
-    )
-    .unwrap();
-    let gamma: Vec<f32> = randn(rng, C, 0.3).iter().map(|g| 1.0 + g).collect();
-    let norm = LayerNorm::new(
-        tensor(dev, &gamma, &[C], dtype),
-        tensor(dev, &randn(rng, C, 0.2), &[C], dtype),
-        1e-6,
-    )
-    .unwrap();
-    (proj, norm)
+    let w_std = 1.0 / (C as f32).sqrt();
+    let proj = random_linear(dev, rng, dtype, (C, C), w_std, bias.then_some(0.5));
+    (proj, random_layer_norm(dev, rng, dtype, C))
 }
 
 #[test]

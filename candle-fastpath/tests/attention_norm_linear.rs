@@ -30,6 +30,7 @@ use common::attention::{
     assert_rows_close, attention_host, fused_or_refused, sequence, sequence_cases, tensor,
     under_test, RefusalInputs, HEAD_DIM,
 };
+use common::layers::{random_layer_norm, random_linear};
 use common::{device, has_clusters, host, poison, randn};
 use rand::{rngs::StdRng, SeedableRng};
 
@@ -43,27 +44,10 @@ struct Weights {
 }
 
 fn weights(dev: &Device, rng: &mut StdRng, dtype: DType, n: usize) -> Weights {
-    let linear = |rng: &mut StdRng, out: usize| {
-        FusedLinear::new(
-            tensor(
-                dev,
-                &randn(rng, out * C, 1.0 / (C as f32).sqrt()),
-                &[out, C],
-                dtype,
-            ),
-            Some(tensor(dev, &randn(rng, out, 0.5), &[out], dtype)),
-        )
-        .unwrap()
-    };
-    let proj = linear(rng, C);
-    let gamma: Vec<f32> = randn(rng, C, 0.3).iter().map(|g| 1.0 + g).collect();
-    let norm = LayerNorm::new(
-        tensor(dev, &gamma, &[C], dtype),
-        tensor(dev, &randn(rng, C, 0.2), &[C], dtype),
-        1e-6,
-    )
-    .unwrap();
-    let fc1 = linear(rng, n);
+    let w_std = 1.0 / (C as f32).sqrt();
+    let proj = random_linear(dev, rng, dtype, (C, C), w_std, Some(0.5));
+    let norm = random_layer_norm(dev, rng, dtype, C);
+    let fc1 = random_linear(dev, rng, dtype, (n, C), w_std, Some(0.5));
     Weights { proj, norm, fc1 }
 }
 
@@ -160,16 +144,8 @@ fn step_scores_and_wrong_ones(
 
 /// A block's fc2, `[C, 4C]` with its bias, random (scaled so that its outputs stay a few units).
 fn fc2_layer(dev: &Device, rng: &mut StdRng, dtype: DType) -> FusedLinear {
-    FusedLinear::new(
-        tensor(
-            dev,
-            &randn(rng, C * 4 * C, 0.5 / (C as f32).sqrt()),
-            &[C, 4 * C],
-            dtype,
-        ),
-        Some(tensor(dev, &randn(rng, C, 0.5), &[C], dtype)),
-    )
-    .unwrap()
+    let w_std = 0.5 / (C as f32).sqrt();
+    random_linear(dev, rng, dtype, (C, 4 * C), w_std, Some(0.5))
 }
 
 #[test]

@@ -19,7 +19,8 @@ use candle_fastpath::{
     norm_linear_mode, norm_linear_tile_rows, residual_norm_linear, residual_norm_linear_applies,
     Epilogue, FastpathError, FusedLinear, LayerNorm, NormLinearMode,
 };
-use common::{device, has_clusters, host, poison, quantize, randn};
+use common::layers::{random_layer_norm, random_linear};
+use common::{device, has_clusters, host, poison, randn};
 use rand::{rngs::StdRng, SeedableRng};
 
 struct Weights {
@@ -28,19 +29,9 @@ struct Weights {
 }
 
 fn weights(dev: &Device, rng: &mut StdRng, dtype: DType, c: usize, n: usize) -> Weights {
-    let to = |v: Vec<f32>, shape: &[usize]| {
-        Tensor::from_slice(&quantize(&v, dtype), shape, dev)
-            .unwrap()
-            .to_dtype(dtype)
-            .unwrap()
-    };
-    let gamma: Vec<f32> = randn(rng, c, 0.3).iter().map(|g| 1.0 + g).collect();
-    let norm = LayerNorm::new(to(gamma, &[c]), to(randn(rng, c, 0.2), &[c]), 1e-6).unwrap();
-    let linear = FusedLinear::new(
-        to(randn(rng, n * c, 1.0 / (c as f32).sqrt()), &[n, c]),
-        Some(to(randn(rng, n, 0.5), &[n])),
-    )
-    .unwrap();
+    let norm = random_layer_norm(dev, rng, dtype, c);
+    let w_std = 1.0 / (c as f32).sqrt();
+    let linear = random_linear(dev, rng, dtype, (n, c), w_std, Some(0.5));
     Weights { norm, linear }
 }
 

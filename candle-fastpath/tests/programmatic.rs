@@ -17,6 +17,7 @@ use candle_fastpath::{
     attention_linear_residual_norm, linear_residual_norm, CapturedForward, FusedLinear, LayerNorm,
 };
 use common::attention::tensor;
+use common::layers::{random_layer_norm, random_linear};
 use common::{device, has_clusters, host, randn};
 use rand::{rngs::StdRng, SeedableRng};
 
@@ -35,36 +36,19 @@ struct Block {
     norm1_next: LayerNorm,
 }
 
-fn linear(dev: &Device, rng: &mut StdRng, dtype: DType, out: usize, inp: usize) -> FusedLinear {
-    let w = tensor(
-        dev,
-        &randn(rng, out * inp, 1.0 / (inp as f32).sqrt()),
-        &[out, inp],
-        dtype,
-    );
-    let b = tensor(dev, &randn(rng, out, 0.2), &[out], dtype);
-    FusedLinear::new(w, Some(b)).unwrap()
-}
-
-fn norm(dev: &Device, rng: &mut StdRng, dtype: DType) -> LayerNorm {
-    let gamma: Vec<f32> = randn(rng, C, 0.3).iter().map(|g| 1.0 + g).collect();
-    LayerNorm::new(
-        tensor(dev, &gamma, &[C], dtype),
-        tensor(dev, &randn(rng, C, 0.2), &[C], dtype),
-        1e-6,
-    )
-    .unwrap()
-}
-
 impl Block {
     fn new(dev: &Device, rng: &mut StdRng, dtype: DType) -> Self {
+        let linear = |rng: &mut StdRng, out: usize, inp: usize| {
+            let w_std = 1.0 / (inp as f32).sqrt();
+            random_linear(dev, rng, dtype, (out, inp), w_std, Some(0.2))
+        };
         Self {
-            qkv: linear(dev, rng, dtype, 3 * C, C),
-            proj: linear(dev, rng, dtype, C, C),
-            fc1: linear(dev, rng, dtype, 4 * C, C),
-            fc2: linear(dev, rng, dtype, C, 4 * C),
-            norm2: norm(dev, rng, dtype),
-            norm1_next: norm(dev, rng, dtype),
+            qkv: linear(rng, 3 * C, C),
+            proj: linear(rng, C, C),
+            fc1: linear(rng, 4 * C, C),
+            fc2: linear(rng, C, 4 * C),
+            norm2: random_layer_norm(dev, rng, dtype, C),
+            norm1_next: random_layer_norm(dev, rng, dtype, C),
         }
     }
 
@@ -127,7 +111,7 @@ fn captured_blocks_launch_early_and_replay_exactly() {
                 let xs = inputs(&mut rng);
                 let want: Vec<Vec<f32>> = chain(&blocks, &xs).unwrap().iter().map(host).collect();
                 for out in captured.outputs() {
-                    out.inplace_op1(&Poison).unwrap();
+                    poison_in_place(out);
                 }
                 let refs: Vec<&Tensor> = xs.iter().collect();
                 captured.replay_many(&refs).unwrap();
@@ -147,51 +131,11 @@ fn captured_blocks_launch_early_and_replay_exactly() {
     }
 }
 
-/// NaN into every element of a tensor in place (a graph output before a replay).
-struct Poison;
-
-impl candle_core::InplaceOp1 for Poison {
-    fn name(&self) -> &'static str {
-        "poison"
-    }
-
-    fn cpu_fwd(
-        &self,
-        _: &mut candle_core::CpuStorage,
-        _: &candle_core::Layout,
-    ) -> candle_core::Result<()> {
-        candle_core::bail!("poison: CUDA only")
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        s: &mut candle_core::CudaStorage,
-        l: &candle_core::Layout,
-    ) -> candle_core::Result<()> {
-        use candle_core::backend::BackendStorage;
-        use candle_core::cuda_backend::cudarc::driver::DevicePtrMut;
-        let elem = s.dtype().size_in_bytes();
-        let (bytes, offset) = (l.shape().elem_count() * elem, l.start_offset() * elem);
-        let stream = s.device.cuda_stream();
-        let (ptr, _guard) = match s.dtype() {
-            DType::F16 => s.as_cuda_slice_mut::<half::f16>()?.device_ptr_mut(&stream),
-            DType::BF16 => s.as_cuda_slice_mut::<half::bf16>()?.device_ptr_mut(&stream),
-            d => candle_core::bail!("poison: {d:?}"),
-        };
-        // SAFETY: the range lies inside the tensor's storage (contiguous from its offset);
-        // 0xFF bytes are NaN in f16 and bf16.
-        let r = unsafe {
-            candle_core::cuda_backend::cudarc::driver::sys::cuMemsetD8Async(
-                ptr + offset as u64,
-                0xFF,
-                bytes,
-                stream.cu_stream(),
-            )
-        };
-        if r != candle_core::cuda_backend::cudarc::driver::sys::CUresult::CUDA_SUCCESS {
-            candle_core::bail!("poison: {r:?}");
-        }
-        Ok(())
-    }
+/// NaN into every element of a graph output, in place (its buffer is the graph's own, so the
+/// replay must overwrite it).
+fn poison_in_place(out: &Tensor) {
+    let nan = Tensor::full(f32::NAN, out.shape(), out.device())
+        .and_then(|t| t.to_dtype(out.dtype()))
+        .unwrap();
+    out.slice_set(&nan, 0, 0).unwrap();
 }

@@ -6,6 +6,7 @@ use candle_core::{DType, Device, Tensor};
 use rand::{rngs::StdRng, Rng};
 
 pub mod attention;
+pub mod layers;
 
 /// CPU, or the first CUDA GPU when built with `cuda` and one is present: the same tests then
 /// check the CUDA paths (the GPU machine runs them; CI runs them on the CPU).
