@@ -7,10 +7,12 @@
 // tiles, more CTAs, would shorten it) or by a fixed latency (then they would not). Standalone:
 //   nvcc -O3 -std=c++17 -arch=sm_90a -o /tmp/dependent_read_floor scripts/gpu/probes/dependent_read_floor.cu -lcuda -lcublasLt
 //   /tmp/dependent_read_floor
-// Rows: R = 0 (a 16-byte token), 6, 12, 24, 48, 96 KB a CTA, read two ways:
-//   lsu: each thread's 16-byte loads issued together (ld.global.cg), summed, the sum stored;
+// Rows: R = 0 (a 16-byte token), 6, 12, 24, 48, 96 KB a CTA, read four ways:
+//   lsu: each thread's 16-byte loads, eight at a time (ld.global.cg), summed, the sum stored;
 //   tma: thread 0 asks the bulk-copy engine for R bytes in 8 KB pieces into shared memory, all
 //        counted on one transaction barrier, as our kernels' TMA boxes are; the CTA waits on it;
+//   cp.async/128, cp.async/512: 128 or 512 threads each issuing all its 16-byte cp.async into
+//        shared memory at once, then waiting for them (fastpath.cu's K / V staging: 512 threads);
 // over G = one or two CTAs per SM (two: the same bytes in all, each CTA half). Per-phase cost =
 // (time of 2P phases − time of P phases) / P, medians of 50 replays; fixed costs cancel.
 #include "probe_common.cuh"
@@ -75,6 +77,43 @@ __device__ float read_tma(const __half* in, int b, int total, int bytes, unsigne
     return acc;
 }
 
+// R bytes of `in` from CTA b's slice on into shared memory by cp.async, 16 bytes a request, every
+// thread's requests issued together (as fastpath.cu's K / V staging does), then one word of each
+// 16 bytes summed.
+template <int NT>
+__device__ float read_cp_async(const __half* in, int b, int total, int bytes, unsigned char* smem) {
+    const int start = b * SLICE, vecs = bytes / 16;
+    for (int j = threadIdx.x; j < vecs; j += NT) {
+        int e = start + j * 8;
+        while (e >= total) e -= total;
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_u32(smem + 16 * j)), "l"(in + e) : "memory");
+    }
+    asm volatile("cp.async.commit_group;" ::: "memory");
+    asm volatile("cp.async.wait_group 0;" ::: "memory");
+    __syncthreads();
+    float acc = 0.f;
+    for (int off = threadIdx.x * 16; off < bytes; off += NT * 16)
+        acc += __uint_as_float(*reinterpret_cast<const uint32_t*>(smem + off) & 0x3f800000u);
+    return acc;
+}
+
+// The same phase with NT threads and the read by cp.async (PDL as read_phase's).
+template <bool PDL, int NT>
+__global__ void __launch_bounds__(NT) read_phase_cp_async(const __half* in, __half* out, int bytes) {
+    extern __shared__ __align__(128) unsigned char smem[];
+    if (PDL) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    if (PDL) asm volatile("griddepcontrol.wait;" ::: "memory");
+    const int b = blockIdx.x, g = gridDim.x, total = g * SLICE;
+    float acc = read_cp_async<NT>(in, b, total, bytes, smem);
+    acc = __shfl_xor_sync(~0u, acc, 1) + acc;
+    if (threadIdx.x < SLICE / 8) {
+        const __half2 o = __floats2half2_rn(acc, 1.f);
+        uint4 w;
+        w.x = w.y = w.z = w.w = *reinterpret_cast<const unsigned*>(&o);
+        __stcg(reinterpret_cast<uint4*>(out + b * SLICE) + threadIdx.x, w);
+    }
+}
+
 // One phase: trigger the next grid (PDL), wait for the one before, read R bytes of what it wrote
 // (R = 0: CTA b + 1's 16-byte token), write this CTA's slice.
 template <bool PDL, bool TMA>
@@ -116,18 +155,21 @@ int main() {
     const size_t elems = std::max<size_t>((size_t)max_g * SLICE, 96 * 1024 / 2 + SLICE);
     auto* buf0 = static_cast<__half*>(dalloc(elems * 2));
     auto* buf1 = static_cast<__half*>(dalloc(elems * 2));
-    const void* kernels[2][2] = {{(const void*)read_phase<false, false>, (const void*)read_phase<false, true>},
-                                 {(const void*)read_phase<true, false>, (const void*)read_phase<true, true>}};
+    const void* kernels[2][4] = {{(const void*)read_phase<false, false>, (const void*)read_phase<false, true>,
+                                  (const void*)read_phase_cp_async<false, 128>, (const void*)read_phase_cp_async<false, 512>},
+                                 {(const void*)read_phase<true, false>, (const void*)read_phase<true, true>,
+                                  (const void*)read_phase_cp_async<true, 128>, (const void*)read_phase_cp_async<true, 512>}};
+    const char* mode_names[4] = {"lsu", "tma", "cp.async/128", "cp.async/512"};
     for (auto& row : kernels)
         for (const void* f : row) CK(cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, 96 * 1024));
-    auto phases_ms = [&](int phases, bool pdl, bool tma, int g, int bytes) {
+    auto phases_ms = [&](int phases, bool pdl, int mode, int g, int bytes) {
         cudaLaunchAttribute attr{};
         attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
         attr.val.programmaticStreamSerializationAllowed = 1;
         cudaLaunchConfig_t cfg{};
         cfg.gridDim = dim3(g);
-        cfg.blockDim = dim3(THREADS);
-        cfg.dynamicSmemBytes = tma ? std::max(bytes, 16) : 0;
+        cfg.blockDim = dim3(mode == 3 ? 512 : THREADS);
+        cfg.dynamicSmemBytes = mode > 0 ? std::max(bytes, 16) : 0;
         cfg.stream = s;
         cfg.attrs = pdl ? &attr : nullptr;
         cfg.numAttrs = pdl ? 1 : 0;
@@ -138,7 +180,7 @@ int main() {
             const __half* in = p % 2 ? buf1 : buf0;
             __half* out = p % 2 ? buf0 : buf1;
             void* args[] = {&in, &out, &bytes};
-            CK(cudaLaunchKernelExC(&cfg, kernels[pdl][tma], args));
+            CK(cudaLaunchKernelExC(&cfg, kernels[pdl][mode], args));
         }
         CK(cudaStreamEndCapture(s, &gph));
         CK(cudaGraphInstantiate(&ge, gph, 0));
@@ -153,11 +195,11 @@ int main() {
             // Two CTAs an SM: each reads half, so an SM waits for the same bytes as one CTA would.
             const int bytes = kb * 1024 / per_sm;
             printf("G = %3d (%d a SM), %5d bytes a CTA:", g, per_sm, bytes);
-            for (bool tma : {false, true}) {
-                if (kb == 0 && tma) continue;
+            for (int mode = 0; mode < 4; ++mode) {
+                if (kb == 0 && mode > 0) continue;
                 for (bool pdl : {false, true}) {
-                    const double t1 = phases_ms(P, pdl, tma, g, bytes), t2 = phases_ms(2 * P, pdl, tma, g, bytes);
-                    printf("  %s %s %.2f us", tma ? "tma" : "lsu", pdl ? "pdl" : "graph", 1000 * (t2 - t1) / P);
+                    const double t1 = phases_ms(P, pdl, mode, g, bytes), t2 = phases_ms(2 * P, pdl, mode, g, bytes);
+                    printf("  %s %s %.2f us", mode_names[mode], pdl ? "pdl" : "graph", 1000 * (t2 - t1) / P);
                 }
             }
             printf("\n");
