@@ -77,6 +77,18 @@ __device__ float read_tma(const __half* in, int b, int total, int bytes, unsigne
     return acc;
 }
 
+// CTA b's 1.5 KB slice of `out` from its threads' sums (every sum reaches the store, so no load is
+// dead code).
+__device__ __forceinline__ void write_slice(__half* out, int b, float acc) {
+    acc = __shfl_xor_sync(~0u, acc, 1) + acc;
+    if (threadIdx.x < SLICE / 8) {
+        const __half2 o = __floats2half2_rn(acc, 1.f);
+        uint4 w;
+        w.x = w.y = w.z = w.w = *reinterpret_cast<const unsigned*>(&o);
+        __stcg(reinterpret_cast<uint4*>(out + b * SLICE) + threadIdx.x, w);
+    }
+}
+
 // R bytes of `in` from CTA b's slice on into shared memory by cp.async, 16 bytes a request, every
 // thread's requests issued together (as fastpath.cu's K / V staging does), then one word of each
 // 16 bytes summed.
@@ -105,13 +117,7 @@ __global__ void __launch_bounds__(NT) read_phase_cp_async(const __half* in, __ha
     if (PDL) asm volatile("griddepcontrol.wait;" ::: "memory");
     const int b = blockIdx.x, g = gridDim.x, total = g * SLICE;
     float acc = read_cp_async<NT>(in, b, total, bytes, smem);
-    acc = __shfl_xor_sync(~0u, acc, 1) + acc;
-    if (threadIdx.x < SLICE / 8) {
-        const __half2 o = __floats2half2_rn(acc, 1.f);
-        uint4 w;
-        w.x = w.y = w.z = w.w = *reinterpret_cast<const unsigned*>(&o);
-        __stcg(reinterpret_cast<uint4*>(out + b * SLICE) + threadIdx.x, w);
-    }
+    write_slice(out, b, acc);
 }
 
 // One phase: trigger the next grid (PDL), wait for the one before, read R bytes of what it wrote
@@ -129,14 +135,7 @@ __global__ void __launch_bounds__(THREADS) read_phase(const __half* in, __half* 
     } else {
         acc = TMA ? read_tma(in, b, total, bytes, smem, &bar) : read_lsu(in, b, total, bytes);
     }
-    // Every thread's sum reaches the store, so no load is dead code.
-    acc = __shfl_xor_sync(~0u, acc, 1) + acc;
-    if (threadIdx.x < SLICE / 8) {
-        const __half2 o = __floats2half2_rn(acc, 1.f);
-        uint4 w;
-        w.x = w.y = w.z = w.w = *reinterpret_cast<const unsigned*>(&o);
-        __stcg(reinterpret_cast<uint4*>(out + b * SLICE) + threadIdx.x, w);
-    }
+    write_slice(out, b, acc);
 }
 
 int main() {
