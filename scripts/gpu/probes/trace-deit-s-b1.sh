@@ -12,6 +12,6 @@ FASTPATH_TRACE=1 timeout 200 $B/bench --device cuda --models deit-small --dtype 
   | grep -E "^graph|^TRACE|rror" > "$out/trace-raw.txt"
 grep -E "^graph|rror" "$out/trace-raw.txt" >> "$C"
 for r in 0 1 2; do python3 scripts/gpu/probes/trace_deit_s_b1.py "$out/trace-raw.txt" "deit-small F16 b1 dense" $r >> "$C" 2>&1; done
-python3 scripts/gpu/probes/trace_deit_s_b1.py "$out/trace-raw.txt" "threshold-l2 fixed" 1 >> "$C" 2>&1
+python3 scripts/gpu/probes/trace_deit_s_b1.py "$out/trace-raw.txt" "deit-small F16 b1 threshold-l2 fixed ragged" 1 >> "$C" 2>&1
 gzip -f "$out/trace-raw.txt"
 cat "$C"

@@ -28,7 +28,12 @@ def load(path, want, rnd):
         f = [int(x) for x in tail.split()]
         if f[0] != rnd:
             continue
-        recs.append({"kind": f[1], "block": f[2], "t": f[3:9], "sm": f[9]})
+        # The first trace patch wrote 6 marks (the 6th the exit), the second 14 (the 14th the
+        # exit): marks t0..t4 and the exit either way, t5..t9 the attention kernel's finer ones.
+        marks = f[3:-1]
+        exit_t = marks[-1]
+        t = (marks[:5] + [0] * 5)[:5] + [exit_t] if len(marks) == 6 else marks[:5] + [exit_t]
+        recs.append({"kind": f[1], "block": f[2], "t": t, "fine": marks[5:10] if len(marks) == 14 else [], "sm": f[-1]})
     return recs
 
 
@@ -88,6 +93,25 @@ def main():
     for name, v in rows.items():
         cols = list(zip(*v))
         print(f"{name:14s} x{len(v):2d}: " + " | ".join(f"{med([c for c in col if c == c])/1e3:5.2f}" for col in cols))
+    # The attention kernel's finer marks (second patch), ranks that attend, µs after the wait:
+    # K / V staged, warp 0's keys done, every warp's keys done (its state saved), the merge and its
+    # pushes issued, the attention tile complete, the projection's partials, x1's pushes issued,
+    # x1's rows in, exit.
+    fine = []
+    for name, rs in ls:
+        a = [r for r in rs if r["kind"] == 4 and r["fine"]]
+        if not a:
+            continue
+        col = lambda get: med([get(r) - r["t"][1] for r in a])
+        fine.append([col(lambda r: r["t"][2]), col(lambda r: r["fine"][0]), col(lambda r: r["fine"][1]),
+                     col(lambda r: r["fine"][2]), col(lambda r: r["t"][3]), col(lambda r: r["fine"][3]),
+                     col(lambda r: r["fine"][4]), col(lambda r: r["t"][4]), col(lambda r: r["t"][5])])
+    if fine:
+        print("\nattention kernel, attending ranks, medians over launches of the per-launch medians (µs after the wait):")
+        names = ["K/V staged", "warp 0 keys", "all keys", "merge+push issued", "tile complete",
+                 "proj partials", "x1 pushes issued", "x1 rows in", "exit"]
+        for i, nm in enumerate(names):
+            print(f"  {nm:18s} {med([row[i] for row in fine])/1e3:5.2f}")
 
 
 main()
