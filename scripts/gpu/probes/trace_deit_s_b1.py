@@ -31,9 +31,8 @@ def load(path, want, rnd):
         # The first trace patch wrote 6 marks (the 6th the exit), the second 14 (the 14th the
         # exit): marks t0..t4 and the exit either way, t5..t9 the attention kernel's finer ones.
         marks = f[3:-1]
-        exit_t = marks[-1]
-        t = (marks[:5] + [0] * 5)[:5] + [exit_t] if len(marks) == 6 else marks[:5] + [exit_t]
-        recs.append({"kind": f[1], "block": f[2], "t": t, "fine": marks[5:10] if len(marks) == 14 else [], "sm": f[-1]})
+        fine = marks[5:10] if len(marks) == 14 else []
+        recs.append({"kind": f[1], "block": f[2], "t": marks[:5] + [marks[-1]], "fine": fine, "sm": f[-1]})
     return recs
 
 
