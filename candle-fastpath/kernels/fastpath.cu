@@ -99,6 +99,10 @@ __device__ void layer_norm_rows(const T* __restrict__ x, const T* __restrict__ w
     constexpr unsigned VEC = 16 / sizeof(T);
     const unsigned row = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
     const unsigned lane = threadIdx.x % 32;
+    // A kernel with a programmatic edge from this one (a thin GEMM after norm1 / norm2) may be
+    // scheduled now: it asks for its weights while these rows are normalised, and waits in
+    // griddepcontrol.wait for them (dependent_launch.cuh).
+    dl_launch_dependents();
     if (row >= rows) return;
     const unsigned chunks = C / VEC;
     // The weight and bias chunks are requested first, beside the row: they do not depend on the

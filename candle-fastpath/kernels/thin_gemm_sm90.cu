@@ -172,6 +172,118 @@ THIN_GEMM_ENTRY(f16, __half, true, _gelu)
 THIN_GEMM_ENTRY(bf16, __nv_bfloat16, false, )
 THIN_GEMM_ENTRY(bf16, __nv_bfloat16, true, _gelu)
 
+// thin_gemm_wide (lever 130): the same GEMM at DeiT-B's width, K = 768, where all twelve 64-wide
+// blocks of K as 64 × 64 tiles (192 KB) would allow one CTA per SM and two waves for fc1's 192
+// tiles, and lever 101's ring of four slots at two CTAs per SM serialised loads behind MMAs
+// (9.4 µs for fc1 + GELU against cuBLASLt's 7.0 + the GELU pass's 3.0). Here a CTA computes a
+// 64 × 128 tile (fc1 at 197 rows: 4 × 24 = 96 CTAs, qkv 4 × 18, one wave at one CTA per SM) as
+// two warpgroups, each 64 of its columns, sharing x's tile; the twelve blocks of K go through
+// TGW_STAGES = 8 slots of x's 64 rows and W's 128 rows (24 KB a slot): eight blocks in flight from
+// the start, and the slots of blocks 0–3 refilled with blocks 8–11 as soon as both warpgroups'
+// wgmmas on them are done (early in the loop, while the later blocks still arrive). A CTA reads
+// 288 KB against 2 · 192 KB on an SM of the two-wave layout. The epilogue is thin_gemm_tile's, per
+// warpgroup. weights_first: W's boxes of the first eight blocks before `griddepcontrol.wait`,
+// x's after it (the refills need the wait anyway).
+//
+// Constraints (checked by the host): as thin_gemm_tile's, K = TGW_K; W's tensor map in boxes of
+// 128 rows. Grid (ceil(N / 128), ceil(M / 64)), 256 threads, TGW_SMEM bytes of dynamic shared
+// memory (the host's thin_gemm_smem_bytes for K = 768).
+constexpr int TGW_K = 768, TGW_BN = 128, TGW_STAGES = 8, TGW_BLOCKS = TGW_K / TG_TILE;
+constexpr int TGW_W_BYTES = TGW_BN * TG_TILE * 2;
+constexpr int TGW_SLOT_BYTES = TG_TILE_BYTES + TGW_W_BYTES;
+constexpr int TGW_BAR_OFFSET = TGW_STAGES * TGW_SLOT_BYTES;
+constexpr int TGW_SMEM = TGW_BAR_OFFSET + 8 * TGW_STAGES + 1024;
+static_assert(TGW_STAGES < TGW_BLOCKS && TGW_BLOCKS <= 2 * TGW_STAGES, "each slot refilled at most once");
+static_assert(TGW_SMEM <= 227 * 1024, "one CTA per SM");
+
+// Until the phase of parity `parity` of the CTA-local barrier at `bar` has completed.
+__device__ __forceinline__ void tg_wait_parity(uint32_t bar, uint32_t parity) {
+    uint32_t done = 0;
+    while (!done)
+        asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+                     : "=r"(done)
+                     : "r"(bar), "r"(parity)
+                     : "memory");
+}
+
+template <typename T, bool GELU>
+__device__ void thin_gemm_wide_tile(const CUtensorMap* tx, const CUtensorMap* tw, const T* __restrict__ bias,
+                                    T* __restrict__ y, int M, int N, int weights_first) {
+    const uint32_t tiles = smem_addr(tg_smem()), bars = tiles + TGW_BAR_OFFSET;
+    const int m0 = blockIdx.y * TG_TILE, n0 = blockIdx.x * TGW_BN;
+    const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4;
+    dl_launch_dependents();
+    // Slot s holds x's tile at tiles + s · SLOT, W's 128 rows right after it.
+    auto x_at = [&](int slot) { return tiles + slot * TGW_SLOT_BYTES; };
+    if (threadIdx.x == 0) {
+        asm volatile("prefetch.tensormap [%0];" ::"l"(tx) : "memory");
+        asm volatile("prefetch.tensormap [%0];" ::"l"(tw) : "memory");
+#pragma unroll
+        for (int s = 0; s < TGW_STAGES; ++s) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bars + 8 * s));
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+#pragma unroll
+        for (int s = 0; s < TGW_STAGES; ++s) {
+            tg_expect(bars + 8 * s, TGW_SLOT_BYTES);
+            if (!weights_first) tg_load_box(x_at(s), tx, s * TG_TILE, m0, bars + 8 * s);
+            tg_load_box(x_at(s) + TG_TILE_BYTES, tw, s * TG_TILE, n0, bars + 8 * s);
+        }
+    }
+    // The bias of this thread's accumulator columns (its warpgroup's 64), loaded while the tiles
+    // arrive.
+    const int nw = n0 + 64 * wg;
+    float bias_lo[4][2], bias_hi[4][2];
+    nl_load_bias(bias_lo, bias, nw, N);
+    nl_load_bias(bias_hi, bias, nw + 32, N);
+    dl_wait();
+    if (weights_first && threadIdx.x == 0) {
+#pragma unroll
+        for (int s = 0; s < TGW_STAGES; ++s) tg_load_box(x_at(s), tx, s * TG_TILE, m0, bars + 8 * s);
+    }
+    // The barriers' init is visible to every thread before any waits on them.
+    __syncthreads();
+    float d[32];
+#pragma unroll
+    for (int i = 0; i < 32; ++i) d[i] = 0.f;
+#pragma unroll
+    for (int b = 0; b < TGW_BLOCKS; ++b) {
+        const int slot = b % TGW_STAGES;
+        tg_wait_parity(bars + 8 * slot, (b / TGW_STAGES) & 1);
+        const uint32_t xs = x_at(slot), ws = xs + TG_TILE_BYTES + wg * TG_TILE_BYTES;
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < TG_TILE / 16; ++kk) tg_mma(T{}, d, desc_k_major(xs + kk * 32), desc_k_major(ws + kk * 32));
+        wg_commit();
+        // Block b − 1's slot refilled with block b − 1 + STAGES once both warpgroups' wgmmas on it
+        // are done (b's may still run).
+        if (b >= 1 && b - 1 + TGW_STAGES < TGW_BLOCKS) {
+            asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
+            __syncthreads();
+            if (threadIdx.x == 0) {
+                const int s = (b - 1) % TGW_STAGES, nb = b - 1 + TGW_STAGES;
+                tg_expect(bars + 8 * s, TGW_SLOT_BYTES);
+                tg_load_box(x_at(s), tx, nb * TG_TILE, m0, bars + 8 * s);
+                tg_load_box(x_at(s) + TG_TILE_BYTES, tw, nb * TG_TILE, n0, bars + 8 * s);
+            }
+        }
+    }
+    wg_wait0();
+    pin(d);
+    nl_store_tile<T, GELU>(*reinterpret_cast<const float(*)[4][4]>(&d[0]), bias_lo, y, m0 + 16 * warp, nw, M, N);
+    nl_store_tile<T, GELU>(*reinterpret_cast<const float(*)[4][4]>(&d[16]), bias_hi, y, m0 + 16 * warp, nw + 32, M, N);
+}
+
+#define THIN_GEMM_WIDE_ENTRY(SUFFIX, T, GELU, TAIL)                                                          \
+    extern "C" __global__ void __launch_bounds__(256, 1)                                                   \
+        fastpath_thin_gemm_##SUFFIX##_k768##TAIL(const __grid_constant__ CUtensorMap tx,                    \
+                                                 const __grid_constant__ CUtensorMap tw, const T* bias, T* y, \
+                                                 int M, int N, int weights_first) {                          \
+        thin_gemm_wide_tile<T, GELU>(&tx, &tw, bias, y, M, N, weights_first);                                \
+    }
+THIN_GEMM_WIDE_ENTRY(f16, __half, false, )
+THIN_GEMM_WIDE_ENTRY(f16, __half, true, _gelu)
+THIN_GEMM_WIDE_ENTRY(bf16, __nv_bfloat16, false, )
+THIN_GEMM_WIDE_ENTRY(bf16, __nv_bfloat16, true, _gelu)
+
 // d (64 × 96 f32) += A (64 × 16) · B (16 × 96), both from shared memory through descriptors,
 // K-major: the fc2 kernel's 96-column tiles.
 #define TR_WGMMA96(NAME, TYPE)                                                                        \

@@ -75,23 +75,81 @@ const NORM_LINEAR_NAMES: [&str; 8] = [
     "fastpath_norm_linear_bf16_c192_gelu_m64",
 ];
 
-/// [`ThinGemmOp`]'s kernels (kernels/thin_gemm_sm90.cu, its own PTX module, compute_90a):
-/// f16 / bf16, then plain / GELU.
+/// [`ThinGemmOp`]'s kernels (kernels/thin_gemm_sm90.cu, its own PTX module, compute_90a): per
+/// [`ThinGemmWidth`], f16 / bf16, then plain / GELU.
 #[cfg(fastpath_thin_gemm)]
-const THIN_GEMM_NAMES: [&str; 4] = [
+const THIN_GEMM_NAMES: [&str; 8] = [
     "fastpath_thin_gemm_f16_k384",
     "fastpath_thin_gemm_f16_k384_gelu",
     "fastpath_thin_gemm_bf16_k384",
     "fastpath_thin_gemm_bf16_k384_gelu",
+    "fastpath_thin_gemm_f16_k768",
+    "fastpath_thin_gemm_f16_k768_gelu",
+    "fastpath_thin_gemm_bf16_k768",
+    "fastpath_thin_gemm_bf16_k768_gelu",
 ];
 #[cfg(fastpath_thin_gemm)]
 const THIN_GEMM_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/thin_gemm.ptx"));
 #[cfg(fastpath_thin_gemm)]
 const THIN_GEMM_MODULE: &str = "candle_fastpath_thin_gemm";
-/// The one input width (K) [`ThinGemmOp`]'s kernels are built for (DeiT-S's C), and the side of
-/// a CTA's square output tile.
-pub(crate) const THIN_GEMM_K: usize = 384;
+/// The rows of a [`ThinGemmOp`] CTA's output tile, and the width of the TMA boxes of K (64
+/// 16-bit elements: one row of the 128-byte swizzle).
 pub(crate) const THIN_GEMM_TILE: usize = 64;
+
+/// The most rows [`crate::FusedLinear`] gives the K = 768 thin GEMM: five 64-row tiles, DeiT's
+/// 197 tokens of one image (DeiT-B's fc1 fills one wave at 320).
+pub(crate) const THIN_GEMM_WIDE_MAX_ROWS: usize = 320;
+
+/// The input widths (K) [`ThinGemmOp`]'s kernels are built for, each with its own CTA shape.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum ThinGemmWidth {
+    /// K = 384 (DeiT-S's C), lever 100: a warpgroup a CTA, a 64 × 64 tile, every 64-wide block
+    /// of K in shared memory at once.
+    K384,
+    /// K = 768 (DeiT-B's C), lever 130: two warpgroups a CTA, a 64 × 128 tile, the twelve blocks
+    /// of K through eight slots.
+    K768,
+}
+
+impl ThinGemmWidth {
+    /// The kernel for input width `k`, if there is one.
+    pub(crate) fn of(k: usize) -> Option<Self> {
+        match k {
+            384 => Some(Self::K384),
+            768 => Some(Self::K768),
+            _ => None,
+        }
+    }
+
+    /// Position in THIN_GEMM_NAMES (times four) and the device state's kernels.
+    fn index(self) -> usize {
+        self as usize
+    }
+
+    /// The columns of a CTA's output tile (the rows of W's TMA boxes).
+    pub(crate) fn tile_n(self) -> usize {
+        match self {
+            Self::K384 => 64,
+            Self::K768 => 128,
+        }
+    }
+
+    /// Threads a CTA: a warpgroup per 64 columns of its tile.
+    fn threads(self) -> u32 {
+        (self.tile_n() / 64 * 128) as u32
+    }
+
+    /// Dynamic shared memory of a launch: per slot x's 64-row and W's `tile_n`-row boxes of a
+    /// 64-wide block of K (16-bit), a barrier per slot, and 1024 bytes of slack for the tiles'
+    /// alignment (TG_BAR_OFFSET / TGW_SMEM in the kernel).
+    fn smem_bytes(self) -> usize {
+        let slots = match self {
+            Self::K384 => 384 / THIN_GEMM_TILE,
+            Self::K768 => 8,
+        };
+        slots * (THIN_GEMM_TILE + self.tile_n()) * THIN_GEMM_TILE * 2 + 8 * slots + 1024
+    }
+}
 
 /// [`ThinResidualNormOp`]'s kernels (the thin GEMM's module), by
 /// [`crate::ThinResidualNormTiles`] (its `index`), then f16 / bf16.
@@ -154,13 +212,6 @@ impl crate::ThinResidualNormTiles {
         let rows = r.div_ceil(nt) * (THIN_RESIDUAL_NORM_C + 8) * 2;
         tiles + part + rows + 8 * (kb + 2) + 1024
     }
-}
-
-/// Dynamic shared memory of a [`ThinGemmOp`] launch: x's and W's 64 × 64 tiles per 64-wide
-/// block of K (16-bit), a barrier per block, and 1024 bytes of slack for the tiles' alignment.
-fn thin_gemm_smem_bytes() -> usize {
-    let blocks = THIN_GEMM_K / THIN_GEMM_TILE;
-    2 * blocks * THIN_GEMM_TILE * THIN_GEMM_TILE * 2 + 8 * blocks + 1024
 }
 
 /// The input rows of one [`NormLinearOp`] CTA, per kernel form: lever 58's 16-row tile (one wave
@@ -1473,7 +1524,11 @@ fn load_thin_gemm(
     }
     let funcs = THIN_GEMM_NAMES
         .iter()
-        .map(|name| load_thin_module_func(dev, name, thin_gemm_smem_bytes()))
+        .enumerate()
+        .map(|(i, name)| {
+            let width = [ThinGemmWidth::K384, ThinGemmWidth::K768][i / 4];
+            load_thin_module_func(dev, name, width.smem_bytes())
+        })
         .collect::<candle_core::Result<Vec<_>>>()?;
     Ok(Some(funcs))
 }
@@ -1572,8 +1627,8 @@ fn tensor_map_k64(
 }
 
 /// The CustomOp behind [`crate::FusedLinear`]'s thin GEMM (lever 100; compute capability 9.0):
-/// `(x [M, K], W [N, K])` → `x·Wᵀ + bias` (then the exact GELU) for few rows, one wave of 64 × 64
-/// tiles loaded by the TMA and multiplied by wgmma, K = [`THIN_GEMM_K`]. The caller
+/// `(x [M, K], W [N, K])` → `x·Wᵀ + bias` (then the exact GELU) for few rows, one wave of 64-row
+/// tiles loaded by the TMA and multiplied by wgmma, K one of [`ThinGemmWidth`]'s. The caller
 /// (`FusedLinear::thin_gemm_applies`) decides eligibility; shapes, strides and alignment are
 /// checked again here, so a direct use cannot make the kernel misread memory.
 pub(crate) struct ThinGemmOp {
@@ -1599,8 +1654,10 @@ impl ThinGemmOp {
         let (m, k) = lx.shape().dims2()?;
         let (n, k2) = lw.shape().dims2()?;
         let bf16 = is_bf16::<T>(WHAT)?;
-        if k != THIN_GEMM_K
-            || k2 != k
+        let Some(width) = ThinGemmWidth::of(k) else {
+            candle_core::bail!("{WHAT}: no kernel for K = {k} (384 and 768 only)");
+        };
+        if k2 != k
             || m == 0
             || n == 0
             || n % 2 != 0
@@ -1608,7 +1665,7 @@ impl ThinGemmOp {
             || !contiguous_16b(lw, size)
         {
             candle_core::bail!(
-                "{WHAT}: unsupported layout for the kernel (x {:?} strides {:?}, weight {:?} strides {:?}; K must be {THIN_GEMM_K})",
+                "{WHAT}: unsupported layout for the kernel (x {:?} strides {:?}, weight {:?} strides {:?})",
                 lx.shape().dims(),
                 lx.stride(),
                 lw.shape().dims(),
@@ -1628,12 +1685,14 @@ impl ThinGemmOp {
         };
         let tw = {
             let (ptr, _sync) = ws.device_ptr(&stream);
-            tensor_map_k64(ptr, n, k, THIN_GEMM_TILE, bf16)?
+            tensor_map_k64(ptr, n, k, width.tile_n(), bf16)?
         };
         let func = {
             let mut states = STATE.lock().unwrap_or_else(|e| e.into_inner());
             match &device_state(&mut states, dev)?.thin_gemm {
-                Some(funcs) => funcs[2 * bf16 as usize + self.gelu as usize].clone(),
+                Some(funcs) => {
+                    funcs[4 * width.index() + 2 * bf16 as usize + self.gelu as usize].clone()
+                }
                 None => candle_core::bail!(
                     "{WHAT}: the kernel needs compute capability 9.0 (TMA and wgmma)"
                 ),
@@ -1647,12 +1706,12 @@ impl ThinGemmOp {
         let out = unsafe { dev.alloc::<T>(m * n)? };
         let cfg = LaunchConfig {
             grid_dim: (
-                n.div_ceil(THIN_GEMM_TILE) as u32,
+                n.div_ceil(width.tile_n()) as u32,
                 m.div_ceil(THIN_GEMM_TILE) as u32,
                 1,
             ),
-            block_dim: (128, 1, 1),
-            shared_mem_bytes: thin_gemm_smem_bytes() as u32,
+            block_dim: (width.threads(), 1, 1),
+            shared_mem_bytes: width.smem_bytes() as u32,
         };
         let (m32, n32) = (m as i32, n as i32);
         let mut builder = stream.launch_builder(&func);

@@ -95,7 +95,9 @@ pub use graph_nodes::{
     graph_input_copy_in_graph, is_capturing, programmatic_edges_enabled, GraphNodes,
 };
 pub use head::{linear_log_prob, HEAD_MAX_CLASSES};
-pub use linear::{linear, linear_no_bias, thin_gemm_mode, Epilogue, FusedLinear, ThinGemmMode};
+pub use linear::{
+    linear, linear_no_bias, thin_gemm_mode, thin_gemm_wide, Epilogue, FusedLinear, ThinGemmMode,
+};
 pub use norm::{layer_norm, LayerNorm};
 pub use norm_linear::{
     linear_residual_norm, linear_residual_norm_applies, linear_residual_norm_enabled, norm_linear,

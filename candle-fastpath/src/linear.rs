@@ -196,9 +196,11 @@ impl FusedLinear {
 
     /// [`Self::thin_gemm_applies`] for `x` of `rows` rows of the weight's in dim: CUDA with
     /// compute capability 9.0 (TMA and wgmma), a bias, the Plain or GELU epilogue (the GELU in
-    /// its default Φ form) as [`thin_gemm_mode`] allows, f16 or bf16, K = 384 (DeiT-S's C), N
-    /// even, `x` and the weight contiguous and 16-byte aligned, and a grid of 64 × 64 tiles
-    /// within one wave (one CTA per SM: batch-1 row counts).
+    /// its default Φ form) as [`thin_gemm_mode`] allows, f16 or bf16, K = 384 (DeiT-S's C) or,
+    /// unless [`thin_gemm_wide`] says no, 768 (DeiT-B's, and every DeiT's patch embedding) for
+    /// at most 320 rows, N even, `x` and the weight contiguous and 16-byte aligned, and a grid
+    /// of 64-row tiles (64 columns at K = 384, 128 at 768) within one wave (one CTA per SM:
+    /// batch-1 row counts).
     #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
     fn thin_applies(&self, x: &Tensor, rows: usize, epilogue: Epilogue) -> bool {
         #[cfg(not(feature = "cuda"))]
@@ -219,16 +221,22 @@ impl FusedLinear {
             };
             let size = x.dtype().size_in_bytes();
             let (k, n, tile) = (self.in_dim(), self.out_dim(), crate::cuda::THIN_GEMM_TILE);
+            let Some(width) = crate::cuda::ThinGemmWidth::of(k) else {
+                return false;
+            };
+            // K = 768 at batch-1 row counts only: a batch-8 DeiT-T / S patch embedding (1,568
+            // rows, 50-75 CTAs of 128 columns) measured ~1 % slower than cuBLASLt's (lever 130).
+            let wide_ok = thin_gemm_wide() && rows <= crate::cuda::THIN_GEMM_WIDE_MAX_ROWS;
             allowed
+                && (width == crate::cuda::ThinGemmWidth::K384 || wide_ok)
                 && self.bias.is_some()
                 && matches!(x.dtype(), DType::F16 | DType::BF16)
-                && k == crate::cuda::THIN_GEMM_K
                 && n % 2 == 0
                 && rows > 0
                 && crate::cuda::contiguous_16b(x.layout(), size)
                 && crate::cuda::contiguous_16b(self.weight.layout(), size)
                 && crate::cuda::thin_gemm_sm_count(dev)
-                    .is_some_and(|sms| rows.div_ceil(tile) * n.div_ceil(tile) <= sms)
+                    .is_some_and(|sms| rows.div_ceil(tile) * n.div_ceil(width.tile_n()) <= sms)
         }
     }
 
@@ -279,10 +287,10 @@ pub enum ThinGemmMode {
 
 /// The mode `CANDLE_FASTPATH_THIN_GEMM` selects (read once): unset, `gelu`, `0`.
 ///
-/// The thin GEMM computes `x·Wᵀ + b` (then the exact GELU) in 64 × 64 tiles over the whole of K,
+/// The thin GEMM computes `x·Wᵀ + b` (then the exact GELU) in 64-row tiles over the whole of K,
 /// one wave of CTAs whose operands the TMA loads and wgmma multiplies, where cuBLASLt's GEMM
 /// and the GELU pass after it are two launches of a few µs each: the few rows of a batch-1
-/// forward at DeiT-S's width.
+/// forward at DeiT-S's width and (see [`thin_gemm_wide`]) DeiT-B's.
 pub fn thin_gemm_mode() -> ThinGemmMode {
     static MODE: std::sync::OnceLock<ThinGemmMode> = std::sync::OnceLock::new();
     crate::switches::read_once(&MODE, "CANDLE_FASTPATH_THIN_GEMM", |v| match v {
@@ -290,6 +298,14 @@ pub fn thin_gemm_mode() -> ThinGemmMode {
         Some("0") | Some("off") => ThinGemmMode::Off,
         _ => ThinGemmMode::On,
     })
+}
+
+/// Whether [`FusedLinear`]'s thin GEMM also takes K = 768 (DeiT-B's width, lever 130 in
+/// `docs/BENCHMARKS.md`), within what [`thin_gemm_mode`] allows: yes unless
+/// `CANDLE_FASTPATH_THIN_GEMM_WIDE=0` (read once; for A/B measurements).
+pub fn thin_gemm_wide() -> bool {
+    static WIDE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    crate::switches::on_unless_off(&WIDE, "CANDLE_FASTPATH_THIN_GEMM_WIDE")
 }
 
 /// `t` must have `shape` and the weight's dtype and device.

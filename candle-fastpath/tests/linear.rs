@@ -100,31 +100,39 @@ fn check(
     thin
 }
 
-/// The thin GEMM (lever 100): DeiT-S's fc1 (N = 1536) and qkv (N = 1152) at batch-1 row counts,
-/// tile edges (64-row tiles) and the first row counts past one wave, plain and GELU, inputs at
-/// row offsets into a larger buffer. Built with `cuda` on an H100 / H200 it asserts where the
-/// kernel runs (f16 / bf16 with a bias, unless `CANDLE_FASTPATH_THIN_GEMM` turns it off, or, for
-/// the GELU, `CANDLE_FASTPATH_GELU=erf`) and where it does not.
+/// The thin GEMM (levers 100 and 130): DeiT-S's fc1 (N = 1536) and qkv (N = 1152), DeiT-B's fc1
+/// (N = 3072), qkv (N = 2304) and head (N = 1000: a last column tile mostly past N) at batch-1
+/// row counts, tile edges (64-row tiles) and the first row counts past one wave, plain and GELU,
+/// inputs at row offsets into a larger buffer. Built with `cuda` on an H100 / H200 it asserts
+/// where the kernel runs (f16 / bf16 with a bias, unless `CANDLE_FASTPATH_THIN_GEMM` turns it
+/// off, or, for the GELU, `CANDLE_FASTPATH_GELU=erf`; K = 768 for at most 320 rows unless
+/// `CANDLE_FASTPATH_THIN_GEMM_WIDE=0`) and where it does not.
 #[test]
 fn thin_gemm_matches_reference_at_batch_one_rows() {
     let dev = device();
     let mut rng = StdRng::seed_from_u64(99);
     let mode = candle_fastpath::thin_gemm_mode();
     for dtype in [DType::F16, DType::BF16, DType::F32] {
-        let rows: &[(usize, &[usize])] = if dtype == DType::F32 {
-            &[(1536, &[1, 65])]
+        // (K, N, rows).
+        let shapes: &[(usize, usize, &[usize])] = if dtype == DType::F32 {
+            &[(384, 1536, &[1, 65]), (768, 3072, &[1, 65])]
         } else {
             &[
-                (1536, &[1, 2, 63, 64, 65, 138, 197, 320, 321]),
-                (1152, &[17, 129, 448, 449]),
+                (384, 1536, &[1, 2, 63, 64, 65, 138, 197, 320, 321]),
+                (384, 1152, &[17, 129, 448, 449]),
+                (768, 3072, &[1, 2, 65, 138, 197, 320, 321]),
+                (768, 2304, &[63, 197, 448, 449]),
+                (768, 1000, &[1, 8]),
             ]
         };
-        for &(n, ms) in rows {
+        for &(k, n, ms) in shapes {
             for &m in ms {
                 for kind in [Kind::Plain, Kind::Gelu] {
-                    let thin = check(&dev, &mut rng, dtype, m, 384, n, true, kind, m % 3, 0);
-                    // One wave of 64 × 64 tiles on an H100 / H200 (132 SMs).
-                    let one_wave = m.div_ceil(64) * n.div_ceil(64) <= 132;
+                    let thin = check(&dev, &mut rng, dtype, m, k, n, true, kind, m % 3, 0);
+                    // One wave of 64-row tiles on an H100 / H200 (132 SMs): 64 columns a tile at
+                    // K = 384, 128 at 768.
+                    let tile_n = if k == 768 { 128 } else { 64 };
+                    let one_wave = m.div_ceil(64) * n.div_ceil(tile_n) <= 132;
                     // The GELU epilogue only in the default x·Φ(x) form (not under
                     // CANDLE_FASTPATH_GELU=erf).
                     let allowed = match kind {
@@ -134,8 +142,11 @@ fn thin_gemm_matches_reference_at_batch_one_rows() {
                                 && candle_fastpath::gelu_phi_form()
                         }
                     };
-                    let want = dev.is_cuda() && dtype != DType::F32 && one_wave && allowed;
-                    assert_eq!(thin, want, "{dtype:?} m={m} n={n} {kind:?}");
+                    // K = 768 for at most 320 rows (batch-1 row counts).
+                    let wide_ok = k == 384 || (candle_fastpath::thin_gemm_wide() && m <= 320);
+                    let want =
+                        dev.is_cuda() && dtype != DType::F32 && one_wave && allowed && wide_ok;
+                    assert_eq!(thin, want, "{dtype:?} m={m} k={k} n={n} {kind:?}");
                 }
             }
         }
