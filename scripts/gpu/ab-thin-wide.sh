@@ -2,7 +2,10 @@
 # Lever 130 on the GPU machine, from the repo root: the thin GEMM at K = 768 (DeiT-B's batch-1
 # qkv and fc1 + GELU, and every model's batch-1 patch embedding; 64 × 128 tiles, two warpgroups,
 # eight slots of K) against cuBLASLt (and the GELU pass); one binary:
-# CANDLE_FASTPATH_THIN_GEMM_WIDE=0 and the default.
+# CANDLE_FASTPATH_THIN_GEMM_WIDE=0 and the default. SWITCH=CANDLE_FASTPATH_THIN_WIDE_MULTICAST
+# runs lever 131's A/B the same way (that kernel in clusters of four row tiles with W's tiles
+# multicast, against lever 130's unclustered form; not kept: the switch exists only with
+# docs/benchmarks/history/lever131-thin-wide-multicast.patch applied).
 # The LayerNorm kernel lets a kernel with a programmatic edge from it start early (lever 130: the
 # thin GEMM after norm1 / norm2 then asks for its weights during the LayerNorm); that part has no
 # switch (with the switch at 0 no such edge exists at DeiT-B).
@@ -26,7 +29,7 @@ unpack
 start_log thin-wide.txt
 ARMS=${ARMS:-0 default}
 MODELS=${MODELS:-deit-tiny,deit-small,deit-base}
-V=CANDLE_FASTPATH_THIN_GEMM_WIDE
+V=${SWITCH:-CANDLE_FASTPATH_THIN_GEMM_WIDE}
 if has checks; then
   if [ -f "$B/test-linear" ]; then
     test_arms $V "$ARMS" linear
