@@ -5,7 +5,9 @@
 # CANDLE_FASTPATH_THIN_GEMM_WIDE=0 and the default. SWITCH=CANDLE_FASTPATH_THIN_WIDE_MULTICAST
 # runs lever 131's A/B the same way (that kernel in clusters of four row tiles with W's tiles
 # multicast, against lever 130's unclustered form; not kept: the switch exists only with
-# docs/benchmarks/history/lever131-thin-wide-multicast.patch applied).
+# docs/benchmarks/history/lever131-thin-wide-multicast.patch applied), and
+# SWITCH=CANDLE_FASTPATH_THIN_WIDE_N96 lever 132's (64 × 96 tiles for one warpgroup; not kept
+# either: docs/benchmarks/history/lever132-thin-wide-n96.patch).
 # The LayerNorm kernel lets a kernel with a programmatic edge from it start early (lever 130: the
 # thin GEMM after norm1 / norm2 then asks for its weights during the LayerNorm); that part has no
 # switch (with the switch at 0 no such edge exists at DeiT-B).
