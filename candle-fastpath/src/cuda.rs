@@ -112,6 +112,9 @@ pub(crate) enum ThinGemmWidth {
 }
 
 impl ThinGemmWidth {
+    /// Every width, in THIN_GEMM_NAMES's order.
+    const ALL: [Self; 2] = [Self::K384, Self::K768];
+
     /// The kernel for input width `k`, if there is one.
     pub(crate) fn of(k: usize) -> Option<Self> {
         match k {
@@ -1525,10 +1528,7 @@ fn load_thin_gemm(
     let funcs = THIN_GEMM_NAMES
         .iter()
         .enumerate()
-        .map(|(i, name)| {
-            let width = [ThinGemmWidth::K384, ThinGemmWidth::K768][i / 4];
-            load_thin_module_func(dev, name, width.smem_bytes())
-        })
+        .map(|(i, name)| load_thin_module_func(dev, name, ThinGemmWidth::ALL[i / 4].smem_bytes()))
         .collect::<candle_core::Result<Vec<_>>>()?;
     Ok(Some(funcs))
 }

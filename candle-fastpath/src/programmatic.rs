@@ -9,8 +9,11 @@
 //! overlaps its weight loads with the kernel before's tail. stop 50's probe
 //! (scripts/gpu/probes/phase_floor.cu) measured ~1 µs a boundary saved that way, against ~0.2 with
 //! the wait at entry (lever 70, which changed nothing end to end); DeiT-S's batch-1 graph saves
-//! ~0.3 µs a boundary, ~15 µs a forward (lever 125's A/B). The kernels take the weights-first
-//! order only when told (`weights_first`, which each op sets exactly when
+//! ~0.3 µs a boundary, ~15 µs a forward (lever 125's A/B). The LayerNorm kernel, which has no
+//! programmatic edge in, triggers at entry too, so that a thin GEMM after it (DeiT-B's batch-1
+//! qkv and fc1, lever 130) asks for its weights while the rows are normalised: without that
+//! trigger the edge only delayed the GEMM's activations behind its weights. The kernels take the
+//! weights-first order only when told (`weights_first`, which each op sets exactly when
 //! [`ProgrammaticEdge::before_outputs`] returned an edge): without one to overlap, asking for all
 //! the weights before any activation only delays the first block.
 //!
