@@ -159,18 +159,21 @@ __device__ void thin_gemm_tile(const CUtensorMap* tx, const CUtensorMap* tw, con
     nl_store_tile<T, GELU>(*reinterpret_cast<const float(*)[4][4]>(&d[16]), bias_hi, y, m0 + 16 * warp, n0 + 32, M, N);
 }
 
-// One entry per storage type and epilogue, named as the Rust side's THIN_GEMM_NAMES expects.
-#define THIN_GEMM_ENTRY(SUFFIX, T, GELU, TAIL)                                                              \
-    extern "C" __global__ void __launch_bounds__(128)                                                      \
-        fastpath_thin_gemm_##SUFFIX##_k384##TAIL(const __grid_constant__ CUtensorMap tx,                    \
-                                                 const __grid_constant__ CUtensorMap tw, const T* bias, T* y, \
-                                                 int M, int N, int weights_first) {                          \
-        thin_gemm_tile<T, GELU>(&tx, &tw, bias, y, M, N, weights_first);                                     \
+// The thin GEMM's entries at width K, one per storage type and epilogue, each running TILE (the
+// tile function for that width) with launch bounds BOUNDS, named as the Rust side's
+// THIN_GEMM_NAMES expects.
+#define THIN_GEMM_ENTRY(K, BOUNDS, TILE, SUFFIX, T, GELU, TAIL)                                           \
+    extern "C" __global__ void __launch_bounds__ BOUNDS fastpath_thin_gemm_##SUFFIX##_k##K##TAIL(          \
+        const __grid_constant__ CUtensorMap tx, const __grid_constant__ CUtensorMap tw, const T* bias, T* y, \
+        int M, int N, int weights_first) {                                                                  \
+        TILE<T, GELU>(&tx, &tw, bias, y, M, N, weights_first);                                              \
     }
-THIN_GEMM_ENTRY(f16, __half, false, )
-THIN_GEMM_ENTRY(f16, __half, true, _gelu)
-THIN_GEMM_ENTRY(bf16, __nv_bfloat16, false, )
-THIN_GEMM_ENTRY(bf16, __nv_bfloat16, true, _gelu)
+#define THIN_GEMM_ENTRIES(K, BOUNDS, TILE)                                \
+    THIN_GEMM_ENTRY(K, BOUNDS, TILE, f16, __half, false, )                \
+    THIN_GEMM_ENTRY(K, BOUNDS, TILE, f16, __half, true, _gelu)            \
+    THIN_GEMM_ENTRY(K, BOUNDS, TILE, bf16, __nv_bfloat16, false, )        \
+    THIN_GEMM_ENTRY(K, BOUNDS, TILE, bf16, __nv_bfloat16, true, _gelu)
+THIN_GEMM_ENTRIES(384, (128), thin_gemm_tile)
 
 // thin_gemm_wide (lever 130): the same GEMM at DeiT-B's width, K = 768, where all twelve 64-wide
 // blocks of K as 64 × 64 tiles (192 KB) would allow one CTA per SM and two waves for fc1's 192
@@ -272,17 +275,7 @@ __device__ void thin_gemm_wide_tile(const CUtensorMap* tx, const CUtensorMap* tw
     nl_store_tile<T, GELU>(*reinterpret_cast<const float(*)[4][4]>(&d[16]), bias_hi, y, m0 + 16 * warp, nw + 32, M, N);
 }
 
-#define THIN_GEMM_WIDE_ENTRY(SUFFIX, T, GELU, TAIL)                                                          \
-    extern "C" __global__ void __launch_bounds__(256, 1)                                                   \
-        fastpath_thin_gemm_##SUFFIX##_k768##TAIL(const __grid_constant__ CUtensorMap tx,                    \
-                                                 const __grid_constant__ CUtensorMap tw, const T* bias, T* y, \
-                                                 int M, int N, int weights_first) {                          \
-        thin_gemm_wide_tile<T, GELU>(&tx, &tw, bias, y, M, N, weights_first);                                \
-    }
-THIN_GEMM_WIDE_ENTRY(f16, __half, false, )
-THIN_GEMM_WIDE_ENTRY(f16, __half, true, _gelu)
-THIN_GEMM_WIDE_ENTRY(bf16, __nv_bfloat16, false, )
-THIN_GEMM_WIDE_ENTRY(bf16, __nv_bfloat16, true, _gelu)
+THIN_GEMM_ENTRIES(768, (256, 1), thin_gemm_wide_tile)
 
 // d (64 × 96 f32) += A (64 × 16) · B (16 × 96), both from shared memory through descriptors,
 // K-major: the fc2 kernel's 96-column tiles.
