@@ -80,13 +80,7 @@ __device__ float read_tma(const __half* in, int b, int total, int bytes, unsigne
 // CTA b's 1.5 KB slice of `out` from its threads' sums (every sum reaches the store, so no load is
 // dead code).
 __device__ __forceinline__ void write_slice(__half* out, int b, float acc) {
-    acc = __shfl_xor_sync(~0u, acc, 1) + acc;
-    if (threadIdx.x < SLICE / 8) {
-        const __half2 o = __floats2half2_rn(acc, 1.f);
-        uint4 w;
-        w.x = w.y = w.z = w.w = *reinterpret_cast<const unsigned*>(&o);
-        __stcg(reinterpret_cast<uint4*>(out + b * SLICE) + threadIdx.x, w);
-    }
+    probe_store_slice<SLICE>(out, b, __shfl_xor_sync(~0u, acc, 1) + acc);
 }
 
 // R bytes of `in` from CTA b's slice on into shared memory by cp.async, 16 bytes a request, every

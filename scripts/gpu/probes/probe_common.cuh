@@ -250,6 +250,18 @@ struct GemmCase {
     }
 };
 
+// CTA b's SLICE f16 elements of `out` (the first SLICE / 8 threads, 16 bytes each, L2 only): a
+// phase probe's output, `acc` rounded into every element so that the loads behind it stay live.
+template <int SLICE>
+__device__ __forceinline__ void probe_store_slice(__half* out, int b, float acc) {
+    if (threadIdx.x < SLICE / 8) {
+        const __half2 o = __floats2half2_rn(acc, 1.f);
+        uint4 w;
+        w.x = w.y = w.z = w.w = *reinterpret_cast<const unsigned*>(&o);
+        __stcg(reinterpret_cast<uint4*>(out + b * SLICE) + threadIdx.x, w);
+    }
+}
+
 // DeiT's four GEMMs per block, sized as multiples of the width C: qkv, proj (+ residual), fc1,
 // fc2 (+ residual).
 struct DeitGemm {
