@@ -7,7 +7,11 @@
 # multicast, against lever 130's unclustered form; not kept: the switch exists only with
 # docs/benchmarks/history/lever131-thin-wide-multicast.patch applied), and
 # SWITCH=CANDLE_FASTPATH_THIN_WIDE_N96 lever 132's (64 × 96 tiles for one warpgroup; not kept
-# either: docs/benchmarks/history/lever132-thin-wide-n96.patch).
+# either: docs/benchmarks/history/lever132-thin-wide-n96.patch), and
+# SWITCH=CANDLE_FASTPATH_THIN_SPLIT lever 133's (DeiT-B's batch-1 attention projection and fc2,
+# residual epilogue, on the thin GEMM with K split four ways over a cluster, against cuBLASLt's
+# GEMM with its residual epilogue; not kept either: the switch, with `fc2` for K = 3072 alone,
+# exists only with docs/benchmarks/history/lever133-thin-split-residual.patch applied).
 # The LayerNorm kernel lets a kernel with a programmatic edge from it start early (lever 130: the
 # thin GEMM after norm1 / norm2 then asks for its weights during the LayerNorm); that part has no
 # switch (with the switch at 0 no such edge exists at DeiT-B).
