@@ -11,15 +11,19 @@
 # SWITCH=CANDLE_FASTPATH_THIN_SPLIT lever 133's (DeiT-B's batch-1 attention projection and fc2,
 # residual epilogue, on the thin GEMM with K split four ways over a cluster, against cuBLASLt's
 # GEMM with its residual epilogue; not kept either: the switch, with `fc2` for K = 3072 alone,
-# exists only with docs/benchmarks/history/lever133-thin-split-residual.patch applied).
+# exists only with docs/benchmarks/history/lever133-thin-split-residual.patch applied), and
+# SWITCH=CANDLE_FASTPATH_THIN_NORM lever 134's (DeiT-B's batch-1 norm1 → qkv, norm2 → fc1 + GELU
+# and final norm → head with the LayerNorm inside the K = 768 thin GEMM, against the LayerNorm
+# kernel and then that GEMM; not kept: the switch exists only with
+# docs/benchmarks/history/lever134-thin-norm-gemm.patch applied, whose test-norm_linear checks it).
 # The LayerNorm kernel lets a kernel with a programmatic edge from it start early (lever 130: the
 # thin GEMM after norm1 / norm2 then asks for its weights during the LayerNorm); that part has no
 # switch (with the switch at 0 no such edge exists at DeiT-B).
-# Needs .gpu/test-linear.xz (or test-programmatic.xz) for checks, .gpu/test-paths_agreement.xz
+# Needs .gpu/test-linear.xz (or test-programmatic.xz, test-norm_linear.xz) for checks, .gpu/test-paths_agreement.xz
 # for graphs, .gpu/bench.xz for e2e, b8, anatomy and ncu.
 # STAGES (default "checks"; run in the order checks, graphs, e2e, b8, anatomy, ncu):
 #   checks   test-linear in both arms, then under memcheck (default arm); test-programmatic in
-#            both arms (whichever of the two the bundle has)
+#            both arms; test-norm_linear in both arms and under memcheck (whichever the bundle has)
 #   graphs   the one-image graphs at DeiT-T, DeiT-S and DeiT-B, paths at DeiT-B batch 1 (default arm)
 #   e2e      bench at batch 1, DTYPES (default f16), every pruner and mode, ragged path, MODELS
 #            (default deit-tiny,deit-small,deit-base), arms interleaved, two rounds; per-row ratios
@@ -42,6 +46,10 @@ if has checks; then
     tests_memcheck linear
   fi
   [ -f "$B/test-programmatic" ] && test_arms $V "$ARMS" programmatic
+  if [ -f "$B/test-norm_linear" ]; then
+    test_arms $V "$ARMS" norm_linear
+    tests_memcheck norm_linear
+  fi
 fi
 if has graphs; then
   graphs_check 200
