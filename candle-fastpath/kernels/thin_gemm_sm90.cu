@@ -103,6 +103,17 @@ __device__ __forceinline__ void tg_wait(uint32_t bar) {
                      : "memory");
 }
 
+// Thread 0's first steps in every kernel here: both tensor maps prefetched, and the COUNT
+// one-arrival barriers at `bars` initialised (the caller arms any of them and issues
+// fence.mbarrier_init before they are used).
+template <int COUNT>
+__device__ __forceinline__ void tg_start(const CUtensorMap* ta, const CUtensorMap* tb, uint32_t bars) {
+    asm volatile("prefetch.tensormap [%0];" ::"l"(ta) : "memory");
+    asm volatile("prefetch.tensormap [%0];" ::"l"(tb) : "memory");
+#pragma unroll
+    for (int b = 0; b < COUNT; ++b) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bars + 8 * b));
+}
+
 template <typename T, bool GELU>
 __device__ void thin_gemm_tile(const CUtensorMap* tx, const CUtensorMap* tw, const T* __restrict__ bias,
                                T* __restrict__ y, int M, int N, int weights_first) {
@@ -114,10 +125,7 @@ __device__ void thin_gemm_tile(const CUtensorMap* tx, const CUtensorMap* tw, con
     // has. Else each block's two boxes together (x's first: no wait to overlap, and W's 48 KB
     // ahead of x's would only delay the first block).
     if (threadIdx.x == 0) {
-        asm volatile("prefetch.tensormap [%0];" ::"l"(tx) : "memory");
-        asm volatile("prefetch.tensormap [%0];" ::"l"(tw) : "memory");
-#pragma unroll
-        for (int b = 0; b < TG_BLOCKS; ++b) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bars + 8 * b));
+        tg_start<TG_BLOCKS>(tx, tw, bars);
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
 #pragma unroll
         for (int b = 0; b < TG_BLOCKS; ++b) {
@@ -219,10 +227,7 @@ __device__ void thin_gemm_wide_tile(const CUtensorMap* tx, const CUtensorMap* tw
     // Slot s holds x's tile at tiles + s · SLOT, W's 128 rows right after it.
     auto x_at = [&](int slot) { return tiles + slot * TGW_SLOT_BYTES; };
     if (threadIdx.x == 0) {
-        asm volatile("prefetch.tensormap [%0];" ::"l"(tx) : "memory");
-        asm volatile("prefetch.tensormap [%0];" ::"l"(tw) : "memory");
-#pragma unroll
-        for (int s = 0; s < TGW_STAGES; ++s) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bars + 8 * s));
+        tg_start<TGW_STAGES>(tx, tw, bars);
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
 #pragma unroll
         for (int s = 0; s < TGW_STAGES; ++s) {
@@ -386,10 +391,7 @@ __device__ void thin_residual_norm_tile(const CUtensorMap* th, const CUtensorMap
     // weights_first: W2's boxes first, h's once the kernel this one depends on has finished; else
     // each block's two together (as thin_gemm_tile).
     if (tid == 0) {
-        asm volatile("prefetch.tensormap [%0];" ::"l"(th) : "memory");
-        asm volatile("prefetch.tensormap [%0];" ::"l"(tw) : "memory");
-#pragma unroll
-        for (int b = 0; b < KB + 2; ++b) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bars + 8 * b));
+        tg_start<KB + 2>(th, tw, bars);
         // The exchanges' byte counts: KS partial slabs, and `owned` whole rows.
         tg_expect(part_bar, S::PART);
         tg_expect(row_bar, owned * TR_C * (int)sizeof(T));
