@@ -22,8 +22,8 @@
 # Needs .gpu/test-linear.xz (or test-programmatic.xz, test-norm_linear.xz) for checks, .gpu/test-paths_agreement.xz
 # for graphs, .gpu/bench.xz for e2e, b8, anatomy and ncu.
 # STAGES (default "checks"; run in the order checks, graphs, e2e, b8, anatomy, ncu):
-#   checks   test-linear in both arms, then under memcheck (default arm); test-programmatic in
-#            both arms; test-norm_linear in both arms and under memcheck (whichever the bundle has)
+#   checks   test-linear, then test-norm_linear, each in both arms, then under memcheck
+#            (default arm); test-programmatic in both arms (whichever the bundle has)
 #   graphs   the one-image graphs at DeiT-T, DeiT-S and DeiT-B, paths at DeiT-B batch 1 (default arm)
 #   e2e      bench at batch 1, DTYPES (default f16), every pruner and mode, ragged path, MODELS
 #            (default deit-tiny,deit-small,deit-base), arms interleaved, two rounds; per-row ratios
@@ -41,15 +41,13 @@ ARMS=${ARMS:-0 default}
 MODELS=${MODELS:-deit-tiny,deit-small,deit-base}
 V=${SWITCH:-CANDLE_FASTPATH_THIN_GEMM_WIDE}
 if has checks; then
-  if [ -f "$B/test-linear" ]; then
-    test_arms $V "$ARMS" linear
-    tests_memcheck linear
-  fi
+  for t in linear norm_linear; do
+    if [ -f "$B/test-$t" ]; then
+      test_arms $V "$ARMS" $t
+      tests_memcheck $t
+    fi
+  done
   [ -f "$B/test-programmatic" ] && test_arms $V "$ARMS" programmatic
-  if [ -f "$B/test-norm_linear" ]; then
-    test_arms $V "$ARMS" norm_linear
-    tests_memcheck norm_linear
-  fi
 fi
 if has graphs; then
   graphs_check 200
