@@ -198,7 +198,7 @@ THIN_GEMM_ENTRIES(384, (128), thin_gemm_tile)
 //
 // Constraints (checked by the host): as thin_gemm_tile's, K = TGW_K; W's tensor map in boxes of
 // 128 rows. Grid (ceil(N / 128), ceil(M / 64)), 256 threads, TGW_SMEM bytes of dynamic shared
-// memory (the host's thin_gemm_smem_bytes for K = 768).
+// memory (the host's ThinGemmWidth::smem_bytes for K768).
 constexpr int TGW_K = 768, TGW_BN = 128, TGW_STAGES = 8, TGW_BLOCKS = TGW_K / TG_TILE;
 constexpr int TGW_W_BYTES = TGW_BN * TG_TILE * 2;
 constexpr int TGW_SLOT_BYTES = TG_TILE_BYTES + TGW_W_BYTES;
@@ -333,7 +333,8 @@ TR_WGMMA96(tr_wgmma96_bf16, "bf16")
 // [TR_C, TR_K] contiguous with 16-byte aligned rows (TMA), r, x1, z [M, TR_C] contiguous, the
 // tensor maps in 64-wide boxes (64 rows of h, BN rows of W2) with the 128-byte swizzle; grid
 // (NT, ceil(M / 64), KS) in clusters of (NT, 1, KS) (non-portable sizes: the host opts in), 128
-// threads, tr_smem_bytes<BN, KS>() of dynamic shared memory.
+// threads, TrShape<BN, KS>::SMEM bytes of dynamic shared memory (the host's
+// ThinResidualNormTiles::smem_bytes).
 constexpr int TR_C = 384, TR_K = 1536;
 
 template <int BN, int KS>
