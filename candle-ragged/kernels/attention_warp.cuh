@@ -1,6 +1,7 @@
 // The warp-level pieces of the mma.sync attention kernels (ragged_attention.cu): the m16n8k16
 // product, cp.async and ldmatrix wrappers, the shared-memory row layout of K / V, and one warp's
-// online softmax over 16 query rows (begin_rows, attend_keys, end_rows). A header so that other
+// online softmax over 16 query rows (begin_rows, attend_keys, end_rows; attend_keys_rows walks
+// several groups of 16 rows over the same keys, lever 135's paired tiles). A header so that other
 // kernels can run the same attention arithmetic inside their own launches: candle-fastpath's
 // attention_residual_norm_linear finds it through this crate's `include` build metadata.
 #pragma once
@@ -118,21 +119,24 @@ __device__ __forceinline__ void scale_o(RowState<D> &st, float2 alpha) {
 // O and l: P <= 2^8 = 256, far inside f16's and bf16's range.
 constexpr float RESCALE_SLACK = 8.f;
 
-// One warp, 16 query rows, one chunk of KEYS keys staged in shared memory (rows of C::ROW
-// elements starting at kt / vt): S = Q K^T, online-softmax update, O += P V. `valid` (1..KEYS)
-// keys of the chunk are real; n-tiles and k-steps wholly past them are skipped (warp-uniform
-// branches), keys past them inside a live n-tile are masked. Shared rows up to the next multiple
-// of 16 past the last valid key must hold finite values (zeros): P is exactly 0 there.
+// One warp, R groups of 16 query rows (R = 1, or 2 for lever 135's paired tiles), one chunk of
+// KEYS keys staged in shared memory (rows of C::ROW elements starting at kt / vt): S = Q K^T,
+// online-softmax update, O += P V, for each group. Each K / V fragment loaded by ldmatrix feeds
+// the MMAs of all R groups. `valid` (1..KEYS) keys of the chunk are real; n-tiles and k-steps
+// wholly past them are skipped (warp-uniform branches), keys past them inside a live n-tile are
+// masked. Shared rows up to the next multiple of 16 past the last valid key must hold finite
+// values (zeros): P is exactly 0 there.
 //
 // FULL (valid == KEYS, every chunk of a sequence but its last): no branch and no mask, and Q K^T
-// runs k-step-outer over the n-tiles, so the chunk's MMAs form NT_S independent accumulator
+// runs k-step-outer over the n-tiles, so the chunk's MMAs form NT_S · R independent accumulator
 // chains and its ldmatrix loads can issue ahead of them. The guarded form (lever 35's
 // before) is a single chain: every n-tile's ldmatrix -> 4 dependent MMAs sits behind a branch,
 // which keeps ptxas from interleaving n-tiles, so each MMA waits out its predecessor's latency.
-// Same products and sums in the same order per element: the results are bit-identical.
-template <typename T, int D, int KEYS, bool FULL, bool LAZY>
-__device__ __forceinline__ void attend_chunk(RowState<D> &st, const T *kt, const T *vt, int valid, float scale_log2,
-                                             int lane) {
+// Same products and sums in the same order per element: the results are bit-identical, and
+// for any R each group's results are those of R = 1.
+template <typename T, int D, int KEYS, bool FULL, bool LAZY, int R>
+__device__ __forceinline__ void attend_chunk_rows(RowState<D> *st, const T *kt, const T *vt, int valid,
+                                                  float scale_log2, int lane) {
     using C = TileCfg<D>;
     constexpr int KSTEPS = D / 16;     // k-steps of Q K^T over the head dim
     constexpr int NT_S = KEYS / 8;     // n-tiles of S per chunk
@@ -140,10 +144,12 @@ __device__ __forceinline__ void attend_chunk(RowState<D> &st, const T *kt, const
     constexpr int PSTEPS = KEYS / 16;  // k-steps of P V over the keys of a chunk
     const int t = lane % 4;
 
-    // S = Q K^T for 16 rows x KEYS keys; K's B operands by ldmatrix, two k-steps per load.
-    float s[NT_S][4];
+    // S = Q K^T for 16 rows x KEYS keys per group; K's B operands by ldmatrix, two k-steps per load.
+    float s[R][NT_S][4];
 #pragma unroll
-    for (int nt = 0; nt < NT_S; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int nt = 0; nt < NT_S; ++nt) s[r][nt][0] = s[r][nt][1] = s[r][nt][2] = s[r][nt][3] = 0.f;
     if (FULL) {
         const T *krow = kt + (lane & 7) * C::ROW + (lane >> 3) * 8;
 #pragma unroll
@@ -152,9 +158,13 @@ __device__ __forceinline__ void attend_chunk(RowState<D> &st, const T *kt, const
 #pragma unroll
             for (int nt = 0; nt < NT_S; ++nt) ldmatrix_x4(b[nt][0], b[nt][1], b[nt][2], b[nt][3], krow + nt * 8 * C::ROW + kk * 16);
 #pragma unroll
-            for (int nt = 0; nt < NT_S; ++nt) mma_16816<T>(s[nt], st.qa[kk], b[nt][0], b[nt][1]);
+            for (int r = 0; r < R; ++r)
 #pragma unroll
-            for (int nt = 0; nt < NT_S; ++nt) mma_16816<T>(s[nt], st.qa[kk + 1], b[nt][2], b[nt][3]);
+                for (int nt = 0; nt < NT_S; ++nt) mma_16816<T>(s[r][nt], st[r].qa[kk], b[nt][0], b[nt][1]);
+#pragma unroll
+            for (int r = 0; r < R; ++r)
+#pragma unroll
+                for (int nt = 0; nt < NT_S; ++nt) mma_16816<T>(s[r][nt], st[r].qa[kk + 1], b[nt][2], b[nt][3]);
         }
     } else {
 #pragma unroll
@@ -165,82 +175,87 @@ __device__ __forceinline__ void attend_chunk(RowState<D> &st, const T *kt, const
             for (int kk = 0; kk < KSTEPS; kk += 2) {
                 uint32_t b0, b1, b2, b3;
                 ldmatrix_x4(b0, b1, b2, b3, krow + kk * 16);
-                mma_16816<T>(s[nt], st.qa[kk], b0, b1);
-                mma_16816<T>(s[nt], st.qa[kk + 1], b2, b3);
+#pragma unroll
+                for (int r = 0; r < R; ++r) {
+                    mma_16816<T>(s[r][nt], st[r].qa[kk], b0, b1);
+                    mma_16816<T>(s[r][nt], st[r].qa[kk + 1], b2, b3);
+                }
             }
         }
     }
 
-    // Scale into log2 units; mask keys past the end only in a partial chunk.
-    float tmax0 = -INFINITY, tmax1 = -INFINITY;
-    const bool partial = !FULL && valid < KEYS;
+    uint32_t pa[R][PSTEPS][4];
 #pragma unroll
-    for (int nt = 0; nt < NT_S; ++nt) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const int key = nt * 8 + t * 2 + (e & 1);
-            s[nt][e] = (!partial || key < valid) ? s[nt][e] * scale_log2 : -INFINITY;
-        }
-        tmax0 = fmaxf(tmax0, fmaxf(s[nt][0], s[nt][1]));
-        tmax1 = fmaxf(tmax1, fmaxf(s[nt][2], s[nt][3]));
-    }
-    uint32_t pa[PSTEPS][4];
-    float sum0 = 0.f, sum1 = 0.f;
-    if constexpr (LAZY) {
-        // Lazy rescaling (lever 38; LAZY is the 80-register resident kernel only): the running
-        // maxima m0 / m1 only move when some score of the warp exceeds its row's maximum by more
-        // than RESCALE_SLACK (log2 units), as FlashAttention-3 does, so P = exp2(s - m) stays at
-        // most 2^RESCALE_SLACK (finite in f16 and bf16) and O, l stay consistent with the m they
-        // were scaled by: softmax = O / l is unchanged, and the key parts' merge weighs each
-        // part's state by its own m. Most chunks after a sequence's first then skip the quad
-        // shuffles, the two exp2 of alpha and the rescaling of O, which sit on the dependent
-        // chain between the two MMA groups. A thread's own column maximum exceeds m + slack iff
-        // its row's maximum does for some thread of the quad, so the vote needs no shuffle; the
-        // first chunk always rescales (m = -inf). Lever 37 measured it in every form: it pays
-        // where registers are short (the 80-register form: 1.03-1.06x) and costs ~2 % in the
-        // 96-register one, which keeps the eager form below (the results of before, bit for bit).
-        if (__any_sync(0xffffffff, tmax0 > st.m0 + RESCALE_SLACK || tmax1 > st.m1 + RESCALE_SLACK)) {
-            const float2 alpha = raise_max(st, tmax0, tmax1);
-            st.l0 *= alpha.x;
-            st.l1 *= alpha.y;
-            scale_o(st, alpha);
-        }
+    for (int r = 0; r < R; ++r) {
+        // Scale into log2 units; mask keys past the end only in a partial chunk.
+        float tmax0 = -INFINITY, tmax1 = -INFINITY;
+        const bool partial = !FULL && valid < KEYS;
 #pragma unroll
         for (int nt = 0; nt < NT_S; ++nt) {
-            const bool live = FULL || nt * 8 < valid;
-            const float p0 = live ? exp2f(s[nt][0] - st.m0) : 0.f;
-            const float p1 = live ? exp2f(s[nt][1] - st.m0) : 0.f;
-            const float p2 = live ? exp2f(s[nt][2] - st.m1) : 0.f;
-            const float p3 = live ? exp2f(s[nt][3] - st.m1) : 0.f;
-            sum0 += p0 + p1;
-            sum1 += p2 + p3;
-            pa[nt / 2][(nt % 2) * 2 + 0] = Pack2<T>::from_floats(p0, p1);
-            pa[nt / 2][(nt % 2) * 2 + 1] = Pack2<T>::from_floats(p2, p3);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int key = nt * 8 + t * 2 + (e & 1);
+                s[r][nt][e] = (!partial || key < valid) ? s[r][nt][e] * scale_log2 : -INFINITY;
+            }
+            tmax0 = fmaxf(tmax0, fmaxf(s[r][nt][0], s[r][nt][1]));
+            tmax1 = fmaxf(tmax1, fmaxf(s[r][nt][2], s[r][nt][3]));
         }
-        st.l0 += sum0;
-        st.l1 += sum1;
-    } else {
-        // Every chunk holds at least one valid key, so the new maxima are finite.
-        const float2 alpha = raise_max(st, tmax0, tmax1);
-        const float new_m0 = st.m0, new_m1 = st.m1;
+        float sum0 = 0.f, sum1 = 0.f;
+        if constexpr (LAZY) {
+            // Lazy rescaling (lever 38; LAZY is the 80-register resident kernel only): the running
+            // maxima m0 / m1 only move when some score of the warp exceeds its row's maximum by more
+            // than RESCALE_SLACK (log2 units), as FlashAttention-3 does, so P = exp2(s - m) stays at
+            // most 2^RESCALE_SLACK (finite in f16 and bf16) and O, l stay consistent with the m they
+            // were scaled by: softmax = O / l is unchanged, and the key parts' merge weighs each
+            // part's state by its own m. Most chunks after a sequence's first then skip the quad
+            // shuffles, the two exp2 of alpha and the rescaling of O, which sit on the dependent
+            // chain between the two MMA groups. A thread's own column maximum exceeds m + slack iff
+            // its row's maximum does for some thread of the quad, so the vote needs no shuffle; the
+            // first chunk always rescales (m = -inf). Lever 37 measured it in every form: it pays
+            // where registers are short (the 80-register form: 1.03-1.06x) and costs ~2 % in the
+            // 96-register one, which keeps the eager form below (the results of before, bit for bit).
+            if (__any_sync(0xffffffff, tmax0 > st[r].m0 + RESCALE_SLACK || tmax1 > st[r].m1 + RESCALE_SLACK)) {
+                const float2 alpha = raise_max(st[r], tmax0, tmax1);
+                st[r].l0 *= alpha.x;
+                st[r].l1 *= alpha.y;
+                scale_o(st[r], alpha);
+            }
+#pragma unroll
+            for (int nt = 0; nt < NT_S; ++nt) {
+                const bool live = FULL || nt * 8 < valid;
+                const float p0 = live ? exp2f(s[r][nt][0] - st[r].m0) : 0.f;
+                const float p1 = live ? exp2f(s[r][nt][1] - st[r].m0) : 0.f;
+                const float p2 = live ? exp2f(s[r][nt][2] - st[r].m1) : 0.f;
+                const float p3 = live ? exp2f(s[r][nt][3] - st[r].m1) : 0.f;
+                sum0 += p0 + p1;
+                sum1 += p2 + p3;
+                pa[r][nt / 2][(nt % 2) * 2 + 0] = Pack2<T>::from_floats(p0, p1);
+                pa[r][nt / 2][(nt % 2) * 2 + 1] = Pack2<T>::from_floats(p2, p3);
+            }
+            st[r].l0 += sum0;
+            st[r].l1 += sum1;
+        } else {
+            // Every chunk holds at least one valid key, so the new maxima are finite.
+            const float2 alpha = raise_max(st[r], tmax0, tmax1);
+            const float new_m0 = st[r].m0, new_m1 = st[r].m1;
 
 #pragma unroll
-        for (int nt = 0; nt < NT_S; ++nt) {
-            const bool live = FULL || nt * 8 < valid;  // masked n-tiles contribute exact zeros without exp2
-            const float p0 = live ? exp2f(s[nt][0] - new_m0) : 0.f;
-            const float p1 = live ? exp2f(s[nt][1] - new_m0) : 0.f;
-            const float p2 = live ? exp2f(s[nt][2] - new_m1) : 0.f;
-            const float p3 = live ? exp2f(s[nt][3] - new_m1) : 0.f;
-            sum0 += p0 + p1;
-            sum1 += p2 + p3;
-            // The accumulator layout of S is the A-operand layout of P: no shuffles needed.
-            pa[nt / 2][(nt % 2) * 2 + 0] = Pack2<T>::from_floats(p0, p1);
-            pa[nt / 2][(nt % 2) * 2 + 1] = Pack2<T>::from_floats(p2, p3);
+            for (int nt = 0; nt < NT_S; ++nt) {
+                const bool live = FULL || nt * 8 < valid;  // masked n-tiles contribute exact zeros without exp2
+                const float p0 = live ? exp2f(s[r][nt][0] - new_m0) : 0.f;
+                const float p1 = live ? exp2f(s[r][nt][1] - new_m0) : 0.f;
+                const float p2 = live ? exp2f(s[r][nt][2] - new_m1) : 0.f;
+                const float p3 = live ? exp2f(s[r][nt][3] - new_m1) : 0.f;
+                sum0 += p0 + p1;
+                sum1 += p2 + p3;
+                // The accumulator layout of S is the A-operand layout of P: no shuffles needed.
+                pa[r][nt / 2][(nt % 2) * 2 + 0] = Pack2<T>::from_floats(p0, p1);
+                pa[r][nt / 2][(nt % 2) * 2 + 1] = Pack2<T>::from_floats(p2, p3);
+            }
+            st[r].l0 = st[r].l0 * alpha.x + sum0;
+            st[r].l1 = st[r].l1 * alpha.y + sum1;
+            scale_o(st[r], alpha);
         }
-        st.l0 = st.l0 * alpha.x + sum0;
-        st.l1 = st.l1 * alpha.y + sum1;
-        scale_o(st, alpha);
-
     }
 
     // O += P V; V's B operands come transposed out of its row-major rows by ldmatrix.
@@ -252,22 +267,40 @@ __device__ __forceinline__ void attend_chunk(RowState<D> &st, const T *kt, const
         for (int dt = 0; dt < NT_O; dt += 2) {
             uint32_t b0, b1, b2, b3;
             ldmatrix_x4_trans(b0, b1, b2, b3, vrow + dt * 8);
-            mma_16816<T>(st.acc_o[dt], pa[ps], b0, b1);
-            mma_16816<T>(st.acc_o[dt + 1], pa[ps], b2, b3);
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                mma_16816<T>(st[r].acc_o[dt], pa[r][ps], b0, b1);
+                mma_16816<T>(st[r].acc_o[dt + 1], pa[r][ps], b2, b3);
+            }
         }
     }
 }
 
-// Keys [key0, key_end) of the staged rows kt / vt (key 0 at row 0) in steps of KEYS: the full
-// steps branch-free, the last partial one guarded.
+// attend_chunk_rows for one group of 16 rows.
+template <typename T, int D, int KEYS, bool FULL, bool LAZY>
+__device__ __forceinline__ void attend_chunk(RowState<D> &st, const T *kt, const T *vt, int valid, float scale_log2,
+                                             int lane) {
+    attend_chunk_rows<T, D, KEYS, FULL, LAZY, 1>(&st, kt, vt, valid, scale_log2, lane);
+}
+
+// Keys [key0, key_end) of the staged rows kt / vt (key 0 at row 0) in steps of KEYS, for R groups
+// of 16 rows: the full steps branch-free, the last partial one guarded.
+template <typename T, int D, int KEYS, bool LAZY, int R>
+__device__ __forceinline__ void attend_keys_rows(RowState<D> *st, const T *kt, const T *vt, int key0, int key_end,
+                                                 float scale_log2, int lane) {
+    using C = TileCfg<D>;
+    for (; key0 + KEYS <= key_end; key0 += KEYS)
+        attend_chunk_rows<T, D, KEYS, true, LAZY, R>(st, kt + key0 * C::ROW, vt + key0 * C::ROW, KEYS, scale_log2, lane);
+    if (key0 < key_end)
+        attend_chunk_rows<T, D, KEYS, false, LAZY, R>(st, kt + key0 * C::ROW, vt + key0 * C::ROW, key_end - key0,
+                                                      scale_log2, lane);
+}
+
+// attend_keys_rows for one group of 16 rows.
 template <typename T, int D, int KEYS, bool LAZY>
 __device__ __forceinline__ void attend_keys(RowState<D> &st, const T *kt, const T *vt, int key0, int key_end,
                                             float scale_log2, int lane) {
-    using C = TileCfg<D>;
-    for (; key0 + KEYS <= key_end; key0 += KEYS)
-        attend_chunk<T, D, KEYS, true, LAZY>(st, kt + key0 * C::ROW, vt + key0 * C::ROW, KEYS, scale_log2, lane);
-    if (key0 < key_end)
-        attend_chunk<T, D, KEYS, false, LAZY>(st, kt + key0 * C::ROW, vt + key0 * C::ROW, key_end - key0, scale_log2, lane);
+    attend_keys_rows<T, D, KEYS, LAZY, 1>(&st, kt, vt, key0, key_end, scale_log2, lane);
 }
 
 // Normalises the 16 rows row_base.. and writes those inside the sequence to o (contiguous).

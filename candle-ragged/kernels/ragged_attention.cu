@@ -129,8 +129,11 @@ __device__ __forceinline__ void attn_mma_kernel(const T *__restrict__ q, const T
 #define RESIDENT_MAX_LEN 256
 #define RESIDENT_MAX_WARPS 8
 
-// KEYS: keys per online-softmax step; LAZY: lazy rescaling (attend_chunk)
-template <typename T, int D, int KEYS, bool LAZY>
+// KEYS: keys per online-softmax step; LAZY: lazy rescaling (attend_chunk); PAIR (lever 135): without
+// key parts, a warp walks its query tiles two at a time (tile, tile + warps · splits), each K / V
+// fragment feeding both tiles' MMAs (attend_chunk_rows with R = 2): half the ldmatrix loads and
+// two independent chains per warp, at the price of a second tile's registers.
+template <typename T, int D, int KEYS, bool LAZY, bool PAIR = false>
 __device__ __forceinline__ void attn_resident_kernel(const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v,
                                                      T *__restrict__ o, const uint32_t *__restrict__ cu_seqlens,
                                                      long long q_tok, long long q_head, long long k_tok, long long k_head,
@@ -174,17 +177,39 @@ __device__ __forceinline__ void attn_resident_kernel(const T *__restrict__ q, co
     T *oh = o + static_cast<long long>(start) * o_tok + h * D;
 
     int tile = first_tile + warp;
-    RowState<D> st;
+    RowState<D> pair[PAIR ? 2 : 1];
+    RowState<D> &st = pair[0];
     if (tile < q_tiles) begin_rows<T, D>(st, qh, q_tok, tile * 16, len, lane);  // overlaps the K / V copy
+    if constexpr (PAIR) {
+        const int second = tile + gridDim.x * warps;
+        if (parts == 1 && second < q_tiles) begin_rows<T, D>(pair[1], qh, q_tok, second * 16, len, lane);
+    }
     cp_async_wait<0>();
     __syncthreads();
 
     if (parts == 1) {
         const int stride = gridDim.x * warps;
-        for (; tile < q_tiles; tile += stride) {
-            if (tile != first_tile + warp) begin_rows<T, D>(st, qh, q_tok, tile * 16, len, lane);
-            attend_keys<T, D, KEYS, LAZY>(st, ks, vs, 0, len, scale_log2, lane);
-            end_rows<T, D>(st, oh, o_tok, tile * 16, len, lane);
+        if constexpr (PAIR) {
+            for (; tile < q_tiles; tile += 2 * stride) {
+                const int second = tile + stride;
+                if (tile != first_tile + warp) {
+                    begin_rows<T, D>(pair[0], qh, q_tok, tile * 16, len, lane);
+                    if (second < q_tiles) begin_rows<T, D>(pair[1], qh, q_tok, second * 16, len, lane);
+                }
+                if (second < q_tiles) {
+                    attend_keys_rows<T, D, KEYS, LAZY, 2>(pair, ks, vs, 0, len, scale_log2, lane);
+                    end_rows<T, D>(pair[1], oh, o_tok, second * 16, len, lane);
+                } else {
+                    attend_keys<T, D, KEYS, LAZY>(pair[0], ks, vs, 0, len, scale_log2, lane);
+                }
+                end_rows<T, D>(pair[0], oh, o_tok, tile * 16, len, lane);
+            }
+        } else {
+            for (; tile < q_tiles; tile += stride) {
+                if (tile != first_tile + warp) begin_rows<T, D>(st, qh, q_tok, tile * 16, len, lane);
+                attend_keys<T, D, KEYS, LAZY>(st, ks, vs, 0, len, scale_log2, lane);
+                end_rows<T, D>(st, oh, o_tok, tile * 16, len, lane);
+            }
         }
         return;
     }
@@ -405,6 +430,15 @@ __device__ __forceinline__ void unpack_rows(const VEC *__restrict__ packed, VEC 
     extern "C" __global__ void __launch_bounds__(RESIDENT_MAX_WARPS * 32, BLOCKS) NAME(ATTN_ARGS(T)) { \
         attn_resident_kernel<T, D, KEYS, LAZY>(ATTN_PASS);                                        \
     }
+// Lever 135: the paired form (PAIR above) for blocks of up to 4 warps (resident_plan.rs): 32-key
+// steps, lazy rescaling (lever 38), capped at 168 registers (ptxas: no spills), so three warps per
+// SM sub-partition where the 96-register kernel has five: the same independent chains per SM,
+// 16 % fewer instructions (ncu). 16-key steps under 128 registers (four warps per sub-partition,
+// ~0.1 KB spilled) measured 0.77-1.06x the default kernel: not built.
+#define RESIDENT_ENTRY_PAIR(NAME, T, D)                                                           \
+    extern "C" __global__ void __maxnreg__(168) NAME(ATTN_ARGS(T)) {                              \
+        attn_resident_kernel<T, D, 32, true, true>(ATTN_PASS);                                    \
+    }
 MMA_ENTRY(ragged_attn_f16_d32, __half, 32)
 MMA_ENTRY(ragged_attn_f16_d64, __half, 64)
 MMA_ENTRY(ragged_attn_f16_d128, __half, 128)
@@ -423,6 +457,10 @@ RESIDENT_ENTRY_BOUNDED(ragged_attn_resident_k64_f16_d32, __half, 32, 64, 2, fals
 RESIDENT_ENTRY_BOUNDED(ragged_attn_resident_k64_f16_d64, __half, 64, 64, 2, false)
 RESIDENT_ENTRY_BOUNDED(ragged_attn_resident_k64_bf16_d32, __nv_bfloat16, 32, 64, 2, false)
 RESIDENT_ENTRY_BOUNDED(ragged_attn_resident_k64_bf16_d64, __nv_bfloat16, 64, 64, 2, false)
+RESIDENT_ENTRY_PAIR(ragged_attn_resident_pair_f16_d32, __half, 32)
+RESIDENT_ENTRY_PAIR(ragged_attn_resident_pair_f16_d64, __half, 64)
+RESIDENT_ENTRY_PAIR(ragged_attn_resident_pair_bf16_d32, __nv_bfloat16, 32)
+RESIDENT_ENTRY_PAIR(ragged_attn_resident_pair_bf16_d64, __nv_bfloat16, 64)
 
 #define F32_ENTRY(NAME, D)                                                                        \
     extern "C" __global__ void __launch_bounds__(QUERIES_PER_BLOCK) NAME(ATTN_ARGS(float)) {     \

@@ -43,8 +43,8 @@ const RESIDENT_NAMES: [[&str; 2]; 2] = [
     ],
 ];
 use crate::resident_plan::{
-    resident_merge_max_bytes, resident_plan, resident_smem_bytes, KEY_PARTS, RESIDENT_MAX_LEN,
-    SPLIT_BELOW_WARPS_PER_SM,
+    resident_merge_max_bytes, resident_plan, resident_smem_bytes, PlanKnobs, KEY_PARTS,
+    RESIDENT_MAX_LEN,
 };
 
 const ATTN_NAMES: [[&str; 3]; 3] = [
@@ -111,22 +111,23 @@ const DECIDE_MAX_SMEM: usize = 4 * DECIDE_LOGIT_FLOATS + 16 * crate::MAX_SEQ_LEN
 
 struct Kernels {
     attn: Vec<Vec<CudaFunction>>,
-    /// The resident kernels, [96-register, 80-register] (lever 35; `ResidentPlan::low_registers`
-    /// picks), each [dtype - 1][head_dim index].
-    resident: [Vec<Vec<CudaFunction>>; 2],
+    /// The resident kernels, [96-register, 80-register, paired] (levers 35 and 135;
+    /// `ResidentPlan::kernel_index` picks), each [dtype - 1][head_dim index].
+    resident: [Vec<Vec<CudaFunction>>; 3],
     /// Streaming multiprocessors: the resident kernel splits a (sequence, head) over several
     /// blocks when the batch alone would not fill them.
     sm_count: usize,
+    /// Shared memory of an SM in bytes (the resident plan counts the blocks an SM holds).
+    smem_per_sm: usize,
     /// `CANDLE_RAGGED_ATTENTION=tiled` turns the resident kernel off (for A/B measurements).
     resident_enabled: bool,
     /// The wgmma kernel (lever 46; at parity with the resident one, so an A/B arm), by
     /// [dtype - 1], on compute capability 9.0 with `CANDLE_RAGGED_ATTENTION=wgmma1`.
     wgmma: Option<Vec<CudaFunction>>,
-    /// Most key parts per query tile (`CANDLE_RAGGED_KEY_PARTS`, for A/B: 1 turns them off, 4
-    /// keeps lever 16's rule; default 8).
-    max_key_parts: usize,
-    /// `resident_plan`'s split threshold (warps per SM): `CANDLE_RAGGED_SPLIT_BELOW`, for A/B.
-    split_below: usize,
+    /// `resident_plan`'s tunables, from the environment for A/B measurements:
+    /// `CANDLE_RAGGED_KEY_PARTS` (1 turns key parts off, 4 keeps lever 16's rule; default 8),
+    /// `CANDLE_RAGGED_SPLIT_BELOW` (warps per SM) and `CANDLE_RAGGED_PAIR_WARPS` (0 never pairs).
+    plan_knobs: PlanKnobs,
     select: Vec<CudaFunction>,
     decide: Vec<CudaFunction>,
     gather: Vec<CudaFunction>,
@@ -162,15 +163,15 @@ fn kernels(dev: &CudaDevice) -> Result<Arc<Kernels>> {
     // A/B arms, same launch shape and shared memory: `CANDLE_RAGGED_RESIDENT=k64` is v4's
     // resident kernel from before lever 24 (64-key softmax steps, two blocks per SM) for every
     // launch; `r96` / `r80` lever 35's kernel under one register bound for every launch instead
-    // of the plan's choice.
+    // of the plan's choice (the paired kernel's launches included).
     let variants = match std::env::var("CANDLE_RAGGED_RESIDENT")
         .as_deref()
         .map(str::trim)
     {
-        Ok("k64") => ["resident_k64_", "resident_k64_"],
-        Ok("r96") => ["resident_", "resident_"],
-        Ok("r80") => ["resident_r80_", "resident_r80_"],
-        _ => ["resident_", "resident_r80_"],
+        Ok("k64") => ["resident_k64_"; 3],
+        Ok("r96") => ["resident_"; 3],
+        Ok("r80") => ["resident_r80_"; 3],
+        _ => ["resident_", "resident_r80_", "resident_pair_"],
     };
     let load_resident = |variant: &str| -> Result<Vec<Vec<CudaFunction>>> {
         RESIDENT_NAMES
@@ -182,7 +183,11 @@ fn kernels(dev: &CudaDevice) -> Result<Arc<Kernels>> {
             })
             .collect()
     };
-    let resident = [load_resident(variants[0])?, load_resident(variants[1])?];
+    let resident = [
+        load_resident(variants[0])?,
+        load_resident(variants[1])?,
+        load_resident(variants[2])?,
+    ];
     // Past 48 KB of dynamic shared memory a kernel must opt in.
     for (fs, dim) in resident
         .iter()
@@ -201,6 +206,14 @@ fn kernels(dev: &CudaDevice) -> Result<Arc<Kernels>> {
         .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
         .w()?
         .max(1) as usize;
+    let smem_per_sm = dev
+        .cuda_stream()
+        .context()
+        .attribute(
+            sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR,
+        )
+        .w()?
+        .max(0) as usize;
     let attention_env = std::env::var("CANDLE_RAGGED_ATTENTION");
     let resident_enabled = attention_env.as_deref() != Ok("tiled");
     let wgmma = match PTX_SM90 {
@@ -228,15 +241,22 @@ fn kernels(dev: &CudaDevice) -> Result<Arc<Kernels>> {
         }
         _ => None,
     };
-    let max_key_parts = match std::env::var("CANDLE_RAGGED_KEY_PARTS").as_deref() {
-        Ok("1") => 1,
-        Ok("4") => KEY_PARTS,
-        _ => 8,
+    let defaults = PlanKnobs::default();
+    let knob = |name: &str, default: usize| {
+        std::env::var(name)
+            .ok()
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(default)
     };
-    let split_below = std::env::var("CANDLE_RAGGED_SPLIT_BELOW")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(SPLIT_BELOW_WARPS_PER_SM);
+    let plan_knobs = PlanKnobs {
+        max_parts: match std::env::var("CANDLE_RAGGED_KEY_PARTS").as_deref() {
+            Ok("1") => 1,
+            Ok("4") => KEY_PARTS,
+            _ => defaults.max_parts,
+        },
+        split_below: knob("CANDLE_RAGGED_SPLIT_BELOW", defaults.split_below),
+        pair_max_warps: knob("CANDLE_RAGGED_PAIR_WARPS", defaults.pair_max_warps),
+    };
     let decide: Vec<CudaFunction> = DECIDE_NAMES
         .iter()
         .map(|n| load(n))
@@ -255,10 +275,10 @@ fn kernels(dev: &CudaDevice) -> Result<Arc<Kernels>> {
             .collect::<Result<_>>()?,
         resident,
         sm_count,
+        smem_per_sm,
         resident_enabled,
         wgmma,
-        max_key_parts,
-        split_below,
+        plan_knobs,
         select: SELECT_NAMES
             .iter()
             .map(|n| load(n))
@@ -424,8 +444,8 @@ pub(crate) fn attention(
             batch.max_len(),
             dim,
             k.sm_count,
-            k.max_key_parts,
-            k.split_below,
+            k.smem_per_sm,
+            k.plan_knobs,
         );
         let cfg = LaunchConfig {
             grid_dim: plan.grid,
@@ -433,7 +453,7 @@ pub(crate) fn attention(
             shared_mem_bytes: plan.shared_mem_bytes,
         };
         (
-            &k.resident[plan.low_registers as usize][dtype_index - 1][dim_index],
+            &k.resident[plan.kernel_index()][dtype_index - 1][dim_index],
             cfg,
         )
     } else {

@@ -22,6 +22,52 @@ const KEY_PARTS_WIDE: usize = 8;
 /// warps) splits too and loses (16.5 → 18.2 µs).
 pub(crate) const SPLIT_BELOW_WARPS_PER_SM: usize = 11;
 
+/// Most warps per block for which the plan takes lever 135's paired kernel (each warp's two
+/// query tiles at once: [`ResidentPlan::paired`]); `CANDLE_RAGGED_PAIR_WARPS` overrides it (A/B
+/// knob; 0 never pairs). Lever 135 (H100, bench-attention, f16 and bf16, 6 / 12 heads, batch
+/// 64 / 256, two rounds, the paired kernel forced on every launch): 4-warp blocks (keep 0.5:
+/// sequences of up to 128 tokens) 1.01–1.09× faster in all eight cells, 5-warp blocks (keep 0.7)
+/// 0.86–1.15×, 7-warp blocks (keep 1.0, one block a SM at 168 registers) 0.81–0.91×.
+pub(crate) const PAIR_MAX_WARPS: usize = 4;
+
+/// Warps an SM holds of a kernel built for `regs` registers a thread: registers are allocated
+/// per SM sub-partition (four of 16,384), in whole warps.
+const fn warps_per_sm(regs: usize) -> usize {
+    4 * (16384 / (regs * 32))
+}
+/// The 96-register resident kernel (`__maxnreg__(96)`): 20 warps a SM.
+const RESIDENT_WARPS_PER_SM: usize = warps_per_sm(96);
+/// The paired kernel (`__maxnreg__(168)`): 12 warps a SM.
+const PAIRED_WARPS_PER_SM: usize = warps_per_sm(168);
+
+/// Blocks of `warps` warps and `smem` bytes of dynamic shared memory an SM holds at once, for a
+/// kernel of which it holds `warps_per_sm` warps and an SM of `smem_per_sm` bytes (1 KB of it
+/// reserved per block).
+fn blocks_per_sm(warps: usize, smem: usize, warps_per_sm: usize, smem_per_sm: usize) -> usize {
+    (warps_per_sm / warps).min(smem_per_sm / (smem + 1024))
+}
+
+/// The plan's tunables, each an environment knob for A/B measurements (read once per device).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(crate) struct PlanKnobs {
+    /// Most key parts per query tile (`CANDLE_RAGGED_KEY_PARTS`): see [`resident_key_parts`].
+    pub max_parts: usize,
+    /// The split threshold in warps per SM (`CANDLE_RAGGED_SPLIT_BELOW`): see [`resident_plan`].
+    pub split_below: usize,
+    /// Most warps per block that pair their tiles (`CANDLE_RAGGED_PAIR_WARPS`): [`PAIR_MAX_WARPS`].
+    pub pair_max_warps: usize,
+}
+
+impl Default for PlanKnobs {
+    fn default() -> Self {
+        Self {
+            max_parts: KEY_PARTS_WIDE,
+            split_below: SPLIT_BELOW_WARPS_PER_SM,
+            pair_max_warps: PAIR_MAX_WARPS,
+        }
+    }
+}
+
 /// Shared memory of a resident block: K and V rows (head_dim + 8 elements, padded so ldmatrix
 /// is conflict-free) for the longest sequence rounded up to 16 keys.
 pub(crate) fn resident_smem_bytes(max_len: usize, head_dim: usize) -> usize {
@@ -80,6 +126,22 @@ pub(crate) struct ResidentPlan {
     /// The 80-register kernel (lever 24's bound; since lever 38 it also rescales its online softmax
     /// lazily) instead of the 96-register one (lever 35).
     pub low_registers: bool,
+    /// Lever 135's kernel instead of either: each warp takes its two query tiles at once, every
+    /// K / V fragment feeding both (168 registers). Only without key parts or splits, in blocks
+    /// of at most [`PlanKnobs::pair_max_warps`] warps of which some have two tiles.
+    pub paired: bool,
+}
+
+impl ResidentPlan {
+    /// Which resident kernel runs the plan: 0 the 96-register one, 1 the 80-register one, 2 the
+    /// paired one.
+    pub(crate) fn kernel_index(&self) -> usize {
+        if self.paired {
+            2
+        } else {
+            self.low_registers as usize
+        }
+    }
 }
 
 /// Whether a launch of `blocks` blocks of `warps` warps (no key parts) takes the 80-register
@@ -104,39 +166,57 @@ fn wants_low_registers(warps: usize, blocks: usize, sm_count: usize) -> bool {
 ///   holds its shared memory until its slowest warp ends, so the tiles must spread evenly), or,
 ///   when that would leave SMs idle (under `split_below` warps a SM,
 ///   [`SPLIT_BELOW_WARPS_PER_SM`] by default; 20–24 fit), two
-///   blocks per (sequence, head) and a tile per warp.
+///   blocks per (sequence, head) and a tile per warp;
+/// - one block per (sequence, head) of at most `knobs.pair_max_warps` warps takes the paired
+///   kernel when some warp has two tiles, unless the grid fits the SMs at once with the
+///   96-register kernel and not with the paired one (which holds 12 warps a SM, not 20). Lever
+///   135's second A/B (H100, `CANDLE_RAGGED_PAIR_WARPS=0` against 4, 3 / 6 / 12 heads, batch 64 /
+///   256, keep 0.3 / 0.5, f16 and bf16, two rounds) found exactly those grids slower paired:
+///   768 blocks of 3 warps (3 heads at batch 256 and 12 at 64, keep 0.3) 0.89–0.90×, against
+///   1.02–1.18× where the paired grid takes no more waves than the other or both take several,
+///   and ~1.00 at 3 heads batch 64.
+///
+/// `smem_per_sm`: shared memory of an SM in bytes (228 KB on the H100).
 pub(crate) fn resident_plan(
     batch: usize,
     heads: usize,
     max_len: usize,
     head_dim: usize,
     sm_count: usize,
-    max_parts: usize,
-    split_below: usize,
+    smem_per_sm: usize,
+    knobs: PlanKnobs,
 ) -> ResidentPlan {
     let pairs = batch * heads;
     let q_tiles = max_len.div_ceil(16);
     let kv = resident_smem_bytes(max_len, head_dim);
-    if let Some((parts, warps)) = resident_key_parts(pairs, q_tiles, sm_count, max_parts) {
+    if let Some((parts, warps)) = resident_key_parts(pairs, q_tiles, sm_count, knobs.max_parts) {
         return ResidentPlan {
             grid: (q_tiles.div_ceil(warps) as u32, heads as u32, batch as u32),
             block: ((warps * 32) as u32, parts as u32, 1),
             shared_mem_bytes: (kv + resident_merge_bytes(warps, parts, head_dim)) as u32,
             // At most a wave of warps: occupancy does not bound it.
             low_registers: false,
+            paired: false,
         };
     }
     let warps = q_tiles.div_ceil(2).clamp(1, RESIDENT_MAX_WARPS);
-    let splits = if pairs * warps < split_below * sm_count {
+    let splits = if pairs * warps < knobs.split_below * sm_count {
         q_tiles.div_ceil(warps).clamp(1, 2)
     } else {
         1
     };
+    let paired = splits == 1 && warps <= knobs.pair_max_warps && q_tiles > warps && {
+        let fits =
+            |warps_per_sm| pairs <= sm_count * blocks_per_sm(warps, kv, warps_per_sm, smem_per_sm);
+        fits(PAIRED_WARPS_PER_SM) || !fits(RESIDENT_WARPS_PER_SM)
+    };
+    let low_registers = !paired && wants_low_registers(warps, splits * pairs, sm_count);
     ResidentPlan {
         grid: (splits as u32, heads as u32, batch as u32),
         block: ((warps * 32) as u32, 1, 1),
         shared_mem_bytes: kv as u32,
-        low_registers: wants_low_registers(warps, splits * pairs, sm_count),
+        low_registers,
+        paired,
     }
 }
 
@@ -145,17 +225,14 @@ mod tests {
     use super::*;
 
     const H100_SMS: usize = 132;
+    const H100_SMEM: usize = 228 * 1024;
 
     fn plan(batch: usize, heads: usize, max_len: usize, max_parts: usize) -> ResidentPlan {
-        resident_plan(
-            batch,
-            heads,
-            max_len,
-            64,
-            H100_SMS,
+        let knobs = PlanKnobs {
             max_parts,
-            SPLIT_BELOW_WARPS_PER_SM,
-        )
+            ..PlanKnobs::default()
+        };
+        resident_plan(batch, heads, max_len, 64, H100_SMS, H100_SMEM, knobs)
     }
 
     #[test]
@@ -179,6 +256,7 @@ mod tests {
                 block: (7 * 32, 1, 1),
                 shared_mem_bytes: resident_smem_bytes(197, 64) as u32,
                 low_registers: false,
+                paired: false,
             }
         );
         // Batch 256: one block of 7 warps per (sequence, head), on the 80-register kernel
@@ -204,6 +282,57 @@ mod tests {
         assert!(!plan(1, 12, 197, 8).low_registers);
     }
 
+    #[test]
+    fn short_sequences_at_large_batches_pair_their_tiles() {
+        // Lever 135's measured cells: keep 0.5 (lengths up to 113 tokens: 4-warp blocks) pairs,
+        // keep 0.7 (159: 5 warps) and keep 1.0 (197: 7 warps) do not.
+        for heads in [6, 12] {
+            for batch in [64, 256] {
+                let p = plan(batch, heads, 113, 8);
+                assert!(p.paired && !p.low_registers, "{p:?}");
+                assert_eq!(p.kernel_index(), 2);
+                assert_eq!((p.grid.0, p.block.0), (1, 4 * 32));
+                assert!(!plan(batch, heads, 159, 8).paired);
+                assert!(!plan(batch, heads, 197, 8).paired);
+            }
+        }
+        // Keep 0.3 (69 tokens: 3-warp blocks): 768 blocks fit the SMs at once with the
+        // 96-register kernel (six a SM) but not paired (four): no pairing there; more blocks
+        // pair, fewer split (two blocks per (sequence, head), a tile per warp).
+        assert!(!plan(256, 3, 69, 8).paired);
+        assert!(!plan(64, 12, 69, 8).paired);
+        assert!(plan(256, 6, 69, 8).paired && plan(256, 12, 69, 8).paired);
+        for heads in [3, 6] {
+            let p = plan(64, heads, 69, 8);
+            assert!(p.grid.0 == 2 && !p.paired, "{p:?}");
+        }
+        // Keep 0.5 at 768 blocks of 4 warps: more than a wave either way, paired.
+        assert!(plan(256, 3, 113, 8).paired && plan(64, 12, 113, 8).paired);
+        // DeiT's pruned stages at batch 256: 98 and 69 tokens pair.
+        assert!(plan(256, 6, 98, 8).paired);
+        assert!(plan(256, 6, 69, 8).paired);
+        // No warp with two tiles (16 tokens), a split batch (DeiT-T at batch 64 keeps two blocks
+        // per (sequence, head), one tile a warp) and key parts (batch 1) do not pair.
+        assert!(!plan(256, 12, 16, 8).paired);
+        assert!(!plan(1, 6, 100, 8).paired);
+        let split = plan(8, 3, 100, 1);
+        assert_eq!(split.grid.0, 2);
+        assert!(!split.paired);
+        // The knob: 0 never pairs, 8 pairs every unsplit block whose warps hold two tiles.
+        let knobs = |pair_max_warps| PlanKnobs {
+            pair_max_warps,
+            ..PlanKnobs::default()
+        };
+        assert!(!resident_plan(256, 12, 113, 64, H100_SMS, H100_SMEM, knobs(0)).paired);
+        assert!(resident_plan(256, 12, 197, 64, H100_SMS, H100_SMEM, knobs(8)).paired);
+        assert_eq!(
+            resident_plan(256, 12, 197, 64, H100_SMS, H100_SMEM, knobs(8)).kernel_index(),
+            2
+        );
+        assert_eq!(plan(256, 12, 197, 8).kernel_index(), 1);
+        assert_eq!(plan(256, 12, 159, 8).kernel_index(), 0);
+    }
+
     /// For every batch the kernel takes: every query tile of the longest sequence has a warp,
     /// the parts never outnumber the key tiles, and the shared memory stays within what the
     /// kernels opt into when they load (and under the H100's 227 KB per block).
@@ -217,14 +346,12 @@ mod tests {
                 for batch in [1, 2, 3, 8, 64, 256] {
                     for heads in [1, 3, 6, 12, 16] {
                         for max_len in [1, 2, 15, 16, 17, 63, 64, 65, 129, 197, 255, 256] {
-                            let p = resident_plan(
-                                batch,
-                                heads,
-                                max_len,
-                                head_dim,
-                                H100_SMS,
+                            let knobs = PlanKnobs {
                                 max_parts,
-                                SPLIT_BELOW_WARPS_PER_SM,
+                                ..PlanKnobs::default()
+                            };
+                            let p = resident_plan(
+                                batch, heads, max_len, head_dim, H100_SMS, H100_SMEM, knobs,
                             );
                             let q_tiles = max_len.div_ceil(16) as u32;
                             let (warps, parts) = (p.block.0 / 32, p.block.1);
@@ -237,7 +364,14 @@ mod tests {
                             } else {
                                 // Tiles warp, warp + warps · splits, ...: all reached.
                                 assert!(p.grid.0 >= 1 && p.grid.0 <= 2, "{what}");
+                                // The paired kernel: one block per (sequence, head), at most
+                                // two tiles a warp.
+                                if p.paired {
+                                    assert_eq!(p.grid.0, 1, "{what}");
+                                    assert!(q_tiles > warps && q_tiles <= 2 * warps, "{what}");
+                                }
                             }
+                            assert!(!(p.paired && p.low_registers), "{what}");
                             assert_eq!((p.grid.1, p.grid.2), (heads as u32, batch as u32));
                             assert!(p.shared_mem_bytes as usize <= opt_in, "{what}");
                         }

@@ -296,6 +296,34 @@ fn random_batches_up_to_256() {
     }
 }
 
+/// Large batches without key parts, where a warp has two query tiles: 744 (sequence, head)
+/// pairs of up to 128 tokens (blocks of at most 4 warps, more than the SMs hold at once) take
+/// lever 135's paired kernel (both tiles at once), up to 256 the others
+/// (`CANDLE_RAGGED_PAIR_WARPS=8` pairs them too, `=0` neither); odd and even tile counts (the
+/// last warp of an odd count has one tile), both resident head sizes, every dtype.
+#[test]
+fn two_tiles_a_warp_at_large_batches() {
+    let mut r = rng(140);
+    for (i, (head_dim, longest)) in [(32usize, 128usize), (64, 128), (32, 256), (64, 256)]
+        .into_iter()
+        .enumerate()
+    {
+        let mut lengths: Vec<usize> = (0..240).map(|_| r.random_range(1..=longest)).collect();
+        lengths.extend([1, 16, 17, 32, 33, 97, 113, longest]);
+        for dtype in DTYPES {
+            check(
+                &lengths,
+                3,
+                head_dim,
+                dtype,
+                i % 2 == 1,
+                0.125,
+                141 + i as u64,
+            );
+        }
+    }
+}
+
 fn qkv(
     dev: &Device,
     total: usize,

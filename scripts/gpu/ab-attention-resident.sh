@@ -8,13 +8,18 @@
 # As run (stop 18) on binaries from 45e60ba, where those were the variant names. k32b3 won and is
 # now the default; k32 is gone and the old kernel is CANDLE_RAGGED_RESIDENT=k64, so on a newer
 # bundle run it with ARMS="k64 default" (var() maps any other name to the default kernel).
+# SWITCH names another variable for the arms (default CANDLE_RAGGED_RESIDENT; an arm `default`
+# leaves it empty, the library's default). Lever 135 (stop 55), call 1: ARMS="default pair
+# pair128" on the kernel forced for every launch (arms since removed); call 2:
+# SWITCH=CANDLE_RAGGED_PAIR_WARPS ARMS="0 default 8" (the plan's rule: never / up to 4 warps /
+# always); SANITIZE_ARMS names the arms run under memcheck and racecheck.
 # STAGES (default "checks attn ncu e2e"):
 #   checks  test-attention per arm (outputs NaN-poisoned), memcheck and racecheck over k32b3's
 #           odd-length and key-parts tests
 #   attn    bench-attention, heads 3/6/12, batch 8/64/256, keep 1.0/0.7/0.5, f16 and bf16, arms
 #           interleaved, twice; per-row base/arm GPU-time ratios (ATTN_ARGS replaces the grid;
 #           the full grid takes ~250 s per run, mostly the padded method)
-#   ncu     occupancy and time of the kernel per arm at 12 heads, batch 256, keep 0.7, f16
+#   ncu     occupancy and time of the kernel per arm at 12 heads, batch 256, keep NCU_KEEP (0.7), f16
 #   e2e     bench dense / Threshold-L2 fixed / EViT fixed, T/S/B, batch 64/256, f16, per arm, twice
 set -u
 stages=${STAGES:-checks attn ncu e2e}
@@ -22,25 +27,28 @@ stages=${STAGES:-checks attn ncu e2e}
 unpack
 start_log attention-resident.txt
 ARMS=${ARMS:-base k32 k32b3}
-var() { [ "$1" = base ] && echo "CANDLE_RAGGED_RESIDENT=base" || echo "CANDLE_RAGGED_RESIDENT=$1"; }
+V=${SWITCH:-CANDLE_RAGGED_RESIDENT}
+var() { echo "$V=${1#default}"; }
 if has checks; then
   for a in $ARMS; do
     echo "== test-attention ($a)" >> "$C"
     env $(var $a) $B/test-attention --test-threads=1 2>&1 | grep -E "test result|panicked|got" | head -5 >> "$C"
   done
-  echo "== memcheck test-attention (k32b3)" >> "$C"
-  CANDLE_RAGGED_RESIDENT=k32b3 compute-sanitizer --tool memcheck --error-exitcode 9 $B/test-attention --test-threads=1 odd_lengths key_parts resident_and_tiled 2>&1 | grep -E "ERROR SUMMARY|test result" >> "$C"
-  echo "== racecheck test-attention (k32b3)" >> "$C"
-  CANDLE_RAGGED_RESIDENT=k32b3 compute-sanitizer --tool racecheck --error-exitcode 9 $B/test-attention --test-threads=1 key_parts resident_and_tiled 2>&1 | grep -E "RACECHECK SUMMARY|ERROR SUMMARY|test result" >> "$C"
+  for a in ${SANITIZE_ARMS:-k32b3}; do
+    echo "== memcheck test-attention ($a)" >> "$C"
+    env $(var $a) compute-sanitizer --tool memcheck --error-exitcode 9 $B/test-attention --test-threads=1 odd_lengths key_parts resident_and_tiled two_tiles 2>&1 | grep -E "ERROR SUMMARY|test result" >> "$C"
+    echo "== racecheck test-attention ($a)" >> "$C"
+    env $(var $a) compute-sanitizer --tool racecheck --error-exitcode 9 $B/test-attention --test-threads=1 key_parts resident_and_tiled two_tiles 2>&1 | grep -E "RACECHECK SUMMARY|ERROR SUMMARY|test result" >> "$C"
+  done
 fi
 attn_run() { env $(var $1) $B/bench-attention ${ATTN_ARGS:---heads 3,6,12 --batch 8,64,256 --keep 1.0,0.7,0.5 --dtype f16,bf16} --out "$2"; }
 has attn && ab_rounds attn attn_run --attn
 if has ncu; then
   for a in $ARMS; do
-    echo "== ncu $a (12 heads, batch 256, keep 0.7, f16)" >> "$C"
+    echo "== ncu $a (${NCU_KEEP:-0.7}: 12 heads, batch 256, keep ${NCU_KEEP:-0.7}, f16)" >> "$C"
     env $(var $a) ncu --kernel-name regex:ragged_attn_resident --launch-skip 20 --launch-count 1 \
       --metrics gpu__time_duration.sum,sm__warps_active.avg.pct_of_peak_sustained_active,launch__registers_per_thread,launch__occupancy_limit_registers,smsp__average_warp_latency_issue_stalled_long_scoreboard,sm__inst_executed.sum \
-      $B/bench-attention --heads 12 --batch 256 --keep 0.7 --dtype f16 --host-calls 10 --gpu-reps 3 --out /tmp/x.json 2>/dev/null \
+      $B/bench-attention --heads 12 --batch 256 --keep ${NCU_KEEP:-0.7} --dtype f16 --host-calls 10 --gpu-reps 3 --out /tmp/x.json 2>/dev/null \
       | grep -E "gpu__time|warps_active|registers|occupancy_limit|long_scoreboard|inst_executed" >> "$C"
   done
 fi
