@@ -87,6 +87,15 @@ __device__ __forceinline__ void begin_rows(RowState<D> &st, const T *qh, long lo
     st.l0 = st.l1 = 0.f;
 }
 
+// Resets the accumulators and the online softmax's state (Q's fragments untouched).
+template <int D>
+__device__ __forceinline__ void reset_rows(RowState<D> &st) {
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i) st.acc_o[i][0] = st.acc_o[i][1] = st.acc_o[i][2] = st.acc_o[i][3] = 0.f;
+    st.m0 = st.m1 = -INFINITY;
+    st.l0 = st.l1 = 0.f;
+}
+
 // Folds the warp's chunk maxima into the running maxima of rows g and g + 8 (the four threads of
 // a quad hold one row between them) and returns the factors the old l and O are scaled by.
 template <int D>
@@ -134,9 +143,14 @@ constexpr float RESCALE_SLACK = 8.f;
 // which keeps ptxas from interleaving n-tiles, so each MMA waits out its predecessor's latency.
 // Same products and sums in the same order per element: the results are bit-identical, and
 // for any R each group's results are those of R = 1.
-template <typename T, int D, int KEYS, bool FULL, bool LAZY, int R>
+//
+// QS (lever 136, an A/B arm): Q's A fragments are not held in st[r].qa but read by ldmatrix from Q rows
+// staged in shared memory (group r's 16 rows at qs + r * q_group elements, rows of C::ROW), two
+// k-steps at a time, which frees the registers of Q.
+template <typename T, int D, int KEYS, bool FULL, bool LAZY, int R, bool QS = false>
 __device__ __forceinline__ void attend_chunk_rows(RowState<D> *st, const T *kt, const T *vt, int valid,
-                                                  float scale_log2, int lane) {
+                                                  float scale_log2, int lane, const T *qs = nullptr,
+                                                  int q_group = 0) {
     using C = TileCfg<D>;
     constexpr int KSTEPS = D / 16;     // k-steps of Q K^T over the head dim
     constexpr int NT_S = KEYS / 8;     // n-tiles of S per chunk
@@ -150,7 +164,31 @@ __device__ __forceinline__ void attend_chunk_rows(RowState<D> *st, const T *kt, 
     for (int r = 0; r < R; ++r)
 #pragma unroll
         for (int nt = 0; nt < NT_S; ++nt) s[r][nt][0] = s[r][nt][1] = s[r][nt][2] = s[r][nt][3] = 0.f;
-    if (FULL) {
+    if constexpr (QS) {
+        // Q's fragments of k-steps kk and kk + 1 per group, then as below (same products, same
+        // order per element).
+        const T *qrow = qs + (lane & 15) * C::ROW + (lane >> 4) * 8;
+#pragma unroll
+        for (int kk = 0; kk < KSTEPS; kk += 2) {
+            uint32_t qa[R][2][4];
+#pragma unroll
+            for (int r = 0; r < R; ++r)
+#pragma unroll
+                for (int j = 0; j < 2; ++j)
+                    ldmatrix_x4(qa[r][j][0], qa[r][j][1], qa[r][j][2], qa[r][j][3], qrow + r * q_group + (kk + j) * 16);
+#pragma unroll
+            for (int nt = 0; nt < NT_S; ++nt) {
+                if (!FULL && nt * 8 >= valid) continue;
+                uint32_t b0, b1, b2, b3;
+                ldmatrix_x4(b0, b1, b2, b3, kt + (nt * 8 + (lane & 7)) * C::ROW + (lane >> 3) * 8 + kk * 16);
+#pragma unroll
+                for (int r = 0; r < R; ++r) {
+                    mma_16816<T>(s[r][nt], qa[r][0], b0, b1);
+                    mma_16816<T>(s[r][nt], qa[r][1], b2, b3);
+                }
+            }
+        }
+    } else if (FULL) {
         const T *krow = kt + (lane & 7) * C::ROW + (lane >> 3) * 8;
 #pragma unroll
         for (int kk = 0; kk < KSTEPS; kk += 2) {
@@ -285,15 +323,16 @@ __device__ __forceinline__ void attend_chunk(RowState<D> &st, const T *kt, const
 
 // Keys [key0, key_end) of the staged rows kt / vt (key 0 at row 0) in steps of KEYS, for R groups
 // of 16 rows: the full steps branch-free, the last partial one guarded.
-template <typename T, int D, int KEYS, bool LAZY, int R>
+template <typename T, int D, int KEYS, bool LAZY, int R, bool QS = false>
 __device__ __forceinline__ void attend_keys_rows(RowState<D> *st, const T *kt, const T *vt, int key0, int key_end,
-                                                 float scale_log2, int lane) {
+                                                 float scale_log2, int lane, const T *qs = nullptr, int q_group = 0) {
     using C = TileCfg<D>;
     for (; key0 + KEYS <= key_end; key0 += KEYS)
-        attend_chunk_rows<T, D, KEYS, true, LAZY, R>(st, kt + key0 * C::ROW, vt + key0 * C::ROW, KEYS, scale_log2, lane);
+        attend_chunk_rows<T, D, KEYS, true, LAZY, R, QS>(st, kt + key0 * C::ROW, vt + key0 * C::ROW, KEYS, scale_log2,
+                                                         lane, qs, q_group);
     if (key0 < key_end)
-        attend_chunk_rows<T, D, KEYS, false, LAZY, R>(st, kt + key0 * C::ROW, vt + key0 * C::ROW, key_end - key0,
-                                                      scale_log2, lane);
+        attend_chunk_rows<T, D, KEYS, false, LAZY, R, QS>(st, kt + key0 * C::ROW, vt + key0 * C::ROW, key_end - key0,
+                                                          scale_log2, lane, qs, q_group);
 }
 
 // attend_keys_rows for one group of 16 rows.

@@ -133,7 +133,10 @@ __device__ __forceinline__ void attn_mma_kernel(const T *__restrict__ q, const T
 // key parts, a warp walks its query tiles two at a time (tile, tile + warps · splits), each K / V
 // fragment feeding both tiles' MMAs (attend_chunk_rows with R = 2): half the ldmatrix loads and
 // two independent chains per warp, at the price of a second tile's registers.
-template <typename T, int D, int KEYS, bool LAZY, bool PAIR = false>
+// QS (lever 136, an A/B arm, with PAIR and without key parts): Q's rows staged in shared memory
+// after V (the launch adds their bytes), its fragments read per chunk (attend_chunk_rows) instead
+// of held in registers.
+template <typename T, int D, int KEYS, bool LAZY, bool PAIR = false, bool QS = false>
 __device__ __forceinline__ void attn_resident_kernel(const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v,
                                                      T *__restrict__ o, const uint32_t *__restrict__ cu_seqlens,
                                                      long long q_tok, long long q_head, long long k_tok, long long k_head,
@@ -167,6 +170,10 @@ __device__ __forceinline__ void attn_resident_kernel(const T *__restrict__ q, co
         const int src = ok ? row : 0;
         cp_async_16(ks + row * C::ROW + chunk * 8, kh + src * k_tok + chunk * 8, ok ? 16 : 0);
         cp_async_16(vs + row * C::ROW + chunk * 8, vh + src * v_tok + chunk * 8, ok ? 16 : 0);
+        if constexpr (QS) {
+            const T *qh_ = q + start * q_tok + h * q_head;
+            cp_async_16(vs + (rows + row) * C::ROW + chunk * 8, qh_ + src * q_tok + chunk * 8, ok ? 16 : 0);
+        }
     }
     cp_async_commit();
 
@@ -179,17 +186,40 @@ __device__ __forceinline__ void attn_resident_kernel(const T *__restrict__ q, co
     int tile = first_tile + warp;
     RowState<D> pair[PAIR ? 2 : 1];
     RowState<D> &st = pair[0];
-    if (tile < q_tiles) begin_rows<T, D>(st, qh, q_tok, tile * 16, len, lane);  // overlaps the K / V copy
-    if constexpr (PAIR) {
-        const int second = tile + gridDim.x * warps;
-        if (parts == 1 && second < q_tiles) begin_rows<T, D>(pair[1], qh, q_tok, second * 16, len, lane);
+    if constexpr (QS) {
+        reset_rows<D>(pair[0]);
+        reset_rows<D>(pair[1]);
+    } else {
+        if (tile < q_tiles) begin_rows<T, D>(st, qh, q_tok, tile * 16, len, lane);  // overlaps the K / V copy
+        if constexpr (PAIR) {
+            const int second = tile + gridDim.x * warps;
+            if (parts == 1 && second < q_tiles) begin_rows<T, D>(pair[1], qh, q_tok, second * 16, len, lane);
+        }
     }
     cp_async_wait<0>();
     __syncthreads();
 
     if (parts == 1) {
         const int stride = gridDim.x * warps;
-        if constexpr (PAIR) {
+        if constexpr (QS) {
+            const T *qs = vs + rows * C::ROW;
+            for (; tile < q_tiles; tile += 2 * stride) {
+                const int second = tile + stride;
+                if (tile != first_tile + warp) {
+                    reset_rows<D>(pair[0]);
+                    reset_rows<D>(pair[1]);
+                }
+                if (second < q_tiles) {
+                    attend_keys_rows<T, D, KEYS, LAZY, 2, true>(pair, ks, vs, 0, len, scale_log2, lane,
+                                                               qs + tile * 16 * C::ROW, stride * 16 * C::ROW);
+                    end_rows<T, D>(pair[1], oh, o_tok, second * 16, len, lane);
+                } else {
+                    attend_keys_rows<T, D, KEYS, LAZY, 1, true>(pair, ks, vs, 0, len, scale_log2, lane,
+                                                               qs + tile * 16 * C::ROW, 0);
+                }
+                end_rows<T, D>(pair[0], oh, o_tok, tile * 16, len, lane);
+            }
+        } else if constexpr (PAIR) {
             for (; tile < q_tiles; tile += 2 * stride) {
                 const int second = tile + stride;
                 if (tile != first_tile + warp) {
@@ -461,6 +491,25 @@ RESIDENT_ENTRY_PAIR(ragged_attn_resident_pair_f16_d32, __half, 32)
 RESIDENT_ENTRY_PAIR(ragged_attn_resident_pair_f16_d64, __half, 64)
 RESIDENT_ENTRY_PAIR(ragged_attn_resident_pair_bf16_d32, __nv_bfloat16, 32)
 RESIDENT_ENTRY_PAIR(ragged_attn_resident_pair_bf16_d64, __nv_bfloat16, 64)
+// Lever 136 (an A/B arm: CANDLE_RAGGED_PAIRQ=16 / 32, see cuda.rs): the paired form with Q staged
+// in shared memory (QS), KEYS-key steps, REGS registers. pairq16 under 128 registers has no spills
+// (16 warps a SM); on the H100 it ran 1.04-1.09x the default kernels at batch 256 and keep >= 0.7
+// with every unsplit block paired, but 0.86-1.05x at batch 64, so the plan does not pick it yet.
+#define RESIDENT_ENTRY_PAIRQ(NAME, T, D, KEYS, REGS)                                              \
+    extern "C" __global__ void __maxnreg__(REGS) NAME(ATTN_ARGS(T)) {                             \
+        attn_resident_kernel<T, D, KEYS, true, true, true>(ATTN_PASS);                            \
+    }
+#ifndef PAIRQ_REGS
+#define PAIRQ_REGS 128
+#endif
+RESIDENT_ENTRY_PAIRQ(ragged_attn_resident_pairq16_f16_d32, __half, 32, 16, PAIRQ_REGS)
+RESIDENT_ENTRY_PAIRQ(ragged_attn_resident_pairq16_f16_d64, __half, 64, 16, PAIRQ_REGS)
+RESIDENT_ENTRY_PAIRQ(ragged_attn_resident_pairq16_bf16_d32, __nv_bfloat16, 32, 16, PAIRQ_REGS)
+RESIDENT_ENTRY_PAIRQ(ragged_attn_resident_pairq16_bf16_d64, __nv_bfloat16, 64, 16, PAIRQ_REGS)
+RESIDENT_ENTRY_PAIRQ(ragged_attn_resident_pairq32_f16_d32, __half, 32, 32, PAIRQ_REGS)
+RESIDENT_ENTRY_PAIRQ(ragged_attn_resident_pairq32_f16_d64, __half, 64, 32, PAIRQ_REGS)
+RESIDENT_ENTRY_PAIRQ(ragged_attn_resident_pairq32_bf16_d32, __nv_bfloat16, 32, 32, PAIRQ_REGS)
+RESIDENT_ENTRY_PAIRQ(ragged_attn_resident_pairq32_bf16_d64, __nv_bfloat16, 64, 32, PAIRQ_REGS)
 
 #define F32_ENTRY(NAME, D)                                                                        \
     extern "C" __global__ void __launch_bounds__(QUERIES_PER_BLOCK) NAME(ATTN_ARGS(float)) {     \

@@ -119,6 +119,8 @@ struct Kernels {
     sm_count: usize,
     /// Shared memory of an SM in bytes (the resident plan counts the blocks an SM holds).
     smem_per_sm: usize,
+    /// The paired launches stage Q in shared memory too (`CANDLE_RAGGED_PAIRQ`, lever 136's arm).
+    pair_stages_q: bool,
     /// `CANDLE_RAGGED_ATTENTION=tiled` turns the resident kernel off (for A/B measurements).
     resident_enabled: bool,
     /// The wgmma kernel (lever 46; at parity with the resident one, so an A/B arm), by
@@ -173,6 +175,15 @@ fn kernels(dev: &CudaDevice) -> Result<Arc<Kernels>> {
         Ok("r80") => ["resident_r80_"; 3],
         _ => ["resident_", "resident_r80_", "resident_pair_"],
     };
+    // Lever 136's A/B arm: `CANDLE_RAGGED_PAIRQ=16` / `=32` puts the paired launches on the form
+    // that stages Q in shared memory (128 registers, 16- or 32-key steps); faster on grids of
+    // many waves, slower on grids the SMs hold at once, so not the plan's choice yet.
+    let pair_q = match std::env::var("CANDLE_RAGGED_PAIRQ").as_deref() {
+        Ok("16") => Some("resident_pairq16_"),
+        Ok("32") => Some("resident_pairq32_"),
+        _ => None,
+    };
+    let variants = [variants[0], variants[1], pair_q.unwrap_or(variants[2])];
     let load_resident = |variant: &str| -> Result<Vec<Vec<CudaFunction>>> {
         RESIDENT_NAMES
             .iter()
@@ -196,7 +207,8 @@ fn kernels(dev: &CudaDevice) -> Result<Arc<Kernels>> {
     {
         fs.set_attribute(
             sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            (resident_smem_bytes(RESIDENT_MAX_LEN, dim) + resident_merge_max_bytes(dim)) as i32,
+            (resident_smem_bytes(RESIDENT_MAX_LEN, dim) + resident_merge_max_bytes(dim))
+                .max(resident_smem_bytes(RESIDENT_MAX_LEN, dim) * 3 / 2) as i32,
         )
         .w()?;
     }
@@ -276,6 +288,7 @@ fn kernels(dev: &CudaDevice) -> Result<Arc<Kernels>> {
         resident,
         sm_count,
         smem_per_sm,
+        pair_stages_q: pair_q.is_some(),
         resident_enabled,
         wgmma,
         plan_knobs,
@@ -450,7 +463,12 @@ pub(crate) fn attention(
         let cfg = LaunchConfig {
             grid_dim: plan.grid,
             block_dim: plan.block,
-            shared_mem_bytes: plan.shared_mem_bytes,
+            shared_mem_bytes: plan.shared_mem_bytes
+                + if plan.paired && k.pair_stages_q {
+                    plan.shared_mem_bytes / 2
+                } else {
+                    0
+                },
         };
         (
             &k.resident[plan.kernel_index()][dtype_index - 1][dim_index],

@@ -299,7 +299,8 @@ fn random_batches_up_to_256() {
 /// Large batches without key parts, where a warp has two query tiles: 744 (sequence, head)
 /// pairs of up to 128 tokens (blocks of at most 4 warps, more than the SMs hold at once) take
 /// lever 135's paired kernel (both tiles at once), up to 256 the others
-/// (`CANDLE_RAGGED_PAIR_WARPS=8` pairs them too, `=0` neither); odd and even tile counts (the
+/// (`CANDLE_RAGGED_PAIR_WARPS=8` pairs them too, `=0` neither; `CANDLE_RAGGED_PAIRQ=16` runs the
+/// paired launches on lever 136's form, Q from shared memory); odd and even tile counts (the
 /// last warp of an odd count has one tile), both resident head sizes, every dtype.
 #[test]
 fn two_tiles_a_warp_at_large_batches() {
