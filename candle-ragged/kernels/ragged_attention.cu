@@ -143,6 +143,7 @@ __device__ __forceinline__ void attn_resident_kernel(const T *__restrict__ q, co
                                                      long long v_tok, long long v_head, int heads, float scale_log2,
                                                 int uniform_len) {
     using C = TileCfg<D>;
+    static_assert(!QS || PAIR, "Q staged in shared memory only in the paired form");
     extern __shared__ __align__(128) unsigned char resident_smem[];
 
     const int b = blockIdx.z;
