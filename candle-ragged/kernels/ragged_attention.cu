@@ -202,36 +202,26 @@ __device__ __forceinline__ void attn_resident_kernel(const T *__restrict__ q, co
 
     if (parts == 1) {
         const int stride = gridDim.x * warps;
-        if constexpr (QS) {
-            const T *qs = vs + rows * C::ROW;
+        if constexpr (PAIR) {
+            const T *qs = vs + rows * C::ROW;  // QS: Q's rows, staged after V
             for (; tile < q_tiles; tile += 2 * stride) {
                 const int second = tile + stride;
                 if (tile != first_tile + warp) {
-                    reset_rows<D>(pair[0]);
-                    reset_rows<D>(pair[1]);
+                    if constexpr (QS) {
+                        reset_rows<D>(pair[0]);
+                        reset_rows<D>(pair[1]);
+                    } else {
+                        begin_rows<T, D>(pair[0], qh, q_tok, tile * 16, len, lane);
+                        if (second < q_tiles) begin_rows<T, D>(pair[1], qh, q_tok, second * 16, len, lane);
+                    }
                 }
                 if (second < q_tiles) {
-                    attend_keys_rows<T, D, KEYS, LAZY, 2, true>(pair, ks, vs, 0, len, scale_log2, lane,
-                                                               qs + tile * 16 * C::ROW, stride * 16 * C::ROW);
+                    attend_keys_rows<T, D, KEYS, LAZY, 2, QS>(pair, ks, vs, 0, len, scale_log2, lane,
+                                                             qs + tile * 16 * C::ROW, stride * 16 * C::ROW);
                     end_rows<T, D>(pair[1], oh, o_tok, second * 16, len, lane);
                 } else {
-                    attend_keys_rows<T, D, KEYS, LAZY, 1, true>(pair, ks, vs, 0, len, scale_log2, lane,
-                                                               qs + tile * 16 * C::ROW, 0);
-                }
-                end_rows<T, D>(pair[0], oh, o_tok, tile * 16, len, lane);
-            }
-        } else if constexpr (PAIR) {
-            for (; tile < q_tiles; tile += 2 * stride) {
-                const int second = tile + stride;
-                if (tile != first_tile + warp) {
-                    begin_rows<T, D>(pair[0], qh, q_tok, tile * 16, len, lane);
-                    if (second < q_tiles) begin_rows<T, D>(pair[1], qh, q_tok, second * 16, len, lane);
-                }
-                if (second < q_tiles) {
-                    attend_keys_rows<T, D, KEYS, LAZY, 2>(pair, ks, vs, 0, len, scale_log2, lane);
-                    end_rows<T, D>(pair[1], oh, o_tok, second * 16, len, lane);
-                } else {
-                    attend_keys<T, D, KEYS, LAZY>(pair[0], ks, vs, 0, len, scale_log2, lane);
+                    attend_keys_rows<T, D, KEYS, LAZY, 1, QS>(pair, ks, vs, 0, len, scale_log2, lane,
+                                                             qs + tile * 16 * C::ROW, 0);
                 }
                 end_rows<T, D>(pair[0], oh, o_tok, tile * 16, len, lane);
             }

@@ -43,8 +43,7 @@ const RESIDENT_NAMES: [[&str; 2]; 2] = [
     ],
 ];
 use crate::resident_plan::{
-    resident_merge_max_bytes, resident_plan, resident_smem_bytes, PlanKnobs, KEY_PARTS,
-    RESIDENT_MAX_LEN,
+    resident_opt_in_bytes, resident_plan, PlanKnobs, KEY_PARTS, RESIDENT_MAX_LEN,
 };
 
 const ATTN_NAMES: [[&str; 3]; 3] = [
@@ -119,8 +118,6 @@ struct Kernels {
     sm_count: usize,
     /// Shared memory of an SM in bytes (the resident plan counts the blocks an SM holds).
     smem_per_sm: usize,
-    /// The paired launches stage Q in shared memory too (`CANDLE_RAGGED_PAIRQ`, lever 136's arm).
-    pair_stages_q: bool,
     /// `CANDLE_RAGGED_ATTENTION=tiled` turns the resident kernel off (for A/B measurements).
     resident_enabled: bool,
     /// The wgmma kernel (lever 46; at parity with the resident one, so an A/B arm), by
@@ -207,8 +204,7 @@ fn kernels(dev: &CudaDevice) -> Result<Arc<Kernels>> {
     {
         fs.set_attribute(
             sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            (resident_smem_bytes(RESIDENT_MAX_LEN, dim) + resident_merge_max_bytes(dim))
-                .max(resident_smem_bytes(RESIDENT_MAX_LEN, dim) * 3 / 2) as i32,
+            resident_opt_in_bytes(dim) as i32,
         )
         .w()?;
     }
@@ -268,6 +264,7 @@ fn kernels(dev: &CudaDevice) -> Result<Arc<Kernels>> {
         },
         split_below: knob("CANDLE_RAGGED_SPLIT_BELOW", defaults.split_below),
         pair_max_warps: knob("CANDLE_RAGGED_PAIR_WARPS", defaults.pair_max_warps),
+        pair_stages_q: pair_q.is_some(),
     };
     let decide: Vec<CudaFunction> = DECIDE_NAMES
         .iter()
@@ -288,7 +285,6 @@ fn kernels(dev: &CudaDevice) -> Result<Arc<Kernels>> {
         resident,
         sm_count,
         smem_per_sm,
-        pair_stages_q: pair_q.is_some(),
         resident_enabled,
         wgmma,
         plan_knobs,
@@ -463,12 +459,7 @@ pub(crate) fn attention(
         let cfg = LaunchConfig {
             grid_dim: plan.grid,
             block_dim: plan.block,
-            shared_mem_bytes: plan.shared_mem_bytes
-                + if plan.paired && k.pair_stages_q {
-                    plan.shared_mem_bytes / 2
-                } else {
-                    0
-                },
+            shared_mem_bytes: plan.shared_mem_bytes,
         };
         (
             &k.resident[plan.kernel_index()][dtype_index - 1][dim_index],

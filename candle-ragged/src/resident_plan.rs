@@ -56,6 +56,9 @@ pub(crate) struct PlanKnobs {
     pub split_below: usize,
     /// Most warps per block that pair their tiles (`CANDLE_RAGGED_PAIR_WARPS`): [`PAIR_MAX_WARPS`].
     pub pair_max_warps: usize,
+    /// The paired launches run lever 136's form, which stages Q's rows in shared memory after K
+    /// and V (`CANDLE_RAGGED_PAIRQ`, an A/B arm): their shared memory grows by half.
+    pub pair_stages_q: bool,
 }
 
 impl Default for PlanKnobs {
@@ -64,6 +67,7 @@ impl Default for PlanKnobs {
             max_parts: KEY_PARTS_WIDE,
             split_below: SPLIT_BELOW_WARPS_PER_SM,
             pair_max_warps: PAIR_MAX_WARPS,
+            pair_stages_q: false,
         }
     }
 }
@@ -114,6 +118,13 @@ pub(crate) fn resident_merge_max_bytes(head_dim: usize) -> usize {
         .map(|p| resident_merge_bytes(RESIDENT_MAX_WARPS / p, p, head_dim))
         .max()
         .unwrap_or(0)
+}
+
+/// The dynamic shared memory the resident kernels opt into when they load: the most any plan
+/// asks for (K and V at [`RESIDENT_MAX_LEN`] with the key parts' merge, or with Q staged too).
+pub(crate) fn resident_opt_in_bytes(head_dim: usize) -> usize {
+    let kv = resident_smem_bytes(RESIDENT_MAX_LEN, head_dim);
+    (kv + resident_merge_max_bytes(head_dim)).max(kv * 3 / 2)
 }
 
 /// One resident launch: CUDA's grid (x, heads, batch) and block (x: warps · 32, y: key parts),
@@ -214,7 +225,13 @@ pub(crate) fn resident_plan(
     ResidentPlan {
         grid: (splits as u32, heads as u32, batch as u32),
         block: ((warps * 32) as u32, 1, 1),
-        shared_mem_bytes: kv as u32,
+        // Q's rows take as much as K's (PlanKnobs::pair_stages_q).
+        shared_mem_bytes: (kv
+            + if paired && knobs.pair_stages_q {
+                kv / 2
+            } else {
+                0
+            }) as u32,
         low_registers,
         paired,
     }
@@ -331,6 +348,25 @@ mod tests {
         );
         assert_eq!(plan(256, 12, 197, 8).kernel_index(), 1);
         assert_eq!(plan(256, 12, 159, 8).kernel_index(), 0);
+        // Lever 136's arm: a paired launch takes Q's rows too (half as much again as K and V),
+        // within the opt-in even at the longest sequence; the other launches do not change.
+        let staged = PlanKnobs {
+            pair_stages_q: true,
+            ..knobs(8)
+        };
+        for max_len in [113, 256] {
+            let p = resident_plan(256, 12, max_len, 64, H100_SMS, H100_SMEM, staged);
+            let kv = resident_smem_bytes(max_len, 64);
+            assert!(p.paired);
+            assert_eq!(p.shared_mem_bytes as usize, kv * 3 / 2);
+            assert!(p.shared_mem_bytes as usize <= resident_opt_in_bytes(64));
+        }
+        let unpaired = resident_plan(1, 12, 197, 64, H100_SMS, H100_SMEM, staged);
+        assert!(!unpaired.paired);
+        assert_eq!(
+            unpaired.shared_mem_bytes,
+            plan(1, 12, 197, 8).shared_mem_bytes
+        );
     }
 
     /// For every batch the kernel takes: every query tile of the longest sequence has a warp,
@@ -339,8 +375,7 @@ mod tests {
     #[test]
     fn every_plan_covers_its_tiles_within_the_opt_in() {
         for head_dim in [32, 64] {
-            let opt_in = resident_smem_bytes(RESIDENT_MAX_LEN, head_dim)
-                + resident_merge_max_bytes(head_dim);
+            let opt_in = resident_opt_in_bytes(head_dim);
             assert!(opt_in <= 227 * 1024, "opt-in {opt_in} bytes");
             for max_parts in [1, 4, 8] {
                 for batch in [1, 2, 3, 8, 64, 256] {
