@@ -110,9 +110,10 @@ const DECIDE_MAX_SMEM: usize = 4 * DECIDE_LOGIT_FLOATS + 16 * crate::MAX_SEQ_LEN
 
 struct Kernels {
     attn: Vec<Vec<CudaFunction>>,
-    /// The resident kernels, [96-register, 80-register, paired] (levers 35 and 135;
-    /// `ResidentPlan::kernel_index` picks), each [dtype - 1][head_dim index].
-    resident: [Vec<Vec<CudaFunction>>; 3],
+    /// The resident kernels, [96-register, 80-register, paired, paired with Q in shared memory]
+    /// (levers 35, 135 and 136; `ResidentPlan::kernel_index` picks), each
+    /// [dtype - 1][head_dim index].
+    resident: [Vec<Vec<CudaFunction>>; 4],
     /// Streaming multiprocessors: the resident kernel splits a (sequence, head) over several
     /// blocks when the batch alone would not fill them.
     sm_count: usize,
@@ -125,7 +126,9 @@ struct Kernels {
     wgmma: Option<Vec<CudaFunction>>,
     /// `resident_plan`'s tunables, from the environment for A/B measurements:
     /// `CANDLE_RAGGED_KEY_PARTS` (1 turns key parts off, 4 keeps lever 16's rule; default 8),
-    /// `CANDLE_RAGGED_SPLIT_BELOW` (warps per SM) and `CANDLE_RAGGED_PAIR_WARPS` (0 never pairs).
+    /// `CANDLE_RAGGED_SPLIT_BELOW` (warps per SM), `CANDLE_RAGGED_PAIR_WARPS` (lever 135's
+    /// form; 0 never) and `CANDLE_RAGGED_PAIRQ_PAIRS` (lever 136's, pairs per SM; 0 every
+    /// pairable block, a large value never).
     plan_knobs: PlanKnobs,
     select: Vec<CudaFunction>,
     decide: Vec<CudaFunction>,
@@ -162,25 +165,21 @@ fn kernels(dev: &CudaDevice) -> Result<Arc<Kernels>> {
     // A/B arms, same launch shape and shared memory: `CANDLE_RAGGED_RESIDENT=k64` is v4's
     // resident kernel from before lever 24 (64-key softmax steps, two blocks per SM) for every
     // launch; `r96` / `r80` lever 35's kernel under one register bound for every launch instead
-    // of the plan's choice (the paired kernel's launches included).
+    // of the plan's choice (the paired kernels' launches included). `CANDLE_RAGGED_PAIRQ=32`:
+    // lever 136's launches on its 32-key form (208 bytes spilled) instead of the 16-key one.
+    let pairq = match std::env::var("CANDLE_RAGGED_PAIRQ").as_deref() {
+        Ok("32") => "resident_pairq32_",
+        _ => "resident_pairq16_",
+    };
     let variants = match std::env::var("CANDLE_RAGGED_RESIDENT")
         .as_deref()
         .map(str::trim)
     {
-        Ok("k64") => ["resident_k64_"; 3],
-        Ok("r96") => ["resident_"; 3],
-        Ok("r80") => ["resident_r80_"; 3],
-        _ => ["resident_", "resident_r80_", "resident_pair_"],
+        Ok("k64") => ["resident_k64_"; 4],
+        Ok("r96") => ["resident_"; 4],
+        Ok("r80") => ["resident_r80_"; 4],
+        _ => ["resident_", "resident_r80_", "resident_pair_", pairq],
     };
-    // Lever 136's A/B arm: `CANDLE_RAGGED_PAIRQ=16` / `=32` puts the paired launches on the form
-    // that stages Q in shared memory (128 registers, 16- or 32-key steps); faster on grids of
-    // many waves, slower on grids the SMs hold at once, so not the plan's choice yet.
-    let pair_q = match std::env::var("CANDLE_RAGGED_PAIRQ").as_deref() {
-        Ok("16") => Some("resident_pairq16_"),
-        Ok("32") => Some("resident_pairq32_"),
-        _ => None,
-    };
-    let variants = [variants[0], variants[1], pair_q.unwrap_or(variants[2])];
     let load_resident = |variant: &str| -> Result<Vec<Vec<CudaFunction>>> {
         RESIDENT_NAMES
             .iter()
@@ -195,6 +194,7 @@ fn kernels(dev: &CudaDevice) -> Result<Arc<Kernels>> {
         load_resident(variants[0])?,
         load_resident(variants[1])?,
         load_resident(variants[2])?,
+        load_resident(variants[3])?,
     ];
     // Past 48 KB of dynamic shared memory a kernel must opt in.
     for (fs, dim) in resident
@@ -264,7 +264,7 @@ fn kernels(dev: &CudaDevice) -> Result<Arc<Kernels>> {
         },
         split_below: knob("CANDLE_RAGGED_SPLIT_BELOW", defaults.split_below),
         pair_max_warps: knob("CANDLE_RAGGED_PAIR_WARPS", defaults.pair_max_warps),
-        pair_stages_q: pair_q.is_some(),
+        pairq_min_pairs_per_sm: knob("CANDLE_RAGGED_PAIRQ_PAIRS", defaults.pairq_min_pairs_per_sm),
     };
     let decide: Vec<CudaFunction> = DECIDE_NAMES
         .iter()

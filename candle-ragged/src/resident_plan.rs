@@ -30,6 +30,16 @@ pub(crate) const SPLIT_BELOW_WARPS_PER_SM: usize = 11;
 /// 0.86–1.15×, 7-warp blocks (keep 1.0, one block a SM at 168 registers) 0.81–0.91×.
 pub(crate) const PAIR_MAX_WARPS: usize = 4;
 
+/// (Sequence, head) pairs per SM from which every unsplit block with a two-tile warp takes
+/// lever 136's paired form, Q's rows staged in shared memory (128 registers: 16 warps a SM, not
+/// 12, two chains each); `CANDLE_RAGGED_PAIRQ_PAIRS` overrides it (A/B knob; 0 every such
+/// block, a large value never). Lever 136's first A/B (H100, bench-attention f16, 6 / 12 heads,
+/// every unsplit block on that form against lever 135's plan, two rounds): 1,536 and 3,072
+/// pairs (11.6 and 23.3 a SM) 0.99–1.09× (keep 1.0: 7-warp blocks 1.09×, 12 heads keep 0.7
+/// 108.0 → 101.7 µs), 384 and 768 pairs (2.9 and 5.8 a SM) 0.86–1.05× (6 heads keep 1.0
+/// 0.86×: 384 blocks the SMs hold at once with the 80-register kernel, not with this one).
+pub(crate) const PAIRQ_MIN_PAIRS_PER_SM: usize = 8;
+
 /// Warps an SM holds of a kernel built for `regs` registers a thread: registers are allocated
 /// per SM sub-partition (four of 16,384), in whole warps.
 const fn warps_per_sm(regs: usize) -> usize {
@@ -37,8 +47,12 @@ const fn warps_per_sm(regs: usize) -> usize {
 }
 /// The 96-register resident kernel (`__maxnreg__(96)`): 20 warps a SM.
 const RESIDENT_WARPS_PER_SM: usize = warps_per_sm(96);
+/// The 80-register resident kernel (`__maxnreg__(80)`): 24 warps a SM.
+const LOW_REGISTER_WARPS_PER_SM: usize = warps_per_sm(80);
 /// The paired kernel (`__maxnreg__(168)`): 12 warps a SM.
 const PAIRED_WARPS_PER_SM: usize = warps_per_sm(168);
+/// The paired kernel with Q staged in shared memory (`__maxnreg__(128)`): 16 warps a SM.
+const PAIRQ_WARPS_PER_SM: usize = warps_per_sm(128);
 
 /// Blocks of `warps` warps and `smem` bytes of dynamic shared memory an SM holds at once, for a
 /// kernel of which it holds `warps_per_sm` warps and an SM of `smem_per_sm` bytes (1 KB of it
@@ -54,11 +68,12 @@ pub(crate) struct PlanKnobs {
     pub max_parts: usize,
     /// The split threshold in warps per SM (`CANDLE_RAGGED_SPLIT_BELOW`): see [`resident_plan`].
     pub split_below: usize,
-    /// Most warps per block that pair their tiles (`CANDLE_RAGGED_PAIR_WARPS`): [`PAIR_MAX_WARPS`].
+    /// Most warps per block that pair their tiles in lever 135's form
+    /// (`CANDLE_RAGGED_PAIR_WARPS`): [`PAIR_MAX_WARPS`].
     pub pair_max_warps: usize,
-    /// The paired launches run lever 136's form, which stages Q's rows in shared memory after K
-    /// and V (`CANDLE_RAGGED_PAIRQ`, an A/B arm): their shared memory grows by half.
-    pub pair_stages_q: bool,
+    /// Pairs per SM from which unsplit blocks take lever 136's form
+    /// (`CANDLE_RAGGED_PAIRQ_PAIRS`): [`PAIRQ_MIN_PAIRS_PER_SM`].
+    pub pairq_min_pairs_per_sm: usize,
 }
 
 impl Default for PlanKnobs {
@@ -67,7 +82,7 @@ impl Default for PlanKnobs {
             max_parts: KEY_PARTS_WIDE,
             split_below: SPLIT_BELOW_WARPS_PER_SM,
             pair_max_warps: PAIR_MAX_WARPS,
-            pair_stages_q: false,
+            pairq_min_pairs_per_sm: PAIRQ_MIN_PAIRS_PER_SM,
         }
     }
 }
@@ -139,15 +154,21 @@ pub(crate) struct ResidentPlan {
     pub low_registers: bool,
     /// Lever 135's kernel instead of either: each warp takes its two query tiles at once, every
     /// K / V fragment feeding both (168 registers). Only without key parts or splits, in blocks
-    /// of at most [`PlanKnobs::pair_max_warps`] warps of which some have two tiles.
+    /// of which some warp has two tiles.
     pub paired: bool,
+    /// The paired kernel in lever 136's form: Q's rows staged in shared memory after K and V
+    /// (which the launch's shared memory then holds too), its fragments loaded per key chunk, so
+    /// that it fits 128 registers.
+    pub stages_q: bool,
 }
 
 impl ResidentPlan {
     /// Which resident kernel runs the plan: 0 the 96-register one, 1 the 80-register one, 2 the
-    /// paired one.
+    /// paired one, 3 the paired one with Q in shared memory.
     pub(crate) fn kernel_index(&self) -> usize {
-        if self.paired {
+        if self.stages_q {
+            3
+        } else if self.paired {
             2
         } else {
             self.low_registers as usize
@@ -180,12 +201,17 @@ fn wants_low_registers(warps: usize, blocks: usize, sm_count: usize) -> bool {
 ///   blocks per (sequence, head) and a tile per warp;
 /// - one block per (sequence, head) of at most `knobs.pair_max_warps` warps takes the paired
 ///   kernel when some warp has two tiles, unless the grid fits the SMs at once with the
-///   96-register kernel and not with the paired one (which holds 12 warps a SM, not 20). Lever
+///   kernel it would take unpaired and not with the paired one (which holds 12 warps a SM, not 20). Lever
 ///   135's second A/B (H100, `CANDLE_RAGGED_PAIR_WARPS=0` against 4, 3 / 6 / 12 heads, batch 64 /
 ///   256, keep 0.3 / 0.5, f16 and bf16, two rounds) found exactly those grids slower paired:
 ///   768 blocks of 3 warps (3 heads at batch 256 and 12 at 64, keep 0.3) 0.89–0.90×, against
 ///   1.02–1.18× where the paired grid takes no more waves than the other or both take several,
-///   and ~1.00 at 3 heads batch 64.
+///   and ~1.00 at 3 heads batch 64;
+/// - from `knobs.pairq_min_pairs_per_sm` pairs a SM ([`PAIRQ_MIN_PAIRS_PER_SM`]) every such
+///   block with a two-tile warp, whatever its warps, takes the paired kernel in lever 136's form
+///   (Q staged in shared memory: 16 warps a SM), under the same wave check. Lever 135 found
+///   the kernel bound by the dependent chains an SM keeps in flight, not by its instructions;
+///   this form holds a third more of them, which pays once the grid takes several waves.
 ///
 /// `smem_per_sm`: shared memory of an SM in bytes (228 KB on the H100).
 pub(crate) fn resident_plan(
@@ -208,6 +234,7 @@ pub(crate) fn resident_plan(
             // At most a wave of warps: occupancy does not bound it.
             low_registers: false,
             paired: false,
+            stages_q: false,
         };
     }
     let warps = q_tiles.div_ceil(2).clamp(1, RESIDENT_MAX_WARPS);
@@ -216,24 +243,37 @@ pub(crate) fn resident_plan(
     } else {
         1
     };
-    let paired = splits == 1 && warps <= knobs.pair_max_warps && q_tiles > warps && {
-        let fits =
-            |warps_per_sm| pairs <= sm_count * blocks_per_sm(warps, kv, warps_per_sm, smem_per_sm);
-        fits(PAIRED_WARPS_PER_SM) || !fits(RESIDENT_WARPS_PER_SM)
+    // Unsplit blocks of which some warp has two query tiles may pair them. `fits(w, smem)`:
+    // whether the grid fits the SMs at once with a kernel of which an SM holds `w` warps;
+    // `fits_unpaired`: with the kernel the block would take unpaired.
+    let pairable = splits == 1 && q_tiles > warps;
+    let fits = |warps_per_sm, smem| {
+        pairs <= sm_count * blocks_per_sm(warps, smem, warps_per_sm, smem_per_sm)
     };
+    let fits_unpaired = fits(
+        if wants_low_registers(warps, pairs, sm_count) {
+            LOW_REGISTER_WARPS_PER_SM
+        } else {
+            RESIDENT_WARPS_PER_SM
+        },
+        kv,
+    );
+    // Q's rows take as much shared memory as K's.
+    let stages_q = pairable
+        && pairs >= knobs.pairq_min_pairs_per_sm.saturating_mul(sm_count)
+        && (fits(PAIRQ_WARPS_PER_SM, kv * 3 / 2) || !fits_unpaired);
+    let paired = stages_q
+        || (pairable
+            && warps <= knobs.pair_max_warps
+            && (fits(PAIRED_WARPS_PER_SM, kv) || !fits_unpaired));
     let low_registers = !paired && wants_low_registers(warps, splits * pairs, sm_count);
     ResidentPlan {
         grid: (splits as u32, heads as u32, batch as u32),
         block: ((warps * 32) as u32, 1, 1),
-        // Q's rows take as much as K's (PlanKnobs::pair_stages_q).
-        shared_mem_bytes: (kv
-            + if paired && knobs.pair_stages_q {
-                kv / 2
-            } else {
-                0
-            }) as u32,
+        shared_mem_bytes: (if stages_q { kv * 3 / 2 } else { kv }) as u32,
         low_registers,
         paired,
+        stages_q,
     }
 }
 
@@ -274,13 +314,15 @@ mod tests {
                 shared_mem_bytes: resident_smem_bytes(197, 64) as u32,
                 low_registers: false,
                 paired: false,
+                stages_q: false,
             }
         );
         // Batch 256: one block of 7 warps per (sequence, head), on the 80-register kernel
-        // (three blocks per SM instead of two).
+        // (three blocks per SM instead of two) before lever 136, paired with Q staged since.
         assert_eq!(plan(256, 12, 197, 8).grid, (1, 12, 256));
         assert_eq!(plan(256, 12, 197, 8).block, (7 * 32, 1, 1));
-        assert!(plan(256, 12, 197, 8).low_registers);
+        assert!(plan135(256, 12, 197).low_registers);
+        assert!(plan(256, 12, 197, 8).stages_q);
         // Lever 35's measured cells: 7-warp blocks past two per SM take the 80-register kernel;
         // 5-warp blocks (keep 0.7), 4-warp blocks (keep 0.5) and grids that fit at two blocks
         // per SM the 96-register one.
@@ -299,35 +341,44 @@ mod tests {
         assert!(!plan(1, 12, 197, 8).low_registers);
     }
 
+    /// Lever 135's rule alone (lever 136's threshold out of reach).
+    fn plan135(batch: usize, heads: usize, max_len: usize) -> ResidentPlan {
+        let knobs = PlanKnobs {
+            pairq_min_pairs_per_sm: usize::MAX,
+            ..PlanKnobs::default()
+        };
+        resident_plan(batch, heads, max_len, 64, H100_SMS, H100_SMEM, knobs)
+    }
+
     #[test]
     fn short_sequences_at_large_batches_pair_their_tiles() {
         // Lever 135's measured cells: keep 0.5 (lengths up to 113 tokens: 4-warp blocks) pairs,
         // keep 0.7 (159: 5 warps) and keep 1.0 (197: 7 warps) do not.
         for heads in [6, 12] {
             for batch in [64, 256] {
-                let p = plan(batch, heads, 113, 8);
-                assert!(p.paired && !p.low_registers, "{p:?}");
+                let p = plan135(batch, heads, 113);
+                assert!(p.paired && !p.low_registers && !p.stages_q, "{p:?}");
                 assert_eq!(p.kernel_index(), 2);
                 assert_eq!((p.grid.0, p.block.0), (1, 4 * 32));
-                assert!(!plan(batch, heads, 159, 8).paired);
-                assert!(!plan(batch, heads, 197, 8).paired);
+                assert!(!plan135(batch, heads, 159).paired);
+                assert!(!plan135(batch, heads, 197).paired);
             }
         }
         // Keep 0.3 (69 tokens: 3-warp blocks): 768 blocks fit the SMs at once with the
         // 96-register kernel (six a SM) but not paired (four): no pairing there; more blocks
         // pair, fewer split (two blocks per (sequence, head), a tile per warp).
-        assert!(!plan(256, 3, 69, 8).paired);
-        assert!(!plan(64, 12, 69, 8).paired);
-        assert!(plan(256, 6, 69, 8).paired && plan(256, 12, 69, 8).paired);
+        assert!(!plan135(256, 3, 69).paired);
+        assert!(!plan135(64, 12, 69).paired);
+        assert!(plan135(256, 6, 69).paired && plan135(256, 12, 69).paired);
         for heads in [3, 6] {
-            let p = plan(64, heads, 69, 8);
+            let p = plan135(64, heads, 69);
             assert!(p.grid.0 == 2 && !p.paired, "{p:?}");
         }
         // Keep 0.5 at 768 blocks of 4 warps: more than a wave either way, paired.
-        assert!(plan(256, 3, 113, 8).paired && plan(64, 12, 113, 8).paired);
+        assert!(plan135(256, 3, 113).paired && plan135(64, 12, 113).paired);
         // DeiT's pruned stages at batch 256: 98 and 69 tokens pair.
-        assert!(plan(256, 6, 98, 8).paired);
-        assert!(plan(256, 6, 69, 8).paired);
+        assert!(plan135(256, 6, 98).paired);
+        assert!(plan135(256, 6, 69).paired);
         // No warp with two tiles (16 tokens), a split batch (DeiT-T at batch 64 keeps two blocks
         // per (sequence, head), one tile a warp) and key parts (batch 1) do not pair.
         assert!(!plan(256, 12, 16, 8).paired);
@@ -338,35 +389,61 @@ mod tests {
         // The knob: 0 never pairs, 8 pairs every unsplit block whose warps hold two tiles.
         let knobs = |pair_max_warps| PlanKnobs {
             pair_max_warps,
+            pairq_min_pairs_per_sm: usize::MAX,
             ..PlanKnobs::default()
         };
         assert!(!resident_plan(256, 12, 113, 64, H100_SMS, H100_SMEM, knobs(0)).paired);
-        assert!(resident_plan(256, 12, 197, 64, H100_SMS, H100_SMEM, knobs(8)).paired);
-        assert_eq!(
-            resident_plan(256, 12, 197, 64, H100_SMS, H100_SMEM, knobs(8)).kernel_index(),
-            2
-        );
-        assert_eq!(plan(256, 12, 197, 8).kernel_index(), 1);
-        assert_eq!(plan(256, 12, 159, 8).kernel_index(), 0);
-        // Lever 136's arm: a paired launch takes Q's rows too (half as much again as K and V),
-        // within the opt-in even at the longest sequence; the other launches do not change.
-        let staged = PlanKnobs {
-            pair_stages_q: true,
-            ..knobs(8)
-        };
-        for max_len in [113, 256] {
-            let p = resident_plan(256, 12, max_len, 64, H100_SMS, H100_SMEM, staged);
-            let kv = resident_smem_bytes(max_len, 64);
-            assert!(p.paired);
-            assert_eq!(p.shared_mem_bytes as usize, kv * 3 / 2);
-            assert!(p.shared_mem_bytes as usize <= resident_opt_in_bytes(64));
+        let all = resident_plan(256, 12, 197, 64, H100_SMS, H100_SMEM, knobs(8));
+        assert!(all.paired && !all.stages_q);
+        assert_eq!(all.kernel_index(), 2);
+        assert_eq!(plan135(256, 12, 197).kernel_index(), 1);
+        assert_eq!(plan135(256, 12, 159).kernel_index(), 0);
+    }
+
+    #[test]
+    fn many_pairs_stage_q_in_shared_memory() {
+        // Lever 136's measured cells: 6 and 12 heads at batch 256 (11.6 and 23.3 pairs a SM),
+        // every keep from 1.0 (197 tokens, 7-warp blocks) to 0.3 (69, 3 warps), take the form
+        // that stages Q, with Q's rows in the launch's shared memory (half as much again as K
+        // and V, within the opt-in even at the longest sequence).
+        for heads in [6, 12] {
+            for max_len in [197, 159, 113, 69, 256] {
+                let p = plan(256, heads, max_len, 8);
+                assert!(p.paired && p.stages_q && !p.low_registers, "{p:?}");
+                assert_eq!(p.kernel_index(), 3);
+                assert_eq!(p.grid.0, 1);
+                let kv = resident_smem_bytes(max_len, 64);
+                assert_eq!(p.shared_mem_bytes as usize, kv * 3 / 2);
+                assert!(p.shared_mem_bytes as usize <= resident_opt_in_bytes(64));
+            }
         }
-        let unpaired = resident_plan(1, 12, 197, 64, H100_SMS, H100_SMEM, staged);
-        assert!(!unpaired.paired);
-        assert_eq!(
-            unpaired.shared_mem_bytes,
-            plan(1, 12, 197, 8).shared_mem_bytes
-        );
+        // Batch 64 (384 and 768 pairs) and 3 heads at batch 256 (768) keep lever 135's rule.
+        for (batch, heads) in [(64, 6), (64, 12), (256, 3)] {
+            for max_len in [197, 159, 113, 69] {
+                let p = plan(batch, heads, max_len, 8);
+                assert!(!p.stages_q, "{p:?}");
+                assert_eq!(p, plan135(batch, heads, max_len));
+            }
+        }
+        // The threshold: 8 pairs a SM (1,056 on 132 SMs).
+        assert!(plan(88, 12, 197, 8).stages_q);
+        assert!(!plan(87, 12, 197, 8).stages_q);
+        // Key parts, splits and blocks without a two-tile warp never stage Q.
+        assert!(!plan(1, 12, 197, 8).stages_q);
+        assert!(!plan(1024, 12, 16, 8).stages_q);
+        // The knob at 0: every unsplit block with a two-tile warp, but not a grid the SMs hold at
+        // once unpaired and not staged: 384 blocks of 7 warps fit at three a SM on the
+        // 80-register kernel, at two staged (lever 136: 0.86× there).
+        let every = PlanKnobs {
+            pairq_min_pairs_per_sm: 0,
+            ..PlanKnobs::default()
+        };
+        let at = |batch, heads, max_len| {
+            resident_plan(batch, heads, max_len, 64, H100_SMS, H100_SMEM, every)
+        };
+        assert!(at(64, 12, 197).stages_q && at(64, 6, 159).stages_q);
+        assert!(!at(64, 6, 197).stages_q);
+        assert!(!at(64, 3, 197).stages_q, "split: a tile per warp");
     }
 
     /// For every batch the kernel takes: every query tile of the longest sequence has a warp,
@@ -377,12 +454,13 @@ mod tests {
         for head_dim in [32, 64] {
             let opt_in = resident_opt_in_bytes(head_dim);
             assert!(opt_in <= 227 * 1024, "opt-in {opt_in} bytes");
-            for max_parts in [1, 4, 8] {
-                for batch in [1, 2, 3, 8, 64, 256] {
+            for (max_parts, pairq_min_pairs_per_sm) in [(1, 8), (4, 8), (8, 8), (8, 0)] {
+                for batch in [1, 2, 3, 8, 64, 256, 1024] {
                     for heads in [1, 3, 6, 12, 16] {
                         for max_len in [1, 2, 15, 16, 17, 63, 64, 65, 129, 197, 255, 256] {
                             let knobs = PlanKnobs {
                                 max_parts,
+                                pairq_min_pairs_per_sm,
                                 ..PlanKnobs::default()
                             };
                             let p = resident_plan(
@@ -407,6 +485,7 @@ mod tests {
                                 }
                             }
                             assert!(!(p.paired && p.low_registers), "{what}");
+                            assert!(p.paired || !p.stages_q, "{what}");
                             assert_eq!((p.grid.1, p.grid.2), (heads as u32, batch as u32));
                             assert!(p.shared_mem_bytes as usize <= opt_in, "{what}");
                         }

@@ -298,23 +298,33 @@ fn random_batches_up_to_256() {
 
 /// Large batches without key parts, where a warp has two query tiles: 744 (sequence, head)
 /// pairs of up to 128 tokens (blocks of at most 4 warps, more than the SMs hold at once) take
-/// lever 135's paired kernel (both tiles at once), up to 256 the others
-/// (`CANDLE_RAGGED_PAIR_WARPS=8` pairs them too, `=0` neither; `CANDLE_RAGGED_PAIRQ=16` runs the
-/// paired launches on lever 136's form, Q from shared memory); odd and even tile counts (the
-/// last warp of an odd count has one tile), both resident head sizes, every dtype.
+/// lever 135's paired kernel (both tiles at once), up to 256 the others; 1,104 pairs (past 8 a
+/// SM on the H100's 132) take lever 136's form of it, Q staged in shared memory, at any length
+/// (`CANDLE_RAGGED_PAIR_WARPS=8` pairs every unsplit block in lever 135's form, `=0` none;
+/// `CANDLE_RAGGED_PAIRQ_PAIRS=0` stages Q in every one). Odd and even tile counts (the last
+/// warp of an odd count has one tile), both resident head sizes, every dtype.
 #[test]
 fn two_tiles_a_warp_at_large_batches() {
     let mut r = rng(140);
-    for (i, (head_dim, longest)) in [(32usize, 128usize), (64, 128), (32, 256), (64, 256)]
-        .into_iter()
-        .enumerate()
+    for (i, (heads, sequences, head_dim, longest)) in [
+        (3, 240, 32usize, 128usize),
+        (3, 240, 64, 128),
+        (3, 240, 32, 256),
+        (3, 240, 64, 256),
+        (6, 176, 32, 128),
+        (6, 176, 64, 256),
+    ]
+    .into_iter()
+    .enumerate()
     {
-        let mut lengths: Vec<usize> = (0..240).map(|_| r.random_range(1..=longest)).collect();
+        let mut lengths: Vec<usize> = (0..sequences)
+            .map(|_| r.random_range(1..=longest))
+            .collect();
         lengths.extend([1, 16, 17, 32, 33, 97, 113, longest]);
         for dtype in DTYPES {
             check(
                 &lengths,
-                3,
+                heads,
                 head_dim,
                 dtype,
                 i % 2 == 1,

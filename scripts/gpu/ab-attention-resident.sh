@@ -12,15 +12,20 @@
 # leaves it empty, the library's default). Lever 135 (stop 55), call 1: ARMS="default pair
 # pair128" on the kernel forced for every launch (arms since removed); call 2:
 # SWITCH=CANDLE_RAGGED_PAIR_WARPS ARMS="0 default 8" (the plan's rule: never / up to 4 warps /
-# always); SANITIZE_ARMS names the arms run under memcheck and racecheck.
+# always); SANITIZE_ARMS names the arms run under memcheck and racecheck. Lever 136 (stop 55) ran
+# on its own script (scripts/gpu/ab-attention-pairq.sh at d3d7fec, folded in here since: its
+# `paths` stage); its rule (stop 56): SWITCH=CANDLE_RAGGED_PAIRQ_PAIRS ARMS="100000 default 0".
 # STAGES (default "checks attn ncu e2e"):
 #   checks  test-attention per arm (outputs NaN-poisoned), memcheck and racecheck over k32b3's
 #           odd-length and key-parts tests
+#   paths   padded vs ragged on the full-size models, PATHS="MODEL:BATCH ..." (default
+#           "deit-small:64 deit-base:64"), default arm
 #   attn    bench-attention, heads 3/6/12, batch 8/64/256, keep 1.0/0.7/0.5, f16 and bf16, arms
 #           interleaved, twice; per-row base/arm GPU-time ratios (ATTN_ARGS replaces the grid;
 #           the full grid takes ~250 s per run, mostly the padded method)
 #   ncu     occupancy and time of the kernel per arm at 12 heads, batch 256, keep NCU_KEEP (0.7), f16
 #   e2e     bench dense / Threshold-L2 fixed / EViT fixed, T/S/B, batch 64/256, f16, per arm, twice
+#           (E2E_ARGS replaces the models and batches)
 set -u
 stages=${STAGES:-checks attn ncu e2e}
 . scripts/gpu/lib.sh
@@ -41,6 +46,9 @@ if has checks; then
     env $(var $a) compute-sanitizer --tool racecheck --error-exitcode 9 $B/test-attention --test-threads=1 key_parts resident_and_tiled two_tiles 2>&1 | grep -E "RACECHECK SUMMARY|ERROR SUMMARY|test result" >> "$C"
   done
 fi
+if has paths; then
+  for mb in ${PATHS:-deit-small:64 deit-base:64}; do paths_check "${mb%%:*}" "${mb##*:}" 200; done
+fi
 attn_run() { env $(var $1) $B/bench-attention ${ATTN_ARGS:---heads 3,6,12 --batch 8,64,256 --keep 1.0,0.7,0.5 --dtype f16,bf16} --out "$2"; }
 has attn && ab_rounds attn attn_run --attn
 if has ncu; then
@@ -52,7 +60,7 @@ if has ncu; then
       | grep -E "gpu__time|warps_active|registers|occupancy_limit|long_scoreboard|inst_executed" >> "$C"
   done
 fi
-e2e_run() { env $(var $1) $B/bench --device cuda --models deit-tiny,deit-small,deit-base --dtype f16 --batch 64,256 --pruners none,threshold-l2-fixed,evit-fixed --paths ragged --reps 10 --out "$2"; }
+e2e_run() { env $(var $1) $B/bench --device cuda ${E2E_ARGS:---models deit-tiny,deit-small,deit-base --batch 64,256} --dtype f16 --pruners none,threshold-l2-fixed,evit-fixed --paths ragged --reps 10 --out "$2"; }
 has e2e && ab_rounds e2e e2e_run
 pack attention-resident-json.tgz 'attn-*.json' 'e2e-*.json'
 cat "$C"
