@@ -127,8 +127,9 @@ struct Kernels {
     /// `resident_plan`'s tunables, from the environment for A/B measurements:
     /// `CANDLE_RAGGED_KEY_PARTS` (1 turns key parts off, 4 keeps lever 16's rule; default 8),
     /// `CANDLE_RAGGED_SPLIT_BELOW` (warps per SM), `CANDLE_RAGGED_PAIR_WARPS` (lever 135's
-    /// form; 0 never) and `CANDLE_RAGGED_PAIRQ_PAIRS` (lever 136's, pairs per SM; 0 every
-    /// pairable block, a large value never).
+    /// form; 0 never), `CANDLE_RAGGED_PAIRQ_PAIRS` (lever 136's, pairs per SM; 0 every
+    /// pairable block, a large value never) and `CANDLE_RAGGED_PAIRQ_WARPS` (lever 136's at any
+    /// batch from that many warps a block; 9 never).
     plan_knobs: PlanKnobs,
     select: Vec<CudaFunction>,
     decide: Vec<CudaFunction>,
@@ -265,6 +266,7 @@ fn kernels(dev: &CudaDevice) -> Result<Arc<Kernels>> {
         split_below: knob("CANDLE_RAGGED_SPLIT_BELOW", defaults.split_below),
         pair_max_warps: knob("CANDLE_RAGGED_PAIR_WARPS", defaults.pair_max_warps),
         pairq_min_pairs_per_sm: knob("CANDLE_RAGGED_PAIRQ_PAIRS", defaults.pairq_min_pairs_per_sm),
+        pairq_min_warps: knob("CANDLE_RAGGED_PAIRQ_WARPS", defaults.pairq_min_warps),
     };
     let decide: Vec<CudaFunction> = DECIDE_NAMES
         .iter()

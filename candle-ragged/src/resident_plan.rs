@@ -40,6 +40,14 @@ pub(crate) const PAIR_MAX_WARPS: usize = 4;
 /// 0.86×: 384 blocks the SMs hold at once with the 80-register kernel, not with this one).
 pub(crate) const PAIRQ_MIN_PAIRS_PER_SM: usize = 8;
 
+/// Warps per block from which unsplit blocks with a two-tile warp take lever 136's form at any
+/// batch (under the wave check of [`resident_plan`]); `CANDLE_RAGGED_PAIRQ_WARPS` overrides it
+/// (A/B knob; 9 never). Lever 137's call (H100, bench-attention, f16 and bf16, two rounds; its
+/// arm `CANDLE_RAGGED_PAIRQ_PAIRS=0` against the plan of before) found blocks of 5 and 7 warps
+/// (keep 0.7 and 1.0) 1.00–1.08× faster staged below 8 pairs a SM too (3 heads at batch 256, 6
+/// and 12 at batch 64), blocks of 3 and 4 warps 0.91–0.97× at 3 heads batch 256.
+pub(crate) const PAIRQ_MIN_WARPS: usize = 5;
+
 /// Warps an SM holds of a kernel built for `regs` registers a thread: registers are allocated
 /// per SM sub-partition (four of 16,384), in whole warps.
 const fn warps_per_sm(regs: usize) -> usize {
@@ -74,6 +82,9 @@ pub(crate) struct PlanKnobs {
     /// Pairs per SM from which unsplit blocks take lever 136's form
     /// (`CANDLE_RAGGED_PAIRQ_PAIRS`): [`PAIRQ_MIN_PAIRS_PER_SM`].
     pub pairq_min_pairs_per_sm: usize,
+    /// Warps per block from which they take it at any batch (`CANDLE_RAGGED_PAIRQ_WARPS`):
+    /// [`PAIRQ_MIN_WARPS`].
+    pub pairq_min_warps: usize,
 }
 
 impl Default for PlanKnobs {
@@ -83,6 +94,7 @@ impl Default for PlanKnobs {
             split_below: SPLIT_BELOW_WARPS_PER_SM,
             pair_max_warps: PAIR_MAX_WARPS,
             pairq_min_pairs_per_sm: PAIRQ_MIN_PAIRS_PER_SM,
+            pairq_min_warps: PAIRQ_MIN_WARPS,
         }
     }
 }
@@ -201,15 +213,16 @@ fn wants_low_registers(warps: usize, blocks: usize, sm_count: usize) -> bool {
 ///   blocks per (sequence, head) and a tile per warp;
 /// - one block per (sequence, head) of at most `knobs.pair_max_warps` warps takes the paired
 ///   kernel when some warp has two tiles, unless the grid fits the SMs at once with the
-///   kernel it would take unpaired and not with the paired one (which holds 12 warps a SM, not 20). Lever
-///   135's second A/B (H100, `CANDLE_RAGGED_PAIR_WARPS=0` against 4, 3 / 6 / 12 heads, batch 64 /
+///   kernel it would take unpaired and not with the paired one (which holds 12 warps a SM, not
+///   20). Lever 135's second A/B (H100, `CANDLE_RAGGED_PAIR_WARPS=0` against 4, 3 / 6 / 12 heads, batch 64 /
 ///   256, keep 0.3 / 0.5, f16 and bf16, two rounds) found exactly those grids slower paired:
 ///   768 blocks of 3 warps (3 heads at batch 256 and 12 at 64, keep 0.3) 0.89–0.90×, against
 ///   1.02–1.18× where the paired grid takes no more waves than the other or both take several,
 ///   and ~1.00 at 3 heads batch 64;
 /// - from `knobs.pairq_min_pairs_per_sm` pairs a SM ([`PAIRQ_MIN_PAIRS_PER_SM`]) every such
 ///   block with a two-tile warp, whatever its warps, takes the paired kernel in lever 136's form
-///   (Q staged in shared memory: 16 warps a SM), under the same wave check. Lever 135 found
+///   (Q staged in shared memory: 16 warps a SM), under the same wave check; so do blocks of at
+///   least `knobs.pairq_min_warps` warps ([`PAIRQ_MIN_WARPS`]) at any batch. Lever 135 found
 ///   the kernel bound by the dependent chains an SM keeps in flight, not by its instructions;
 ///   this form holds a third more of them, which pays once the grid takes several waves.
 ///
@@ -260,7 +273,8 @@ pub(crate) fn resident_plan(
     );
     // Q's rows take as much shared memory as K's.
     let stages_q = pairable
-        && pairs >= knobs.pairq_min_pairs_per_sm.saturating_mul(sm_count)
+        && (pairs >= knobs.pairq_min_pairs_per_sm.saturating_mul(sm_count)
+            || warps >= knobs.pairq_min_warps)
         && (fits(PAIRQ_WARPS_PER_SM, kv * 3 / 2) || !fits_unpaired);
     let paired = stages_q
         || (pairable
@@ -325,9 +339,9 @@ mod tests {
         assert!(plan(256, 12, 197, 8).stages_q);
         // Lever 35's measured cells: 7-warp blocks past two per SM take the 80-register kernel;
         // 5-warp blocks (keep 0.7), 4-warp blocks (keep 0.5) and grids that fit at two blocks
-        // per SM the 96-register one.
+        // per SM the 96-register one (before levers 137–138 staged Q in the longer ones).
         assert!(plan(64, 6, 197, 8).low_registers);
-        assert!(plan(64, 12, 197, 8).low_registers);
+        assert!(plan135(64, 12, 197).low_registers);
         assert!(!plan(32, 3, 197, 8).low_registers);
         // Lever 109: DeiT-T at batch 64 (192 pairs of 7 warps, under 11 warps a SM) splits, its
         // 384 blocks on the 80-register kernel (three a SM, one wave); 6 heads at batch 64 and
@@ -341,10 +355,11 @@ mod tests {
         assert!(!plan(1, 12, 197, 8).low_registers);
     }
 
-    /// Lever 135's rule alone (lever 136's threshold out of reach).
+    /// Lever 135's rule alone (lever 136's form out of reach).
     fn plan135(batch: usize, heads: usize, max_len: usize) -> ResidentPlan {
         let knobs = PlanKnobs {
             pairq_min_pairs_per_sm: usize::MAX,
+            pairq_min_warps: usize::MAX,
             ..PlanKnobs::default()
         };
         resident_plan(batch, heads, max_len, 64, H100_SMS, H100_SMEM, knobs)
@@ -390,6 +405,7 @@ mod tests {
         let knobs = |pair_max_warps| PlanKnobs {
             pair_max_warps,
             pairq_min_pairs_per_sm: usize::MAX,
+            pairq_min_warps: usize::MAX,
             ..PlanKnobs::default()
         };
         assert!(!resident_plan(256, 12, 113, 64, H100_SMS, H100_SMEM, knobs(0)).paired);
@@ -417,17 +433,33 @@ mod tests {
                 assert!(p.shared_mem_bytes as usize <= resident_opt_in_bytes(64));
             }
         }
-        // Batch 64 (384 and 768 pairs) and 3 heads at batch 256 (768) keep lever 135's rule.
+        // Batch 64 (384 and 768 pairs) and 3 heads at batch 256 (768): blocks of 3 and 4 warps
+        // keep lever 135's rule; blocks of 5 and 7 warps stage Q (lever 138), except 384 blocks
+        // of 7 warps, which the SMs hold at once on the 80-register kernel (three a SM) and not
+        // staged (two).
         for (batch, heads) in [(64, 6), (64, 12), (256, 3)] {
-            for max_len in [197, 159, 113, 69] {
+            for max_len in [113, 69] {
                 let p = plan(batch, heads, max_len, 8);
                 assert!(!p.stages_q, "{p:?}");
                 assert_eq!(p, plan135(batch, heads, max_len));
             }
+            assert!(plan(batch, heads, 159, 8).stages_q);
+            let long = plan(batch, heads, 197, 8);
+            assert_eq!(long.stages_q, batch * heads != 384, "{long:?}");
+            if !long.stages_q {
+                assert_eq!(long, plan135(batch, heads, 197));
+            }
         }
-        // The threshold: 8 pairs a SM (1,056 on 132 SMs).
-        assert!(plan(88, 12, 197, 8).stages_q);
-        assert!(!plan(87, 12, 197, 8).stages_q);
+        // The threshold: 8 pairs a SM (1,056 on 132 SMs), for blocks of under 5 warps.
+        assert!(plan(88, 12, 113, 8).stages_q);
+        assert!(!plan(87, 12, 113, 8).stages_q);
+        // The warps' knob: 9 turns lever 138 off.
+        let no_warps = PlanKnobs {
+            pairq_min_warps: 9,
+            ..PlanKnobs::default()
+        };
+        let p = resident_plan(64, 12, 197, 64, H100_SMS, H100_SMEM, no_warps);
+        assert_eq!(p, plan135(64, 12, 197));
         // Key parts, splits and blocks without a two-tile warp never stage Q.
         assert!(!plan(1, 12, 197, 8).stages_q);
         assert!(!plan(1024, 12, 16, 8).stages_q);

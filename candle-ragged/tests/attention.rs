@@ -298,10 +298,11 @@ fn random_batches_up_to_256() {
 
 /// Large batches without key parts, where a warp has two query tiles: 744 (sequence, head)
 /// pairs of up to 128 tokens (blocks of at most 4 warps, more than the SMs hold at once) take
-/// lever 135's paired kernel (both tiles at once), up to 256 the others; 1,104 pairs (past 8 a
-/// SM on the H100's 132) take lever 136's form of it, Q staged in shared memory, at any length
+/// lever 135's paired kernel (both tiles at once), up to 256 (8 warps) lever 136's form of it,
+/// Q staged in shared memory, as 1,104 pairs (past 8 a SM on the H100's 132) do at any length
 /// (`CANDLE_RAGGED_PAIR_WARPS=8` pairs every unsplit block in lever 135's form, `=0` none;
-/// `CANDLE_RAGGED_PAIRQ_PAIRS=0` stages Q in every one). Odd and even tile counts (the last
+/// `CANDLE_RAGGED_PAIRQ_PAIRS=0` stages Q in every one, `CANDLE_RAGGED_PAIRQ_WARPS=9` with
+/// `CANDLE_RAGGED_PAIRQ_PAIRS=100000` in none). Odd and even tile counts (the last
 /// warp of an odd count has one tile), both resident head sizes, every dtype.
 #[test]
 fn two_tiles_a_warp_at_large_batches() {
