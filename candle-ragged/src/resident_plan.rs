@@ -486,13 +486,21 @@ mod tests {
         for head_dim in [32, 64] {
             let opt_in = resident_opt_in_bytes(head_dim);
             assert!(opt_in <= 227 * 1024, "opt-in {opt_in} bytes");
-            for (max_parts, pairq_min_pairs_per_sm) in [(1, 8), (4, 8), (8, 8), (8, 0)] {
+            // Key parts; lever 137's threshold and lever 138's warps, default, always or never.
+            for (max_parts, pairq_min_pairs_per_sm, pairq_min_warps) in [
+                (1, 8, 5),
+                (4, 8, 5),
+                (8, 8, 5),
+                (8, 0, 5),
+                (8, usize::MAX, 9),
+            ] {
                 for batch in [1, 2, 3, 8, 64, 256, 1024] {
                     for heads in [1, 3, 6, 12, 16] {
                         for max_len in [1, 2, 15, 16, 17, 63, 64, 65, 129, 197, 255, 256] {
                             let knobs = PlanKnobs {
                                 max_parts,
                                 pairq_min_pairs_per_sm,
+                                pairq_min_warps,
                                 ..PlanKnobs::default()
                             };
                             let p = resident_plan(
