@@ -43,7 +43,7 @@ const RESIDENT_NAMES: [[&str; 2]; 2] = [
     ],
 ];
 use crate::resident_plan::{
-    resident_opt_in_bytes, resident_plan, PlanKnobs, KEY_PARTS, RESIDENT_MAX_LEN,
+    resident_opt_in_bytes, resident_plan, GpuLimits, PlanKnobs, KEY_PARTS, RESIDENT_MAX_LEN,
 };
 
 const ATTN_NAMES: [[&str; 3]; 3] = [
@@ -114,11 +114,10 @@ struct Kernels {
     /// (levers 35, 135 and 136; `ResidentPlan::kernel_index` picks), each
     /// [dtype - 1][head_dim index].
     resident: [Vec<Vec<CudaFunction>>; 4],
-    /// Streaming multiprocessors: the resident kernel splits a (sequence, head) over several
-    /// blocks when the batch alone would not fill them.
-    sm_count: usize,
-    /// Shared memory of an SM in bytes (the resident plan counts the blocks an SM holds).
-    smem_per_sm: usize,
+    /// The device's SMs and shared memory, for the resident plan (which splits a (sequence,
+    /// head) over several blocks when the batch alone would not fill the SMs, counts the blocks
+    /// an SM holds and keeps within what a block may opt into) and the selection kernels.
+    gpu: GpuLimits,
     /// `CANDLE_RAGGED_ATTENTION=tiled` turns the resident kernel off (for A/B measurements).
     resident_enabled: bool,
     /// The wgmma kernel (lever 46; at parity with the resident one, so an A/B arm), by
@@ -197,7 +196,21 @@ fn kernels(dev: &CudaDevice) -> Result<Arc<Kernels>> {
         load_resident(variants[2])?,
         load_resident(variants[3])?,
     ];
-    // Past 48 KB of dynamic shared memory a kernel must opt in.
+    let attribute = |a: sys::CUdevice_attribute| -> Result<usize> {
+        Ok(dev.cuda_stream().context().attribute(a).w()?.max(0) as usize)
+    };
+    let gpu = GpuLimits {
+        sm_count: attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?
+            .max(1),
+        smem_per_sm: attribute(
+            sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR,
+        )?,
+        smem_per_block: attribute(
+            sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+        )?,
+    };
+    // Past 48 KB of dynamic shared memory a kernel must opt in; no plan asks for more than the
+    // device allows a block (`resident_plan` keeps within it).
     for (fs, dim) in resident
         .iter()
         .flatten()
@@ -205,24 +218,10 @@ fn kernels(dev: &CudaDevice) -> Result<Arc<Kernels>> {
     {
         fs.set_attribute(
             sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            resident_opt_in_bytes(dim) as i32,
+            resident_opt_in_bytes(dim).min(gpu.smem_per_block) as i32,
         )
         .w()?;
     }
-    let sm_count = dev
-        .cuda_stream()
-        .context()
-        .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-        .w()?
-        .max(1) as usize;
-    let smem_per_sm = dev
-        .cuda_stream()
-        .context()
-        .attribute(
-            sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR,
-        )
-        .w()?
-        .max(0) as usize;
     let attention_env = std::env::var("CANDLE_RAGGED_ATTENTION");
     let resident_enabled = attention_env.as_deref() != Ok("tiled");
     let wgmma = match PTX_SM90 {
@@ -285,8 +284,7 @@ fn kernels(dev: &CudaDevice) -> Result<Arc<Kernels>> {
             .map(|row| row.iter().map(|n| load(n)).collect())
             .collect::<Result<_>>()?,
         resident,
-        sm_count,
-        smem_per_sm,
+        gpu,
         resident_enabled,
         wgmma,
         plan_knobs,
@@ -418,8 +416,24 @@ pub(crate) fn attention(
         return Ok((zero_len_storage(dev, sq.dtype())?, shape));
     }
     let k = kernels(dev)?;
-    let resident =
-        k.resident_enabled && dtype_index > 0 && dim <= 64 && batch.max_len() <= RESIDENT_MAX_LEN;
+    // The launch shape of the resident kernel (blocks, warps, key parts, shared memory):
+    // crate::resident_plan; `None` where it does not fit the device (the tiled kernel then).
+    let resident_plan = if k.resident_enabled
+        && dtype_index > 0
+        && dim <= 64
+        && batch.max_len() <= RESIDENT_MAX_LEN
+    {
+        resident_plan(
+            batch.batch_size(),
+            heads,
+            batch.max_len(),
+            dim,
+            k.gpu,
+            k.plan_knobs,
+        )
+    } else {
+        None
+    };
     let (cu_storage, cu_off) = u32_storage(batch.cu_seqlens());
     let cu = cuda_u32(&cu_storage)?.slice(cu_off..);
 
@@ -447,17 +461,7 @@ pub(crate) fn attention(
             shared_mem_bytes: wgmma_smem_bytes(batch.max_len()) as u32,
         };
         (func, cfg)
-    } else if resident {
-        // The launch shape (blocks, warps, key parts, shared memory): crate::resident_plan.
-        let plan = resident_plan(
-            batch.batch_size(),
-            heads,
-            batch.max_len(),
-            dim,
-            k.sm_count,
-            k.smem_per_sm,
-            k.plan_knobs,
-        );
+    } else if let Some(plan) = resident_plan {
         let cfg = LaunchConfig {
             grid_dim: plan.grid,
             block_dim: plan.block,
@@ -783,7 +787,7 @@ pub(crate) fn select_top_k(
     // sequence per SM every block of a sequence below would otherwise compute all of its heads'
     // logits again, each reading the whole sequence's keys. `[B, heads + 1, len]` f32, the rows
     // modes 4 / 5 read (the same bits as modes 2 / 3).
-    let split = op.source.reads_qkv() && k.split_scores.unwrap_or(b < k.sm_count);
+    let split = op.source.reads_qkv() && k.split_scores.unwrap_or(b < k.gpu.sm_count);
     let probs = if split {
         let vnorm = matches!(op.source, ScoreSource::Significance { .. });
         Some(class_attention_probs(
@@ -914,7 +918,7 @@ pub(crate) fn select_decide(
     let k = kernels(dev)?;
     // Class-attention scores in (sequence, head) blocks first (`cls_probs`), the decide kernel
     // then reading them as modes 4 / 5: one block per sequence is one SM's loads at small batches.
-    let split = op.source.reads_qkv() && k.split_scores.unwrap_or(b < k.sm_count);
+    let split = op.source.reads_qkv() && k.split_scores.unwrap_or(b < k.gpu.sm_count);
     // Scratch: the logits of a group of heads (and their queries), and at least 4 floats per
     // token (two f64 arrays for the inverse-transform rule); a multiple of 4 keeps them aligned.
     let head_dim = c / heads.max(1) as usize;

@@ -99,6 +99,19 @@ impl Default for PlanKnobs {
     }
 }
 
+/// What the plan needs to know of the GPU, queried once per device.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(crate) struct GpuLimits {
+    /// Streaming multiprocessors.
+    pub sm_count: usize,
+    /// Shared memory of an SM in bytes (228 KB on the H100).
+    pub smem_per_sm: usize,
+    /// Most dynamic shared memory one block may opt into (227 KB on the H100, 163 KB on the
+    /// A100, 99 KB on compute capability 8.6 / 8.9): no plan asks for more, and a batch whose K
+    /// and V alone would need more takes the tiled kernel.
+    pub smem_per_block: usize,
+}
+
 /// Shared memory of a resident block: K and V rows (head_dim + 8 elements, padded so ldmatrix
 /// is conflict-free) for the longest sequence rounded up to 16 keys.
 pub(crate) fn resident_smem_bytes(max_len: usize, head_dim: usize) -> usize {
@@ -226,29 +239,49 @@ fn wants_low_registers(warps: usize, blocks: usize, sm_count: usize) -> bool {
 ///   the kernel bound by the dependent chains an SM keeps in flight, not by its instructions;
 ///   this form holds a third more of them, which pays once the grid takes several waves.
 ///
-/// `smem_per_sm`: shared memory of an SM in bytes (228 KB on the H100).
+/// Within `gpu.smem_per_block`: key parts only as many as their merge fits (8, else 4, else
+/// none), Q staged only where it fits, and `None` (the tiled kernel) where K and V alone do not
+/// (at head_dim 64, sequences past 224 tokens where a block may hold only 64 KB).
 pub(crate) fn resident_plan(
     batch: usize,
     heads: usize,
     max_len: usize,
     head_dim: usize,
-    sm_count: usize,
-    smem_per_sm: usize,
+    gpu: GpuLimits,
     knobs: PlanKnobs,
-) -> ResidentPlan {
+) -> Option<ResidentPlan> {
+    let GpuLimits {
+        sm_count,
+        smem_per_sm,
+        smem_per_block,
+    } = gpu;
     let pairs = batch * heads;
     let q_tiles = max_len.div_ceil(16);
     let kv = resident_smem_bytes(max_len, head_dim);
-    if let Some((parts, warps)) = resident_key_parts(pairs, q_tiles, sm_count, knobs.max_parts) {
-        return ResidentPlan {
+    if kv > smem_per_block {
+        return None;
+    }
+    let key_parts = [knobs.max_parts, knobs.max_parts.min(KEY_PARTS)]
+        .into_iter()
+        .filter_map(|max_parts| resident_key_parts(pairs, q_tiles, sm_count, max_parts))
+        .map(|(parts, warps)| {
+            (
+                parts,
+                warps,
+                kv + resident_merge_bytes(warps, parts, head_dim),
+            )
+        })
+        .find(|&(_, _, smem)| smem <= smem_per_block);
+    if let Some((parts, warps, smem)) = key_parts {
+        return Some(ResidentPlan {
             grid: (q_tiles.div_ceil(warps) as u32, heads as u32, batch as u32),
             block: ((warps * 32) as u32, parts as u32, 1),
-            shared_mem_bytes: (kv + resident_merge_bytes(warps, parts, head_dim)) as u32,
+            shared_mem_bytes: smem as u32,
             // At most a wave of warps: occupancy does not bound it.
             low_registers: false,
             paired: false,
             stages_q: false,
-        };
+        });
     }
     let warps = q_tiles.div_ceil(2).clamp(1, RESIDENT_MAX_WARPS);
     let splits = if pairs * warps < knobs.split_below * sm_count {
@@ -273,6 +306,7 @@ pub(crate) fn resident_plan(
     );
     // Q's rows take as much shared memory as K's.
     let stages_q = pairable
+        && kv * 3 / 2 <= smem_per_block
         && (pairs >= knobs.pairq_min_pairs_per_sm.saturating_mul(sm_count)
             || warps >= knobs.pairq_min_warps)
         && (fits(PAIRQ_WARPS_PER_SM, kv * 3 / 2) || !fits_unpaired);
@@ -281,29 +315,32 @@ pub(crate) fn resident_plan(
             && warps <= knobs.pair_max_warps
             && (fits(PAIRED_WARPS_PER_SM, kv) || !fits_unpaired));
     let low_registers = !paired && wants_low_registers(warps, splits * pairs, sm_count);
-    ResidentPlan {
+    Some(ResidentPlan {
         grid: (splits as u32, heads as u32, batch as u32),
         block: ((warps * 32) as u32, 1, 1),
         shared_mem_bytes: (if stages_q { kv * 3 / 2 } else { kv }) as u32,
         low_registers,
         paired,
         stages_q,
-    }
+    })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    const H100_SMS: usize = 132;
-    const H100_SMEM: usize = 228 * 1024;
+    const H100: GpuLimits = GpuLimits {
+        sm_count: 132,
+        smem_per_sm: 228 * 1024,
+        smem_per_block: 227 * 1024,
+    };
 
     fn plan(batch: usize, heads: usize, max_len: usize, max_parts: usize) -> ResidentPlan {
         let knobs = PlanKnobs {
             max_parts,
             ..PlanKnobs::default()
         };
-        resident_plan(batch, heads, max_len, 64, H100_SMS, H100_SMEM, knobs)
+        resident_plan(batch, heads, max_len, 64, H100, knobs).unwrap()
     }
 
     #[test]
@@ -362,7 +399,7 @@ mod tests {
             pairq_min_warps: usize::MAX,
             ..PlanKnobs::default()
         };
-        resident_plan(batch, heads, max_len, 64, H100_SMS, H100_SMEM, knobs)
+        resident_plan(batch, heads, max_len, 64, H100, knobs).unwrap()
     }
 
     #[test]
@@ -408,8 +445,12 @@ mod tests {
             pairq_min_warps: usize::MAX,
             ..PlanKnobs::default()
         };
-        assert!(!resident_plan(256, 12, 113, 64, H100_SMS, H100_SMEM, knobs(0)).paired);
-        let all = resident_plan(256, 12, 197, 64, H100_SMS, H100_SMEM, knobs(8));
+        assert!(
+            !resident_plan(256, 12, 113, 64, H100, knobs(0))
+                .unwrap()
+                .paired
+        );
+        let all = resident_plan(256, 12, 197, 64, H100, knobs(8)).unwrap();
         assert!(all.paired && !all.stages_q);
         assert_eq!(all.kernel_index(), 2);
         assert_eq!(plan135(256, 12, 197).kernel_index(), 1);
@@ -458,7 +499,7 @@ mod tests {
             pairq_min_warps: 9,
             ..PlanKnobs::default()
         };
-        let p = resident_plan(64, 12, 197, 64, H100_SMS, H100_SMEM, no_warps);
+        let p = resident_plan(64, 12, 197, 64, H100, no_warps).unwrap();
         assert_eq!(p, plan135(64, 12, 197));
         // Key parts, splits and blocks without a two-tile warp never stage Q.
         assert!(!plan(1, 12, 197, 8).stages_q);
@@ -470,12 +511,75 @@ mod tests {
             pairq_min_pairs_per_sm: 0,
             ..PlanKnobs::default()
         };
-        let at = |batch, heads, max_len| {
-            resident_plan(batch, heads, max_len, 64, H100_SMS, H100_SMEM, every)
-        };
+        let at =
+            |batch, heads, max_len| resident_plan(batch, heads, max_len, 64, H100, every).unwrap();
         assert!(at(64, 12, 197).stages_q && at(64, 6, 159).stages_q);
         assert!(!at(64, 6, 197).stages_q);
         assert!(!at(64, 3, 197).stages_q, "split: a tile per warp");
+    }
+
+    /// GPUs with less shared memory a block than the H100 get plans within it: the A100 (163 KB,
+    /// 164 a SM), compute capability 8.6 / 8.9 (99 KB, 100 a SM: no Q staging past 224 tokens,
+    /// four key parts where eight do not fit) and a 64 KB limit (no resident kernel past 224
+    /// tokens at head_dim 64).
+    #[test]
+    fn smaller_gpus_get_plans_within_their_limits() {
+        let a100 = GpuLimits {
+            sm_count: 108,
+            smem_per_sm: 164 * 1024,
+            smem_per_block: 163 * 1024,
+        };
+        let ada = GpuLimits {
+            sm_count: 128,
+            smem_per_sm: 100 * 1024,
+            smem_per_block: 99 * 1024,
+        };
+        let small = GpuLimits {
+            smem_per_block: 64 * 1024,
+            ..ada
+        };
+        let knobs = PlanKnobs::default();
+        for gpu in [H100, a100, ada, small] {
+            for head_dim in [32, 64] {
+                for batch in [1, 8, 64, 256, 1024] {
+                    for heads in [3, 6, 12] {
+                        for max_len in [1, 17, 64, 113, 176, 177, 197, 224, 225, 256] {
+                            let what = format!(
+                                "{gpu:?} batch {batch} heads {heads} len {max_len} d {head_dim}"
+                            );
+                            let kv = resident_smem_bytes(max_len, head_dim);
+                            match resident_plan(batch, heads, max_len, head_dim, gpu, knobs) {
+                                Some(p) => {
+                                    assert!(
+                                        p.shared_mem_bytes as usize <= gpu.smem_per_block,
+                                        "{what}: {p:?}"
+                                    );
+                                    assert!(
+                                        p.shared_mem_bytes as usize
+                                            <= resident_opt_in_bytes(head_dim),
+                                        "{what}"
+                                    );
+                                }
+                                None => assert!(kv > gpu.smem_per_block, "{what}"),
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        // 99 KB: K, V and Q of 224 tokens (94.5 KB) fit, of 225 (101.25 KB) not; key parts at
+        // batch 1 fall back from eight (103.5 KB at 256 tokens) to four (99 KB).
+        let staged = |gpu, max_len| {
+            resident_plan(256, 12, max_len, 64, gpu, knobs)
+                .unwrap()
+                .stages_q
+        };
+        assert!(staged(ada, 224) && !staged(ada, 225) && staged(H100, 256));
+        let parts = |gpu| resident_plan(1, 3, 256, 64, gpu, knobs).unwrap().block.1;
+        assert_eq!((parts(H100), parts(ada)), (8, 4));
+        // 64 KB: 224 tokens' K and V (63 KB) fit, 225 tokens' (65.25 KB) do not.
+        assert!(resident_plan(8, 6, 224, 64, small, knobs).is_some());
+        assert!(resident_plan(8, 6, 225, 64, small, knobs).is_none());
     }
 
     /// For every batch the kernel takes: every query tile of the longest sequence has a warp,
@@ -503,9 +607,8 @@ mod tests {
                                 pairq_min_warps,
                                 ..PlanKnobs::default()
                             };
-                            let p = resident_plan(
-                                batch, heads, max_len, head_dim, H100_SMS, H100_SMEM, knobs,
-                            );
+                            let p = resident_plan(batch, heads, max_len, head_dim, H100, knobs)
+                                .unwrap();
                             let q_tiles = max_len.div_ceil(16) as u32;
                             let (warps, parts) = (p.block.0 / 32, p.block.1);
                             assert!((1..=RESIDENT_MAX_WARPS as u32).contains(&(warps * parts)));
