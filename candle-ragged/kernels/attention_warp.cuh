@@ -144,7 +144,7 @@ constexpr float RESCALE_SLACK = 8.f;
 // Same products and sums in the same order per element: the results are bit-identical, and
 // for any R each group's results are those of R = 1.
 //
-// QS (lever 136, an A/B arm): Q's A fragments are not held in st[r].qa but read by ldmatrix from Q rows
+// QS (lever 136): Q's A fragments are not held in st[r].qa but read by ldmatrix from Q rows
 // staged in shared memory (group r's 16 rows at qs + r * q_group elements, rows of C::ROW), two
 // k-steps at a time, which frees the registers of Q.
 template <typename T, int D, int KEYS, bool FULL, bool LAZY, int R, bool QS = false>

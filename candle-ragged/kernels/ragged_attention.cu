@@ -133,9 +133,9 @@ __device__ __forceinline__ void attn_mma_kernel(const T *__restrict__ q, const T
 // key parts, a warp walks its query tiles two at a time (tile, tile + warps · splits), each K / V
 // fragment feeding both tiles' MMAs (attend_chunk_rows with R = 2): half the ldmatrix loads and
 // two independent chains per warp, at the price of a second tile's registers.
-// QS (lever 136, an A/B arm, with PAIR and without key parts): Q's rows staged in shared memory
-// after V (the launch adds their bytes), its fragments read per chunk (attend_chunk_rows) instead
-// of held in registers.
+// QS (lever 136, with PAIR and without key parts): Q's rows staged in shared memory after V (the
+// launch adds their bytes), its fragments read per chunk (attend_chunk_rows) instead of held in
+// registers.
 template <typename T, int D, int KEYS, bool LAZY, bool PAIR = false, bool QS = false>
 __device__ __forceinline__ void attn_resident_kernel(const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v,
                                                      T *__restrict__ o, const uint32_t *__restrict__ cu_seqlens,
@@ -482,10 +482,12 @@ RESIDENT_ENTRY_PAIR(ragged_attn_resident_pair_f16_d32, __half, 32)
 RESIDENT_ENTRY_PAIR(ragged_attn_resident_pair_f16_d64, __half, 64)
 RESIDENT_ENTRY_PAIR(ragged_attn_resident_pair_bf16_d32, __nv_bfloat16, 32)
 RESIDENT_ENTRY_PAIR(ragged_attn_resident_pair_bf16_d64, __nv_bfloat16, 64)
-// Lever 136 (an A/B arm: CANDLE_RAGGED_PAIRQ=16 / 32, see cuda.rs): the paired form with Q staged
-// in shared memory (QS), KEYS-key steps, REGS registers. pairq16 under 128 registers has no spills
-// (16 warps a SM); on the H100 it ran 1.04-1.09x the default kernels at batch 256 and keep >= 0.7
-// with every unsplit block paired, but 0.86-1.05x at batch 64, so the plan does not pick it yet.
+// Lever 136: the paired form with Q staged in shared memory (QS), KEYS-key steps, REGS registers.
+// pairq16 under 128 registers has no spills (16 warps a SM); on the H100 it ran 1.04-1.09x the
+// other kernels at batch 256 and keep >= 0.7 with every unsplit block paired, but 0.86-1.05x at
+// batch 64: resident_plan.rs picks it from 8 (sequence, head) pairs a SM or 5 warps a block
+// (levers 137-138). pairq32 (32-key steps, 208 bytes spilled) is an A/B arm
+// (CANDLE_RAGGED_PAIRQ=32, see cuda.rs).
 #define RESIDENT_ENTRY_PAIRQ(NAME, T, D, KEYS, REGS)                                              \
     extern "C" __global__ void __maxnreg__(REGS) NAME(ATTN_ARGS(T)) {                             \
         attn_resident_kernel<T, D, KEYS, true, true, true>(ATTN_PASS);                            \

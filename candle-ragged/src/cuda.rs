@@ -111,7 +111,7 @@ const DECIDE_MAX_SMEM: usize = 4 * DECIDE_LOGIT_FLOATS + 16 * crate::MAX_SEQ_LEN
 struct Kernels {
     attn: Vec<Vec<CudaFunction>>,
     /// The resident kernels, [96-register, 80-register, paired, paired with Q in shared memory]
-    /// (levers 35, 135 and 136; `ResidentPlan::kernel_index` picks), each
+    /// (levers 35, 135 and 136), indexed by `ResidentKernel`, each
     /// [dtype - 1][head_dim index].
     resident: [Vec<Vec<CudaFunction>>; 4],
     /// The device's SMs and shared memory, for the resident plan (which splits a (sequence,
@@ -468,7 +468,7 @@ pub(crate) fn attention(
             shared_mem_bytes: plan.shared_mem_bytes,
         };
         (
-            &k.resident[plan.kernel_index()][dtype_index - 1][dim_index],
+            &k.resident[plan.kernel as usize][dtype_index - 1][dim_index],
             cfg,
         )
     } else {

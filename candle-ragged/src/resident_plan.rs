@@ -160,45 +160,45 @@ pub(crate) fn resident_merge_max_bytes(head_dim: usize) -> usize {
         .unwrap_or(0)
 }
 
+/// Shared memory of a block of lever 136's form: Q's rows staged after K and V, as many bytes
+/// as K's.
+fn resident_staged_q_bytes(max_len: usize, head_dim: usize) -> usize {
+    resident_smem_bytes(max_len, head_dim) * 3 / 2
+}
+
 /// The dynamic shared memory the resident kernels opt into when they load: the most any plan
 /// asks for (K and V at [`RESIDENT_MAX_LEN`] with the key parts' merge, or with Q staged too).
 pub(crate) fn resident_opt_in_bytes(head_dim: usize) -> usize {
-    let kv = resident_smem_bytes(RESIDENT_MAX_LEN, head_dim);
-    (kv + resident_merge_max_bytes(head_dim)).max(kv * 3 / 2)
+    (resident_smem_bytes(RESIDENT_MAX_LEN, head_dim) + resident_merge_max_bytes(head_dim))
+        .max(resident_staged_q_bytes(RESIDENT_MAX_LEN, head_dim))
+}
+
+/// Which resident kernel runs a plan; its value is the kernel's index among those loaded.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(crate) enum ResidentKernel {
+    /// The 96-register kernel (lever 35).
+    R96 = 0,
+    /// The 80-register kernel (lever 24's bound; since lever 38 it also rescales its online
+    /// softmax lazily).
+    R80 = 1,
+    /// Lever 135's paired kernel: each warp takes its two query tiles at once, every K / V
+    /// fragment feeding both (168 registers). Only without key parts or splits, in blocks of
+    /// which some warp has two tiles.
+    Paired = 2,
+    /// The paired kernel in lever 136's form: Q's rows staged in shared memory after K and V
+    /// (which the launch's shared memory then holds too), its fragments loaded per key chunk, so
+    /// that it fits 128 registers.
+    PairedStagedQ = 3,
 }
 
 /// One resident launch: CUDA's grid (x, heads, batch) and block (x: warps · 32, y: key parts),
-/// the dynamic shared memory, and which register bound the kernel is built for.
+/// the dynamic shared memory, and the kernel.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub(crate) struct ResidentPlan {
     pub grid: (u32, u32, u32),
     pub block: (u32, u32, u32),
     pub shared_mem_bytes: u32,
-    /// The 80-register kernel (lever 24's bound; since lever 38 it also rescales its online softmax
-    /// lazily) instead of the 96-register one (lever 35).
-    pub low_registers: bool,
-    /// Lever 135's kernel instead of either: each warp takes its two query tiles at once, every
-    /// K / V fragment feeding both (168 registers). Only without key parts or splits, in blocks
-    /// of which some warp has two tiles.
-    pub paired: bool,
-    /// The paired kernel in lever 136's form: Q's rows staged in shared memory after K and V
-    /// (which the launch's shared memory then holds too), its fragments loaded per key chunk, so
-    /// that it fits 128 registers.
-    pub stages_q: bool,
-}
-
-impl ResidentPlan {
-    /// Which resident kernel runs the plan: 0 the 96-register one, 1 the 80-register one, 2 the
-    /// paired one, 3 the paired one with Q in shared memory.
-    pub(crate) fn kernel_index(&self) -> usize {
-        if self.stages_q {
-            3
-        } else if self.paired {
-            2
-        } else {
-            self.low_registers as usize
-        }
-    }
+    pub kernel: ResidentKernel,
 }
 
 /// Whether a launch of `blocks` blocks of `warps` warps (no key parts) takes the 80-register
@@ -227,8 +227,9 @@ fn wants_low_registers(warps: usize, blocks: usize, sm_count: usize) -> bool {
 /// - one block per (sequence, head) of at most `knobs.pair_max_warps` warps takes the paired
 ///   kernel when some warp has two tiles, unless the grid fits the SMs at once with the
 ///   kernel it would take unpaired and not with the paired one (which holds 12 warps a SM, not
-///   20). Lever 135's second A/B (H100, `CANDLE_RAGGED_PAIR_WARPS=0` against 4, 3 / 6 / 12 heads, batch 64 /
-///   256, keep 0.3 / 0.5, f16 and bf16, two rounds) found exactly those grids slower paired:
+///   20). Lever 135's second A/B (H100, `CANDLE_RAGGED_PAIR_WARPS=0` against 4, 3 / 6 / 12
+///   heads, batch 64 / 256, keep 0.3 / 0.5, f16 and bf16, two rounds) found exactly those grids
+///   slower paired:
 ///   768 blocks of 3 warps (3 heads at batch 256 and 12 at 64, keep 0.3) 0.89–0.90×, against
 ///   1.02–1.18× where the paired grid takes no more waves than the other or both take several,
 ///   and ~1.00 at 3 heads batch 64;
@@ -278,9 +279,7 @@ pub(crate) fn resident_plan(
             block: ((warps * 32) as u32, parts as u32, 1),
             shared_mem_bytes: smem as u32,
             // At most a wave of warps: occupancy does not bound it.
-            low_registers: false,
-            paired: false,
-            stages_q: false,
+            kernel: ResidentKernel::R96,
         });
     }
     let warps = q_tiles.div_ceil(2).clamp(1, RESIDENT_MAX_WARPS);
@@ -296,38 +295,69 @@ pub(crate) fn resident_plan(
     let fits = |warps_per_sm, smem| {
         pairs <= sm_count * blocks_per_sm(warps, smem, warps_per_sm, smem_per_sm)
     };
+    let unpaired = if wants_low_registers(warps, splits * pairs, sm_count) {
+        ResidentKernel::R80
+    } else {
+        ResidentKernel::R96
+    };
     let fits_unpaired = fits(
-        if wants_low_registers(warps, pairs, sm_count) {
+        if unpaired == ResidentKernel::R80 {
             LOW_REGISTER_WARPS_PER_SM
         } else {
             RESIDENT_WARPS_PER_SM
         },
         kv,
     );
-    // Q's rows take as much shared memory as K's.
-    let stages_q = pairable
-        && kv * 3 / 2 <= smem_per_block
+    let staged = resident_staged_q_bytes(max_len, head_dim);
+    let kernel = if pairable
+        && staged <= smem_per_block
         && (pairs >= knobs.pairq_min_pairs_per_sm.saturating_mul(sm_count)
             || warps >= knobs.pairq_min_warps)
-        && (fits(PAIRQ_WARPS_PER_SM, kv * 3 / 2) || !fits_unpaired);
-    let paired = stages_q
-        || (pairable
-            && warps <= knobs.pair_max_warps
-            && (fits(PAIRED_WARPS_PER_SM, kv) || !fits_unpaired));
-    let low_registers = !paired && wants_low_registers(warps, splits * pairs, sm_count);
+        && (fits(PAIRQ_WARPS_PER_SM, staged) || !fits_unpaired)
+    {
+        ResidentKernel::PairedStagedQ
+    } else if pairable
+        && warps <= knobs.pair_max_warps
+        && (fits(PAIRED_WARPS_PER_SM, kv) || !fits_unpaired)
+    {
+        ResidentKernel::Paired
+    } else {
+        unpaired
+    };
     Some(ResidentPlan {
         grid: (splits as u32, heads as u32, batch as u32),
         block: ((warps * 32) as u32, 1, 1),
-        shared_mem_bytes: (if stages_q { kv * 3 / 2 } else { kv }) as u32,
-        low_registers,
-        paired,
-        stages_q,
+        shared_mem_bytes: (if kernel == ResidentKernel::PairedStagedQ {
+            staged
+        } else {
+            kv
+        }) as u32,
+        kernel,
     })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    // The plan's kernel as the questions the tests ask of it.
+    impl ResidentPlan {
+        /// Whether the plan runs the 80-register kernel.
+        fn low_registers(&self) -> bool {
+            self.kernel == ResidentKernel::R80
+        }
+        /// Whether it runs the paired kernel, in either form.
+        fn paired(&self) -> bool {
+            matches!(
+                self.kernel,
+                ResidentKernel::Paired | ResidentKernel::PairedStagedQ
+            )
+        }
+        /// Whether it runs the paired kernel with Q staged in shared memory.
+        fn stages_q(&self) -> bool {
+            self.kernel == ResidentKernel::PairedStagedQ
+        }
+    }
 
     const H100: GpuLimits = GpuLimits {
         sm_count: 132,
@@ -363,33 +393,31 @@ mod tests {
                 grid: (2, 6, 8),
                 block: (7 * 32, 1, 1),
                 shared_mem_bytes: resident_smem_bytes(197, 64) as u32,
-                low_registers: false,
-                paired: false,
-                stages_q: false,
+                kernel: ResidentKernel::R96,
             }
         );
         // Batch 256: one block of 7 warps per (sequence, head), on the 80-register kernel
         // (three blocks per SM instead of two) before lever 136, paired with Q staged since.
         assert_eq!(plan(256, 12, 197, 8).grid, (1, 12, 256));
         assert_eq!(plan(256, 12, 197, 8).block, (7 * 32, 1, 1));
-        assert!(plan135(256, 12, 197).low_registers);
-        assert!(plan(256, 12, 197, 8).stages_q);
+        assert!(plan135(256, 12, 197).low_registers());
+        assert!(plan(256, 12, 197, 8).stages_q());
         // Lever 35's measured cells: 7-warp blocks past two per SM take the 80-register kernel;
         // 5-warp blocks (keep 0.7), 4-warp blocks (keep 0.5) and grids that fit at two blocks
         // per SM the 96-register one (before levers 137–138 staged Q in the longer ones).
-        assert!(plan(64, 6, 197, 8).low_registers);
-        assert!(plan135(64, 12, 197).low_registers);
-        assert!(!plan(32, 3, 197, 8).low_registers);
+        assert!(plan(64, 6, 197, 8).low_registers());
+        assert!(plan135(64, 12, 197).low_registers());
+        assert!(!plan(32, 3, 197, 8).low_registers());
         // Lever 109: DeiT-T at batch 64 (192 pairs of 7 warps, under 11 warps a SM) splits, its
         // 384 blocks on the 80-register kernel (three a SM, one wave); 6 heads at batch 64 and
         // keep 0.5 (384 pairs of 4 warps) does not.
         assert_eq!(plan(64, 3, 197, 8).grid, (2, 3, 64));
-        assert!(plan(64, 3, 197, 8).low_registers);
+        assert!(plan(64, 3, 197, 8).low_registers());
         assert_eq!(plan(64, 6, 113, 8).grid, (1, 6, 64));
-        assert!(!plan(256, 12, 159, 8).low_registers);
-        assert!(!plan(256, 12, 113, 8).low_registers);
+        assert!(!plan(256, 12, 159, 8).low_registers());
+        assert!(!plan(256, 12, 113, 8).low_registers());
         // Key parts (batch 1): a wave at most, never the low-register kernel.
-        assert!(!plan(1, 12, 197, 8).low_registers);
+        assert!(!plan(1, 12, 197, 8).low_registers());
     }
 
     /// Lever 135's rule alone (lever 136's form out of reach).
@@ -409,35 +437,35 @@ mod tests {
         for heads in [6, 12] {
             for batch in [64, 256] {
                 let p = plan135(batch, heads, 113);
-                assert!(p.paired && !p.low_registers && !p.stages_q, "{p:?}");
-                assert_eq!(p.kernel_index(), 2);
+                assert!(p.paired() && !p.low_registers() && !p.stages_q(), "{p:?}");
+                assert_eq!(p.kernel, ResidentKernel::Paired);
                 assert_eq!((p.grid.0, p.block.0), (1, 4 * 32));
-                assert!(!plan135(batch, heads, 159).paired);
-                assert!(!plan135(batch, heads, 197).paired);
+                assert!(!plan135(batch, heads, 159).paired());
+                assert!(!plan135(batch, heads, 197).paired());
             }
         }
         // Keep 0.3 (69 tokens: 3-warp blocks): 768 blocks fit the SMs at once with the
         // 96-register kernel (six a SM) but not paired (four): no pairing there; more blocks
         // pair, fewer split (two blocks per (sequence, head), a tile per warp).
-        assert!(!plan135(256, 3, 69).paired);
-        assert!(!plan135(64, 12, 69).paired);
-        assert!(plan135(256, 6, 69).paired && plan135(256, 12, 69).paired);
+        assert!(!plan135(256, 3, 69).paired());
+        assert!(!plan135(64, 12, 69).paired());
+        assert!(plan135(256, 6, 69).paired() && plan135(256, 12, 69).paired());
         for heads in [3, 6] {
             let p = plan135(64, heads, 69);
-            assert!(p.grid.0 == 2 && !p.paired, "{p:?}");
+            assert!(p.grid.0 == 2 && !p.paired(), "{p:?}");
         }
         // Keep 0.5 at 768 blocks of 4 warps: more than a wave either way, paired.
-        assert!(plan135(256, 3, 113).paired && plan135(64, 12, 113).paired);
+        assert!(plan135(256, 3, 113).paired() && plan135(64, 12, 113).paired());
         // DeiT's pruned stages at batch 256: 98 and 69 tokens pair.
-        assert!(plan135(256, 6, 98).paired);
-        assert!(plan135(256, 6, 69).paired);
+        assert!(plan135(256, 6, 98).paired());
+        assert!(plan135(256, 6, 69).paired());
         // No warp with two tiles (16 tokens), a split batch (DeiT-T at batch 64 keeps two blocks
         // per (sequence, head), one tile a warp) and key parts (batch 1) do not pair.
-        assert!(!plan(256, 12, 16, 8).paired);
-        assert!(!plan(1, 6, 100, 8).paired);
+        assert!(!plan(256, 12, 16, 8).paired());
+        assert!(!plan(1, 6, 100, 8).paired());
         let split = plan(8, 3, 100, 1);
         assert_eq!(split.grid.0, 2);
-        assert!(!split.paired);
+        assert!(!split.paired());
         // The knob: 0 never pairs, 8 pairs every unsplit block whose warps hold two tiles.
         let knobs = |pair_max_warps| PlanKnobs {
             pair_max_warps,
@@ -445,16 +473,14 @@ mod tests {
             pairq_min_warps: usize::MAX,
             ..PlanKnobs::default()
         };
-        assert!(
-            !resident_plan(256, 12, 113, 64, H100, knobs(0))
-                .unwrap()
-                .paired
-        );
+        assert!(!resident_plan(256, 12, 113, 64, H100, knobs(0))
+            .unwrap()
+            .paired());
         let all = resident_plan(256, 12, 197, 64, H100, knobs(8)).unwrap();
-        assert!(all.paired && !all.stages_q);
-        assert_eq!(all.kernel_index(), 2);
-        assert_eq!(plan135(256, 12, 197).kernel_index(), 1);
-        assert_eq!(plan135(256, 12, 159).kernel_index(), 0);
+        assert!(all.paired() && !all.stages_q());
+        assert_eq!(all.kernel, ResidentKernel::Paired);
+        assert_eq!(plan135(256, 12, 197).kernel, ResidentKernel::R80);
+        assert_eq!(plan135(256, 12, 159).kernel, ResidentKernel::R96);
     }
 
     #[test]
@@ -466,8 +492,8 @@ mod tests {
         for heads in [6, 12] {
             for max_len in [197, 159, 113, 69, 256] {
                 let p = plan(256, heads, max_len, 8);
-                assert!(p.paired && p.stages_q && !p.low_registers, "{p:?}");
-                assert_eq!(p.kernel_index(), 3);
+                assert!(p.paired() && p.stages_q() && !p.low_registers(), "{p:?}");
+                assert_eq!(p.kernel, ResidentKernel::PairedStagedQ);
                 assert_eq!(p.grid.0, 1);
                 let kv = resident_smem_bytes(max_len, 64);
                 assert_eq!(p.shared_mem_bytes as usize, kv * 3 / 2);
@@ -481,19 +507,19 @@ mod tests {
         for (batch, heads) in [(64, 6), (64, 12), (256, 3)] {
             for max_len in [113, 69] {
                 let p = plan(batch, heads, max_len, 8);
-                assert!(!p.stages_q, "{p:?}");
+                assert!(!p.stages_q(), "{p:?}");
                 assert_eq!(p, plan135(batch, heads, max_len));
             }
-            assert!(plan(batch, heads, 159, 8).stages_q);
+            assert!(plan(batch, heads, 159, 8).stages_q());
             let long = plan(batch, heads, 197, 8);
-            assert_eq!(long.stages_q, batch * heads != 384, "{long:?}");
-            if !long.stages_q {
+            assert_eq!(long.stages_q(), batch * heads != 384, "{long:?}");
+            if !long.stages_q() {
                 assert_eq!(long, plan135(batch, heads, 197));
             }
         }
         // The threshold: 8 pairs a SM (1,056 on 132 SMs), for blocks of under 5 warps.
-        assert!(plan(88, 12, 113, 8).stages_q);
-        assert!(!plan(87, 12, 113, 8).stages_q);
+        assert!(plan(88, 12, 113, 8).stages_q());
+        assert!(!plan(87, 12, 113, 8).stages_q());
         // The warps' knob: 9 turns lever 138 off.
         let no_warps = PlanKnobs {
             pairq_min_warps: 9,
@@ -502,8 +528,8 @@ mod tests {
         let p = resident_plan(64, 12, 197, 64, H100, no_warps).unwrap();
         assert_eq!(p, plan135(64, 12, 197));
         // Key parts, splits and blocks without a two-tile warp never stage Q.
-        assert!(!plan(1, 12, 197, 8).stages_q);
-        assert!(!plan(1024, 12, 16, 8).stages_q);
+        assert!(!plan(1, 12, 197, 8).stages_q());
+        assert!(!plan(1024, 12, 16, 8).stages_q());
         // The knob at 0: every unsplit block with a two-tile warp, but not a grid the SMs hold at
         // once unpaired and not staged: 384 blocks of 7 warps fit at three a SM on the
         // 80-register kernel, at two staged (lever 136: 0.86× there).
@@ -513,9 +539,9 @@ mod tests {
         };
         let at =
             |batch, heads, max_len| resident_plan(batch, heads, max_len, 64, H100, every).unwrap();
-        assert!(at(64, 12, 197).stages_q && at(64, 6, 159).stages_q);
-        assert!(!at(64, 6, 197).stages_q);
-        assert!(!at(64, 3, 197).stages_q, "split: a tile per warp");
+        assert!(at(64, 12, 197).stages_q() && at(64, 6, 159).stages_q());
+        assert!(!at(64, 6, 197).stages_q());
+        assert!(!at(64, 3, 197).stages_q(), "split: a tile per warp");
     }
 
     /// GPUs with less shared memory a block than the H100 get plans within it: the A100 (163 KB,
@@ -572,7 +598,7 @@ mod tests {
         let staged = |gpu, max_len| {
             resident_plan(256, 12, max_len, 64, gpu, knobs)
                 .unwrap()
-                .stages_q
+                .stages_q()
         };
         assert!(staged(ada, 224) && !staged(ada, 225) && staged(H100, 256));
         let parts = |gpu| resident_plan(1, 3, 256, 64, gpu, knobs).unwrap().block.1;
@@ -622,13 +648,13 @@ mod tests {
                                 assert!(p.grid.0 >= 1 && p.grid.0 <= 2, "{what}");
                                 // The paired kernel: one block per (sequence, head), at most
                                 // two tiles a warp.
-                                if p.paired {
+                                if p.paired() {
                                     assert_eq!(p.grid.0, 1, "{what}");
                                     assert!(q_tiles > warps && q_tiles <= 2 * warps, "{what}");
                                 }
                             }
-                            assert!(!(p.paired && p.low_registers), "{what}");
-                            assert!(p.paired || !p.stages_q, "{what}");
+                            assert!(!(p.paired() && p.low_registers()), "{what}");
+                            assert!(p.paired() || !p.stages_q(), "{what}");
                             assert_eq!((p.grid.1, p.grid.2), (heads as u32, batch as u32));
                             assert!(p.shared_mem_bytes as usize <= opt_in, "{what}");
                         }

@@ -16,8 +16,9 @@
 # on its own script (scripts/gpu/ab-attention-pairq.sh at d3d7fec, folded in here since: its
 # `paths` stage); its rule (stop 56): SWITCH=CANDLE_RAGGED_PAIRQ_PAIRS ARMS="100000 default 0".
 # STAGES (default "checks attn ncu e2e"):
-#   checks  test-attention per arm (outputs NaN-poisoned), memcheck and racecheck over k32b3's
-#           odd-length and key-parts tests
+#   checks  test-attention per arm (lib.sh's test_arms; outputs NaN-poisoned), then per arm of
+#           SANITIZE_ARMS (default k32b3) memcheck over the odd-length, key-parts, resident /
+#           tiled and two-tile tests and racecheck over the last three
 #   paths   padded vs ragged on the full-size models, PATHS="MODEL:BATCH ..." (default
 #           "deit-small:64 deit-base:64"), default arm
 #   attn    bench-attention, heads 3/6/12, batch 8/64/256, keep 1.0/0.7/0.5, f16 and bf16, arms
@@ -35,10 +36,7 @@ ARMS=${ARMS:-base k32 k32b3}
 V=${SWITCH:-CANDLE_RAGGED_RESIDENT}
 var() { echo "$V=${1#default}"; }
 if has checks; then
-  for a in $ARMS; do
-    echo "== test-attention ($a)" >> "$C"
-    env $(var $a) $B/test-attention --test-threads=1 2>&1 | grep -E "test result|panicked|got" | head -5 >> "$C"
-  done
+  test_arms "$V" "$ARMS" attention
   for a in ${SANITIZE_ARMS:-k32b3}; do
     echo "== memcheck test-attention ($a)" >> "$C"
     env $(var $a) compute-sanitizer --tool memcheck --error-exitcode 9 $B/test-attention --test-threads=1 odd_lengths key_parts resident_and_tiled two_tiles 2>&1 | grep -E "ERROR SUMMARY|test result" >> "$C"
