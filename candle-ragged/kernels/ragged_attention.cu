@@ -160,6 +160,7 @@ __device__ __forceinline__ void attn_resident_kernel(const T *__restrict__ q, co
     const int rows = (len + 15) & ~15;
     T *ks = reinterpret_cast<T *>(resident_smem);
     T *vs = ks + rows * C::ROW;
+    const T *qh = q + start * q_tok + h * q_head;
     const T *kh = k + start * k_tok + h * k_head;
     const T *vh = v + start * v_tok + h * v_head;
     const int tid = threadIdx.y * blockDim.x + threadIdx.x;
@@ -171,16 +172,12 @@ __device__ __forceinline__ void attn_resident_kernel(const T *__restrict__ q, co
         const int src = ok ? row : 0;
         cp_async_16(ks + row * C::ROW + chunk * 8, kh + src * k_tok + chunk * 8, ok ? 16 : 0);
         cp_async_16(vs + row * C::ROW + chunk * 8, vh + src * v_tok + chunk * 8, ok ? 16 : 0);
-        if constexpr (QS) {
-            const T *qh_ = q + start * q_tok + h * q_head;
-            cp_async_16(vs + (rows + row) * C::ROW + chunk * 8, qh_ + src * q_tok + chunk * 8, ok ? 16 : 0);
-        }
+        if constexpr (QS) cp_async_16(vs + (rows + row) * C::ROW + chunk * 8, qh + src * q_tok + chunk * 8, ok ? 16 : 0);
     }
     cp_async_commit();
 
     const int warp = threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
-    const T *qh = q + start * q_tok + h * q_head;
     const long long o_tok = static_cast<long long>(heads) * D;
     T *oh = o + static_cast<long long>(start) * o_tok + h * D;
 
