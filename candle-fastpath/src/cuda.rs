@@ -28,6 +28,11 @@ use candle_core::{CpuStorage, CudaStorage, DType, Layout, Shape, Storage, Tensor
 
 use crate::error::FastpathError;
 use crate::programmatic::ProgrammaticEdge;
+use crate::shared_memory::{
+    norm_linear_bytes, pooled_head_tail_bytes, residual_norm_linear_bytes, small_block_bytes,
+    FixedKernelsFit, NL_BM, NL_BN, PH_BM, RNL_BAR_BYTES, SB_BM, SB_BN,
+};
+pub(crate) use crate::shared_memory::{NORM_LINEAR_TILE_ROWS, RNL_DIM};
 
 const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/fastpath.ptx"));
 const MODULE: &str = "candle_fastpath";
@@ -217,9 +222,6 @@ impl crate::ThinResidualNormTiles {
     }
 }
 
-/// The input rows of one [`NormLinearOp`] CTA, per kernel form: lever 58's 16-row tile (one wave
-/// of one CTA per SM) and lever 81's 64-row tile (a few thousand rows, two CTAs per SM).
-pub(crate) const NORM_LINEAR_TILE_ROWS: [usize; 2] = [16, 64];
 /// [`ResidualNormLinearOp`]'s kernels (compute capability 9.0 and up: thread-block clusters):
 /// f16 / bf16, then the form: [`RnlForm::Proj`] plain, the same with GELU, [`RnlForm::Fc2`].
 const RESIDUAL_NORM_LINEAR_NAMES: [&str; 6] = [
@@ -348,11 +350,7 @@ pub(crate) fn mlp_block_smem_bytes() -> usize {
 /// The one width [`ResidualNormLinearOp`]'s kernels are built for, and the CTAs of a cluster
 /// (`RNL_SPLIT` in kernels/fastpath.cu: each computes `RNL_DIM / RNL_SPLIT` = 32 of the
 /// front GEMM's columns, and one tile of the back GEMM's output).
-pub(crate) const RNL_DIM: usize = 192;
 pub(crate) const RNL_SPLIT: usize = 6;
-/// The cluster exchanges' transaction barriers at the start of the residual_norm_linear family's
-/// dynamic shared memory (RNL_BAR_BYTES in kernels/fastpath.cu, lever 68).
-const RNL_BAR_BYTES: usize = 64;
 
 /// The two forms of [`ResidualNormLinearOp`]'s kernel: which front GEMM (its K, split over how
 /// many warps) and how wide the back GEMM's tiles are (six of them cover its N).
@@ -396,27 +394,18 @@ impl RnlForm {
             Self::Fc2 => 12,
         }
     }
-    /// Dynamic shared memory of a launch, 16-bit storage: the tile's x1 rows and back-weight rows
-    /// (C wide), the front GEMM's input rows and its 32 weight rows (K wide), each padded by 8
-    /// elements, and the front GEMM's f32 partial sums (a 16 × 32 tile per K warp).
+    /// Dynamic shared memory of a launch ([`residual_norm_linear_bytes`]).
     fn smem_bytes(self) -> usize {
-        let (c, k) = (RNL_DIM, self.front_k());
-        RNL_BAR_BYTES
-            + ((NL_BM + self.tile_n()) * (c + 8) + (NL_BM + 32) * (k + 8)) * 2
-            + self.k_warps() * NL_BM * 32 * 4
+        residual_norm_linear_bytes(self.front_k(), self.tile_n(), self.k_warps())
+    }
+    /// Whether a device whose kernels fit `fit` runs this form.
+    fn fits(self, fit: &FixedKernelsFit) -> bool {
+        self == Self::Proj || fit.residual_norm_linear_fc2
     }
 }
 
-/// The kernel's output tile (rows × columns) and threads (kernels/fastpath.cu, NL_*).
-const NL_BM: usize = 16;
-const NL_BN: usize = 128;
+/// The kernel's threads (kernels/fastpath.cu, NL_THREADS; its tile: `NL_BM` × `NL_BN`).
 const NL_THREADS: u32 = 512;
-
-/// Dynamic shared memory of a [`NormLinearOp`] launch at width `c` with `tile_rows`-row tiles,
-/// 16-bit storage: the tile's input and weight rows, each padded by 8 elements.
-fn norm_linear_smem_bytes(c: usize, tile_rows: usize) -> usize {
-    (tile_rows + NL_BN) * (c + 8) * 2
-}
 
 /// The LayerNorm kernel for rows of `vectors` 16-byte vectors: its index into [`LN_NAMES`] and
 /// the lanes that share a row. Rows of up to 24 / 48 vectors (DeiT-T's and DeiT-S's widths in
@@ -580,8 +569,13 @@ struct DeviceState {
     select_mlp_block: Option<Vec<CudaFunction>>,
     /// [`AttentionRnlOp`] (with `next`)'s kernels with [`SelectStep`], as `attention_block`.
     select_attention_block: Option<Vec<CudaFunction>>,
-    /// [`PooledHeadOp`]'s kernels, pool then tail, by (dtype - 1, width) as POOLED_HEAD_NAMES.
+    /// [`PooledHeadOp`]'s kernels, pool then tail, by (dtype - 1, width) as POOLED_HEAD_NAMES
+    /// (the tails of widths `fit` leaves out are loaded but not opted in, and never launched).
     pooled_head: Vec<CudaFunction>,
+    /// The fixed-shape kernels this device's per-block shared memory allows.
+    fit: FixedKernelsFit,
+    /// Shared memory a SM, for the persistent pooled-head tail's CTAs a SM.
+    smem_per_sm: usize,
     /// Streaming multiprocessors, for the CUTLASS kernel's persistent tile scheduler and
     /// [`crate::norm_linear_applies`]'s one-wave rule.
     sm_count: usize,
@@ -652,6 +646,9 @@ fn new_state(dev: &CudaDevice) -> candle_core::Result<DeviceState> {
         attribute(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?,
     ) == (9, 0);
     let opt_in_smem = attribute(CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?.max(0);
+    // Kernels of fixed shape past the device's opt-in are not opted in (that fails), and their
+    // ops' applies checks say no there.
+    let fit = FixedKernelsFit::within(opt_in_smem as usize);
     let at_opt_in = |names: &[&str]| -> candle_core::Result<Option<Vec<CudaFunction>>> {
         use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES as MAX_SMEM;
         match load(names) {
@@ -682,7 +679,7 @@ fn new_state(dev: &CudaDevice) -> candle_core::Result<DeviceState> {
                 // Past 48 KB of dynamic shared memory a kernel must opt in.
                 let c = crate::NORM_LINEAR_DIMS[i / 8];
                 let tile_rows = NORM_LINEAR_TILE_ROWS[(i / 4) % 2];
-                f.set_attribute(MAX_SMEM, norm_linear_smem_bytes(c, tile_rows) as i32)
+                f.set_attribute(MAX_SMEM, norm_linear_bytes(c, tile_rows) as i32)
                     .map_err(candle_core::Error::wrap)?;
             }
             funcs
@@ -698,8 +695,10 @@ fn new_state(dev: &CudaDevice) -> candle_core::Result<DeviceState> {
                         } else {
                             RnlForm::Proj
                         };
-                        f.set_attribute(MAX_SMEM, form.smem_bytes() as i32)
-                            .map_err(candle_core::Error::wrap)?;
+                        if form.fits(&fit) {
+                            f.set_attribute(MAX_SMEM, form.smem_bytes() as i32)
+                                .map_err(candle_core::Error::wrap)?;
+                        }
                     }
                     Some(funcs)
                 }
@@ -715,7 +714,10 @@ fn new_state(dev: &CudaDevice) -> candle_core::Result<DeviceState> {
         mlp_block: at_opt_in(&MLP_BLOCK_NAMES)?,
         select_mlp_block: at_opt_in(&SELECT_MLP_BLOCK_NAMES)?,
         select_attention_block: at_opt_in(&SELECT_ATTENTION_BLOCK_NAMES)?,
-        pooled_head: load_pooled_head(load)?,
+        pooled_head: load_pooled_head(load, &fit)?,
+        fit,
+        smem_per_sm: attribute(CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR)?.max(0)
+            as usize,
         sm_count: attribute(CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?.max(1) as usize,
         hopper,
         plans: HashMap::new(),
@@ -1489,7 +1491,7 @@ impl NormLinearOp {
                 1,
             ),
             block_dim: (NL_THREADS, 1, 1),
-            shared_mem_bytes: norm_linear_smem_bytes(c, self.tile_rows) as u32,
+            shared_mem_bytes: norm_linear_bytes(c, self.tile_rows) as u32,
         };
         let (m32, n32) = (m as i32, n as i32);
         let stream = dev.cuda_stream();
@@ -1568,6 +1570,12 @@ fn sm_count_where(dev: &CudaDevice, has: impl Fn(&DeviceState) -> bool) -> Optio
     let mut states = STATE.lock().unwrap_or_else(|e| e.into_inner());
     let state = device_state(&mut states, dev).ok()?;
     has(state).then_some(state.sm_count)
+}
+
+/// The fixed-shape kernels `dev`'s per-block shared memory allows (read with its state).
+pub(crate) fn fixed_kernels_fit(dev: &CudaDevice) -> candle_core::Result<FixedKernelsFit> {
+    let mut states = STATE.lock().unwrap_or_else(|e| e.into_inner());
+    Ok(device_state(&mut states, dev)?.fit)
 }
 
 /// A TMA tensor map, passed to a kernel by value (`const __grid_constant__ CUtensorMap`).
@@ -2026,8 +2034,10 @@ fn step_scores_view<'a>(
 /// `dev`'s streaming multiprocessors where it has [`ResidualNormLinearOp`]'s kernels (compute
 /// capability 9.0 and up, PTX built for it), `None` otherwise: what the applies check needs of
 /// the device, in one look at its state.
-pub(crate) fn residual_norm_linear_sm_count(dev: &CudaDevice) -> Option<usize> {
-    sm_count_where(dev, |s| s.residual_norm_linear.is_some())
+pub(crate) fn residual_norm_linear_sm_count(dev: &CudaDevice, form: RnlForm) -> Option<usize> {
+    sm_count_where(dev, |s| {
+        s.residual_norm_linear.is_some() && form.fits(&s.fit)
+    })
 }
 
 /// The CustomOp behind [`crate::residual_norm_linear`]: `(o [M, K], r [M, C], W [N, C])` →
@@ -2157,7 +2167,13 @@ impl ResidualNormLinearOp {
         let (mut x1, mut y) = out.split_at_mut(m * c);
         let func = {
             let mut states = STATE.lock().unwrap_or_else(|e| e.into_inner());
-            match &device_state(&mut states, dev)?.residual_norm_linear {
+            let state = device_state(&mut states, dev)?;
+            match &state.residual_norm_linear {
+                Some(_) if form.is_some_and(|f| !f.fits(&state.fit)) => candle_core::bail!(
+                    "{WHAT}: the fc2 form needs {} bytes of shared memory a block, more than \
+                     this GPU allows",
+                    RnlForm::Fc2.smem_bytes()
+                ),
                 Some(funcs) => {
                     let form_index = match form {
                         Some(RnlForm::Fc2) => 2,
@@ -3302,31 +3318,8 @@ const SMALL_BLOCK_NAMES: [[&str; 2]; 3] = [
         "fastpath_small_block_bf16_c768",
     ],
 ];
-/// `sb::THREADS`, `sb::BM`, `sb::BN`, `sb::PAD`, `sb::KC2` in the kernel.
+/// `sb::THREADS` in the kernel (its tiles: `SB_BM`, `SB_BN`).
 const SB_THREADS: u32 = 256;
-const SB_BM: usize = 32;
-const SB_BN: usize = 64;
-const SB_PAD: usize = 8;
-const SB_KC2: usize = 192;
-
-/// Dynamic shared memory of the C-wide kernel for sequences of at most `max_len` tokens: each
-/// phase lays out its own from offset 0, so the largest of the K = C GEMM tiles (W `[BN][C +
-/// PAD]` and A `[BM][C + PAD]`), fc2's tiles (C ≤ 384: `[16 + 32][4C + PAD]`, its whole K;
-/// wider: a two-stage ring of `[BM + BN][KC2 + PAD]`) and the
-/// attention's K, V (`max_len` rounded up to 16 rows each) and Q tile (16 rows) of `64 + PAD`
-/// elements, and its merge buffer (`[8][16][68]` f32 and two `[8][16]` f32).
-fn small_block_smem_bytes(c: usize, max_len: usize) -> usize {
-    let gemm = (SB_BN + SB_BM) * (c + SB_PAD) * 2;
-    // C <= 384: a 16 × 32 output tile with its whole K = 4C; wider: the two-stage K ring.
-    let fc2 = if c <= 384 {
-        (16 + 32) * (4 * c + SB_PAD) * 2
-    } else {
-        2 * (SB_BN + SB_BM) * (SB_KC2 + SB_PAD) * 2
-    };
-    let attn = (2 * max_len.div_ceil(16) * 16 + 16) * (64 + SB_PAD) * 2;
-    let merge = (8 * 16 * 68 + 2 * 8 * 16) * 4;
-    gemm.max(fc2).max(attn).max(merge)
-}
 
 /// `sb::Params`, field for field (19 device pointers, then 3 u32, 3 f32 and 1 u32).
 #[repr(C)]
@@ -3348,8 +3341,9 @@ unsafe impl candle_core::cuda_backend::cudarc::driver::DeviceRepr for SmallBlock
 
 struct SmallBlockState {
     id: DeviceId,
-    /// Indexed like `SMALL_BLOCK_NAMES`.
-    funcs: Vec<[CudaFunction; 2]>,
+    /// Indexed like `SMALL_BLOCK_NAMES`; `None` for the widths whose shared memory the device
+    /// does not allow a block ([`FixedKernelsFit::small_block`]).
+    funcs: Vec<Option<[CudaFunction; 2]>>,
     /// Resident blocks of each kernel on the whole GPU (SMs × blocks per SM), the most a
     /// cooperative launch may have.
     max_grid: Vec<u32>,
@@ -3380,10 +3374,20 @@ fn small_block_state(
                 .attribute(SMS)
                 .map_err(candle_core::Error::wrap)?
                 .max(1) as u32;
+            let fit = fixed_kernels_fit(dev)?;
             let mut funcs = Vec::new();
             let mut max_grid = Vec::new();
-            for (names, c) in SMALL_BLOCK_NAMES.iter().zip(crate::SMALL_BLOCK_DIMS) {
-                let smem = small_block_smem_bytes(c, crate::SMALL_BLOCK_MAX_LEN);
+            for (i, (names, c)) in SMALL_BLOCK_NAMES
+                .iter()
+                .zip(crate::SMALL_BLOCK_DIMS)
+                .enumerate()
+            {
+                if !fit.small_block[i] {
+                    funcs.push(None);
+                    max_grid.push(0);
+                    continue;
+                }
+                let smem = small_block_bytes(c, crate::SMALL_BLOCK_MAX_LEN);
                 let mut pair = Vec::new();
                 let mut grid = u32::MAX;
                 for name in names {
@@ -3402,7 +3406,7 @@ fn small_block_state(
                 let [f16, bf16]: [CudaFunction; 2] = pair
                     .try_into()
                     .map_err(|_| candle_core::Error::Msg("small_block: two dtypes".into()))?;
-                funcs.push([f16, bf16]);
+                funcs.push(Some([f16, bf16]));
                 max_grid.push(grid);
             }
             let barrier = dev.alloc_zeros::<u32>(64)?;
@@ -3416,13 +3420,17 @@ fn small_block_state(
         }
     };
     let state = &states[index];
+    let Some(funcs) = &state.funcs[width] else {
+        candle_core::bail!(
+            "small_block: the C = {} kernel needs {} bytes of shared memory a block, more than \
+             this GPU allows (small_block_applies says no here)",
+            crate::SMALL_BLOCK_DIMS[width],
+            small_block_bytes(crate::SMALL_BLOCK_DIMS[width], crate::SMALL_BLOCK_MAX_LEN)
+        );
+    };
     let stream = dev.cuda_stream();
     let (ptr, _sync) = state.barrier.device_ptr(&stream);
-    Ok((
-        state.funcs[width][bf16 as usize].clone(),
-        state.max_grid[width],
-        ptr,
-    ))
+    Ok((funcs[bf16 as usize].clone(), state.max_grid[width], ptr))
 }
 
 /// The CustomOp behind [`crate::small_block`]: `(x [rows, C], cu_seqlens [B + 1])`, the weights
@@ -3561,7 +3569,7 @@ impl SmallBlockOp<'_> {
             let cfg = LaunchConfig {
                 grid_dim: (grid, 1, 1),
                 block_dim: (SB_THREADS, 1, 1),
-                shared_mem_bytes: small_block_smem_bytes(c, self.max_len) as u32,
+                shared_mem_bytes: small_block_bytes(c, self.max_len) as u32,
             };
             // SAFETY (all three): shapes, strides and alignment checked above and by the
             // caller; the grid is at most what the GPU holds at once, so every block becomes
@@ -3732,27 +3740,9 @@ const POOLED_HEAD_NAMES: [[[&str; 2]; 2]; 2] = [
         ],
     ],
 ];
-/// `PH_BM`, `PH_POOL_COLS`, `PH_THREADS` and `PH_MAX_CU` in kernels/fastpath.cu.
-const PH_BM: usize = 16;
+/// `PH_POOL_COLS` and `PH_THREADS` in kernels/fastpath.cu (its rows a CTA: `PH_BM`).
 const PH_POOL_COLS: usize = 32;
 const PH_THREADS: u32 = 256;
-const PH_MAX_CU: usize = 1024;
-
-/// The tail kernel's dynamic shared memory for pooled-half width `h` and element size `elem`:
-/// `PhLayout<T, H>::BYTES` in kernels/fastpath.cu (the rows, the layers' weights, PH_MAX_CU + 1
-/// offsets and the rows' sequences, each region rounded up to 16 bytes).
-fn pooled_head_rows_smem_bytes(h: usize, elem: usize) -> usize {
-    let a16 = |b: usize| b.div_ceil(16) * 16;
-    let (q, lda, ldq) = (h / 2, h + 8, h / 2 + 8);
-    // Two tiles of local halves, then y0 and y1.
-    let rows = 3 * a16(PH_BM * lda * elem) + a16(PH_BM * ldq * elem);
-    let weights = a16(h * lda * elem)
-        + a16(q * lda * elem)
-        + a16(crate::HEAD_MAX_CLASSES * q * elem)
-        + a16(q * elem)
-        + a16(crate::HEAD_MAX_CLASSES * elem);
-    rows + weights + a16((PH_MAX_CU + 1) * 4) + a16(PH_BM * 4)
-}
 
 /// The two kernels for (dtype, width), loaded once per device ([`DeviceState::pooled_head`]),
 /// the tail's shared memory, and the most tail CTAs worth launching: as many as the SMs hold at
@@ -3766,9 +3756,16 @@ fn pooled_head_funcs(
     let state = device_state(&mut states, dev)?;
     let n = crate::POOLED_HEAD_WIDTHS.len();
     let i = 2 * (n * bf16 as usize + width);
-    let smem = pooled_head_rows_smem_bytes(crate::POOLED_HEAD_WIDTHS[width], 2);
-    // 227 KB of shared memory per SM on Hopper; at most 4 CTAs of PH_THREADS each.
-    let per_sm = (227 * 1024 / smem).clamp(1, 4);
+    let smem = pooled_head_tail_bytes(crate::POOLED_HEAD_WIDTHS[width], 2);
+    if !state.fit.pooled_head[width] {
+        candle_core::bail!(
+            "pooled_mlp_log_prob: the tail kernel at width {} needs {smem} bytes of shared memory \
+             a block, more than this GPU allows (PooledMlpHead::fused_applies says no here)",
+            crate::POOLED_HEAD_WIDTHS[width]
+        );
+    }
+    // Tail CTAs a SM by shared memory (227 KB a SM on Hopper); at most 4 of PH_THREADS each.
+    let per_sm = (state.smem_per_sm / smem).clamp(1, 4);
     Ok((
         [
             state.pooled_head[i].clone(),
@@ -3782,6 +3779,7 @@ fn pooled_head_funcs(
 /// Loads every pooled-head kernel, the tails opted into the shared memory they need.
 fn load_pooled_head(
     load: impl Fn(&[&str]) -> candle_core::Result<Vec<CudaFunction>>,
+    fit: &FixedKernelsFit,
 ) -> candle_core::Result<Vec<CudaFunction>> {
     use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES as MAX_SMEM;
     let names: Vec<&str> = POOLED_HEAD_NAMES
@@ -3792,9 +3790,10 @@ fn load_pooled_head(
         .collect();
     let funcs = load(&names)?;
     for (i, f) in funcs.iter().enumerate() {
-        if i % 2 == 1 {
-            let h = crate::POOLED_HEAD_WIDTHS[(i / 2) % crate::POOLED_HEAD_WIDTHS.len()];
-            f.set_attribute(MAX_SMEM, pooled_head_rows_smem_bytes(h, 2) as i32)
+        let width = (i / 2) % crate::POOLED_HEAD_WIDTHS.len();
+        if i % 2 == 1 && fit.pooled_head[width] {
+            let h = crate::POOLED_HEAD_WIDTHS[width];
+            f.set_attribute(MAX_SMEM, pooled_head_tail_bytes(h, 2) as i32)
                 .map_err(candle_core::Error::wrap)?;
         }
     }

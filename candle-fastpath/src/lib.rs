@@ -69,6 +69,7 @@ mod pool;
 mod pooled_head;
 #[cfg(feature = "cuda")]
 mod programmatic;
+mod shared_memory;
 mod small_block;
 // Read only by CUDA code; compiled everywhere so its unit test runs in CI.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]

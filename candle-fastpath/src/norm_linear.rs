@@ -656,7 +656,8 @@ pub fn residual_norm_linear_step_applies(
             });
         let rows = residual.elem_count() / c.max(1);
         let forms = residual_norm_linear_forms();
-        let form_on = match crate::cuda::RnlForm::of(k, linear.out_dim(), gelu) {
+        let form = crate::cuda::RnlForm::of(k, linear.out_dim(), gelu);
+        let form_on = match form {
             Some(crate::cuda::RnlForm::Proj) => forms.proj,
             Some(crate::cuda::RnlForm::Fc2) => forms.fc2,
             None => false,
@@ -668,7 +669,8 @@ pub fn residual_norm_linear_step_applies(
             && norm_linear_eligible(residual, norm, linear, gelu);
         // Its grid is six CTAs per 16 rows, at least norm_linear's ceil(N / 128) for either form.
         eligible
-            && crate::cuda::residual_norm_linear_sm_count(dev)
+            && form
+                .and_then(|form| crate::cuda::residual_norm_linear_sm_count(dev, form))
                 .is_some_and(|sms| fits_one_wave(sms, rows.div_ceil(16) * crate::cuda::RNL_SPLIT))
     }
 }

@@ -22,7 +22,7 @@ use crate::linear::{Epilogue, FusedLinear};
 const OP: &str = "pooled_mlp_log_prob";
 
 /// Pooled-half widths `H` (= C / 2) the CUDA kernels are built for: DeiT-T and DeiT-S. The tail
-/// kernel keeps its layers' weights in shared memory (115 KB at H = 192); DeiT-B's (450 KB) do
+/// kernel keeps its layers' weights in shared memory (140 KB with its rows at H = 192); DeiT-B's (450 KB) do
 /// not fit, and read from L2 instead its tail was slower than the composed ops (lever 80).
 pub const POOLED_HEAD_WIDTHS: [usize; 2] = [96, 192];
 
@@ -204,8 +204,8 @@ impl PooledMlpHead {
     /// Whether [`Self::forward`] runs the two CUDA kernels for `h`: on CUDA, f16 / bf16, `H` in
     /// [`POOLED_HEAD_WIDTHS`] with `Q = H / 2`, the GELU in its default Φ form (the kernels
     /// have no other), `h`, `W0` and `W1` contiguous and 16-byte aligned (the kernels move them
-    /// in 16-byte pieces; a weight view at an odd offset takes the composed ops), and the switch
-    /// on.
+    /// in 16-byte pieces; a weight view at an odd offset takes the composed ops), the tail
+    /// kernel's shared memory within what the GPU lets a block opt into, and the switch on.
     pub fn fused_applies(&self, h: &Tensor) -> bool {
         #[cfg(not(feature = "cuda"))]
         {
@@ -215,9 +215,17 @@ impl PooledMlpHead {
         #[cfg(feature = "cuda")]
         {
             let half = self.w0.dims()[0];
-            h.device().is_cuda()
-                && matches!(h.dtype(), DType::F16 | DType::BF16)
-                && POOLED_HEAD_WIDTHS.contains(&half)
+            let candle_core::Device::Cuda(dev) = h.device() else {
+                return false;
+            };
+            // The tail kernel's shared memory (~140 KB at H = 192) must fit a block's opt-in.
+            let fits =
+                |w: usize| crate::cuda::fixed_kernels_fit(dev).is_ok_and(|fit| fit.pooled_head[w]);
+            matches!(h.dtype(), DType::F16 | DType::BF16)
+                && POOLED_HEAD_WIDTHS
+                    .iter()
+                    .position(|&w| w == half)
+                    .is_some_and(fits)
                 && self.w1.dims()[0] * 2 == half
                 && crate::gelu_form::gelu_form() == crate::gelu_form::GeluForm::Phi
                 && [h, &self.w0, &self.w1]

@@ -85,7 +85,8 @@ pub fn small_block_mode() -> SmallBlockMode {
 /// Whether [`small_block`] should run `x` (`[rows, C]`) with these weights and sequences of at
 /// most `max_len` tokens: CUDA (the `cuda` feature), f16 or bf16, C in [`SMALL_BLOCK_DIMS`] with
 /// 64-wide heads, `1 ≤ max_len ≤` [`SMALL_BLOCK_MAX_LEN`], `rows ≤` [`small_block_max_rows`],
-/// and what [`small_block_mode`] allows (by default C ≤ 384 outside CUDA-graph capture).
+/// what [`small_block_mode`] allows (by default C ≤ 384 outside CUDA-graph capture), and a GPU
+/// whose blocks may opt into the kernel's shared memory.
 /// Everything else about the inputs is checked by [`small_block`] itself, with an error.
 pub fn small_block_applies(x: &Tensor, max_len: usize, w: &BlockWeights) -> bool {
     let c = w.norm1.weight().elem_count();
@@ -100,7 +101,25 @@ pub fn small_block_applies(x: &Tensor, max_len: usize, w: &BlockWeights) -> bool
         && w.heads * SMALL_BLOCK_HEAD_DIM == c
         && (1..=SMALL_BLOCK_MAX_LEN).contains(&max_len)
         && (1..=small_block_max_rows()).contains(&x.dim(0).unwrap_or(0));
-    shape_ok && (mode == SmallBlockMode::Always || (c <= 384 && !crate::is_capturing(x.device())))
+    shape_ok
+        && (mode == SmallBlockMode::Always || (c <= 384 && !crate::is_capturing(x.device())))
+        && fits_device(x, c)
+}
+
+/// Whether `x`'s GPU lets a block opt into the C-wide kernel's shared memory (~145 KB at C = 384
+/// and 768: not on compute capability 8.6 / 8.9 / 12.x).
+#[cfg(feature = "cuda")]
+fn fits_device(x: &Tensor, c: usize) -> bool {
+    let candle_core::Device::Cuda(dev) = x.device() else {
+        return false;
+    };
+    let width = SMALL_BLOCK_DIMS.iter().position(|&d| d == c);
+    width.is_some_and(|w| crate::cuda::fixed_kernels_fit(dev).is_ok_and(|fit| fit.small_block[w]))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn fits_device(_: &Tensor, _: usize) -> bool {
+    false
 }
 
 /// One ViT block over the packed tokens `x` (`[rows, C]`, f16 / bf16, CUDA) of the sequences
