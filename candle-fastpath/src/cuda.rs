@@ -645,7 +645,13 @@ fn new_state(dev: &CudaDevice) -> candle_core::Result<DeviceState> {
         attribute(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
         attribute(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?,
     ) == (9, 0);
-    let opt_in_smem = attribute(CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?.max(0);
+    // CANDLE_FASTPATH_GPU_SMEM_KB lowers both limits to a smaller GPU's (shared_memory::capped_kb).
+    let smem_cap = std::env::var("CANDLE_FASTPATH_GPU_SMEM_KB").ok();
+    let opt_in_smem = crate::shared_memory::capped_kb(
+        attribute(CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?.max(0) as usize,
+        smem_cap.as_deref(),
+        0,
+    ) as i32;
     // Kernels of fixed shape past the device's opt-in are not opted in (that fails), and their
     // ops' applies checks say no there.
     let fit = FixedKernelsFit::within(opt_in_smem as usize);
@@ -716,8 +722,11 @@ fn new_state(dev: &CudaDevice) -> candle_core::Result<DeviceState> {
         select_attention_block: at_opt_in(&SELECT_ATTENTION_BLOCK_NAMES)?,
         pooled_head: load_pooled_head(load, &fit)?,
         fit,
-        smem_per_sm: attribute(CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR)?.max(0)
-            as usize,
+        smem_per_sm: crate::shared_memory::capped_kb(
+            attribute(CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR)?.max(0) as usize,
+            smem_cap.as_deref(),
+            1,
+        ),
         sm_count: attribute(CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?.max(1) as usize,
         hopper,
         plans: HashMap::new(),

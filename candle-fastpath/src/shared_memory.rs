@@ -113,6 +113,17 @@ impl FixedKernelsFit {
     }
 }
 
+/// `limit` bytes, or `kb` KB where that is lower: what `CANDLE_FASTPATH_GPU_SMEM_KB` passes for
+/// the per-block opt-in (and one KB more for a SM, as on compute capability 8.0 / 8.6 / 8.9), so
+/// that a smaller GPU's choices run on this one (tests of the composed fallbacks on real
+/// hardware). `None` or a value that is not a number: `limit`.
+pub(crate) fn capped_kb(limit: usize, kb: Option<&str>, extra_kb: usize) -> usize {
+    match kb.and_then(|v| v.trim().parse::<usize>().ok()) {
+        Some(kb) => limit.min((kb + extra_kb) * 1024),
+        None => limit,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -159,6 +170,15 @@ mod tests {
         let just = FixedKernelsFit::within(pooled_head_tail_bytes(192, 2));
         assert!(just.pooled_head[1]);
         assert!(!FixedKernelsFit::within(pooled_head_tail_bytes(192, 2) - 1).pooled_head[1]);
+    }
+
+    #[test]
+    fn a_cap_lowers_the_limit_never_raises_it() {
+        assert_eq!(capped_kb(HOPPER, Some("99"), 0), SMALLEST_OPT_IN);
+        assert_eq!(capped_kb(HOPPER, Some("99"), 1), 100 * 1024);
+        assert_eq!(capped_kb(A100, Some(" 500"), 0), A100);
+        assert_eq!(capped_kb(A100, None, 0), A100);
+        assert_eq!(capped_kb(A100, Some("99 KB"), 0), A100);
     }
 
     #[test]

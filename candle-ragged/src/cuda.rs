@@ -208,7 +208,8 @@ fn kernels(dev: &CudaDevice) -> Result<Arc<Kernels>> {
         smem_per_block: attribute(
             sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
         )?,
-    };
+    }
+    .capped_kb(std::env::var("CANDLE_RAGGED_GPU_SMEM_KB").ok().as_deref());
     // Past 48 KB of dynamic shared memory a kernel must opt in; no plan asks for more than the
     // device allows a block (`resident_plan` keeps within it).
     for (fs, dim) in resident

@@ -112,6 +112,24 @@ pub(crate) struct GpuLimits {
     pub smem_per_block: usize,
 }
 
+impl GpuLimits {
+    /// These limits, or those of a GPU whose blocks may opt into `kb` KB and whose SMs hold one
+    /// KB more (as on compute capability 8.0, 8.6 and 8.9) where that is lower: what
+    /// `CANDLE_RAGGED_GPU_SMEM_KB` passes, so that the plans of a smaller GPU run on this one
+    /// (tests of the fallbacks on real hardware). `None` or a value that is not a number: as
+    /// they are.
+    pub(crate) fn capped_kb(self, kb: Option<&str>) -> Self {
+        match kb.and_then(|v| v.trim().parse::<usize>().ok()) {
+            Some(kb) => Self {
+                smem_per_block: self.smem_per_block.min(kb * 1024),
+                smem_per_sm: self.smem_per_sm.min((kb + 1) * 1024),
+                ..self
+            },
+            None => self,
+        }
+    }
+}
+
 /// Shared memory of a resident block: K and V rows (head_dim + 8 elements, padded so ldmatrix
 /// is conflict-free) for the longest sequence rounded up to 16 keys.
 pub(crate) fn resident_smem_bytes(max_len: usize, head_dim: usize) -> usize {
@@ -611,6 +629,22 @@ mod tests {
     /// For every batch the kernel takes: every query tile of the longest sequence has a warp,
     /// the parts never outnumber the key tiles, and the shared memory stays within what the
     /// kernels opt into when they load (and under the H100's 227 KB per block).
+    #[test]
+    fn a_cap_lowers_the_limits_never_raises_them() {
+        let h100 = GpuLimits {
+            sm_count: 132,
+            smem_per_sm: 228 * 1024,
+            smem_per_block: 227 * 1024,
+        };
+        let capped = h100.capped_kb(Some("99"));
+        assert_eq!(capped.smem_per_block, 99 * 1024);
+        assert_eq!(capped.smem_per_sm, 100 * 1024);
+        assert_eq!(capped.sm_count, 132);
+        assert_eq!(h100.capped_kb(Some(" 500 ")), h100);
+        assert_eq!(h100.capped_kb(None), h100);
+        assert_eq!(h100.capped_kb(Some("lots")), h100);
+    }
+
     #[test]
     fn every_plan_covers_its_tiles_within_the_opt_in() {
         for head_dim in [32, 64] {
