@@ -32,10 +32,7 @@ fn main() {
         return;
     }
     // bf16 arithmetic needs compute capability 8.0; the GPU machines are 9.0.
-    let cap: u32 = std::env::var("CUDA_COMPUTE_CAP")
-        .ok()
-        .and_then(|s| s.trim().replace('.', "").parse().ok())
-        .unwrap_or(80);
+    let cap = compute_cap();
     if cap < 80 {
         panic!("candle-fastpath needs CUDA_COMPUTE_CAP >= 80 (bf16 arithmetic), got {cap}");
     }
@@ -175,4 +172,20 @@ fn build_cutlass(nvcc: &PathBuf) {
         println!("cargo:rustc-link-lib=dylib={l}");
     }
     println!("cargo:rustc-cfg=fastpath_cutlass");
+}
+
+/// The compute capability to build the PTX for, as candle's own kernels choose it (candle-kernels'
+/// build asks cudaforge too, so both sets of kernels load on the same GPU): `CUDA_COMPUTE_CAP`
+/// ("90", "9.0", "90a"), else the first GPU `nvidia-smi` lists, else 8.0 (a machine without a
+/// GPU building for another: set `CUDA_COMPUTE_CAP` to that GPU's).
+#[cfg(feature = "cuda")]
+fn compute_cap() -> u32 {
+    cudaforge::detect_compute_cap()
+        .map(|arch| arch.base() as u32)
+        .unwrap_or(80)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn compute_cap() -> u32 {
+    80
 }

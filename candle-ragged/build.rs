@@ -25,10 +25,7 @@ fn main() {
         return;
     }
     // mma.sync m16n8k16 with bf16 needs compute capability 8.0; the GPU machines are 9.0.
-    let cap: u32 = std::env::var("CUDA_COMPUTE_CAP")
-        .ok()
-        .and_then(|s| s.trim().replace('.', "").parse().ok())
-        .unwrap_or(80);
+    let cap = compute_cap();
     if cap < 80 {
         panic!(
             "candle-ragged needs CUDA_COMPUTE_CAP >= 80 (tensor-core mma for f16/bf16), got {cap}"
@@ -70,4 +67,20 @@ fn compile_ptx(nvcc: &PathBuf, arch: &str, name: &str) {
     if !status.success() {
         panic!("nvcc failed to compile kernels/{name}.cu ({status})");
     }
+}
+
+/// The compute capability to build the PTX for, as candle's own kernels choose it (candle-kernels'
+/// build asks cudaforge too, so both sets of kernels load on the same GPU): `CUDA_COMPUTE_CAP`
+/// ("90", "9.0", "90a"), else the first GPU `nvidia-smi` lists, else 8.0 (a machine without a
+/// GPU building for another: set `CUDA_COMPUTE_CAP` to that GPU's).
+#[cfg(feature = "cuda")]
+fn compute_cap() -> u32 {
+    cudaforge::detect_compute_cap()
+        .map(|arch| arch.base() as u32)
+        .unwrap_or(80)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn compute_cap() -> u32 {
+    80
 }
