@@ -21,6 +21,7 @@ fn main() {
     println!("cargo:rerun-if-changed=kernels/dependent_launch.cuh");
     println!("cargo::rustc-check-cfg=cfg(fastpath_thin_gemm)");
     println!("cargo:rerun-if-env-changed=CUDA_COMPUTE_CAP");
+    println!("cargo:rerun-if-env-changed=DEP_CANDLE_RAGGED_COMPUTE_CAP");
     println!("cargo:rerun-if-env-changed=CUDA_HOME");
     println!("cargo:rerun-if-env-changed=CUDA_PATH");
     println!("cargo:rerun-if-env-changed=NVCC");
@@ -174,18 +175,12 @@ fn build_cutlass(nvcc: &PathBuf) {
     println!("cargo:rustc-cfg=fastpath_cutlass");
 }
 
-/// The compute capability to build the PTX for, as candle's own kernels choose it (candle-kernels'
-/// build asks cudaforge too, so both sets of kernels load on the same GPU): `CUDA_COMPUTE_CAP`
-/// ("90", "9.0", "90a"), else the first GPU `nvidia-smi` lists, else 8.0 (a machine without a
-/// GPU building for another: set `CUDA_COMPUTE_CAP` to that GPU's).
-#[cfg(feature = "cuda")]
+/// The compute capability to build the PTX for: candle-ragged's (its build script chose it from
+/// `CUDA_COMPUTE_CAP` or the machine's GPU, as candle's own kernels do, and passes it on through
+/// its `links` key), so that the two crates' kernels load on the same GPU.
 fn compute_cap() -> u32 {
-    cudaforge::detect_compute_cap()
-        .map(|arch| arch.base() as u32)
+    std::env::var("DEP_CANDLE_RAGGED_COMPUTE_CAP")
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
         .unwrap_or(80)
-}
-
-#[cfg(not(feature = "cuda"))]
-fn compute_cap() -> u32 {
-    80
 }

@@ -31,6 +31,9 @@ fn main() {
             "candle-ragged needs CUDA_COMPUTE_CAP >= 80 (tensor-core mma for f16/bf16), got {cap}"
         );
     }
+    // Dependents' build scripts read it as DEP_CANDLE_RAGGED_COMPUTE_CAP (candle-fastpath builds
+    // its kernels for the same GPU).
+    println!("cargo:compute_cap={cap}");
     let nvcc = std::env::var("NVCC")
         .map(PathBuf::from)
         .unwrap_or_else(|_| {
