@@ -29,8 +29,8 @@ use candle_core::{CpuStorage, CudaStorage, DType, Layout, Shape, Storage, Tensor
 use crate::error::FastpathError;
 use crate::programmatic::ProgrammaticEdge;
 use crate::shared_memory::{
-    norm_linear_bytes, pooled_head_tail_bytes, residual_norm_linear_bytes, small_block_bytes,
-    FixedKernelsFit, NL_BM, NL_BN, PH_BM, RNL_BAR_BYTES, SB_BM, SB_BN,
+    norm_linear_bytes, pooled_head_tail_bytes, small_block_bytes, FixedKernelsFit, RnlShape, NL_BM,
+    NL_BN, PH_BM, RNL_BAR_BYTES, SB_BM, SB_BN,
 };
 pub(crate) use crate::shared_memory::{NORM_LINEAR_TILE_ROWS, RNL_DIM};
 
@@ -376,27 +376,19 @@ impl RnlForm {
             _ => None,
         }
     }
+    /// Its shape (the one place the kernels' constants are mirrored).
+    fn shape(self) -> RnlShape {
+        match self {
+            Self::Proj => RnlShape::PROJ,
+            Self::Fc2 => RnlShape::FC2,
+        }
+    }
     pub(crate) fn tile_n(self) -> usize {
-        match self {
-            Self::Proj => 128,
-            Self::Fc2 => 96,
-        }
+        self.shape().tile_n
     }
-    fn front_k(self) -> usize {
-        match self {
-            Self::Proj => RNL_DIM,
-            Self::Fc2 => 4 * RNL_DIM,
-        }
-    }
-    fn k_warps(self) -> usize {
-        match self {
-            Self::Proj => 6,
-            Self::Fc2 => 12,
-        }
-    }
-    /// Dynamic shared memory of a launch ([`residual_norm_linear_bytes`]).
+    /// Dynamic shared memory of a launch ([`RnlShape::bytes`]).
     fn smem_bytes(self) -> usize {
-        residual_norm_linear_bytes(self.front_k(), self.tile_n(), self.k_warps())
+        self.shape().bytes()
     }
     /// Whether a device whose kernels fit `fit` runs this form.
     fn fits(self, fit: &FixedKernelsFit) -> bool {

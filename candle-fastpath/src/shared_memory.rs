@@ -30,15 +30,37 @@ pub(crate) fn norm_linear_bytes(c: usize, tile_rows: usize) -> usize {
     (tile_rows + NL_BN) * (c + 8) * 2
 }
 
-/// Dynamic shared memory of a residual_norm_linear launch whose front GEMM has depth
-/// `front_k` split over `k_warps` warps and whose back GEMM's tiles are `tile_n` wide, 16-bit
-/// storage: the tile's x1 rows and back-weight rows (C wide), the front GEMM's input rows and its
-/// 32 weight rows (K wide), each padded by 8 elements, and the front GEMM's f32 partial sums (a
-/// 16 × 32 tile per K warp).
-pub(crate) fn residual_norm_linear_bytes(front_k: usize, tile_n: usize, k_warps: usize) -> usize {
-    RNL_BAR_BYTES
-        + ((NL_BM + tile_n) * (RNL_DIM + 8) + (NL_BM + 32) * (front_k + 8)) * 2
-        + k_warps * NL_BM * 32 * 4
+/// The shape of one residual_norm_linear form ([`crate::cuda::RnlForm`] reads its own here): the
+/// front GEMM's depth and its K warps, the back GEMM's tile width.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct RnlShape {
+    pub front_k: usize,
+    pub tile_n: usize,
+    pub k_warps: usize,
+}
+
+impl RnlShape {
+    /// proj (K = C) → norm2 → fc1 (N ≤ 6 · 128), with or without the GELU.
+    pub(crate) const PROJ: Self = Self {
+        front_k: RNL_DIM,
+        tile_n: 128,
+        k_warps: 6,
+    };
+    /// fc2 (K = 4C) → the next block's norm1 → qkv (N ≤ 6 · 96).
+    pub(crate) const FC2: Self = Self {
+        front_k: 4 * RNL_DIM,
+        tile_n: 96,
+        k_warps: 12,
+    };
+
+    /// Dynamic shared memory of a launch, 16-bit storage: the tile's x1 rows and back-weight
+    /// rows (C wide), the front GEMM's input rows and its 32 weight rows (K wide), each padded by
+    /// 8 elements, and the front GEMM's f32 partial sums (a 16 × 32 tile per K warp).
+    pub(crate) fn bytes(self) -> usize {
+        RNL_BAR_BYTES
+            + ((NL_BM + self.tile_n) * (RNL_DIM + 8) + (NL_BM + 32) * (self.front_k + 8)) * 2
+            + self.k_warps * NL_BM * 32 * 4
+    }
 }
 
 /// The small-block kernel's tiles (`sb::BM`, `sb::BN`, `sb::PAD`, `sb::KC2` in
@@ -96,8 +118,8 @@ pub(crate) struct FixedKernelsFit {
     pub small_block: [bool; crate::SMALL_BLOCK_DIMS.len()],
     /// Per [`crate::POOLED_HEAD_WIDTHS`] entry (16-bit storage: the kernels are f16 / bf16).
     pub pooled_head: [bool; crate::POOLED_HEAD_WIDTHS.len()],
-    /// residual_norm_linear's fc2 form (K = 4C, tiles 96 wide, 12 K warps); its proj form
-    /// (89 KB) fits every device.
+    /// residual_norm_linear's fc2 form ([`RnlShape::FC2`]); its proj form (89 KB) fits every
+    /// device.
     pub residual_norm_linear_fc2: bool,
 }
 
@@ -108,7 +130,7 @@ impl FixedKernelsFit {
             small_block: crate::SMALL_BLOCK_DIMS
                 .map(|c| small_block_bytes(c, crate::SMALL_BLOCK_MAX_LEN) <= limit),
             pooled_head: crate::POOLED_HEAD_WIDTHS.map(|h| pooled_head_tail_bytes(h, 2) <= limit),
-            residual_norm_linear_fc2: residual_norm_linear_bytes(4 * RNL_DIM, 96, 12) <= limit,
+            residual_norm_linear_fc2: RnlShape::FC2.bytes() <= limit,
         }
     }
 }
@@ -194,7 +216,7 @@ mod tests {
                 );
             }
         }
-        let proj = residual_norm_linear_bytes(RNL_DIM, 128, 6);
+        let proj = RnlShape::PROJ.bytes();
         assert!(proj <= SMALLEST_OPT_IN, "proj form {proj}");
     }
 }
