@@ -17,14 +17,8 @@ set -euo pipefail
 prefix=${1:-${CANDLE_RAGGED_CUDA_PREFIX:-$HOME/.cache/candle-ragged/cuda-13.0}}
 python=${PYTHON:-python3}
 # The PTX target exported as CUDA_COMPUTE_CAP (candle's kernels and ours both build for it): the
-# caller's, else the lowest compute capability nvidia-smi lists (a build for the GPUs of this
-# machine: PTX for 9.0 does not load on an 8.x GPU), else 9.0 (no GPU here: the H100 machines).
-compute_cap=${CUDA_COMPUTE_CAP:-}
-if [[ -z $compute_cap ]] && command -v nvidia-smi >/dev/null; then
-  compute_cap=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null \
-    | tr -d ' .' | grep -E '^[0-9]+$' | sort -n | head -1 || true)
-fi
-compute_cap=${compute_cap:-90}
+# caller's, else the machine's GPUs', else 90 (compute-cap.sh).
+compute_cap=$("$(dirname "$0")/compute-cap.sh")
 home=$prefix/nvidia/cu13
 
 wheels=(
