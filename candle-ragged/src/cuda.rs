@@ -107,6 +107,10 @@ const MEAN_NAMES: [&str; 3] = [
 /// a group of heads); with MAX_SEQ_LEN tokens the block then needs DECIDE_MAX_SMEM bytes.
 const DECIDE_LOGIT_FLOATS: usize = 16384;
 const DECIDE_MAX_SMEM: usize = 4 * DECIDE_LOGIT_FLOATS + 16 * crate::MAX_SEQ_LEN;
+// The decide kernels are opted into DECIDE_MAX_SMEM on every device: it must fit the smallest
+// per-block opt-in of the GPUs the kernels build for (99 KB on compute capability 8.6 / 8.9 /
+// 12.x), or loading them would fail there.
+const _: () = assert!(DECIDE_MAX_SMEM <= 99 * 1024);
 
 struct Kernels {
     attn: Vec<Vec<CudaFunction>>,
