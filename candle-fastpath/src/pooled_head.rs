@@ -221,17 +221,17 @@ impl PooledMlpHead {
             // The tail kernel's shared memory (~140 KB at H = 192) must fit a block's opt-in.
             let fits =
                 |w: usize| crate::cuda::fixed_kernels_fit(dev).is_ok_and(|fit| fit.pooled_head[w]);
+            // Last: the device's state is behind a lock, the other checks read the tensors.
+            let width = POOLED_HEAD_WIDTHS.iter().position(|&w| w == half);
             matches!(h.dtype(), DType::F16 | DType::BF16)
-                && POOLED_HEAD_WIDTHS
-                    .iter()
-                    .position(|&w| w == half)
-                    .is_some_and(fits)
+                && width.is_some()
                 && self.w1.dims()[0] * 2 == half
                 && crate::gelu_form::gelu_form() == crate::gelu_form::GeluForm::Phi
                 && [h, &self.w0, &self.w1]
                     .iter()
                     .all(|t| crate::cuda::contiguous_16b(t.layout(), t.dtype().size_in_bytes()))
                 && pooled_head_enabled()
+                && width.is_some_and(fits)
         }
     }
 
