@@ -421,24 +421,6 @@ pub(crate) fn attention(
         return Ok((zero_len_storage(dev, sq.dtype())?, shape));
     }
     let k = kernels(dev)?;
-    // The launch shape of the resident kernel (blocks, warps, key parts, shared memory):
-    // crate::resident_plan; `None` where it does not fit the device (the tiled kernel then).
-    let resident_plan = if k.resident_enabled
-        && dtype_index > 0
-        && dim <= 64
-        && batch.max_len() <= RESIDENT_MAX_LEN
-    {
-        resident_plan(
-            batch.batch_size(),
-            heads,
-            batch.max_len(),
-            dim,
-            k.gpu,
-            k.plan_knobs,
-        )
-    } else {
-        None
-    };
     let (cu_storage, cu_off) = u32_storage(batch.cu_seqlens());
     let cu = cuda_u32(&cu_storage)?.slice(cu_off..);
 
@@ -459,6 +441,27 @@ pub(crate) fn attention(
         }
         _ => None,
     };
+    // The launch shape of the resident kernel (blocks, warps, key parts, shared memory):
+    // crate::resident_plan, asked only where the wgmma A/B arm is not taken; `None` where it
+    // does not fit the device (the tiled kernel then).
+    let resident = || {
+        let eligible = k.resident_enabled
+            && dtype_index > 0
+            && dim <= 64
+            && batch.max_len() <= RESIDENT_MAX_LEN;
+        eligible
+            .then(|| {
+                resident_plan(
+                    batch.batch_size(),
+                    heads,
+                    batch.max_len(),
+                    dim,
+                    k.gpu,
+                    k.plan_knobs,
+                )
+            })
+            .flatten()
+    };
     let (func, cfg) = if let Some(func) = wgmma {
         let cfg = LaunchConfig {
             grid_dim: (1, heads as u32, batch.batch_size() as u32),
@@ -466,7 +469,7 @@ pub(crate) fn attention(
             shared_mem_bytes: wgmma_smem_bytes(batch.max_len()) as u32,
         };
         (func, cfg)
-    } else if let Some(plan) = resident_plan {
+    } else if let Some(plan) = resident() {
         let cfg = LaunchConfig {
             grid_dim: plan.grid,
             block_dim: plan.block,
