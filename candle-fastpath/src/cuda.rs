@@ -548,9 +548,8 @@ struct DeviceState {
     residual_norm_linear: Option<Vec<CudaFunction>>,
     /// [`LinearResidualNormOp`]'s kernels, as `residual_norm_linear`.
     linear_residual_norm: Option<Vec<CudaFunction>>,
-    /// [`AttentionRnlOp`]'s kernels and the most dynamic shared memory a block
-    /// may opt into (its K / V rows grow with the sequence); `None` as `residual_norm_linear`.
-    attention_rnl: Option<(Vec<CudaFunction>, usize)>,
+    /// [`AttentionRnlOp`]'s kernels; `None` as `residual_norm_linear`.
+    attention_rnl: Option<Vec<CudaFunction>>,
     /// [`AttentionResidualOp`]'s kernels, as `attention_rnl` (the same shared-memory limit).
     attention_residual: Option<Vec<CudaFunction>>,
     /// [`AttentionRnlOp`] (with `next`)'s kernels, as `attention_rnl` (the same shared-memory limit).
@@ -564,6 +563,11 @@ struct DeviceState {
     /// [`PooledHeadOp`]'s kernels, pool then tail, by (dtype - 1, width) as POOLED_HEAD_NAMES
     /// (the tails of widths `fit` leaves out are loaded but not opted in, and never launched).
     pooled_head: Vec<CudaFunction>,
+    /// The dynamic shared memory the cluster kernels whose rows grow with the sequence
+    /// (`linear_residual_norm`, `attention_rnl` through `select_attention_block`) opted into:
+    /// the device's per-block limit where they are loaded, 0 where they are not. Each launch
+    /// asks for its own size, checked against this.
+    cluster_smem: usize,
     /// The fixed-shape kernels this device's per-block shared memory allows.
     fit: FixedKernelsFit,
     /// Shared memory a SM, for the persistent pooled-head tail's CTAs a SM.
@@ -706,13 +710,14 @@ fn new_state(dev: &CudaDevice) -> candle_core::Result<DeviceState> {
         linear_residual_norm: at_opt_in(&LINEAR_RESIDUAL_NORM_NAMES)?,
         thin_gemm: load_thin_gemm(dev, hopper)?,
         thin_residual_norm: load_thin_residual_norm(dev, &context, hopper)?,
-        attention_rnl: at_opt_in(&ATTENTION_RNL_NAMES)?.map(|f| (f, opt_in_smem as usize)),
+        attention_rnl: at_opt_in(&ATTENTION_RNL_NAMES)?,
         attention_residual: at_opt_in(&ATTENTION_RESIDUAL_NAMES)?,
         attention_block: at_opt_in(&ATTENTION_BLOCK_NAMES)?,
         mlp_block: at_opt_in(&MLP_BLOCK_NAMES)?,
         select_mlp_block: at_opt_in(&SELECT_MLP_BLOCK_NAMES)?,
         select_attention_block: at_opt_in(&SELECT_ATTENTION_BLOCK_NAMES)?,
         pooled_head: load_pooled_head(load, &fit)?,
+        cluster_smem: if clusters { opt_in_smem as usize } else { 0 },
         fit,
         smem_per_sm: crate::shared_memory::capped_kb(
             attribute(CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR)?.max(0) as usize,
@@ -2351,7 +2356,7 @@ impl LinearResidualNormOp {
         let func = {
             let mut states = STATE.lock().unwrap_or_else(|e| e.into_inner());
             let state = device_state(&mut states, dev)?;
-            let max_smem = state.attention_rnl.as_ref().map_or(0, |(_, max)| *max);
+            let max_smem = state.cluster_smem;
             match &state.linear_residual_norm {
                 Some(funcs) if smem <= max_smem => {
                     funcs[2 * attn.is_some() as usize + bf16 as usize].clone()
@@ -2447,10 +2452,7 @@ fn fused_sm_count(
     kernels: impl Fn(&DeviceState) -> bool,
 ) -> Option<usize> {
     sm_count_where(dev, |s| {
-        kernels(s)
-            && s.attention_rnl
-                .as_ref()
-                .is_some_and(|(_, max)| smem <= *max)
+        kernels(s) && s.attention_rnl.is_some() && smem <= s.cluster_smem
     })
 }
 
@@ -2666,7 +2668,7 @@ impl MlpBlockOp {
         let func = {
             let mut states = STATE.lock().unwrap_or_else(|e| e.into_inner());
             let state = device_state(&mut states, dev)?;
-            let max_smem = state.attention_rnl.as_ref().map_or(0, |(_, max)| *max);
+            let max_smem = state.cluster_smem;
             let funcs = match self.select {
                 None => &state.mlp_block,
                 Some(_) => &state.select_mlp_block,
@@ -2926,11 +2928,11 @@ impl AttentionRnlOp {
         let func = {
             let mut states = STATE.lock().unwrap_or_else(|e| e.into_inner());
             let state = device_state(&mut states, dev)?;
-            let max_smem = state.attention_rnl.as_ref().map_or(0, |(_, max)| *max);
+            let max_smem = state.cluster_smem;
             // The entries' order: ATTENTION_RNL_NAMES and ATTENTION_BLOCK_NAMES.
             let (funcs, index) = match self.next {
                 None => (
-                    state.attention_rnl.as_ref().map(|(f, _)| f),
+                    state.attention_rnl.as_ref(),
                     4 * late + 2 * bf16 as usize + self.first.gelu as usize,
                 ),
                 Some(_) => match &self.rows {
@@ -3988,7 +3990,7 @@ impl AttentionResidualOp {
         let func = {
             let mut states = STATE.lock().unwrap_or_else(|e| e.into_inner());
             let state = device_state(&mut states, dev)?;
-            let max_smem = state.attention_rnl.as_ref().map_or(0, |(_, max)| *max);
+            let max_smem = state.cluster_smem;
             match &state.attention_residual {
                 Some(funcs) if smem <= max_smem => funcs[bf16 as usize].clone(),
                 Some(_) => candle_core::bail!(
