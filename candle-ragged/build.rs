@@ -6,20 +6,28 @@ use std::path::PathBuf;
 use std::process::Command;
 
 fn main() {
+    // The kernel folder by its absolute path, in the include metadata and in the rerun checks
+    // alike: a target folder shared with another checkout (a worktree) then reruns this script
+    // for this one, instead of keeping the other's `include` (whose files cargo would otherwise
+    // check here, by their relative names, and find fresh).
+    let kernels = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").unwrap()).join("kernels");
     println!("cargo:rerun-if-changed=build.rs");
-    println!("cargo:rerun-if-changed=kernels/ragged_attention.cu");
-    println!("cargo:rerun-if-changed=kernels/ragged_attention_sm90.cu");
-    println!("cargo:rerun-if-changed=kernels/attention_common.cuh");
-    println!("cargo:rerun-if-changed=kernels/attention_warp.cuh");
-    println!("cargo:rerun-if-changed=kernels/convert_f32.cuh");
-    println!("cargo:rerun-if-changed=kernels/row_norm.cuh");
-    println!("cargo:rerun-if-changed=kernels/select_common.cuh");
-    println!("cargo:rerun-if-changed=kernels/wgmma_common.cuh");
+    for file in [
+        "ragged_attention.cu",
+        "ragged_attention_sm90.cu",
+        "attention_common.cuh",
+        "attention_warp.cuh",
+        "convert_f32.cuh",
+        "row_norm.cuh",
+        "select_common.cuh",
+        "wgmma_common.cuh",
+    ] {
+        println!("cargo:rerun-if-changed={}", kernels.join(file).display());
+    }
     println!("cargo::rustc-check-cfg=cfg(ragged_wgmma)");
     println!("cargo:rerun-if-env-changed=CUDA_COMPUTE_CAP");
     println!("cargo:rerun-if-env-changed=CUDA_HOME");
     println!("cargo:rerun-if-env-changed=NVCC");
-    let kernels = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").unwrap()).join("kernels");
     println!("cargo:include={}", kernels.display());
     if std::env::var_os("CARGO_FEATURE_CUDA").is_none() {
         return;
