@@ -28,12 +28,19 @@ names=" $* "
 
 cargo build --release --features cuda -p bin --bins
 # Test executables: cargo names them in its JSON messages.
-{
+# Their compiler output goes to a log, shown if the build fails (the JSON is on stdout).
+build_log=$target/gpu-tests-build.log
+if ! {
   cargo test --release --features cuda -p candle-ragged -p candle-fastpath --test '*' \
-    --no-run --message-format=json 2>/dev/null
+    --no-run --message-format=json 2>"$build_log" &&
   cargo test --release --features cuda -p workspace-tests --test paths_agreement \
-    --no-run --message-format=json 2>/dev/null
-} | python3 -c '
+    --no-run --message-format=json 2>>"$build_log"
+} > "$target/gpu-tests.json"; then
+  tail -40 "$build_log" >&2
+  echo "bundle.sh: building the test executables failed (log: $build_log)" >&2
+  exit 1
+fi
+python3 -c '
 import json, sys
 for line in sys.stdin:
     try:
@@ -42,7 +49,7 @@ for line in sys.stdin:
         continue
     if m.get("reason") == "compiler-artifact" and m.get("profile", {}).get("test") and m.get("executable"):
         print(m["target"]["name"], m["executable"])
-' | sort -u > "$target/gpu-tests.txt"
+' < "$target/gpu-tests.json" | sort -u > "$target/gpu-tests.txt"
 
 wanted() { [[ $names == "  " || $names == *" $1 "* ]]; }
 
