@@ -17,11 +17,11 @@ use candle_fastpath::{
     FusedLinear, LayerNorm,
 };
 use common::attention::{
-    assert_rows_close, attention_host, fused_or_refused, sequence, sequence_cases, under_test,
-    RefusalInputs, HEAD_DIM,
+    assert_rows_close, attention_host, expect_applies, fused_or_refused, sequence, sequence_cases,
+    under_test, RefusalInputs, HEAD_DIM,
 };
 use common::layers::{random_layer_norm, random_linear};
-use common::{device, has_clusters, host, poison};
+use common::{cluster_kernels_expected, device, host, poison};
 use rand::{rngs::StdRng, SeedableRng};
 
 const C: usize = 384;
@@ -37,7 +37,7 @@ fn layers(dev: &Device, rng: &mut StdRng, dtype: DType, bias: bool) -> (FusedLin
 #[test]
 fn matches_attention_then_the_projection_step() {
     let dev = device();
-    let fused_expected = dev.is_cuda() && has_clusters(&dev);
+    let expected = cluster_kernels_expected(&dev);
     let mut rng = StdRng::seed_from_u64(119);
     let scale = (HEAD_DIM as f64).powf(-0.5);
     let full = sequence_cases(256);
@@ -54,10 +54,10 @@ fn matches_attention_then_the_projection_step() {
             let applies =
                 attention_linear_residual_norm_applies(&qkv_t, &cu, HEADS, &r_t, &proj, &norm);
             let what = format!("{dtype:?} rows {rows} len {len}");
-            assert_eq!(applies, fused_expected, "{what}: applies");
+            expect_applies(expected, applies, &what);
             poison(&dev, 2 * rows * C, dtype);
             let got = attention_linear_residual_norm(&qkv_t, &cu, HEADS, scale, &r_t, &proj, &norm);
-            let Some((x1, z)) = fused_or_refused(got, fused_expected, &what) else {
+            let Some((x1, z)) = fused_or_refused(got, applies, &what) else {
                 continue;
             };
             assert_eq!(x1.dims(), &[rows, C]);

@@ -27,11 +27,11 @@ use candle_fastpath::{
 };
 use candle_ragged::{step_scores, StepScores, TokenScores};
 use common::attention::{
-    assert_rows_close, attention_host, fused_or_refused, sequence, sequence_cases, tensor,
-    under_test, RefusalInputs, HEAD_DIM,
+    assert_rows_close, attention_host, expect_applies, fused_or_refused, sequence, sequence_cases,
+    tensor, under_test, RefusalInputs, HEAD_DIM,
 };
 use common::layers::{random_layer_norm, random_linear};
-use common::{device, has_clusters, host, poison, randn};
+use common::{cluster_kernels_expected, device, host, poison, randn};
 use rand::{rngs::StdRng, SeedableRng};
 
 const C: usize = 192;
@@ -151,7 +151,7 @@ fn fc2_layer(dev: &Device, rng: &mut StdRng, dtype: DType) -> FusedLinear {
 #[test]
 fn matches_attention_then_the_steps() {
     let dev = device();
-    let fused_expected = dev.is_cuda() && has_clusters(&dev);
+    let expected = cluster_kernels_expected(&dev);
     let mut rng = StdRng::seed_from_u64(64);
     let scale = (HEAD_DIM as f64).powf(-0.5);
     let full = sequence_cases(352);
@@ -183,12 +183,12 @@ fn matches_attention_then_the_steps() {
                     &qkv_t, &cu, HEADS, &r_t, &w.proj, &w.norm, &w.fc1, gelu,
                 );
                 let what = format!("{dtype:?} rows {rows} len {len} gelu {gelu}");
-                assert_eq!(applies, fused_expected, "{what}: applies");
+                expect_applies(expected, applies, &what);
                 poison(&dev, rows * (C + 4 * C), dtype);
                 let got = attention_residual_norm_linear(
                     &qkv_t, &cu, HEADS, scale, &r_t, &w.proj, &w.norm, &w.fc1, gelu,
                 );
-                let Some((x1, y)) = fused_or_refused(got, fused_expected, &what) else {
+                let Some((x1, y)) = fused_or_refused(got, applies, &what) else {
                     continue;
                 };
                 assert_eq!(x1.dims(), &[rows, C]);
@@ -261,7 +261,7 @@ fn shapes_it_does_not_take_are_refused() {
 #[test]
 fn block_matches_the_two_kernels() {
     let dev = device();
-    let fused_expected = dev.is_cuda() && has_clusters(&dev);
+    let expected = cluster_kernels_expected(&dev);
     let mut rng = StdRng::seed_from_u64(66);
     let scale = (HEAD_DIM as f64).powf(-0.5);
     let (dtypes, cases) = under_test(&[
@@ -290,10 +290,10 @@ fn block_matches_the_two_kernels() {
             let (_, qkv_t, r_t, cu) = sequence(&dev, &mut rng, dtype, rows, len, C);
             let what = format!("{dtype:?} rows {rows} len {len}");
             let applies = attention_block_applies(&qkv_t, &cu, HEADS, &r_t, &tail);
-            assert_eq!(applies, fused_expected, "{what}: applies");
+            expect_applies(expected, applies, &what);
             poison(&dev, rows * (C + 3 * C), dtype);
             let got = attention_block(&qkv_t, &cu, HEADS, scale, &r_t, &tail);
-            let Some((x2, next_qkv)) = fused_or_refused(got, fused_expected, &what) else {
+            let Some((x2, next_qkv)) = fused_or_refused(got, applies, &what) else {
                 let with_norms = attention_block_with_norms(&qkv_t, &cu, HEADS, scale, &r_t, &tail);
                 fused_or_refused(with_norms, false, &format!("{what}, with norms"));
                 continue;
@@ -385,7 +385,7 @@ fn check_row_norms(
 #[test]
 fn mlp_block_matches_the_two_kernels() {
     let dev = device();
-    let fused_expected = dev.is_cuda() && has_clusters(&dev);
+    let expected = cluster_kernels_expected(&dev);
     let mut rng = StdRng::seed_from_u64(72);
     let (dtypes, _) = under_test(&[]);
     let rows_under_test: &[usize] = if dtypes.len() == 1 {
@@ -399,14 +399,11 @@ fn mlp_block_matches_the_two_kernels() {
         for &rows in rows_under_test {
             let what = format!("{dtype:?} rows {rows}");
             let x1 = tensor(&dev, &randn(&mut rng, rows * C, 3.0), &[rows, C], dtype);
-            assert_eq!(
-                mlp_block_applies(&x1, &tail),
-                fused_expected,
-                "{what}: applies"
-            );
+            let applies = mlp_block_applies(&x1, &tail);
+            expect_applies(expected, applies, &what);
             poison(&dev, rows * (C + 3 * C), dtype);
             let got = mlp_block(&x1, &tail);
-            let Some((x2, next_qkv)) = fused_or_refused(got, fused_expected, &what) else {
+            let Some((x2, next_qkv)) = fused_or_refused(got, applies, &what) else {
                 continue;
             };
             assert_eq!(x2.dims(), &[rows, C]);
@@ -440,7 +437,7 @@ fn mlp_block_matches_the_two_kernels() {
 #[test]
 fn attention_residual_is_the_fused_kernels_x1() {
     let dev = device();
-    let fused_expected = dev.is_cuda() && has_clusters(&dev);
+    let expected = cluster_kernels_expected(&dev);
     let mut rng = StdRng::seed_from_u64(86);
     let scale = (HEAD_DIM as f64).powf(-0.5);
     let (dtypes, cases) = under_test(&[
@@ -462,10 +459,10 @@ fn attention_residual_is_the_fused_kernels_x1() {
             let (_, qkv_t, r_t, cu) = sequence(&dev, &mut rng, dtype, rows, len, C);
             let what = format!("{dtype:?} rows {rows} len {len}");
             let applies = attention_residual_applies(&qkv_t, &cu, HEADS, &r_t, &w.proj);
-            assert_eq!(applies, fused_expected, "{what}: applies");
+            expect_applies(expected, applies, &what);
             poison(&dev, rows * C, dtype);
             let got = attention_residual(&qkv_t, &cu, HEADS, scale, &r_t, &w.proj);
-            let Some(x1) = fused_or_refused(got, fused_expected, &what) else {
+            let Some(x1) = fused_or_refused(got, applies, &what) else {
                 continue;
             };
             assert_eq!(x1.dims(), &[rows, C]);
@@ -512,7 +509,7 @@ fn attention_residual_is_the_fused_kernels_x1() {
 fn select_mlp_block_matches_select_then_mlp_block() {
     use candle_ragged::{select_top_k_by, DroppedFusion};
     let dev = device();
-    let fused_expected = dev.is_cuda() && has_clusters(&dev);
+    let expected = cluster_kernels_expected(&dev);
     let mut rng = StdRng::seed_from_u64(87);
     let scale = (HEAD_DIM as f32).powf(-0.5);
     // Quick (racecheck): 197 tokens, keep 0.7, class attention and given scores, fused by mean
@@ -559,11 +556,8 @@ fn select_mlp_block_matches_select_then_mlp_block() {
                     continue;
                 }
                 let step = step_scores(&x1, 1, scores).unwrap();
-                assert_eq!(
-                    select_mlp_block_applies(&x1, &tail),
-                    fused_expected,
-                    "{dtype:?} len {len}: applies"
-                );
+                let applies = select_mlp_block_applies(&x1, &tail);
+                expect_applies(expected, applies, &format!("{dtype:?} len {len}"));
                 for &keep in &keeps {
                     for fusion in [
                         None,
@@ -578,8 +572,7 @@ fn select_mlp_block_matches_select_then_mlp_block() {
                             select_top_k_by(&x1, 1, scores, 1, keep, fusion).unwrap();
                         poison(&dev, out_len * (C + 3 * C), dtype);
                         let got = select_mlp_block(&x1, &step, 1, keep, fusion, &tail);
-                        let Some((x2, next_qkv)) = fused_or_refused(got, fused_expected, &what)
-                        else {
+                        let Some((x2, next_qkv)) = fused_or_refused(got, applies, &what) else {
                             continue;
                         };
                         assert_eq!(x2.dims(), &[out_len, C], "{what}");
@@ -623,7 +616,7 @@ fn select_mlp_block_matches_select_then_mlp_block() {
 #[test]
 fn attention_cls_probs_are_step_scores_bits() {
     let dev = device();
-    let fused_expected = dev.is_cuda() && has_clusters(&dev);
+    let expected = cluster_kernels_expected(&dev);
     let mut rng = StdRng::seed_from_u64(88);
     let scale = (HEAD_DIM as f64).powf(-0.5);
     let (dtypes, cases) = under_test(&[
@@ -642,9 +635,12 @@ fn attention_cls_probs_are_step_scores_bits() {
         for &(rows, len) in cases {
             let (_, qkv_t, r_t, cu) = sequence(&dev, &mut rng, dtype, rows, len, C);
             let what = format!("{dtype:?} rows {rows} len {len}");
+            // The same kernel as attention_residual's, with the probabilities beside it.
+            let applies = attention_residual_applies(&qkv_t, &cu, HEADS, &r_t, &w.proj);
+            expect_applies(expected, applies, &what);
             poison(&dev, rows * C + (HEADS + 1) * rows, dtype);
             let got = attention_residual_with_cls_probs(&qkv_t, &cu, HEADS, scale, &r_t, &w.proj);
-            let Some((x1, probs)) = fused_or_refused(got, fused_expected, &what) else {
+            let Some((x1, probs)) = fused_or_refused(got, applies, &what) else {
                 continue;
             };
             assert_eq!(probs.dims(), &[1, HEADS + 1, rows], "{what}");
@@ -696,7 +692,7 @@ fn attention_cls_probs_are_step_scores_bits() {
 fn select_attention_block_matches_select_then_attention_block() {
     use candle_ragged::select_top_k_gathering;
     let dev = device();
-    let fused_expected = dev.is_cuda() && has_clusters(&dev);
+    let expected = cluster_kernels_expected(&dev);
     let mut rng = StdRng::seed_from_u64(90);
     let scale = (HEAD_DIM as f64).powf(-0.5);
     let (dtypes, _) = under_test(&[]);
@@ -736,14 +732,11 @@ fn select_attention_block_matches_select_then_attention_block() {
                 let step = step_scores(&x, 1, scores).unwrap();
                 for &keep in &keeps {
                     let what = format!("{dtype:?} len {len} {name} keep {keep}");
-                    assert_eq!(
-                        select_attention_block_applies(&qkv, HEADS, &x, &tail, 1 + keep),
-                        fused_expected,
-                        "{what}: applies"
-                    );
+                    let applies = select_attention_block_applies(&qkv, HEADS, &x, &tail, 1 + keep);
+                    expect_applies(expected, applies, &what);
                     poison(&dev, (1 + keep) * (C + 3 * C), dtype);
                     let got = select_attention_block(&qkv, &x, &step, 1, keep, HEADS, scale, &tail);
-                    let Some((x2, next_qkv)) = fused_or_refused(got, fused_expected, &what) else {
+                    let Some((x2, next_qkv)) = fused_or_refused(got, applies, &what) else {
                         let with_norms = select_attention_block_with_norms(
                             &qkv, &x, &step, 1, keep, HEADS, scale, &tail,
                         );

@@ -20,6 +20,16 @@ pub fn tensor(dev: &Device, v: &[f32], shape: &[usize], dtype: DType) -> Tensor 
         .unwrap()
 }
 
+/// Holds an applies check to [`super::cluster_kernels_expected`]'s answer where it has one;
+/// where it has none (a smaller shared-memory limit), says which way each case went (shown with
+/// `--nocapture`).
+pub fn expect_applies(expected: Option<bool>, applies: bool, what: &str) {
+    match expected {
+        Some(expected) => assert_eq!(applies, expected, "{what}: applies"),
+        None => eprintln!("{what}: applies {applies}"),
+    }
+}
+
 /// `got` where the fused kernel should run (`fused`), else `None` after checking that the call
 /// was refused with a `NotApplicable` error.
 pub fn fused_or_refused<T: std::fmt::Debug>(

@@ -65,6 +65,37 @@ pub fn host(t: &Tensor) -> Vec<f32> {
         .unwrap()
 }
 
+/// What the tests of the cluster kernels whose shared memory grows with the sequence
+/// (attention_norm_linear's ops) expect of `dev`: `Some(false)` without clusters (every call
+/// refused), `Some(true)` with clusters and a per-block shared-memory opt-in of at least the
+/// H100's 227 KB (every size under test fused), `None` with clusters and less (compute
+/// capability 12.x at 99 KB, or the H100 under `CANDLE_FASTPATH_GPU_SMEM_KB`, which lowers the
+/// limit the crate reads as it does here): there each launch is fused where it fits and refused
+/// where not, as its applies check says, and the tests hold the op to that answer.
+pub fn cluster_kernels_expected(dev: &Device) -> Option<bool> {
+    if !has_clusters(dev) {
+        return Some(false);
+    }
+    (block_opt_in_bytes(dev) >= 227 * 1024).then_some(true)
+}
+
+/// The shared memory a block of `dev` may opt into, lowered by `CANDLE_FASTPATH_GPU_SMEM_KB`
+/// as candle-fastpath lowers it; 0 off CUDA.
+pub fn block_opt_in_bytes(dev: &Device) -> usize {
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(d) = dev {
+        use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN as OPT_IN;
+        let limit = d.cuda_stream().context().attribute(OPT_IN).unwrap().max(0) as usize;
+        let knob = std::env::var("CANDLE_FASTPATH_GPU_SMEM_KB").ok();
+        return match knob.and_then(|v| v.trim().parse::<usize>().ok()) {
+            Some(kb) => limit.min(kb * 1024),
+            None => limit,
+        };
+    }
+    let _ = dev;
+    0
+}
+
 /// Whether `dev` runs thread-block clusters (compute capability 9.0 and up).
 pub fn has_clusters(dev: &Device) -> bool {
     #[cfg(feature = "cuda")]
