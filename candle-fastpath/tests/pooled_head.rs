@@ -12,7 +12,7 @@ mod common;
 use candle_core::{DType, Device, Tensor};
 use candle_fastpath::PooledMlpHead;
 use candle_ragged::RaggedBatch;
-use common::{device, host, poison, quantize, randn};
+use common::{device, full_shared_memory, host, poison, quantize, randn};
 use rand::{rngs::StdRng, Rng, SeedableRng};
 
 fn gelu(x: f64) -> f64 {
@@ -178,8 +178,12 @@ fn matches_the_reference_and_the_composed_ops() {
                     offsets.push(offsets.last().unwrap() + len);
                 }
                 let want = reference(&hv, c, &offsets, skip, &l, class, dtype);
+                // On the H100 the widths up to DeiT-S's; with less shared memory (the tail of
+                // DeiT-S's 192-wide head needs 140 KB) whatever its applies check says.
                 let fused = dev.is_cuda() && dtype != DType::F32 && c <= 384;
-                assert_eq!(hd.fused_applies(&h), fused, "{dtype:?} C {c}");
+                if full_shared_memory(&dev) || !fused {
+                    assert_eq!(hd.fused_applies(&h), fused, "{dtype:?} C {c}");
+                }
                 poison(&dev, rows + lengths.len() * c, dtype);
                 let got = host(&hd.forward(&h, &batch, skip, class).unwrap());
                 poison(&dev, rows * c * 2, dtype);

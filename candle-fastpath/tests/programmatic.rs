@@ -18,7 +18,7 @@ use candle_fastpath::{
 };
 use common::attention::tensor;
 use common::layers::{random_layer_norm, random_linear};
-use common::{device, has_clusters, host, randn};
+use common::{cluster_kernels_expected, device, host, randn};
 use rand::{rngs::StdRng, SeedableRng};
 
 const C: usize = 384;
@@ -80,7 +80,9 @@ fn chain(blocks: &[Block], xs: &[Tensor]) -> candle_core::Result<Vec<Tensor>> {
 #[test]
 fn captured_blocks_launch_early_and_replay_exactly() {
     let dev = device();
-    if !dev.is_cuda() || !has_clusters(&dev) {
+    // The chain of fused DeiT-S kernels this counts exists where they all fit (its fc2 form
+    // needs 144 KB of shared memory a block).
+    if !dev.is_cuda() || cluster_kernels_expected(&dev) != Some(true) {
         return;
     }
     let pdl = candle_fastpath::programmatic_edges_enabled();

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine, from the repository root, with .gpu/ carried (bundle.sh attention
-# paths_agreement [norm_linear], or attention_norm_linear attention_lrn: each stage runs what
-# the bundle holds): the choices a GPU with less shared memory a block makes, run
+# paths_agreement, or candle-fastpath's attention_norm_linear attention_lrn norm_linear
+# pooled_head programmatic small_block, three at a time: each stage runs what the bundle holds): the choices a GPU with less shared memory a block makes, run
 # on this one. CANDLE_RAGGED_GPU_SMEM_KB and CANDLE_FASTPATH_GPU_SMEM_KB lower the per-block
 # opt-in (and a SM's shared memory to one KB more) that candle-ragged's attention plans and
 # candle-fastpath's kernel choices read, as on compute capability 8.6 / 8.9 / 12.x (99 KB); the
@@ -19,9 +19,9 @@ if [[ -x $B/test-norm_linear ]]; then
   timeout 200 $B/test-norm_linear --test-threads=1 2>&1 | grep -E "test result|panicked" >> "$C"
 fi
 for kb in $kbs; do
-  # The cluster kernels whose shared memory grows with the sequence: fused where they fit the
-  # capped limit, refused (NotApplicable) where not, as their applies checks say.
-  for t in attention_norm_linear attention_lrn; do
+  # candle-fastpath's kernels past a smaller GPU's shared memory: fused where they fit the
+  # capped limit, refused (or the composed path) where not, as their applies checks say.
+  for t in attention_norm_linear attention_lrn norm_linear pooled_head programmatic small_block; do
     [[ -x $B/test-$t ]] || continue
     echo "== test-$t, CANDLE_FASTPATH_GPU_SMEM_KB=$kb ($((SECONDS - t0)) s)" >> "$C"
     CANDLE_FASTPATH_GPU_SMEM_KB=$kb timeout 200 $B/test-$t --test-threads=1 2>&1 | grep -E "test result|panicked" >> "$C"

@@ -76,7 +76,14 @@ pub fn cluster_kernels_expected(dev: &Device) -> Option<bool> {
     if !has_clusters(dev) {
         return Some(false);
     }
-    (block_opt_in_bytes(dev) >= 227 * 1024).then_some(true)
+    full_shared_memory(dev).then_some(true)
+}
+
+/// Whether a block of `dev` may opt into at least the H100's 227 KB of shared memory, the limit
+/// the fused kernels' fixed expectations are written for (every kernel opted in); below it a
+/// test holds each op to its applies check instead.
+pub fn full_shared_memory(dev: &Device) -> bool {
+    block_opt_in_bytes(dev) >= 227 * 1024
 }
 
 /// The shared memory a block of `dev` may opt into, lowered by `CANDLE_FASTPATH_GPU_SMEM_KB`
