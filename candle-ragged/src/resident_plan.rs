@@ -626,9 +626,8 @@ mod tests {
         assert!(resident_plan(8, 6, 225, 64, small, knobs).is_none());
     }
 
-    /// For every batch the kernel takes: every query tile of the longest sequence has a warp,
-    /// the parts never outnumber the key tiles, and the shared memory stays within what the
-    /// kernels opt into when they load (and under the H100's 227 KB per block).
+    /// `CANDLE_RAGGED_GPU_SMEM_KB`'s cap: a smaller GPU's limits, never larger ones, and no
+    /// change for a missing or unreadable value.
     #[test]
     fn a_cap_lowers_the_limits_never_raises_them() {
         let h100 = GpuLimits {
@@ -645,6 +644,9 @@ mod tests {
         assert_eq!(h100.capped_kb(Some("lots")), h100);
     }
 
+    /// For every batch the kernel takes: every query tile of the longest sequence has a warp,
+    /// the parts never outnumber the key tiles, and the shared memory stays within what the
+    /// kernels opt into when they load (and under the H100's 227 KB per block).
     #[test]
     fn every_plan_covers_its_tiles_within_the_opt_in() {
         for head_dim in [32, 64] {
