@@ -218,20 +218,21 @@ impl PooledMlpHead {
             let candle_core::Device::Cuda(dev) = h.device() else {
                 return false;
             };
-            // The tail kernel's shared memory (~140 KB at H = 192) must fit a block's opt-in.
+            let Some(width) = POOLED_HEAD_WIDTHS.iter().position(|&w| w == half) else {
+                return false;
+            };
+            // The tail kernel's shared memory (~140 KB at H = 192) must fit a block's opt-in;
+            // asked last: the device's state is behind a lock, the other checks read the tensors.
             let fits =
-                |w: usize| crate::cuda::fixed_kernels_fit(dev).is_ok_and(|fit| fit.pooled_head[w]);
-            // Last: the device's state is behind a lock, the other checks read the tensors.
-            let width = POOLED_HEAD_WIDTHS.iter().position(|&w| w == half);
+                || crate::cuda::fixed_kernels_fit(dev).is_ok_and(|fit| fit.pooled_head[width]);
             matches!(h.dtype(), DType::F16 | DType::BF16)
-                && width.is_some()
                 && self.w1.dims()[0] * 2 == half
                 && crate::gelu_form::gelu_form() == crate::gelu_form::GeluForm::Phi
                 && [h, &self.w0, &self.w1]
                     .iter()
                     .all(|t| crate::cuda::contiguous_16b(t.layout(), t.dtype().size_in_bytes()))
                 && pooled_head_enabled()
-                && width.is_some_and(fits)
+                && fits()
         }
     }
 
