@@ -184,7 +184,6 @@ fn cu_seqlens(lengths: &[usize], dev: &Device) -> Tensor {
     Tensor::new(cu.as_slice(), dev).unwrap()
 }
 
-/// Runs one case and compares the first Σ lengths rows; `extra` rows follow, in no sequence.
 /// Whether the C-wide kernel is past `dev`'s shared memory (C = 384 / 768 need ~145 KB a block:
 /// GPUs with less than the H100's, or `CANDLE_FASTPATH_GPU_SMEM_KB`): there a call is a clear
 /// error and the applies check says no (the models then take the separate kernels). Asked of
@@ -203,6 +202,7 @@ fn refused_here(dev: &Device, x: &Tensor, cu: &Tensor, max_len: usize, w: &Block
     true
 }
 
+/// Runs one case and compares the first Σ lengths rows; `extra` rows follow, in no sequence.
 fn check(dev: &Device, rng: &mut StdRng, dtype: DType, c: usize, lengths: &[usize], extra: usize) {
     let w = Weights::new(rng, dev, dtype, c);
     let rows: usize = lengths.iter().sum::<usize>() + extra;

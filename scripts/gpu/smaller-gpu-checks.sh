@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine, from the repository root, with .gpu/ carried (bundle.sh attention
 # paths_agreement, or candle-fastpath's attention_norm_linear attention_lrn norm_linear
-# pooled_head programmatic small_block, three at a time: each stage runs what the bundle holds): the choices a GPU with less shared memory a block makes, run
-# on this one. CANDLE_RAGGED_GPU_SMEM_KB and CANDLE_FASTPATH_GPU_SMEM_KB lower the per-block
-# opt-in (and a SM's shared memory to one KB more) that candle-ragged's attention plans and
-# candle-fastpath's kernel choices read, as on compute capability 8.6 / 8.9 / 12.x (99 KB); the
-# fallbacks they pick (fewer key parts, no Q staging, the tiled attention kernel; the composed
-# ops where a fused kernel does not fit) then run against the same references.
+# pooled_head programmatic small_block, three at a time: each stage runs what the bundle
+# holds): the choices a GPU with less shared memory a block makes, run on this one.
+# CANDLE_RAGGED_GPU_SMEM_KB and CANDLE_FASTPATH_GPU_SMEM_KB lower the per-block opt-in (and a
+# SM's shared memory to one KB more) that candle-ragged's attention plans and candle-fastpath's
+# kernel choices read, as on compute capability 8.6 / 8.9 / 12.x (99 KB); the fallbacks they
+# pick (fewer key parts, no Q staging, the tiled attention kernel; the composed ops where a fused
+# kernel does not fit) then run against the same references.
 #   KBS="99 64" scripts/gpu/smaller-gpu-checks.sh      # log: $OUT/smaller-gpu.txt
 set -uo pipefail
 . scripts/gpu/lib.sh
