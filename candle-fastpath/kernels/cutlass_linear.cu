@@ -12,7 +12,7 @@
 // (per-column bias, then the activation) are chosen here. Compiled for sm_90a by build.rs into a
 // static library when the CUTLASS headers are available (scripts/install-cuda-toolkit.sh).
 //
-// Tiling, measured on the H100 (docs/BENCHMARKS.md, lever 18): 128 × 256 output tiles, two
+// Tiling, measured on the H100 (docs/LEVERS.md, lever 18): 128 × 256 output tiles, two
 // consumer warpgroups of 64 rows each. The erf GELU costs ~20 instructions per element and the
 // cooperative epilogue does not overlap the next tile's main loop, so the wider tile (fewer,
 // longer main loops per epilogue byte) beat 128 × 128 cooperative, 128 × 128 and 64 × 128

@@ -1,4 +1,4 @@
-// Programmatic dependent launch (PDL) from the kernel's side (lever 124 in docs/BENCHMARKS.md).
+// Programmatic dependent launch (PDL) from the kernel's side (lever 124 in docs/LEVERS.md).
 //
 // Inside a CUDA graph, candle-fastpath gives some kernel nodes a *programmatic* edge from the
 // kernel before them (src/programmatic.rs): such a kernel may be launched, and its CTAs become

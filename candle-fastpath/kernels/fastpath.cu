@@ -380,7 +380,7 @@ extern "C" __global__ void fastpath_linear_log_prob_bf16(const __nv_bfloat16* x,
 // ---------------------------------------------------------------------------------------------
 // norm_linear: y = LayerNorm(x) Wᵀ + b, optionally followed by the exact GELU (x·Φ(x)), in one
 // launch, for the few-hundred-row problems of a ViT block at batch 1 (lever 58 in
-// docs/BENCHMARKS.md; its standalone probe is scripts/gpu/probes/ln_linear.cu). At batch 1 the
+// docs/LEVERS.md; its standalone probe is scripts/gpu/probes/ln_linear.cu). At batch 1 the
 // LayerNorm and the GELU pass are each a launch of ~1.5–2 µs of latency in a CUDA graph's chain,
 // for a few hundred KB of work; here they cost ~0.5–1 µs inside the GEMM.
 //
@@ -575,7 +575,7 @@ NORM_LINEAR_ENTRY(bf16, __nv_bfloat16, 192, 64, true, _gelu_m64)
 // residual_norm_linear: the attention's output projection with its residual, then norm2 → fc1
 // (→ GELU), what a pre-norm block runs between its attention and its fc2:
 //   x1 = r + o·Wpᵀ + bp,   y = LayerNorm(x1)·Wᵀ + b (then x·Φ(x)),
-// in one launch that writes both x1 (fc2's residual) and y (lever 61 in docs/BENCHMARKS.md). At
+// in one launch that writes both x1 (fc2's residual) and y (lever 61 in docs/LEVERS.md). At
 // DeiT-T's batch 1 the projection is a launch of ~3 µs in a CUDA graph's chain for a 197 × 192 ×
 // 192 product; here it is a few warps' MMA steps inside norm_linear's kernel.
 //
@@ -866,7 +866,7 @@ constexpr int LRN_DIM = 384, LRN_SPLIT = 8, LRN_SLICE = LRN_DIM / LRN_SPLIT, LRN
 
 // ---------------------------------------------------------------------------------------------
 // attention_residual_norm_linear: the attention itself folded into residual_norm_linear's proj
-// form (lever 64 in docs/BENCHMARKS.md), for one sequence (batch 1) of DeiT-T's width:
+// form (lever 64 in docs/LEVERS.md), for one sequence (batch 1) of DeiT-T's width:
 //   o = softmax(q kᵀ · scale) v per head (q, k, v read from the fused qkv projection),
 //   x1 = r + o·Wpᵀ + bp,   y = LayerNorm(x1)·Wᵀ + b (then x·Φ(x)),
 // one launch where the graph ran candle-ragged's attention kernel and then lever 61's. At batch 1
@@ -1743,7 +1743,7 @@ SELECT_MLP_BLOCK_ENTRY(bf16, __nv_bfloat16)
 
 // ---------------------------------------------------------------------------------------------
 // pooled_mlp_log_prob: DynamicViT's score head (its `out_conv` and log-softmax) over packed rows,
-// in two launches where the composed path runs eight (lever 80 in docs/BENCHMARKS.md):
+// in two launches where the composed path runs eight (lever 80 in docs/LEVERS.md):
 //   g_b   = round(mean_b(h[:, H:2H]) · W0[:, H:2H]ᵀ + b0)               per sequence b
 //   y0_r  = round(gelu(round(h_r[0:H] · W0[:, 0:H]ᵀ + g_{seq(r)})))      per row r
 //   y1_r  = round(gelu(round(y0_r · W1ᵀ + b1)))

@@ -9,7 +9,7 @@
 // blocks per SM, separated by grid-wide barriers (an arrival counter in L2, ~2 µs each), the
 // LayerNorms inside the GEMM tiles that read their rows anyway, the GELU in fc1's epilogue,
 // and each phase's first weight tile requested before the barrier that precedes it (weights
-// never depend on the previous phase). Measured (docs/BENCHMARKS.md, lever 40): ~50 µs per
+// never depend on the previous phase). Measured (docs/LEVERS.md, lever 40): ~50 µs per
 // DeiT-S block under ncu, longer than the separate kernels in a CUDA graph (each phase is one
 // SM's serial chain of loads, reductions and mma steps), shorter than their eager launches.
 //

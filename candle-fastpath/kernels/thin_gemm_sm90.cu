@@ -1,6 +1,6 @@
 // thin_gemm: y = x·Wᵀ + b (then the exact GELU) for the few rows of a batch-1 forward, on
 // Hopper's tensor-memory accelerator (TMA) and warpgroup MMA (wgmma) — lever 100 in
-// docs/BENCHMARKS.md. Compiled for compute_90a only (wgmma has no other target); build.rs makes
+// docs/LEVERS.md. Compiled for compute_90a only (wgmma has no other target); build.rs makes
 // it a PTX module of its own, loaded on compute capability 9.0.
 //
 // Lever 99 wrote this GEMM with cp.async and mma.sync and found its body (the cycles its SMs are

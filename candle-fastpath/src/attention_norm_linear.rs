@@ -1,7 +1,7 @@
 //! [`attention_residual_norm_linear`]: a pre-norm block's attention, its output projection and
 //! residual, norm2 and fc1 (→ GELU) as one kernel, for one image's tokens (batch 1) of DeiT-T's
 //! width: [`crate::residual_norm_linear`]'s cluster kernel with the attention computed inside it
-//! (lever 64 in `docs/BENCHMARKS.md`). At batch 1 the attention is a launch of ~5 µs in a CUDA
+//! (lever 64 in `docs/LEVERS.md`). At batch 1 the attention is a launch of ~5 µs in a CUDA
 //! graph's chain for a few MFLOP of work; in the cluster it adds ~3.5 µs to the kernel after it.
 
 use candle_core::Tensor;
@@ -253,7 +253,7 @@ pub fn attention_linear_residual_norm_enabled() -> bool {
 /// Attention over one sequence's tokens from their fused qkv projection, then what
 /// [`crate::linear_residual_norm`] computes from its output with the attention projection in
 /// front: `x1 = residual + o·Wpᵀ + bp`, `z = norm(x1)`, one launch at DeiT-S's width (lever 119
-/// in `docs/BENCHMARKS.md`): that op's cluster kernel with the attention computed inside it, as
+/// in `docs/LEVERS.md`): that op's cluster kernel with the attention computed inside it, as
 /// [`attention_residual_norm_linear`] does at DeiT-T's width. fc1 stays a launch of its own.
 ///
 /// Arguments as [`attention_residual_norm_linear`]'s, without the Linear after the LayerNorm

@@ -9,7 +9,7 @@
 //! later architectures do not run; the caller checks), f16 / bf16 with a bias, 16-byte aligned,
 //! and an output of at least
 //! [`MIN_OUTPUT`] elements. Below that cuBLASLt's GEMM plus the GELU pass was as fast or faster
-//! on the H100 (docs/BENCHMARKS.md, lever 18: DeiT-T at batch 64, 12,608 × 768 outputs, was 2–5 %
+//! on the H100 (docs/LEVERS.md, lever 18: DeiT-T at batch 64, 12,608 × 768 outputs, was 2–5 %
 //! slower through CUTLASS; DeiT-S at batch 64, 12,608 × 1,536, 2 % faster). `CANDLE_FASTPATH_CUTLASS`
 //! overrides the size rule: `0` never, `1` every eligible problem (how the tests reach the kernel
 //! with small shapes).

@@ -187,7 +187,7 @@ impl FusedLinear {
     }
 
     /// Whether [`Self::forward_with`] runs `x` with `epilogue` through the thin GEMM (lever 100 in
-    /// `docs/BENCHMARKS.md`) rather than cuBLASLt (and, for the GELU, the GELU pass after it):
+    /// `docs/LEVERS.md`) rather than cuBLASLt (and, for the GELU, the GELU pass after it):
     /// see [`thin_gemm_mode`] for when. For tests and A/B measurements.
     pub fn thin_gemm_applies(&self, x: &Tensor, epilogue: Epilogue) -> bool {
         let k = self.in_dim();
@@ -273,7 +273,7 @@ impl Module for FusedLinear {
     }
 }
 
-/// When [`FusedLinear`] takes its thin GEMM (lever 100 in `docs/BENCHMARKS.md`), from
+/// When [`FusedLinear`] takes its thin GEMM (lever 100 in `docs/LEVERS.md`), from
 /// `CANDLE_FASTPATH_THIN_GEMM` (read once).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ThinGemmMode {
@@ -301,7 +301,7 @@ pub fn thin_gemm_mode() -> ThinGemmMode {
 }
 
 /// Whether [`FusedLinear`]'s thin GEMM also takes K = 768 (DeiT-B's width, lever 130 in
-/// `docs/BENCHMARKS.md`), within what [`thin_gemm_mode`] allows: yes unless
+/// `docs/LEVERS.md`), within what [`thin_gemm_mode`] allows: yes unless
 /// `CANDLE_FASTPATH_THIN_GEMM_WIDE=0` (read once; for A/B measurements).
 pub fn thin_gemm_wide() -> bool {
     static WIDE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();

@@ -7,7 +7,7 @@
 //! eight. The fused kernel loads a tile's input rows whole, normalises them in shared memory
 //! (our LayerNorm kernel's arithmetic, so the normalised rows are bit for bit the same), runs the
 //! GEMM with tensor cores and applies bias (and GELU) before its one store (lever 58 in
-//! `docs/BENCHMARKS.md`). Its GEMM reads whole rows per tile, so it only pays where rows are
+//! `docs/LEVERS.md`). Its GEMM reads whole rows per tile, so it only pays where rows are
 //! narrow and few: the widths in [`NORM_LINEAR_DIMS`] (DeiT-T's 192; at 384 and up cuBLASLt's
 //! GEMM is faster than the launches saved) and grids of at most one wave: 16-row tiles at one
 //! CTA per SM (batch 1), else, outside CUDA-graph captures, 64-row tiles at two (a few thousand
@@ -343,7 +343,7 @@ pub fn residual_norm_linear_forms() -> ResidualNormLinearForms {
 /// residual add reads again) and `y` `[.., N]`, both what `front.forward_residual(o, residual)`
 /// and [`norm_linear`] on its result return. On CUDA with compute capability 9.0, where
 /// [`residual_norm_linear_applies`] says so, one kernel computes both (levers 61 and 62 in
-/// `docs/BENCHMARKS.md`): [`norm_linear`]'s kernel, whose CTAs sharing a row tile (a
+/// `docs/LEVERS.md`): [`norm_linear`]'s kernel, whose CTAs sharing a row tile (a
 /// thread-block cluster) first compute the rows' x1 together. Its GEMMs sum in another order than
 /// cuBLASLt's; everything else rounds where the two steps round. Elsewhere it is those two
 /// steps. Both results are contiguous (views of one buffer on the fused path).
@@ -407,7 +407,7 @@ pub fn residual_norm_linear(
 /// `(x1, z)`, both shaped like `residual`: what `front.forward_residual(o, residual)` and
 /// `norm.forward(x1)` return. On CUDA with compute capability 9.0, where
 /// [`linear_residual_norm_applies`] says so (DeiT-S's attention projection or fc2 at batch 1),
-/// one kernel computes both (levers 98 and 103 in `docs/BENCHMARKS.md`): the CTAs sharing a
+/// one kernel computes both (levers 98 and 103 in `docs/LEVERS.md`): the CTAs sharing a
 /// tile of rows (a thread-block cluster) each compute a part of x1 and exchange it (fc2's kernel
 /// also splits K over the cluster: TMA + wgmma, f32 partials summed in a fixed order), then
 /// normalise the rows with the LayerNorm kernel's own row code. Its GEMM sums in another order
@@ -475,7 +475,7 @@ pub fn linear_residual_norm_enabled() -> bool {
     crate::switches::on_unless_off(&ON, "CANDLE_FASTPATH_LINEAR_RESIDUAL_NORM")
 }
 
-/// The tile shape of [`linear_residual_norm`]'s fc2 kernel (lever 103 in `docs/BENCHMARKS.md`):
+/// The tile shape of [`linear_residual_norm`]'s fc2 kernel (lever 103 in `docs/LEVERS.md`):
 /// the CTAs sharing 64 rows form one thread-block cluster of column tiles times slices of K.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ThinResidualNormTiles {

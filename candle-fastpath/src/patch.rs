@@ -17,7 +17,7 @@ pub fn patchify(pixels: &Tensor, patch: usize, dtype: DType) -> Result<Tensor> {
 /// [`patchify`] with `lead` zero rows in front of each image's patch rows:
 /// `[B·(lead + (H/p)·(W/p)), C·p·p]`. A patch-embedding GEMM over these rows gives a whole token
 /// sequence's rows, the class (and distillation) rows being its bias alone (lever 67 in
-/// `docs/BENCHMARKS.md`: the embedding and the first block's norm1 + qkv as one kernel).
+/// `docs/LEVERS.md`: the embedding and the first block's norm1 + qkv as one kernel).
 pub fn patchify_after_zero_rows(
     pixels: &Tensor,
     patch: usize,

@@ -5,7 +5,7 @@
 //!
 //! The concatenation `[l; g]` is never formed: `W0·[l; g] + b0 = W0[:, :H]·l + (W0[:, H:]·g +
 //! b0)`, the second term once per image. On CUDA, for f16 / bf16 rows at widths
-//! [`POOLED_HEAD_WIDTHS`], two kernels compute it (lever 80 in docs/BENCHMARKS.md): one pools
+//! [`POOLED_HEAD_WIDTHS`], two kernels compute it (lever 80 in docs/LEVERS.md): one pools
 //! each image and forms its term, one takes 16 rows through the three layers in shared memory.
 //! Everywhere else (the CPU, f32, other widths, or `CANDLE_FASTPATH_POOLED_HEAD=0`) it runs as
 //! eight ops: [`sequence_mean`], the per-image product, its copy to every row ([`pack`] of a

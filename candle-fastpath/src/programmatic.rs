@@ -1,5 +1,5 @@
 //! Programmatic edges between kernel nodes of a captured CUDA graph (lever 124 in
-//! docs/BENCHMARKS.md).
+//! docs/LEVERS.md).
 //!
 //! An ordinary graph edge starts the next kernel once the one before has drained; a
 //! *programmatic* edge lets it be launched as soon as every CTA of the one before has run

@@ -9,7 +9,7 @@
 //! launch per block. Its GPU time is longer than the separate kernels' (each phase becomes one
 //! SM's serial chain: ~50 µs per DeiT-S block under ncu against ~31 µs), so it pays off only
 //! where the host is in the loop: [`small_block_applies`] takes it for eager forwards of
-//! C ≤ 384 and not inside a CUDA-graph capture (docs/BENCHMARKS.md, lever 40: eager batch-1
+//! C ≤ 384 and not inside a CUDA-graph capture (docs/LEVERS.md, lever 40: eager batch-1
 //! DeiT-T/S forwards 1.3–3.1× faster, graph replays unchanged).
 //!
 //! The attention runs per sequence of a packed batch given as `cu_seqlens` (FlashAttention's
@@ -64,7 +64,7 @@ pub enum SmallBlockMode {
     /// The default: C ≤ 384 (DeiT-T/S) and only while candle's stream is not being captured
     /// into a CUDA graph. Launched one by one, a block's ~8 kernels cost more host time than
     /// the fused kernel costs GPU time; inside a graph the host is out of the loop and the
-    /// separate kernels are faster (docs/BENCHMARKS.md, lever 40).
+    /// separate kernels are faster (docs/LEVERS.md, lever 40).
     Eager,
     /// Every width, in graphs too (`=always`; for A/B measurements).
     Always,

@@ -1,6 +1,6 @@
 //! Run-time switches for A/B measurements: environment variables read once per process, so the
 //! hot path pays one atomic load. The defaults are the measured winners; each switch brings back
-//! the code it replaced (see the README's list and `docs/BENCHMARKS.md`).
+//! the code it replaced (see the README's list and `docs/LEVERS.md`).
 
 use std::sync::OnceLock;
 

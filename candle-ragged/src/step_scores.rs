@@ -1,7 +1,7 @@
 //! [`step_scores`]: the scores of a fixed-count selection step laid out as candle-ragged's
 //! select kernel reads them, for a kernel of another crate that runs the selection itself
 //! (candle-fastpath's `select_mlp_block`, which ranks and gathers the kept tokens at the head of
-//! a block's MLP half: lever 87 in `docs/BENCHMARKS.md`). Both include the selection's
+//! a block's MLP half: lever 87 in `docs/LEVERS.md`). Both include the selection's
 //! arithmetic from one header (`kernels/select_common.cuh`), so ranking these keeps the tokens
 //! [`crate::select_top_k_by`] keeps and fuses the same bits.
 

@@ -634,7 +634,7 @@ fn packed_and_module_formulations_agree_at_deit_small_width() {
     // With the reference's random init the keep log-probs sit within ~1e-3 of ln 0.5, the closest
     // within a few ulps: rounding-level differences flip a few adaptive (p > 0.5) decisions, and
     // each later stage pools over the tokens the earlier ones kept, so the adaptive kept counts of
-    // a random predictor move between formulations and dtypes (see docs/BENCHMARKS.md).
+    // a random predictor move between formulations and dtypes (see docs/LEVERS.md).
     eprintln!(
         "max |packed - module| = {worst:e}; |log p - ln 0.5|: min {:e}, median {:e}, max {:e}",
         margins[0],

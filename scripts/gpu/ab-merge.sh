@@ -4,7 +4,7 @@
 # all of them while the other warps have left. Two binaries of each tool, one call, repo root:
 #   .gpu/{bench,bench-attention}.xz                       docs/benchmarks/history/
 #                                                         lever52-merge-over-parts.patch applied
-#                                                         (not kept: no gain, docs/BENCHMARKS.md)
+#                                                         (not kept: no gain, docs/LEVERS.md)
 #   .gpu-prev/{bench-prev,bench-attention-prev}.xz        the commit before the change
 # plus .gpu/{test-attention,test-paths_agreement}.xz.
 # STAGES (default "checks attn ncu e2e"):

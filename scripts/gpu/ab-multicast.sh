@@ -3,7 +3,7 @@
 # fc1 + GELU) and of the fc2 cluster kernel multicast by the TMA to the CTAs of a cluster that
 # multiply the same rows, against one read per CTA; one binary: CANDLE_FASTPATH_MULTICAST=0 (off),
 # trn (the fc2 kernel's alone), 2 / 3 / 6 (the thin GEMM in clusters of that many column tiles,
-# and the fc2 kernel's) and the default. Not kept (docs/BENCHMARKS.md, lever 126): the switch
+# and the fc2 kernel's) and the default. Not kept (docs/LEVERS.md, lever 126): the switch
 # exists only with docs/benchmarks/history/lever126-multicast.patch applied.
 # Needs .gpu/test-{linear,norm_linear,programmatic}.xz for checks, .gpu/bench.xz for anatomy and
 # e2e (graphs also takes test-paths_agreement).

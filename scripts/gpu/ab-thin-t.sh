@@ -2,7 +2,7 @@
 # Lever 127 on the GPU machine, from the repo root: the thin GEMM (qkv, fc1 + GELU at DeiT-S's
 # batch-1 rows) transposed, yᵀ = W·xᵀ, so that each CTA reads 32 or 16 rows of x behind its
 # griddepcontrol.wait instead of 64; one binary: CANDLE_FASTPATH_THIN_T=0 (the 64 × 64 tiles),
-# 32, 16 and the default. Not kept (docs/BENCHMARKS.md, lever 127): the switch exists only with
+# 32, 16 and the default. Not kept (docs/LEVERS.md, lever 127): the switch exists only with
 # docs/benchmarks/history/lever127-thin-gemm-t.patch applied.
 # Needs .gpu/test-{linear,programmatic}.xz for checks, .gpu/bench.xz for anatomy and e2e (graphs
 # also takes test-paths_agreement).

@@ -2,7 +2,7 @@
 # Lever 129 on the GPU machine, from the repo root: the thin GEMM's CTA (qkv, fc1 + GELU at
 # DeiT-S's batch-1 rows) as two warpgroups, each multiplying and finishing 32 of the tile's 64
 # columns, against one warpgroup for all 64; one binary: CANDLE_FASTPATH_THIN_WG=1 and the default.
-# Not kept (docs/BENCHMARKS.md, lever 129): the switch exists only with
+# Not kept (docs/LEVERS.md, lever 129): the switch exists only with
 # docs/benchmarks/history/lever129-thin-gemm-two-warpgroups.patch applied.
 # Needs .gpu/test-{linear,programmatic}.xz for checks (graphs also takes test-paths_agreement),
 # .gpu/bench.xz for anatomy and e2e.

@@ -2,7 +2,7 @@
 # Lever 128 on the GPU machine, from the repo root: the fc2 kernel (fc2 + residual + norm1 at
 # DeiT-S's batch-1 rows, lever 103) sending its f32 partial sums to their row's CTA as one bulk
 # copy a warp instead of 8-byte remote stores; one binary: CANDLE_FASTPATH_TRN_BULK=0 and the
-# default. Not kept (docs/BENCHMARKS.md, lever 128): the switch exists only with
+# default. Not kept (docs/LEVERS.md, lever 128): the switch exists only with
 # docs/benchmarks/history/lever128-trn-bulk.patch applied.
 # Needs .gpu/test-{norm_linear,programmatic}.xz for checks (graphs also takes
 # test-paths_agreement), .gpu/bench.xz for anatomy and e2e.

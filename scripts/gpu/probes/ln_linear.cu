@@ -11,7 +11,7 @@
 // dependent launches in one graph), the fused qkv kernel's cost broken down (without its
 // LayerNorm, without its MMAs, loads and store alone, no shuffles), and a DeiT-S and a DeiT-T
 // block with the fused kernels (5 launches) against the model's 8, three rounds alternated.
-// Results and reading: docs/BENCHMARKS.md, lever 58. Run on the GPU from the repo root:
+// Results and reading: docs/LEVERS.md, lever 58. Run on the GPU from the repo root:
 //   nvcc -O3 -std=c++17 -arch=sm_90a -I candle-ragged/kernels -o /tmp/ln_linear scripts/gpu/probes/ln_linear.cu \
 //     -lcublasLt -lcuda
 //   /tmp/ln_linear FASTPATH_PTX RAGGED_PTX        (the .ptx files of a cargo build with --features cuda)
