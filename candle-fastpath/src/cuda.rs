@@ -3342,14 +3342,20 @@ struct SmallBlockParams {
 // SAFETY: plain old data laid out as the kernel's `sb::Params`.
 unsafe impl candle_core::cuda_backend::cudarc::driver::DeviceRepr for SmallBlockParams {}
 
+/// One width's single-launch block kernels.
+struct SmallBlockKernels {
+    /// [f16, bf16].
+    funcs: [CudaFunction; 2],
+    /// Resident blocks of the two on the whole GPU (SMs × blocks per SM, the lower of the
+    /// two), the most a cooperative launch may have.
+    max_grid: u32,
+}
+
 struct SmallBlockState {
     id: DeviceId,
     /// Indexed like `SMALL_BLOCK_NAMES`; `None` for the widths whose shared memory the device
     /// does not allow a block ([`FixedKernelsFit::small_block`]).
-    funcs: Vec<Option<[CudaFunction; 2]>>,
-    /// Resident blocks of each kernel on the whole GPU (SMs × blocks per SM), the most a
-    /// cooperative launch may have.
-    max_grid: Vec<u32>,
+    kernels: Vec<Option<SmallBlockKernels>>,
     /// The grid barrier's count (word 0) and generation (word 32, its own L2 line); the
     /// kernel leaves the count zero after every launch.
     barrier: CudaSlice<u32>,
@@ -3378,16 +3384,14 @@ fn small_block_state(
                 .map_err(candle_core::Error::wrap)?
                 .max(1) as u32;
             let fit = fixed_kernels_fit(dev)?;
-            let mut funcs = Vec::new();
-            let mut max_grid = Vec::new();
+            let mut kernels = Vec::new();
             for (i, (names, c)) in SMALL_BLOCK_NAMES
                 .iter()
                 .zip(crate::SMALL_BLOCK_DIMS)
                 .enumerate()
             {
                 if !fit.small_block[i] {
-                    funcs.push(None);
-                    max_grid.push(0);
+                    kernels.push(None);
                     continue;
                 }
                 let smem = small_block_bytes(c, crate::SMALL_BLOCK_MAX_LEN);
@@ -3406,24 +3410,25 @@ fn small_block_state(
                     grid = grid.min(per_sm * sms);
                     pair.push(f);
                 }
-                let [f16, bf16]: [CudaFunction; 2] = pair
+                let funcs: [CudaFunction; 2] = pair
                     .try_into()
                     .map_err(|_| candle_core::Error::Msg("small_block: two dtypes".into()))?;
-                funcs.push(Some([f16, bf16]));
-                max_grid.push(grid);
+                kernels.push(Some(SmallBlockKernels {
+                    funcs,
+                    max_grid: grid,
+                }));
             }
             let barrier = dev.alloc_zeros::<u32>(64)?;
             states.push(SmallBlockState {
                 id: dev.id(),
-                funcs,
-                max_grid,
+                kernels,
                 barrier,
             });
             states.len() - 1
         }
     };
     let state = &states[index];
-    let Some(funcs) = &state.funcs[width] else {
+    let Some(kernels) = &state.kernels[width] else {
         candle_core::bail!(
             "small_block: the C = {} kernel needs {} bytes of shared memory a block, more than \
              this GPU allows (small_block_applies says no here)",
@@ -3433,7 +3438,7 @@ fn small_block_state(
     };
     let stream = dev.cuda_stream();
     let (ptr, _sync) = state.barrier.device_ptr(&stream);
-    Ok((funcs[bf16 as usize].clone(), state.max_grid[width], ptr))
+    Ok((kernels.funcs[bf16 as usize].clone(), kernels.max_grid, ptr))
 }
 
 /// The CustomOp behind [`crate::small_block`]: `(x [rows, C], cu_seqlens [B + 1])`, the weights
