@@ -93,15 +93,19 @@ __device__ __forceinline__ void tg_load_box(uint32_t dst, const CUtensorMap* map
         : "memory");
 }
 
-// Until the phase of the CTA-local barrier at `bar` has completed (its TMA bytes have landed).
-__device__ __forceinline__ void tg_wait(uint32_t bar) {
+// Until the phase of parity `parity` of the CTA-local barrier at `bar` has completed.
+__device__ __forceinline__ void tg_wait_parity(uint32_t bar, uint32_t parity) {
     uint32_t done = 0;
     while (!done)
-        asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0; selp.u32 %0, 1, 0, p; }"
+        asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
                      : "=r"(done)
-                     : "r"(bar)
+                     : "r"(bar), "r"(parity)
                      : "memory");
 }
+
+// Until the first phase (parity 0) of the CTA-local barrier at `bar` has completed (its TMA
+// bytes have landed): the barriers armed once per launch.
+__device__ __forceinline__ void tg_wait(uint32_t bar) { tg_wait_parity(bar, 0); }
 
 // Thread 0's first steps in every kernel here: both tensor maps prefetched, and the COUNT
 // one-arrival barriers at `bars` initialised (the caller arms any of them and issues
@@ -206,16 +210,6 @@ constexpr int TGW_BAR_OFFSET = TGW_STAGES * TGW_SLOT_BYTES;
 constexpr int TGW_SMEM = TGW_BAR_OFFSET + 8 * TGW_STAGES + 1024;
 static_assert(TGW_STAGES < TGW_BLOCKS && TGW_BLOCKS <= 2 * TGW_STAGES, "each slot refilled at most once");
 static_assert(TGW_SMEM <= 227 * 1024, "one CTA per SM");
-
-// Until the phase of parity `parity` of the CTA-local barrier at `bar` has completed.
-__device__ __forceinline__ void tg_wait_parity(uint32_t bar, uint32_t parity) {
-    uint32_t done = 0;
-    while (!done)
-        asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
-                     : "=r"(done)
-                     : "r"(bar), "r"(parity)
-                     : "memory");
-}
 
 template <typename T, bool GELU>
 __device__ void thin_gemm_wide_tile(const CUtensorMap* tx, const CUtensorMap* tw, const T* __restrict__ bias,
