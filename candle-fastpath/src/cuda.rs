@@ -550,11 +550,13 @@ struct DeviceState {
     linear_residual_norm: Option<Vec<CudaFunction>>,
     /// [`AttentionRnlOp`]'s kernels; `None` as `residual_norm_linear`.
     attention_rnl: Option<Vec<CudaFunction>>,
-    /// [`AttentionResidualOp`]'s kernels, as `attention_rnl` (the same shared-memory limit).
+    /// [`AttentionResidualOp`]'s kernels, as `attention_rnl` (launches checked against
+    /// `cluster_smem`).
     attention_residual: Option<Vec<CudaFunction>>,
-    /// [`AttentionRnlOp`] (with `next`)'s kernels, as `attention_rnl` (the same shared-memory limit).
+    /// [`AttentionRnlOp`] (with `next`)'s kernels, as `attention_rnl` (launches checked against
+    /// `cluster_smem`).
     attention_block: Option<Vec<CudaFunction>>,
-    /// [`MlpBlockOp`]'s kernels, as `attention_rnl` (the same shared-memory limit).
+    /// [`MlpBlockOp`]'s kernels, as `attention_rnl` (launches checked against `cluster_smem`).
     mlp_block: Option<Vec<CudaFunction>>,
     /// [`MlpBlockOp`]'s kernels with [`SelectStep`], as `mlp_block`.
     select_mlp_block: Option<Vec<CudaFunction>>,
