@@ -5,6 +5,7 @@ usage: scripts/bench_tables.py attention docs/benchmarks/h100-attention.json
        scripts/bench_tables.py e2e docs/benchmarks/h100-e2e.json
        scripts/bench_tables.py e2e-summary docs/benchmarks/h100-e2e.json
        scripts/bench_tables.py peers docs/benchmarks/h100-e2e.json docs/benchmarks/h100-peers.json
+       scripts/bench_tables.py attention-peers docs/benchmarks/h200-attention.json docs/benchmarks/h200-peers-attention.json
 """
 import json
 import sys
@@ -123,4 +124,25 @@ def peers(path, peers_path):
                   f"{best['img_s'] / top['img_s']:.2f} | {mem('padded'):.0f} / {mem('ragged'):.0f} |")
 
 
-{"attention": attention, "e2e": e2e, "e2e-summary": e2e_summary, "peers": peers}[sys.argv[1]](*sys.argv[2:])
+def attention_peers(path, peers_path):
+    """Our ragged rows next to PyTorch's kernels on the same shapes (scripts/peers/varlen_attention.py,
+    same device call): GPU µs, host µs, and the peers' times over ours."""
+    r, p = json.load(open(path)), json.load(open(peers_path))
+    print(f"GPU: {r['gpu']}; PyTorch {p['torch']}. Commands: `{r['command']}`, then `{p['command']}`.\n")
+    print("| dtype | heads | batch | keep | tokens | ragged GPU µs | FA2 varlen GPU µs | padded SDPA GPU µs | FA2 / ragged (GPU) | SDPA / ragged (GPU) | ragged host µs | FA2 varlen host µs | FA2 / ragged (host) |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    ours = {(x["dtype"], x["heads"], x["batch"], x["keep"]): x for x in r["rows"] if x["method"] == "ragged"}
+    theirs = defaultdict(dict)
+    for x in p["rows"]:
+        theirs[(x["dtype"], x["heads"], x["batch"], x["keep"])][x["method"]] = x
+    for key, o in ours.items():
+        fa, sd = theirs[key]["torch-flash-varlen"], theirs[key]["torch-sdpa-padded"]
+        if fa["total_tokens"] != o["total_tokens"]:
+            sys.exit(f"{key}: the peers' lengths differ from ours ({fa['total_tokens']} against {o['total_tokens']} tokens)")
+        dt, h, b, k = key
+        print(f"| {dt} | {h} | {b} | {k:.1f} | {o['total_tokens']} | {o['gpu_us']:.1f} | {fa['gpu_us']:.1f} | {sd['gpu_us']:.1f} | "
+              f"{fa['gpu_us'] / o['gpu_us']:.2f} | {sd['gpu_us'] / o['gpu_us']:.2f} | {o['host_us']:.1f} | {fa['host_us']:.1f} | "
+              f"{fa['host_us'] / o['host_us']:.2f} |")
+
+
+{"attention": attention, "attention-peers": attention_peers, "e2e": e2e, "e2e-summary": e2e_summary, "peers": peers}[sys.argv[1]](*sys.argv[2:])

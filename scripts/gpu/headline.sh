@@ -17,6 +17,12 @@
 #           ~420 s in a call of its own)
 #   peers   scripts/peers/timm_deit.py (eager, CUDA graph, compile reduce-overhead), f16
 #   max     the same with --compile max for MAX_MODELS (deit-base) at MAX_BATCH (256)
+#   attn    bench-attention's full table, then scripts/peers/varlen_attention.py (PyTorch's
+#           FlashAttention-2 varlen and padded SDPA on the same shapes), then a copy-bandwidth
+#           reading (torch, 2 GiB device-to-device, median of 10) for the floor on this GPU
+#           (limit ATTN_LIMIT, default 240 s, for the first two together)
+# TAG (default h100) names the output files (TAG-e2e-f16.json, TAG-peers.json, ...), for a run on
+# another GPU.
 # Merge afterwards: scripts/bench_tables.py reads the f16 / bf16 / f32 JSON together.
 set -u
 stages=${STEPS:-checks f16 peers max bf16 f32}
@@ -25,6 +31,7 @@ unpack
 L="$out/headline.log"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader >> "$L"
 models=deit-tiny,deit-small,deit-base
+tag=${TAG:-h100}
 if has checks; then
   {
     echo "== test-attention (default)"; $B/test-attention --test-threads=1 2>&1 | grep -E "test result|panicked"
@@ -36,12 +43,26 @@ if has checks; then
     PATHS_DEVICE=cuda PATHS_MODELS=deit-small,deit-base PATHS_BATCH=32 $B/test-paths_agreement --ignored --test-threads=1 2>&1 | grep -E "test result|panicked"
   } >> "$L" 2>&1
 fi
-bench() { step "bench $1" "$2" $B/bench --device cuda --models $models --dtype "$1" --batch 1,8,64,256 --reps 10 --out "$out/h100-e2e-$1.json" > "$out/e2e-$1.log" 2>&1; }
+bench() { step "bench $1" "$2" $B/bench --device cuda --models $models --dtype "$1" --batch 1,8,64,256 --reps 10 --out "$out/$tag-e2e-$1.json" > "$out/e2e-$1.log" 2>&1; }
 has f16 && bench f16 170
-has peers && step peers 200 env PYTHONUNBUFFERED=1 python3 scripts/peers/timm_deit.py --out "$out/h100-peers.json" --models $models --batch 1,8,64,256 --reps 20 --budget-s 150 > "$out/peers.log" 2>&1
+has peers && step peers 200 env PYTHONUNBUFFERED=1 python3 scripts/peers/timm_deit.py --out "$out/$tag-peers.json" --models $models --batch 1,8,64,256 --reps 20 --budget-s 150 > "$out/peers.log" 2>&1
 has max && step max 200 env PYTHONUNBUFFERED=1 python3 scripts/peers/timm_deit.py --out "$out/peers-max-autotune.json" --models "${MAX_MODELS:-deit-base}" --batch "${MAX_BATCH:-256}" --compile max > "$out/peers-max-autotune.log" 2>&1
+if has attn; then
+  step attention "${ATTN_LIMIT:-240}" bash -c "$B/bench-attention --out $out/$tag-attention.json \
+      --command 'bench-attention --out docs/benchmarks/$tag-attention.json (scripts/gpu/headline.sh, STEPS=attn)' \
+      > $out/attention.log 2>&1 && PYTHONUNBUFFERED=1 python3 scripts/peers/varlen_attention.py \
+      --out $out/$tag-peers-attention.json > $out/peers-attention.log 2>&1"
+  step bandwidth 60 python3 -c '
+import statistics, torch
+x = torch.empty(1 << 30, dtype=torch.half, device="cuda"); y = torch.empty_like(x); ts = []
+for _ in range(13):
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record(); y.copy_(x); b.record(); torch.cuda.synchronize(); ts.append(a.elapsed_time(b))
+ms = statistics.median(ts[3:])
+print(f"copy 2 GiB -> 2 GiB: {ms:.3f} ms median of 10, {2 * 2**31 / ms / 1e9:.2f} TB/s counting read + write")' >> "$L" 2>&1
+fi
 has bf16 && bench bf16 "${BF16_LIMIT:-90}"
 has f32 && bench f32 "${F32_LIMIT:-160}"
 # The device tool returns at most 8 files: the JSON and headline.log as they are, the logs packed.
-pack headline-logs.tgz 'e2e-*.log' 'peers*.log'
+pack headline-logs.tgz 'e2e-*.log' 'peers*.log' 'attention.log'
 cat "$L"
