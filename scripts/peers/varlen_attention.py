@@ -125,6 +125,11 @@ def main():
     ap.add_argument("--seed", type=int, default=0x5EED)
     args = ap.parse_args()
     dtypes = {"f16": torch.half, "bf16": torch.bfloat16}
+    if not torch.cuda.is_available():
+        raise SystemExit("varlen_attention.py times CUDA kernels: no CUDA device is visible to PyTorch")
+    if not hasattr(torch.ops.aten, "_flash_attention_forward") or torch.cuda.get_device_capability(0) < (8, 0):
+        raise SystemExit("this PyTorch has no FlashAttention-2 kernel for this GPU "
+                         "(torch.ops.aten._flash_attention_forward needs a build with flash attention and compute capability 8.0+)")
     torch.manual_seed(0)
     timer = Timer()
     rng = Lengths(args.seed)
