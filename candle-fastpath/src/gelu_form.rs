@@ -7,7 +7,8 @@
 //!
 //! It applies to f16 / bf16 outputs: the GELU kernel after cuBLASLt's fc1 and the CUTLASS fc1's
 //! epilogue. f32 outputs keep `erff` (relative error ~1e-7 for x > 0, where the Φ form's ~2e-6
-//! would show in f32 but not in a 16-bit result). The CPU path always uses candle's `gelu_erf`.
+//! would show in f32 but not in a 16-bit result). The CPU path uses `gelu_cpu`'s
+//! vectorised kernel (`crate::gelu_erf`).
 
 use crate::switches::read_once;
 use std::sync::OnceLock;

@@ -53,6 +53,7 @@ mod cuda;
 mod cutlass;
 mod embed;
 mod error;
+mod gelu_cpu;
 mod gelu_form;
 #[cfg(feature = "cuda")]
 mod graph;
@@ -90,6 +91,7 @@ pub use attention_norm_linear::{
 };
 pub use embed::embed_tokens;
 pub use error::{FastpathError, Result};
+pub use gelu_cpu::gelu_erf;
 pub use gelu_form::gelu_phi_form;
 pub use graph::CapturedForward;
 pub use graph_nodes::{

@@ -260,9 +260,11 @@ impl FusedLinear {
         };
         Ok(match epilogue {
             Epilogue::Plain => y,
-            Epilogue::Gelu => y.gelu_erf()?,
+            Epilogue::Gelu => crate::gelu_erf(&y)?,
             Epilogue::Residual(r) => (y + r.reshape((rows, self.out_dim()))?)?,
-            Epilogue::ResidualGelu(r) => (y + r.reshape((rows, self.out_dim()))?)?.gelu_erf()?,
+            Epilogue::ResidualGelu(r) => {
+                crate::gelu_erf(&(y + r.reshape((rows, self.out_dim()))?)?)?
+            }
         })
     }
 }
