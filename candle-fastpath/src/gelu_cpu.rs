@@ -148,9 +148,8 @@ fn gelu_into(src: &[f32], dst: &mut [f32]) {
 /// against candle's op, 1.24× split; DeiT-S 1.02× and 1.12×).
 const PARALLEL_MIN: usize = 1 << 16;
 
-/// The GELU of `src` as a new vector, written once: no zeroing first (a zeroed allocation of a
-/// DeiT-T batch-8 fc1 output, 4.8 MB, made the call ~2x slower in a forward: `calloc` memsets
-/// reused heap memory where candle's `collect` does not).
+/// The GELU of `src` as a new vector, each element written once (no zeroing pass first, as
+/// candle's own unary ops allocate theirs).
 fn gelu_vec(src: &[f32]) -> Vec<f32> {
     let mut out = Vec::with_capacity(src.len());
     let dst = &mut out.spare_capacity_mut()[..src.len()];
