@@ -52,11 +52,12 @@ const COEFFS: [f32; 10] = [
     -2.848_793_7e-6,
     1.132_152_3e-5,
 ];
-/// |x| is clamped to this before the tail is computed (`erfc` there is ~1e-20); inputs under
+/// |x| is clamped to this before the tail is computed (`erfc` there is 5.5e-21); inputs under
 /// −FLUSH give −0, positive ones past it `x` (see the module's documentation).
 const FLUSH: f32 = 9.4;
 
-/// `exp(hi + lo)` for `hi ∈ [−87, 0]` and a small `lo` (the rounding rest of `hi`).
+/// `exp(hi + lo)` for `hi ∈ [−44.2, 0]` (`−x²/2` with |x| ≤ [`FLUSH`], so `2^n` stays a normal
+/// number) and a small `lo` (the rounding rest of `hi`).
 #[inline(always)]
 fn exp_split(hi: f32, lo: f32) -> f32 {
     const LOG2E: f32 = std::f32::consts::LOG2_E;
@@ -64,7 +65,6 @@ fn exp_split(hi: f32, lo: f32) -> f32 {
     const MAGIC: f32 = 12_582_912.0;
     const LN2_HI: f32 = 0.693_145_75; // ln 2 with its low 12 bits zero: n · LN2_HI is exact
     const LN2_LO: f32 = 1.428_606_8e-6;
-    let hi = if hi < -87.0 { -87.0 } else { hi };
     let shifted = hi * LOG2E + MAGIC;
     let n = shifted - MAGIC;
     let r = hi - n * LN2_HI - n * LN2_LO + lo;

@@ -24,6 +24,7 @@ before it is timed (max |diff| over the real tokens, in the JSON; the run fails 
 usage: python3 scripts/peers/varlen_attention.py --out peers-attention.json
 """
 import argparse
+import itertools
 import json
 import math
 import statistics
@@ -146,13 +147,14 @@ def main():
                 for keep in map(float, args.keep.split(",")):
                     lengths = rng.draw(b, keep)
                     total, max_len = sum(lengths), max(lengths)
-                    cu = torch.tensor([0] + list(_prefix(lengths)), device="cuda", dtype=torch.int32)
+                    offsets = list(itertools.accumulate(lengths, initial=0))
+                    cu = torch.tensor(offsets, device="cuda", dtype=torch.int32)
                     qkv = torch.randn(total, 3, heads, d, device="cuda").to(dtype)
                     q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]
                     # The padded batch [B, H, L, D] and its key-padding mask, built once, untimed.
                     pad = torch.zeros(b, max_len, 3, heads, d, device="cuda", dtype=dtype)
                     valid = torch.zeros(b, max_len, dtype=torch.bool, device="cuda")
-                    for i, (s, n) in enumerate(zip(cu.tolist()[:-1], lengths)):
+                    for i, (s, n) in enumerate(zip(offsets, lengths)):
                         pad[i, :n] = qkv[s:s + n]
                         valid[i, :n] = True
                     pq, pk, pv = (pad[:, :, j].transpose(1, 2).contiguous() for j in range(3))
@@ -193,13 +195,6 @@ def main():
     print(f"wrote {len(rows)} rows to {args.out}; worst |diff| vs f32 {worst:.2e}")
     if worst > 2e-2:
         raise SystemExit(f"a peer's output is off by {worst:.2e} (> 2e-2)")
-
-
-def _prefix(lengths):
-    s = 0
-    for n in lengths:
-        s += n
-        yield s
 
 
 if __name__ == "__main__":
