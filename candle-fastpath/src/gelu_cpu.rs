@@ -1,9 +1,10 @@
 //! The exact (erf) GELU on the CPU, branch-free so that it vectorises: `gelu(x) = x·Φ(x) =
 //! ½·x·erfc(−x/√2)`.
 //!
-//! Why: candle's `gelu_erf` calls libm's scalar `erff` per element, ~6.5 ns each on the build
-//! machine: DeiT-S's fc1 GELU at batch 1 (197 × 1536 values) took 2.0 ms there, more than the
-//! fc1 matmul itself (1.2 ms), ~16 % of a CPU forward. It is also inexact where the formula
+//! Why: candle's `gelu_erf` calls libm's scalar `erff` per element, ~4–6.5 ns each on the build
+//! machine: DeiT-S's fc1 GELU at batch 1 (197 × 1536 values) took 1.3–2.0 ms there, more than
+//! the fc1 matmul itself (1.2 ms), ~10–16 % of a CPU forward (a standalone timing program, not
+//! in the tree; the knob A/B in docs/BENCHMARKS.md's CPU section is the reproducible figure). It is also inexact where the formula
 //! cancels: `1 + erf(x/√2)` for negative x loses the digits that `erfc` keeps (up to ~100 ulps
 //! of the result at x ∈ [−3, 0), and it is 0 or NaN in the far tail, −inf giving NaN).
 //!
@@ -145,7 +146,8 @@ fn gelu_into(src: &[f32], dst: &mut [f32]) {
 /// From this many values [`gelu_vec`] splits the work over rayon's pool: the matmuls around it
 /// run there, and their workers otherwise spin on the other cores while the GELU runs alone (on
 /// the 2-core build machine the serial kernel's gain at batch 8 vanished: DeiT-T dense 0.97×
-/// against candle's op, 1.24× split; DeiT-S 1.02× and 1.12×).
+/// against candle's op, 1.24× split; DeiT-S 1.02× and 1.12×, in a build with a switch for it,
+/// not kept).
 const PARALLEL_MIN: usize = 1 << 16;
 
 /// The GELU of `src` as a new vector, each element written once (no zeroing pass first, as
