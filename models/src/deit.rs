@@ -1054,11 +1054,14 @@ impl DeiT {
 
 impl Module for DeiT {
     /// Pixels `[B, 3, H, W]` → logits `[B, num_classes]`. The final norm runs on the class (and
-    /// distillation) tokens only: the head reads nothing else.
+    /// distillation) tokens only: the head reads nothing else. On the CPU it runs inside
+    /// candle's pool (see `cpu_pool`).
     fn forward(&self, pixels: &Tensor) -> Result<Tensor> {
-        let (x, qkv0) = self.embed_into_first_block(pixels)?;
-        let prefix_only = last_block_prefix_only(x.dim(0)?);
-        self.logits_from_prefix(&self.run_blocks_from(&x, qkv0, prefix_only)?)
+        crate::cpu_pool::in_cpu_pool(pixels.device(), || {
+            let (x, qkv0) = self.embed_into_first_block(pixels)?;
+            let prefix_only = last_block_prefix_only(x.dim(0)?);
+            self.logits_from_prefix(&self.run_blocks_from(&x, qkv0, prefix_only)?)
+        })
     }
 }
 

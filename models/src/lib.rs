@@ -19,6 +19,7 @@
 pub mod attention;
 pub mod checkpoint;
 pub mod config;
+mod cpu_pool;
 pub mod deit;
 pub mod error;
 pub mod hub;

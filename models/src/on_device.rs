@@ -321,22 +321,24 @@ impl DeiT {
         pixels: &Tensor,
         pruners: &[BlockPruner],
     ) -> Result<DevicePrunedForward, ModelError> {
-        let order = self.device_order(pruners)?;
-        match self.fixed_counts(&order) {
-            Some(counts) => self.forward_fixed_on_device(pixels, &order, &counts),
-            None => {
-                let (logits, batches) =
-                    self.forward_ragged_on_device(pixels, &order, Lengths::ReadBack)?;
-                let kept_tokens = batches
-                    .iter()
-                    .map(|b| b.lengths())
-                    .collect::<Result<_, _>>()?;
-                Ok(DevicePrunedForward {
-                    logits,
-                    kept_tokens,
-                })
+        crate::cpu_pool::in_cpu_pool(pixels.device(), || {
+            let order = self.device_order(pruners)?;
+            match self.fixed_counts(&order) {
+                Some(counts) => self.forward_fixed_on_device(pixels, &order, &counts),
+                None => {
+                    let (logits, batches) =
+                        self.forward_ragged_on_device(pixels, &order, Lengths::ReadBack)?;
+                    let kept_tokens = batches
+                        .iter()
+                        .map(|b| b.lengths())
+                        .collect::<Result<_, _>>()?;
+                    Ok(DevicePrunedForward {
+                        logits,
+                        kept_tokens,
+                    })
+                }
             }
-        }
+        })
     }
 
     /// [`DeiT::forward_pruned_on_device`] with **no host sync for any pruner**, so that the call
@@ -351,24 +353,26 @@ impl DeiT {
         pixels: &Tensor,
         pruners: &[BlockPruner],
     ) -> Result<CapturablePrunedForward, ModelError> {
-        let order = self.device_order(pruners)?;
-        match self.fixed_counts(&order) {
-            Some(counts) => {
-                let out = self.forward_fixed_on_device(pixels, &order, &counts)?;
-                Ok(CapturablePrunedForward {
-                    logits: out.logits,
-                    kept: KeptLengths::Host(out.kept_tokens),
-                })
+        crate::cpu_pool::in_cpu_pool(pixels.device(), || {
+            let order = self.device_order(pruners)?;
+            match self.fixed_counts(&order) {
+                Some(counts) => {
+                    let out = self.forward_fixed_on_device(pixels, &order, &counts)?;
+                    Ok(CapturablePrunedForward {
+                        logits: out.logits,
+                        kept: KeptLengths::Host(out.kept_tokens),
+                    })
+                }
+                None => {
+                    let (logits, batches) =
+                        self.forward_ragged_on_device(pixels, &order, Lengths::OnDevice)?;
+                    Ok(CapturablePrunedForward {
+                        logits,
+                        kept: KeptLengths::Device(batches),
+                    })
+                }
             }
-            None => {
-                let (logits, batches) =
-                    self.forward_ragged_on_device(pixels, &order, Lengths::OnDevice)?;
-                Ok(CapturablePrunedForward {
-                    logits,
-                    kept: KeptLengths::Device(batches),
-                })
-            }
-        }
+        })
     }
 
     /// The pruners in block order, after checking that the device path can run each of them.

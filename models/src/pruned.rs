@@ -337,8 +337,21 @@ impl DeiT {
     /// with no pruners, padded and ragged compute the dense result.
     ///
     /// Host syncs: one per pruning step, inside the pruner's [`TokenPruner::plan`] (its scores
-    /// are read back to decide); none elsewhere.
+    /// are read back to decide); none elsewhere. On the CPU it runs inside candle's pool (see
+    /// `cpu_pool`).
     pub fn forward_pruned(
+        &self,
+        pixels: &Tensor,
+        pruners: &[BlockPruner],
+        path: ExecutionPath,
+    ) -> Result<PrunedForward, ModelError> {
+        crate::cpu_pool::in_cpu_pool(pixels.device(), || {
+            self.forward_pruned_as_called(pixels, pruners, path)
+        })
+    }
+
+    /// [`Self::forward_pruned`] on the calling thread.
+    fn forward_pruned_as_called(
         &self,
         pixels: &Tensor,
         pruners: &[BlockPruner],
