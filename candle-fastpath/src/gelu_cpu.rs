@@ -135,6 +135,28 @@ fn gelu_slice_dispatch(src: &[f32], dst: &mut [MaybeUninit<f32>]) {
     gelu_slice(src, dst)
 }
 
+#[inline(always)]
+fn gelu_slice_in_place(v: &mut [f32]) {
+    for x in v {
+        *x = gelu(*x);
+    }
+}
+
+/// The GELU of each value of `v`, in place (the CPU linear's epilogue), compiled for AVX2 when
+/// the CPU has it, as [`gelu_slice_dispatch`]: the same bits as [`gelu_erf`].
+pub(crate) fn gelu_in_place(v: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        #[target_feature(enable = "avx2")]
+        unsafe fn avx2(v: &mut [f32]) {
+            gelu_slice_in_place(v)
+        }
+        // SAFETY: the CPU reports AVX2.
+        return unsafe { avx2(v) };
+    }
+    gelu_slice_in_place(v)
+}
+
 /// The GELU of `src` into `dst` (same length).
 fn gelu_into(src: &[f32], dst: &mut [f32]) {
     assert_eq!(src.len(), dst.len());

@@ -4,10 +4,11 @@
 //!   residual, as one cuBLASLt call with the bias (and residual) in its epilogue (plus one
 //!   in-place GELU kernel). candle's own `Linear` runs a matmul and then a separate broadcast add
 //!   (and a GELU, and a residual add), each a full pass over the activations; in a ViT those
-//!   passes cost more than the matmuls. On the CPU the same layer runs as plain candle ops with
-//!   identical semantics.
-//! - [`LayerNorm`]: torch's LayerNorm as one bandwidth-bound kernel on CUDA (candle-nn's fused op
-//!   on the CPU); [`norm_linear`]: a LayerNorm and the Linear (and GELU) after it as one kernel
+//!   passes cost more than the matmuls. On the CPU, in f32, one `gemm` call with the bias in its
+//!   destination and one pass for the residual and GELU (candle's ops in f16 / bf16), with the
+//!   same semantics.
+//! - [`LayerNorm`]: torch's LayerNorm as one bandwidth-bound kernel on CUDA (one pass a row of
+//!   ours on the CPU); [`norm_linear`]: a LayerNorm and the Linear (and GELU) after it as one kernel
 //!   where rows are few and narrow (a DeiT-T block at batch 1), [`residual_norm_linear`]
 //!   the attention's output projection and residual in front of that, and
 //!   [`attention_residual_norm_linear`] the attention itself too (one image's tokens); at
@@ -63,7 +64,9 @@ mod graph;
 mod graph_nodes;
 mod head;
 mod linear;
+mod linear_cpu;
 mod norm;
+mod norm_cpu;
 mod norm_linear;
 mod patch;
 mod pool;
@@ -99,9 +102,10 @@ pub use graph_nodes::{
 };
 pub use head::{linear_log_prob, HEAD_MAX_CLASSES};
 pub use linear::{
-    linear, linear_no_bias, thin_gemm_mode, thin_gemm_wide, Epilogue, FusedLinear, ThinGemmMode,
+    cpu_gemm, linear, linear_no_bias, thin_gemm_mode, thin_gemm_wide, Epilogue, FusedLinear,
+    ThinGemmMode,
 };
-pub use norm::{layer_norm, LayerNorm};
+pub use norm::{cpu_norm, layer_norm, LayerNorm};
 pub use norm_linear::{
     linear_residual_norm, linear_residual_norm_applies, linear_residual_norm_enabled, norm_linear,
     norm_linear_applies, norm_linear_mode, norm_linear_tile_rows, residual_norm_linear,

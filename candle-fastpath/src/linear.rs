@@ -1,6 +1,7 @@
 //! [`FusedLinear`]: a Linear layer whose bias, activation and residual ride in the matmul's
-//! epilogue on CUDA, and run as plain candle ops elsewhere (same semantics, same rounding points:
-//! the product and bias are summed in f32 and rounded once to the storage dtype).
+//! epilogue on CUDA, in one `gemm` call and one pass after it on the CPU in f32 (`linear_cpu`),
+//! and as plain candle ops elsewhere (same semantics; on CUDA the product and bias are summed in
+//! f32 and rounded once to the storage dtype, candle's ops round each step).
 
 use candle_core::{DType, Module, Shape, Tensor};
 use candle_nn::VarBuilder;
@@ -30,7 +31,6 @@ impl Epilogue<'_> {
             _ => None,
         }
     }
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     fn gelu(&self) -> bool {
         matches!(self, Epilogue::Gelu | Epilogue::ResidualGelu(_))
     }
@@ -126,7 +126,9 @@ impl FusedLinear {
 
     /// `x` `[.., in]` → `[.., out]` with `epilogue` applied (see [`Epilogue`]). On CUDA: one
     /// cuBLASLt call (bias and residual in its epilogue) plus, for the GELU epilogues, one
-    /// in-place GELU kernel; the output is the only allocation.
+    /// in-place GELU kernel; the output is the only allocation. On the CPU in f32: one `gemm`
+    /// call into the output, which starts as the bias rows, then one pass for the residual and
+    /// the GELU ([`cpu_gemm`]).
     pub fn forward_with(&self, x: &Tensor, epilogue: Epilogue) -> Result<Tensor> {
         let dims = x.dims();
         if dims.is_empty() || *dims.last().unwrap() != self.in_dim() {
@@ -179,6 +181,18 @@ impl FusedLinear {
                 },
             };
             let x2 = if row_strided { x2 } else { x2.contiguous()? };
+            let y = x2.apply_op2_no_bwd(&self.weight, &op)?;
+            return Ok(y.reshape(out_shape)?);
+        }
+        if x.device().is_cpu() && x.dtype() == DType::F32 && cpu_gemm() {
+            let op = crate::linear_cpu::CpuLinearOp {
+                bias: self.bias.clone(),
+                residual: match epilogue.residual() {
+                    Some(r) => Some(r.reshape((rows, self.out_dim()))?.contiguous()?),
+                    None => None,
+                },
+                gelu: epilogue.gelu(),
+            };
             let y = x2.apply_op2_no_bwd(&self.weight, &op)?;
             return Ok(y.reshape(out_shape)?);
         }
@@ -250,8 +264,8 @@ impl FusedLinear {
         self.forward_with(x, Epilogue::Residual(residual))
     }
 
-    /// The same computation as separate candle ops (the CPU path, and what the CUDA path is
-    /// tested against). `x2` is `[rows, in]`.
+    /// The same computation as separate candle ops (the CPU path in f16 / bf16, and what the
+    /// CUDA path is tested against). `x2` is `[rows, in]`.
     fn reference(&self, x2: &Tensor, epilogue: Epilogue, rows: usize) -> Result<Tensor> {
         let y = x2.matmul(&self.weight.t()?)?;
         let y = match &self.bias {
@@ -273,6 +287,14 @@ impl Module for FusedLinear {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         Ok(self.forward_with(x, Epilogue::Plain)?)
     }
+}
+
+/// Whether [`FusedLinear`] runs f32 on the CPU as one `gemm` call with the bias in its
+/// destination and the epilogue in one pass after it (`linear_cpu`): yes unless
+/// `CANDLE_FASTPATH_CPU_LINEAR=0` (read once; candle's ops, for A/B measurements).
+pub fn cpu_gemm() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    crate::switches::on_unless_off(&ON, "CANDLE_FASTPATH_CPU_LINEAR")
 }
 
 /// When [`FusedLinear`] takes its thin GEMM (lever 100 in `docs/LEVERS.md`), from

@@ -1,6 +1,6 @@
 //! [`LayerNorm`]: torch.nn.LayerNorm over the last dim, as one kernel of ours on CUDA (one warp
-//! per row, statistics in f32 registers, 16-byte vectors) and the same formula in candle ops
-//! elsewhere.
+//! per row, statistics in f32 registers, 16-byte vectors), one pass per row of ours on the CPU
+//! (`norm_cpu`), and the same formula in candle ops elsewhere.
 //! candle-nn's CUDA LayerNorm moves the same bytes at about a third of the bandwidth; in a ViT
 //! block the two norms are a tenth of the time at large batch.
 
@@ -95,6 +95,12 @@ impl LayerNorm {
             };
             return Ok(x.apply_op3_no_bwd(&self.weight, &self.bias, &op)?);
         }
+        if x.device().is_cpu() && cpu_norm() {
+            let op = crate::norm_cpu::CpuLayerNormOp {
+                eps: self.eps as f32,
+            };
+            return Ok(x.apply_op3_no_bwd(&self.weight, &self.bias, &op)?);
+        }
         Ok(self.reference(&x)?)
     }
 
@@ -114,6 +120,13 @@ impl LayerNorm {
             .broadcast_add(&b)?
             .to_dtype(x.dtype())
     }
+}
+
+/// Whether [`LayerNorm`] runs on the CPU as one pass per row of ours (`norm_cpu`): yes unless
+/// `CANDLE_FASTPATH_CPU_NORM=0` (read once; the candle-ops reference, for A/B measurements).
+pub fn cpu_norm() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    crate::switches::on_unless_off(&ON, "CANDLE_FASTPATH_CPU_NORM")
 }
 
 impl Module for LayerNorm {

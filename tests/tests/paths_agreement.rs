@@ -329,8 +329,9 @@ fn first_differences(p: &PrunedForward, r: &PrunedForward) -> Vec<(usize, usize,
 }
 
 /// As [`check_padded_vs_ragged`], except that the two paths may order a near-tie differently:
-/// their f32 blocks round differently at the ~1e-6 level, and at DeiT-B's size a learned
-/// pruner's keep-probabilities of two tokens can be that close (DynamicViT at batch 8, block 6).
+/// their f32 blocks round differently at the ~1e-6 level, and a learned pruner's
+/// keep-probabilities of two tokens can be that close (DynamicViT at DeiT-B's size, batch 8,
+/// block 6; and on the small CPU model, [`every_pruner_padded_equals_ragged`]).
 /// So where decisions differ, each differing image's first difference must be one token kept in
 /// place of another, in at most ⌈batch / 16⌉ images (a real disagreement differs wholesale),
 /// and the execution is then compared with the padded run's plans replayed on the ragged path
@@ -398,7 +399,11 @@ fn dense(model: &DeiT, pixels: &Tensor) -> Vec<Vec<f32>> {
 
 const BLOCKS: [usize; 3] = [1, 2, 3];
 
-/// Every pruner × mode: padded and ragged agree on a batch of 32 varied images (f32).
+/// Every pruner × mode: padded and ragged agree on a batch of 32 varied images (f32): the same
+/// decisions, or at most a near-tie ordered differently in ⌈32 / 16⌉ images, whose execution is
+/// then compared with the padded run's plans replayed (on this small model too the paths' f32
+/// blocks round differently: a DynamicViT fixed step has seen two keep log-probabilities one
+/// f32 ulp apart, −0.7006 and −0.70059997, ordered differently by the two paths).
 #[test]
 fn every_pruner_padded_equals_ragged() {
     let dev = Device::Cpu;
@@ -412,7 +417,13 @@ fn every_pruner_padded_equals_ragged() {
                 let s = schedule(&BLOCKS, |st| {
                     small_config(kind, mode, st, cfg.num_patches())
                 });
-                let o = check_padded_vs_ragged(&what, &m, &pixels, &build(&m, &s, &dev));
+                let o = check_padded_vs_ragged_allowing_near_ties(
+                    &what,
+                    &m,
+                    &pixels,
+                    &build(&m, &s, &dev),
+                    || build(&m, &s, &dev),
+                );
                 assert_eq!(o.padded.stages.len(), 3, "{what}");
                 // Something was pruned, and adaptive modes (and ATS, whose samples collapse)
                 // really produce ragged batches, so the padding mask is exercised.

@@ -1,0 +1,172 @@
+//! [`LayerNorm`](crate::LayerNorm)'s CPU path: one pass per row (mean, then the variance of the
+//! centred values, then the scaled output) in f32, rows split over rayon's pool.
+//!
+//! Why: as candle ops the same formula is nine ops (two means, a square, a square root, four
+//! broadcast ops, the casts), each a pass over the tensor, and every elementwise op of 64 K values
+//! or more runs on candle's barrier pool, whose worker then spins for 25,000 pauses beside the
+//! next op's threads (see `linear_cpu`): a DeiT-S block's two norms at batch 1 are eight such ops.
+//!
+//! Same formula as the candle-ops reference (`LayerNorm::reference`): mean, variance of the
+//! centred values (no E[x²] − E[x]² cancellation), `(x − mean) / sqrt(var + eps) · w + b`, all in
+//! f32, one rounding to f16 / bf16 at the end. The sums run over eight interleaved partial sums
+//! (so that they vectorise), then those eight in order: not candle's summation order, so the
+//! last bits may differ from the reference.
+
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp3, Layout, Shape};
+use half::slice::HalfFloatSliceExt;
+
+/// From this many values the rows are split over rayon's pool.
+const PARALLEL_MIN: usize = 1 << 16;
+
+/// `[.., C]` → `[.., C]`, contiguous x; weight and bias `[C]` (the caller checked shapes, dtypes
+/// and devices).
+pub(crate) struct CpuLayerNormOp {
+    pub eps: f32,
+}
+
+/// The sum of `v` as eight interleaved partial sums, then those in order.
+#[inline(always)]
+fn sum8(v: &[f32], mut f: impl FnMut(f32) -> f32) -> f32 {
+    let mut acc = [0f32; 8];
+    let mut chunks = v.chunks_exact(8);
+    for c in &mut chunks {
+        for (a, &x) in acc.iter_mut().zip(c) {
+            *a += f(x);
+        }
+    }
+    for (a, &x) in acc.iter_mut().zip(chunks.remainder()) {
+        *a += f(x);
+    }
+    acc.iter().sum()
+}
+
+#[inline(always)]
+fn norm_rows_f32(x: &[f32], w: &[f32], b: &[f32], eps: f32, out: &mut [f32]) {
+    let c = w.len();
+    for (row, out) in x.chunks_exact(c).zip(out.chunks_exact_mut(c)) {
+        let mean = sum8(row, |v| v) / c as f32;
+        let var = sum8(row, |v| (v - mean) * (v - mean)) / c as f32;
+        let std = (var + eps).sqrt();
+        for (((o, &v), &w), &b) in out.iter_mut().zip(row).zip(w).zip(b) {
+            *o = (v - mean) / std * w + b;
+        }
+    }
+}
+
+/// [`norm_rows_f32`] compiled for AVX2 when the CPU has it (no FMA: the baseline build's bits).
+fn norm_rows_dispatch(x: &[f32], w: &[f32], b: &[f32], eps: f32, out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        #[target_feature(enable = "avx2")]
+        unsafe fn avx2(x: &[f32], w: &[f32], b: &[f32], eps: f32, out: &mut [f32]) {
+            norm_rows_f32(x, w, b, eps, out)
+        }
+        // SAFETY: the CPU reports AVX2.
+        return unsafe { avx2(x, w, b, eps, out) };
+    }
+    norm_rows_f32(x, w, b, eps, out)
+}
+
+/// f16 / bf16 rows through f32 (half's slice conversions), one rounding at the end.
+fn norm_rows_half<T>(x: &[T], w: &[f32], b: &[f32], eps: f32, out: &mut [T])
+where
+    T: Copy,
+    [T]: HalfFloatSliceExt,
+{
+    let c = w.len();
+    let mut wide = vec![0f32; c];
+    let mut wide_out = vec![0f32; c];
+    for (row, out) in x.chunks_exact(c).zip(out.chunks_exact_mut(c)) {
+        row.convert_to_f32_slice(&mut wide);
+        norm_rows_dispatch(&wide, w, b, eps, &mut wide_out);
+        out.convert_from_f32_slice(&wide_out);
+    }
+}
+
+/// Runs `rows` over `x` / `out` (`c` values a row) in pieces over rayon's pool from
+/// [`PARALLEL_MIN`] values, serially below.
+fn split_rows<T: Send + Sync>(
+    x: &[T],
+    out: &mut [T],
+    c: usize,
+    rows: impl Fn(&[T], &mut [T]) + Sync,
+) {
+    if x.len() < PARALLEL_MIN {
+        return rows(x, out);
+    }
+    let n_rows = x.len() / c;
+    let piece = n_rows.div_ceil(rayon::current_num_threads().max(1)) * c;
+    let rows = &rows;
+    rayon::scope(|s| {
+        for (x, out) in x.chunks(piece).zip(out.chunks_mut(piece)) {
+            s.spawn(move |_| rows(x, out));
+        }
+    });
+}
+
+/// The f32 values of weight and bias (widened once per call for f16 / bf16: `C` values).
+fn params_f32(s: &CpuStorage, l: &Layout) -> candle_core::Result<Vec<f32>> {
+    let Some((start, end)) = l.contiguous_offsets() else {
+        candle_core::bail!("layer_norm (CPU): weight or bias is not contiguous")
+    };
+    Ok(match s {
+        CpuStorage::F32(v) => v[start..end].to_vec(),
+        CpuStorage::F16(v) => v[start..end].to_f32_vec(),
+        CpuStorage::BF16(v) => v[start..end].to_f32_vec(),
+        other => candle_core::bail!("layer_norm (CPU): no kernel for {:?}", other.dtype()),
+    })
+}
+
+impl CustomOp3 for CpuLayerNormOp {
+    fn name(&self) -> &'static str {
+        "layer_norm_cpu"
+    }
+
+    fn cpu_fwd(
+        &self,
+        xs: &CpuStorage,
+        xl: &Layout,
+        ws: &CpuStorage,
+        wl: &Layout,
+        bs: &CpuStorage,
+        bl: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let Some((start, end)) = xl.contiguous_offsets() else {
+            candle_core::bail!("layer_norm (CPU): x is not contiguous")
+        };
+        let (w, b) = (params_f32(ws, wl)?, params_f32(bs, bl)?);
+        let c = w.len();
+        if c == 0 || b.len() != c || (end - start) % c != 0 || xl.dims().last() != Some(&c) {
+            candle_core::bail!(
+                "layer_norm (CPU): x {:?} against weight {:?} and bias {:?}",
+                xl.shape(),
+                wl.shape(),
+                bl.shape()
+            )
+        }
+        let eps = self.eps;
+        let out = match xs {
+            CpuStorage::F32(v) => {
+                let x = &v[start..end];
+                let mut out = vec![0f32; x.len()];
+                split_rows(x, &mut out, c, |x, o| norm_rows_dispatch(x, &w, &b, eps, o));
+                CpuStorage::F32(out)
+            }
+            CpuStorage::F16(v) => {
+                let x = &v[start..end];
+                let mut out = vec![half::f16::ZERO; x.len()];
+                split_rows(x, &mut out, c, |x, o| norm_rows_half(x, &w, &b, eps, o));
+                CpuStorage::F16(out)
+            }
+            CpuStorage::BF16(v) => {
+                let x = &v[start..end];
+                let mut out = vec![half::bf16::ZERO; x.len()];
+                split_rows(x, &mut out, c, |x, o| norm_rows_half(x, &w, &b, eps, o));
+                CpuStorage::BF16(out)
+            }
+            other => candle_core::bail!("layer_norm (CPU): no kernel for {:?}", other.dtype()),
+        };
+        Ok((out, xl.shape().clone()))
+    }
+}
