@@ -31,6 +31,7 @@ use candle_core::{CpuStorage, CustomOp1, DType, Layout, Shape, Tensor};
 use half::slice::HalfFloatSliceExt;
 use std::mem::MaybeUninit;
 
+use crate::cpu_pieces::for_pieces;
 use crate::switches::on_unless_off;
 use crate::Result;
 use std::sync::OnceLock;
@@ -165,29 +166,17 @@ fn gelu_into(src: &[f32], dst: &mut [f32]) {
     gelu_slice_dispatch(src, dst)
 }
 
-/// From this many values [`gelu_vec`] splits the work over rayon's pool: the matmuls around it
-/// run there, and their workers otherwise spin on the other cores while the GELU runs alone (on
-/// the 2-core build machine the serial kernel's gain at batch 8 vanished: DeiT-T dense 0.97×
-/// against candle's op, 1.24× split; DeiT-S 1.02× and 1.12×, in a build with a switch for it,
-/// not kept).
-const PARALLEL_MIN: usize = 1 << 16;
-
 /// The GELU of `src` as a new vector, each element written once (no zeroing pass first, as
 /// candle's own unary ops allocate theirs).
 fn gelu_vec(src: &[f32]) -> Vec<f32> {
     let mut out = Vec::with_capacity(src.len());
-    let dst = &mut out.spare_capacity_mut()[..src.len()];
-    if src.len() >= PARALLEL_MIN {
-        let pieces = rayon::current_num_threads().max(1);
-        let piece = src.len().div_ceil(pieces).next_multiple_of(64);
-        rayon::scope(|s| {
-            for (src, dst) in src.chunks(piece).zip(dst.chunks_mut(piece)) {
-                s.spawn(move |_| gelu_slice_dispatch(src, dst));
-            }
-        });
-    } else {
-        gelu_slice_dispatch(src, dst);
-    }
+    // In pieces over rayon's pool: the matmuls around it run there, and their workers otherwise
+    // spin on the other cores while the GELU runs alone (on the 2-core build machine the serial
+    // kernel's gain at batch 8 vanished: DeiT-T dense 0.97× against candle's op, 1.24× split;
+    // DeiT-S 1.02× and 1.12×, in a build with a switch for it, not kept).
+    for_pieces(&mut out.spare_capacity_mut()[..src.len()], 64, |at, d| {
+        gelu_slice_dispatch(&src[at..at + d.len()], d)
+    });
     // SAFETY: `gelu_slice` wrote each of the first `src.len()` elements.
     unsafe { out.set_len(src.len()) };
     out

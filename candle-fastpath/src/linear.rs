@@ -1,7 +1,8 @@
 //! [`FusedLinear`]: a Linear layer whose bias, activation and residual ride in the matmul's
-//! epilogue on CUDA, in one `gemm` call and one pass after it on the CPU in f32 (`linear_cpu`),
-//! and as plain candle ops elsewhere (same semantics; on CUDA the product and bias are summed in
-//! f32 and rounded once to the storage dtype, candle's ops round each step).
+//! epilogue on CUDA, in one f32 `gemm` call and one pass after it on the CPU (`linear_cpu`), and
+//! as plain candle ops elsewhere (same semantics; on CUDA and the CPU the product, bias and
+//! residual are summed in f32 and rounded once to the storage dtype, candle's ops round each
+//! step).
 
 use candle_core::{DType, Module, Shape, Tensor};
 use candle_nn::VarBuilder;
@@ -126,9 +127,9 @@ impl FusedLinear {
 
     /// `x` `[.., in]` → `[.., out]` with `epilogue` applied (see [`Epilogue`]). On CUDA: one
     /// cuBLASLt call (bias and residual in its epilogue) plus, for the GELU epilogues, one
-    /// in-place GELU kernel; the output is the only allocation. On the CPU in f32: one `gemm`
-    /// call into the output, which starts as the bias rows, then one pass for the residual and
-    /// the GELU ([`cpu_gemm`]).
+    /// in-place GELU kernel; the output is the only allocation. On the CPU: one f32 `gemm` call
+    /// into the output, which starts as the bias rows, then one pass for the residual and the
+    /// GELU (f16 / bf16 widened first, rounded once at the end; [`cpu_gemm`]).
     pub fn forward_with(&self, x: &Tensor, epilogue: Epilogue) -> Result<Tensor> {
         let dims = x.dims();
         if dims.is_empty() || *dims.last().unwrap() != self.in_dim() {
@@ -184,7 +185,7 @@ impl FusedLinear {
             let y = x2.apply_op2_no_bwd(&self.weight, &op)?;
             return Ok(y.reshape(out_shape)?);
         }
-        if x.device().is_cpu() && x.dtype() == DType::F32 && cpu_gemm() {
+        if x.device().is_cpu() && cpu_gemm() {
             let op = crate::linear_cpu::CpuLinearOp {
                 bias: self.bias.clone(),
                 residual: match epilogue.residual() {
@@ -264,8 +265,9 @@ impl FusedLinear {
         self.forward_with(x, Epilogue::Residual(residual))
     }
 
-    /// The same computation as separate candle ops (the CPU path in f16 / bf16, and what the
-    /// CUDA path is tested against). `x2` is `[rows, in]`.
+    /// The same computation as separate candle ops (the CPU path under
+    /// `CANDLE_FASTPATH_CPU_LINEAR=0`, and what the CUDA path falls back to). `x2` is
+    /// `[rows, in]`.
     fn reference(&self, x2: &Tensor, epilogue: Epilogue, rows: usize) -> Result<Tensor> {
         let y = x2.matmul(&self.weight.t()?)?;
         let y = match &self.bias {
@@ -289,7 +291,7 @@ impl Module for FusedLinear {
     }
 }
 
-/// Whether [`FusedLinear`] runs f32 on the CPU as one `gemm` call with the bias in its
+/// Whether [`FusedLinear`] runs on the CPU as one f32 `gemm` call with the bias in its
 /// destination and the epilogue in one pass after it (`linear_cpu`): yes unless
 /// `CANDLE_FASTPATH_CPU_LINEAR=0` (read once; candle's ops, for A/B measurements).
 pub fn cpu_gemm() -> bool {

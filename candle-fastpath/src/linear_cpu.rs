@@ -1,36 +1,36 @@
-//! [`FusedLinear`](crate::FusedLinear)'s CPU path in f32: one `gemm` call whose destination
-//! starts as the bias rows (`gemm` computes `dst + x·Wᵀ`), then the residual and the GELU in one
-//! pass over the output.
+//! [`FusedLinear`](crate::FusedLinear)'s CPU path: one f32 `gemm` call whose destination starts
+//! as the bias rows (`gemm` computes `dst + x·Wᵀ`), then the residual and the GELU in one pass
+//! over the output; f16 / bf16 operands are widened to f32 first and the output rounded once at
+//! the end (the CUDA path's rounding).
 //!
 //! Why: as candle ops the layer is a matmul into a zeroed buffer, a broadcast bias add, a
 //! residual add and the GELU, each a pass over the output, and candle runs every elementwise op
 //! of 64 K values or more on its own barrier pool, whose worker then spins for 25,000 pauses
 //! (~0.5 ms) beside the next matmul's threads: in a DeiT-S batch-1 forward on the 2-core build
-//! machine that worker's spinning was ~18 % of the process's samples under `perf` (docs/
+//! machine that worker's spinning was ~21 % of the process's samples under `perf` (docs/
 //! BENCHMARKS.md, the CPU section). Here the bias costs nothing past the copy that starts the
 //! destination, and the epilogue pass runs on rayon's current pool (candle's, inside a model's
-//! forward), whose workers go back to sleep after a short spin.
-//!
-//! f16 / bf16 keep candle's ops (candle's CPU matmul widens bf16 to f32 itself).
+//! forward), whose workers go back to sleep after a short spin. candle's CPU matmul has no f16
+//! / bf16 kernel of its own either: it widens both operands to f32 (serially) and narrows the
+//! product, as this does in pieces over the pool.
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, Layout, Shape, Storage, Tensor};
+use half::slice::HalfFloatSliceExt;
 
-/// From this many output values the epilogue pass is split over rayon's pool (candle splits its
-/// own elementwise ops from 64 K values too).
-const PARALLEL_MIN: usize = 1 << 16;
+use crate::cpu_pieces::for_pieces;
 
-/// `x·Wᵀ + b`, then `+ r` and the exact GELU as asked, for an f32 `x` `[rows, in]` (any strides)
-/// and a contiguous f32 weight `[out, in]`; output `[rows, out]`, contiguous. `bias` is `[out]`
-/// and `residual` `[rows, out]`, both contiguous f32 on the CPU (the caller checked shapes,
-/// dtypes and devices).
+/// `x·Wᵀ + b`, then `+ r` and the exact GELU as asked, for `x` `[rows, in]` (any strides) and a
+/// contiguous weight `[out, in]`, f32, f16 or bf16; output `[rows, out]`, contiguous, in their
+/// dtype. `bias` is `[out]` and `residual` `[rows, out]`, both contiguous, of that dtype, on the
+/// CPU (the caller checked shapes, dtypes and devices).
 pub(crate) struct CpuLinearOp {
     pub bias: Option<Tensor>,
     pub residual: Option<Tensor>,
     pub gelu: bool,
 }
 
-/// The f32 values of a contiguous CPU tensor, and its start offset within them.
+/// `f` on the values of a contiguous CPU tensor as f32 (f16 / bf16 widened into a copy).
 fn with_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> candle_core::Result<R> {
     let (storage, layout) = t.storage_and_layout();
     let Some((start, end)) = layout.contiguous_offsets() else {
@@ -38,10 +38,62 @@ fn with_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> candle_core::Result<R
     };
     match &*storage {
         Storage::Cpu(CpuStorage::F32(v)) => Ok(f(&v[start..end])),
-        _ => {
-            candle_core::bail!("fused_linear (CPU): a bias or residual that is not f32 on the CPU")
+        Storage::Cpu(CpuStorage::F16(v)) => Ok(f(&widen(&v[start..end]))),
+        Storage::Cpu(CpuStorage::BF16(v)) => Ok(f(&widen(&v[start..end]))),
+        _ => candle_core::bail!(
+            "fused_linear (CPU): a bias or residual that is not f32, f16 or bf16 on the CPU"
+        ),
+    }
+}
+
+/// `src` widened to f32, in pieces over rayon's pool.
+fn widen<T: Copy + Sync>(src: &[T]) -> Vec<f32>
+where
+    [T]: HalfFloatSliceExt,
+{
+    let mut out = vec![0f32; src.len()];
+    for_pieces(&mut out, 64, |at, d| {
+        src[at..at + d.len()].convert_to_f32_slice(d)
+    });
+    out
+}
+
+/// `src` narrowed from f32, in pieces over rayon's pool.
+fn narrow<T: Copy + Default + Send>(src: &[f32]) -> Vec<T>
+where
+    [T]: HalfFloatSliceExt,
+{
+    let mut out = vec![T::default(); src.len()];
+    for_pieces(&mut out, 64, |at, d| {
+        d.convert_from_f32_slice(&src[at..at + d.len()])
+    });
+    out
+}
+
+/// The rows of a half-precision `x` `[rows, k]` (any strides) widened to a contiguous f32
+/// `[rows, k]`.
+fn widen_rows<T: Copy + Send + Sync>(x: &[T], l: &Layout, rows: usize, k: usize) -> Vec<f32>
+where
+    [T]: HalfFloatSliceExt,
+{
+    if let Some((start, end)) = l.contiguous_offsets() {
+        return widen(&x[start..end]);
+    }
+    let (rs, cs) = (l.stride()[0], l.stride()[1]);
+    let mut out = vec![0f32; rows * k];
+    for (i, row) in out.chunks_exact_mut(k).enumerate() {
+        let first = l.start_offset() + i * rs;
+        if cs == 1 {
+            x[first..first + k].convert_to_f32_slice(row);
+        } else {
+            for (t, o) in row.iter_mut().enumerate() {
+                let mut one = [0f32];
+                x[first + t * cs..first + t * cs + 1].convert_to_f32_slice(&mut one);
+                *o = one[0];
+            }
         }
     }
+    out
 }
 
 impl CpuLinearOp {
@@ -60,61 +112,31 @@ impl CpuLinearOp {
 }
 
 impl CpuLinearOp {
-    /// [`Self::epilogue`] over the whole output, split over rayon's pool from
-    /// [`PARALLEL_MIN`] values.
+    /// [`Self::epilogue`] over the whole output, in pieces over rayon's pool.
     fn epilogue_pass(dst: &mut [f32], r: Option<&[f32]>, gelu: bool) {
-        if dst.len() < PARALLEL_MIN {
-            return Self::epilogue(dst, r, gelu);
-        }
-        let piece = dst
-            .len()
-            .div_ceil(rayon::current_num_threads().max(1))
-            .next_multiple_of(64);
-        rayon::scope(|s| {
-            for (i, d) in dst.chunks_mut(piece).enumerate() {
-                let r = r.map(|r| &r[i * piece..i * piece + d.len()]);
-                s.spawn(move |_| Self::epilogue(d, r, gelu));
-            }
+        for_pieces(dst, 64, |at, d| {
+            Self::epilogue(d, r.map(|r| &r[at..at + d.len()]), gelu)
         });
     }
 }
 
-impl CustomOp2 for CpuLinearOp {
-    fn name(&self) -> &'static str {
-        "fused_linear_cpu"
-    }
-
-    fn cpu_fwd(
+impl CpuLinearOp {
+    /// The layer over f32 operands: `x` `[rows, k]` from element `x0` with row / column strides
+    /// `(rs, cs)`, `w` `[n, k]` contiguous; the output `[rows, n]` in f32.
+    #[allow(clippy::too_many_arguments)]
+    fn forward_f32(
         &self,
-        xs: &CpuStorage,
-        xl: &Layout,
-        ws: &CpuStorage,
-        wl: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let (CpuStorage::F32(x), CpuStorage::F32(w)) = (xs, ws) else {
-            candle_core::bail!(
-                "fused_linear (CPU): the gemm path takes f32, got {:?} and {:?}",
-                xs.dtype(),
-                ws.dtype()
-            )
-        };
-        let (rows, k) = xl.shape().dims2()?;
-        let (n, wk) = wl.shape().dims2()?;
-        let Some((w_start, w_end)) = wl.contiguous_offsets() else {
-            candle_core::bail!("fused_linear (CPU): the weight is not contiguous")
-        };
-        if wk != k || w_end - w_start != n * k || rows == 0 {
-            candle_core::bail!(
-                "fused_linear (CPU): x {:?} against weight {:?}",
-                xl.shape(),
-                wl.shape()
-            )
-        }
-        let (x_rs, x_cs) = (xl.stride()[0], xl.stride()[1]);
-        // gemm reads through raw pointers: the last element it reads must lie in the buffer.
-        let x_last = xl.start_offset() + (rows - 1) * x_rs + (k - 1) * x_cs;
-        if x_last >= x.len() {
-            candle_core::bail!("fused_linear (CPU): x's layout {xl:?} reaches past its buffer")
+        x: &[f32],
+        x0: usize,
+        (rs, cs): (usize, usize),
+        w: &[f32],
+        rows: usize,
+        k: usize,
+        n: usize,
+    ) -> candle_core::Result<Vec<f32>> {
+        // gemm reads through raw pointers: every element it reads must lie in the buffers.
+        if x0 + (rows - 1) * rs + (k - 1) * cs >= x.len() || w.len() != n * k {
+            candle_core::bail!("fused_linear (CPU): x or the weight reaches past its buffer")
         }
         let len = rows * n;
         let mut dst = match &self.bias {
@@ -140,8 +162,8 @@ impl CustomOp2 for CpuLinearOp {
             gemm::Parallelism::None
         };
         // SAFETY: dst is [rows, n] row-major and initialised (read when there is a bias); x's
-        // elements lie within its buffer (checked above), the weight's [n, k] block is
-        // contiguous, read as Wᵀ ([k, n]: row stride 1, column stride k).
+        // elements lie within its buffer and the weight is [n, k] contiguous (checked above),
+        // read as Wᵀ ([k, n]: row stride 1, column stride k).
         unsafe {
             gemm::gemm(
                 rows,
@@ -151,10 +173,10 @@ impl CustomOp2 for CpuLinearOp {
                 1,
                 n as isize,
                 self.bias.is_some(),
-                x[xl.start_offset()..].as_ptr(),
-                x_cs as isize,
-                x_rs as isize,
-                w[w_start..].as_ptr(),
+                x[x0..].as_ptr(),
+                cs as isize,
+                rs as isize,
+                w.as_ptr(),
                 k as isize,
                 1,
                 1f32,
@@ -176,6 +198,61 @@ impl CustomOp2 for CpuLinearOp {
             None if self.gelu => Self::epilogue_pass(&mut dst, None, true),
             None => {}
         }
-        Ok((CpuStorage::F32(dst), Shape::from((rows, n))))
+        Ok(dst)
+    }
+}
+
+impl CustomOp2 for CpuLinearOp {
+    fn name(&self) -> &'static str {
+        "fused_linear_cpu"
+    }
+
+    fn cpu_fwd(
+        &self,
+        xs: &CpuStorage,
+        xl: &Layout,
+        ws: &CpuStorage,
+        wl: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (rows, k) = xl.shape().dims2()?;
+        let (n, wk) = wl.shape().dims2()?;
+        let Some((w0, w1)) = wl.contiguous_offsets() else {
+            candle_core::bail!("fused_linear (CPU): the weight is not contiguous")
+        };
+        if wk != k || rows == 0 || k == 0 {
+            candle_core::bail!(
+                "fused_linear (CPU): x {:?} against weight {:?}",
+                xl.shape(),
+                wl.shape()
+            )
+        }
+        let strides = (xl.stride()[0], xl.stride()[1]);
+        let dense = (k, 1);
+        let out = match (xs, ws) {
+            (CpuStorage::F32(x), CpuStorage::F32(w)) => CpuStorage::F32(self.forward_f32(
+                x,
+                xl.start_offset(),
+                strides,
+                &w[w0..w1],
+                rows,
+                k,
+                n,
+            )?),
+            (CpuStorage::F16(x), CpuStorage::F16(w)) => {
+                let (x, w) = (widen_rows(x, xl, rows, k), widen(&w[w0..w1]));
+                CpuStorage::F16(narrow(&self.forward_f32(&x, 0, dense, &w, rows, k, n)?))
+            }
+            (CpuStorage::BF16(x), CpuStorage::BF16(w)) => {
+                let (x, w) = (widen_rows(x, xl, rows, k), widen(&w[w0..w1]));
+                CpuStorage::BF16(narrow(&self.forward_f32(&x, 0, dense, &w, rows, k, n)?))
+            }
+            _ => candle_core::bail!(
+                "fused_linear (CPU): x and weight of one dtype among f32, f16, bf16, got {:?} \
+                 and {:?}",
+                xs.dtype(),
+                ws.dtype()
+            ),
+        };
+        Ok((out, Shape::from((rows, n))))
     }
 }

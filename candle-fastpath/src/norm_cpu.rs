@@ -16,8 +16,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, Layout, Shape};
 use half::slice::HalfFloatSliceExt;
 
-/// From this many values the rows are split over rayon's pool.
-const PARALLEL_MIN: usize = 1 << 16;
+use crate::cpu_pieces::for_pieces;
 
 /// `[.., C]` → `[.., C]`, contiguous x; weight and bias `[C]` (the caller checked shapes, dtypes
 /// and devices).
@@ -84,25 +83,15 @@ where
     }
 }
 
-/// Runs `rows` over `x` / `out` (`c` values a row) in pieces over rayon's pool from
-/// [`PARALLEL_MIN`] values, serially below.
+/// `rows` over matching pieces of `x` and `out` (whole rows of `c` values), in pieces over
+/// rayon's pool.
 fn split_rows<T: Send + Sync>(
     x: &[T],
     out: &mut [T],
     c: usize,
     rows: impl Fn(&[T], &mut [T]) + Sync,
 ) {
-    if x.len() < PARALLEL_MIN {
-        return rows(x, out);
-    }
-    let n_rows = x.len() / c;
-    let piece = n_rows.div_ceil(rayon::current_num_threads().max(1)) * c;
-    let rows = &rows;
-    rayon::scope(|s| {
-        for (x, out) in x.chunks(piece).zip(out.chunks_mut(piece)) {
-            s.spawn(move |_| rows(x, out));
-        }
-    });
+    for_pieces(out, c, |at, o| rows(&x[at..at + o.len()], o));
 }
 
 /// The f32 values of weight and bias (widened once per call for f16 / bf16: `C` values).
