@@ -6,7 +6,7 @@
 //! Why: as candle ops the layer is a matmul into a zeroed buffer, a broadcast bias add, a
 //! residual add and the GELU, each a pass over the output, and candle runs every elementwise op
 //! of 64 K values or more on its own barrier pool, whose worker then spins for 25,000 pauses
-//! (~0.5 ms) beside the next matmul's threads: in a DeiT-S batch-1 forward on the 2-core build
+//! beside the next matmul's threads: in a DeiT-S batch-1 forward on the 2-core build
 //! machine that worker's spinning was ~21 % of the process's samples under `perf` (docs/
 //! BENCHMARKS.md, the CPU section). Here the bias costs nothing past the copy that starts the
 //! destination, and the epilogue pass runs on rayon's current pool (candle's, inside a model's
@@ -72,7 +72,7 @@ where
 
 /// The rows of a half-precision `x` `[rows, k]` (any strides) widened to a contiguous f32
 /// `[rows, k]`.
-fn widen_rows<T: Copy + Send + Sync>(x: &[T], l: &Layout, rows: usize, k: usize) -> Vec<f32>
+fn widen_rows<T: Copy + Sync + Into<f32>>(x: &[T], l: &Layout, rows: usize, k: usize) -> Vec<f32>
 where
     [T]: HalfFloatSliceExt,
 {
@@ -87,9 +87,7 @@ where
             x[first..first + k].convert_to_f32_slice(row);
         } else {
             for (t, o) in row.iter_mut().enumerate() {
-                let mut one = [0f32];
-                x[first + t * cs..first + t * cs + 1].convert_to_f32_slice(&mut one);
-                *o = one[0];
+                *o = x[first + t * cs].into();
             }
         }
     }
@@ -109,18 +107,14 @@ impl CpuLinearOp {
             crate::gelu_cpu::gelu_in_place(dst);
         }
     }
-}
 
-impl CpuLinearOp {
     /// [`Self::epilogue`] over the whole output, in pieces over rayon's pool.
     fn epilogue_pass(dst: &mut [f32], r: Option<&[f32]>, gelu: bool) {
         for_pieces(dst, 64, |at, d| {
             Self::epilogue(d, r.map(|r| &r[at..at + d.len()]), gelu)
         });
     }
-}
 
-impl CpuLinearOp {
     /// The layer over f32 operands: `x` `[rows, k]` from element `x0` with row / column strides
     /// `(rs, cs)`, `w` `[n, k]` contiguous; the output `[rows, n]` in f32.
     #[allow(clippy::too_many_arguments)]
