@@ -341,28 +341,8 @@ fn attend_one_head<T: Float32>(
         for (d, qd) in qrow.iter_mut().enumerate() {
             *qd = q.at(i, d);
         }
-        // Scores in blocks of BLOCK keys held in registers over every head dim (one store a
-        // block instead of one a head dim), each still summed over the head dims in order.
-        let mut j0 = 0;
-        while j0 + BLOCK <= len {
-            let mut s = [0f32; BLOCK];
-            for (&qd, krow) in qrow.iter().zip(kt.chunks_exact(len)) {
-                for (s, &kv) in s.iter_mut().zip(&krow[j0..j0 + BLOCK]) {
-                    *s += qd * kv;
-                }
-            }
-            scores[j0..j0 + BLOCK].copy_from_slice(&s);
-            j0 += BLOCK;
-        }
-        if j0 < len {
-            let tail = &mut scores[j0..];
-            tail.iter_mut().for_each(|s| *s = 0.0);
-            for (&qd, krow) in qrow.iter().zip(kt.chunks_exact(len)) {
-                for (s, &kv) in tail.iter_mut().zip(&krow[j0..]) {
-                    *s += qd * kv;
-                }
-            }
-        }
+        // Scores: the head dims' rows of Kᵀ weighted by the query.
+        weighted_row_sum(&qrow, &kt, &mut scores);
         let mut max = f32::NEG_INFINITY;
         for s in scores.iter_mut() {
             *s *= scale;
@@ -373,33 +353,44 @@ fn attend_one_head<T: Float32>(
             *s = (*s - max).exp();
             denom += *s;
         }
-        // The output in blocks of BLOCK head dims held in registers over every key, each still
-        // summed over the keys in order.
-        let mut d0 = 0;
-        while d0 + BLOCK <= dim {
-            let mut a = [0f32; BLOCK];
-            for (&p, vrow) in scores.iter().zip(vb.chunks_exact(dim)) {
-                for (a, &vv) in a.iter_mut().zip(&vrow[d0..d0 + BLOCK]) {
-                    *a += p * vv;
-                }
-            }
-            acc[d0..d0 + BLOCK].copy_from_slice(&a);
-            d0 += BLOCK;
-        }
-        if d0 < dim {
-            for (&p, vrow) in scores.iter().zip(vb.chunks_exact(dim)) {
-                for (a, &vv) in acc[d0..].iter_mut().zip(&vrow[d0..]) {
-                    *a += p * vv;
-                }
-            }
-        }
+        // Output: the keys' rows of V weighted by the probabilities.
+        weighted_row_sum(&scores, &vb, acc);
         acc.iter_mut().for_each(|a| *a /= denom);
     }
     res
 }
 
-/// Scores (keys) and outputs (head dims) of one query row computed BLOCK at a time in registers
-/// by [`attend_one_head`]: eight 8-lane AVX registers, eight independent chains of adds (three
+/// `out[c] = Σ_r coeff[r] · rows[r][c]` for every column `c` of `out`, `rows` holding
+/// `coeff.len()` rows of `out.len()` values: each column summed over the rows in order (the
+/// summation order of one row at a time), BLOCK columns at a time held in registers across the
+/// whole sum (one store a block instead of one a row).
+#[inline(always)]
+fn weighted_row_sum(coeff: &[f32], rows: &[f32], out: &mut [f32]) {
+    let width = out.len();
+    let mut c0 = 0;
+    while c0 + BLOCK <= width {
+        let mut a = [0f32; BLOCK];
+        for (&w, row) in coeff.iter().zip(rows.chunks_exact(width)) {
+            for (a, &x) in a.iter_mut().zip(&row[c0..c0 + BLOCK]) {
+                *a += w * x;
+            }
+        }
+        out[c0..c0 + BLOCK].copy_from_slice(&a);
+        c0 += BLOCK;
+    }
+    if c0 < width {
+        let tail = &mut out[c0..];
+        tail.iter_mut().for_each(|a| *a = 0.0);
+        for (&w, row) in coeff.iter().zip(rows.chunks_exact(width)) {
+            for (a, &x) in tail.iter_mut().zip(&row[c0..]) {
+                *a += w * x;
+            }
+        }
+    }
+}
+
+/// Columns (keys for the scores, head dims for the output) that [`weighted_row_sum`] computes at
+/// a time in registers: eight 8-lane AVX registers, eight independent chains of adds (three
 /// cycles each) to keep both of a core's vector adders busy.
 const BLOCK: usize = 64;
 
