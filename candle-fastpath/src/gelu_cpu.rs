@@ -158,14 +158,6 @@ pub(crate) fn gelu_in_place(v: &mut [f32]) {
     gelu_slice_in_place(v)
 }
 
-/// The GELU of `src` into `dst` (same length).
-fn gelu_into(src: &[f32], dst: &mut [f32]) {
-    assert_eq!(src.len(), dst.len());
-    // SAFETY: `MaybeUninit<f32>` has `f32`'s layout, and only initialised values are written.
-    let dst = unsafe { &mut *(dst as *mut [f32] as *mut [MaybeUninit<f32>]) };
-    gelu_slice_dispatch(src, dst)
-}
-
 /// The GELU of `src` as a new vector, each element written once (no zeroing pass first, as
 /// candle's own unary ops allocate theirs).
 fn gelu_vec(src: &[f32]) -> Vec<f32> {
@@ -191,13 +183,12 @@ where
 {
     const CHUNK: usize = 1024;
     let mut wide = [0f32; CHUNK];
-    let mut out_wide = [0f32; CHUNK];
     let mut out = vec![T::default(); src.len()];
     for (chunk, out_chunk) in src.chunks(CHUNK).zip(out.chunks_mut(CHUNK)) {
-        let n = chunk.len();
-        chunk.convert_to_f32_slice(&mut wide[..n]);
-        gelu_into(&wide[..n], &mut out_wide[..n]);
-        out_chunk.convert_from_f32_slice(&out_wide[..n]);
+        let wide = &mut wide[..chunk.len()];
+        chunk.convert_to_f32_slice(wide);
+        gelu_in_place(wide);
+        out_chunk.convert_from_f32_slice(wide);
     }
     out
 }

@@ -18,7 +18,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, Layout, Shape, Storage, Tensor};
 use half::slice::HalfFloatSliceExt;
 
-use crate::cpu_pieces::for_pieces;
+use crate::cpu_pieces::{f32_values, for_pieces, narrow, widen};
 
 /// `x·Wᵀ + b`, then `+ r` and the exact GELU as asked, for `x` `[rows, in]` (any strides) and a
 /// contiguous weight `[out, in]`, f32, f16 or bf16; output `[rows, out]`, contiguous, in their
@@ -30,44 +30,13 @@ pub(crate) struct CpuLinearOp {
     pub gelu: bool,
 }
 
-/// `f` on the values of a contiguous CPU tensor as f32 (f16 / bf16 widened into a copy).
-fn with_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> candle_core::Result<R> {
+/// `f` on the values of a contiguous CPU tensor (the bias or the residual, `what`) as f32.
+fn with_f32<R>(t: &Tensor, what: &str, f: impl FnOnce(&[f32]) -> R) -> candle_core::Result<R> {
     let (storage, layout) = t.storage_and_layout();
-    let Some((start, end)) = layout.contiguous_offsets() else {
-        candle_core::bail!("fused_linear (CPU): a bias or residual that is not contiguous")
+    let Storage::Cpu(s) = &*storage else {
+        candle_core::bail!("fused_linear (CPU): the {what} is not on the CPU")
     };
-    match &*storage {
-        Storage::Cpu(CpuStorage::F32(v)) => Ok(f(&v[start..end])),
-        Storage::Cpu(CpuStorage::F16(v)) => Ok(f(&widen(&v[start..end]))),
-        Storage::Cpu(CpuStorage::BF16(v)) => Ok(f(&widen(&v[start..end]))),
-        _ => candle_core::bail!(
-            "fused_linear (CPU): a bias or residual that is not f32, f16 or bf16 on the CPU"
-        ),
-    }
-}
-
-/// `src` widened to f32, in pieces over rayon's pool.
-fn widen<T: Copy + Sync>(src: &[T]) -> Vec<f32>
-where
-    [T]: HalfFloatSliceExt,
-{
-    let mut out = vec![0f32; src.len()];
-    for_pieces(&mut out, 64, |at, d| {
-        src[at..at + d.len()].convert_to_f32_slice(d)
-    });
-    out
-}
-
-/// `src` narrowed from f32, in pieces over rayon's pool.
-fn narrow<T: Copy + Default + Send>(src: &[f32]) -> Vec<T>
-where
-    [T]: HalfFloatSliceExt,
-{
-    let mut out = vec![T::default(); src.len()];
-    for_pieces(&mut out, 64, |at, d| {
-        d.convert_from_f32_slice(&src[at..at + d.len()])
-    });
-    out
+    Ok(f(&f32_values(s, layout, "fused_linear", what)?))
 }
 
 /// The rows of a half-precision `x` `[rows, k]` (any strides) widened to a contiguous f32
@@ -134,7 +103,7 @@ impl CpuLinearOp {
         }
         let len = rows * n;
         let mut dst = match &self.bias {
-            Some(b) => with_f32(b, |b| {
+            Some(b) => with_f32(b, "bias", |b| {
                 if b.len() != n {
                     return None;
                 }
@@ -182,7 +151,7 @@ impl CpuLinearOp {
             )
         }
         match &self.residual {
-            Some(r) => with_f32(r, |r| {
+            Some(r) => with_f32(r, "residual", |r| {
                 if r.len() != len {
                     candle_core::bail!("fused_linear (CPU): residual is not [rows, out]")
                 }

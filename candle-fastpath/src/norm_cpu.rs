@@ -16,7 +16,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, Layout, Shape};
 use half::slice::HalfFloatSliceExt;
 
-use crate::cpu_pieces::for_pieces;
+use crate::cpu_pieces::{f32_values, for_pieces};
 
 /// `[.., C]` → `[.., C]`, contiguous x; weight and bias `[C]` (the caller checked shapes, dtypes
 /// and devices).
@@ -94,19 +94,6 @@ fn split_rows<T: Send + Sync>(
     for_pieces(out, c, |at, o| rows(&x[at..at + o.len()], o));
 }
 
-/// The f32 values of weight and bias (widened once per call for f16 / bf16: `C` values).
-fn params_f32(s: &CpuStorage, l: &Layout) -> candle_core::Result<Vec<f32>> {
-    let Some((start, end)) = l.contiguous_offsets() else {
-        candle_core::bail!("layer_norm (CPU): weight or bias is not contiguous")
-    };
-    Ok(match s {
-        CpuStorage::F32(v) => v[start..end].to_vec(),
-        CpuStorage::F16(v) => v[start..end].to_f32_vec(),
-        CpuStorage::BF16(v) => v[start..end].to_f32_vec(),
-        other => candle_core::bail!("layer_norm (CPU): no kernel for {:?}", other.dtype()),
-    })
-}
-
 impl CustomOp3 for CpuLayerNormOp {
     fn name(&self) -> &'static str {
         "layer_norm_cpu"
@@ -124,7 +111,8 @@ impl CustomOp3 for CpuLayerNormOp {
         let Some((start, end)) = xl.contiguous_offsets() else {
             candle_core::bail!("layer_norm (CPU): x is not contiguous")
         };
-        let (w, b) = (params_f32(ws, wl)?, params_f32(bs, bl)?);
+        let w = f32_values(ws, wl, "layer_norm", "weight")?;
+        let b = f32_values(bs, bl, "layer_norm", "bias")?;
         let c = w.len();
         if c == 0 || b.len() != c || (end - start) % c != 0 || xl.dims().last() != Some(&c) {
             candle_core::bail!(
