@@ -1,6 +1,6 @@
-//! [`FusedLinear`](crate::FusedLinear)'s CPU path: one f32 `gemm` call whose destination starts
-//! as the bias rows (`gemm` computes `dst + x·Wᵀ`), then the residual and the GELU in one pass
-//! over the output; f16 / bf16 operands are widened to f32 first and the output rounded once at
+//! [`FusedLinear`](crate::FusedLinear)'s CPU path: one f32 `gemm` call for the product, then
+//! the bias, the residual and the GELU in one pass over the output, in pieces over rayon's
+//! pool; f16 / bf16 operands are widened to f32 first and the output rounded once at
 //! the end (the CUDA path's rounding).
 //!
 //! Why: as candle ops the layer is a matmul into a zeroed buffer, a broadcast bias add, a
@@ -8,8 +8,7 @@
 //! of 64 K values or more on its own barrier pool, whose worker then spins for 25,000 pauses
 //! beside the next matmul's threads: in a DeiT-S batch-1 forward on the 2-core build
 //! machine that worker's spinning was ~21 % of the process's samples under `perf` (docs/
-//! BENCHMARKS.md, the CPU section). Here the bias costs nothing past the copy that starts the
-//! destination, and the epilogue pass runs on rayon's current pool (candle's, inside a model's
+//! BENCHMARKS.md, the CPU section). Here the epilogue pass runs on rayon's current pool (candle's, inside a model's
 //! forward), whose workers go back to sleep after a short spin. candle's CPU matmul has no f16
 //! / bf16 kernel of its own either: it widens both operands to f32 (serially) and narrows the
 //! product, as this does in pieces over the pool.
@@ -64,9 +63,17 @@ where
 }
 
 impl CpuLinearOp {
-    /// Adds the residual to, then takes the GELU of, one run of output values (`r` the same
-    /// positions of the residual).
-    fn epilogue(dst: &mut [f32], r: Option<&[f32]>, gelu: bool) {
+    /// Adds the bias (`b`, one value a column), then the residual, then takes the GELU of whole
+    /// output rows of `n` values (`r` the same positions of the residual): the order of the CUDA
+    /// epilogue, `gelu((x·Wᵀ + b) + r)`.
+    fn epilogue(dst: &mut [f32], n: usize, b: Option<&[f32]>, r: Option<&[f32]>, gelu: bool) {
+        if let Some(b) = b {
+            for row in dst.chunks_exact_mut(n) {
+                for (d, b) in row.iter_mut().zip(b) {
+                    *d += *b;
+                }
+            }
+        }
         if let Some(r) = r {
             for (d, r) in dst.iter_mut().zip(r) {
                 *d += *r;
@@ -77,11 +84,31 @@ impl CpuLinearOp {
         }
     }
 
-    /// [`Self::epilogue`] over the whole output, in pieces over rayon's pool.
-    fn epilogue_pass(dst: &mut [f32], r: Option<&[f32]>, gelu: bool) {
-        for_pieces(dst, 64, |at, d| {
-            Self::epilogue(d, r.map(|r| &r[at..at + d.len()]), gelu)
+    /// [`Self::epilogue`] over the whole `[rows, n]` output, in pieces of whole rows over
+    /// rayon's pool.
+    fn epilogue_pass(dst: &mut [f32], n: usize, b: Option<&[f32]>, r: Option<&[f32]>, gelu: bool) {
+        for_pieces(dst, n, |at, d| {
+            Self::epilogue(d, n, b, r.map(|r| &r[at..at + d.len()]), gelu)
         });
+    }
+
+    /// The epilogue pass over the product `dst` (`[rows, n]`) with the bias `b` and this op's
+    /// residual and GELU; no pass when there is nothing to add.
+    fn finish(&self, dst: &mut [f32], n: usize, b: Option<&[f32]>) -> candle_core::Result<()> {
+        match &self.residual {
+            Some(r) => with_f32(r, "residual", |r| {
+                if r.len() != dst.len() {
+                    candle_core::bail!("fused_linear (CPU): residual is not [rows, out]")
+                }
+                Self::epilogue_pass(dst, n, b, Some(r), self.gelu);
+                Ok(())
+            })?,
+            None if b.is_some() || self.gelu => {
+                Self::epilogue_pass(dst, n, b, None, self.gelu);
+                Ok(())
+            }
+            None => Ok(()),
+        }
     }
 
     /// The layer over f32 operands: `x` `[rows, k]` from element `x0` with row / column strides
@@ -102,31 +129,16 @@ impl CpuLinearOp {
             candle_core::bail!("fused_linear (CPU): x or the weight reaches past its buffer")
         }
         let len = rows * n;
-        let mut dst = match &self.bias {
-            Some(b) => with_f32(b, "bias", |b| {
-                if b.len() != n {
-                    return None;
-                }
-                let mut dst = Vec::with_capacity(len);
-                for _ in 0..rows {
-                    dst.extend_from_slice(b);
-                }
-                Some(dst)
-            })?
-            .ok_or_else(|| {
-                candle_core::Error::Msg("fused_linear (CPU): bias is not [out]".into())
-            })?,
-            None => vec![0f32; len],
-        };
+        let mut dst = vec![0f32; len];
         let threads = candle_core::utils::get_num_threads();
         let parallelism = if threads > 1 {
             gemm::Parallelism::Rayon(threads)
         } else {
             gemm::Parallelism::None
         };
-        // SAFETY: dst is [rows, n] row-major and initialised (read when there is a bias); x's
-        // elements lie within its buffer and the weight is [n, k] contiguous (checked above),
-        // read as Wᵀ ([k, n]: row stride 1, column stride k).
+        // SAFETY: dst is [rows, n] row-major (written, not read: `read_dst` false); x's elements
+        // lie within its buffer and the weight is [n, k] contiguous (checked above), read as Wᵀ
+        // ([k, n]: row stride 1, column stride k).
         unsafe {
             gemm::gemm(
                 rows,
@@ -135,14 +147,14 @@ impl CpuLinearOp {
                 dst.as_mut_ptr(),
                 1,
                 n as isize,
-                self.bias.is_some(),
+                false,
                 x[x0..].as_ptr(),
                 cs as isize,
                 rs as isize,
                 w.as_ptr(),
                 k as isize,
                 1,
-                1f32,
+                0f32,
                 1f32,
                 false,
                 false,
@@ -150,16 +162,15 @@ impl CpuLinearOp {
                 parallelism,
             )
         }
-        match &self.residual {
-            Some(r) => with_f32(r, "residual", |r| {
-                if r.len() != len {
-                    candle_core::bail!("fused_linear (CPU): residual is not [rows, out]")
+        // The bias, residual and GELU in one pass over the product.
+        match &self.bias {
+            Some(b) => with_f32(b, "bias", |b| {
+                if b.len() != n {
+                    candle_core::bail!("fused_linear (CPU): bias is not [out]")
                 }
-                Self::epilogue_pass(&mut dst, Some(r), self.gelu);
-                Ok(())
+                self.finish(&mut dst, n, Some(b))
             })??,
-            None if self.gelu => Self::epilogue_pass(&mut dst, None, true),
-            None => {}
+            None => self.finish(&mut dst, n, None)?,
         }
         Ok(dst)
     }
