@@ -8,10 +8,10 @@
 //! of 64 K values or more on its own barrier pool, whose worker then spins for 25,000 pauses
 //! beside the next matmul's threads: in a DeiT-S batch-1 forward on the 2-core build
 //! machine that worker's spinning was ~21 % of the process's samples under `perf` (docs/
-//! BENCHMARKS.md, the CPU section). Here the epilogue pass runs on rayon's current pool (candle's, inside a model's
-//! forward), whose workers go back to sleep after a short spin. candle's CPU matmul has no f16
-//! / bf16 kernel of its own either: it widens both operands to f32 (serially) and narrows the
-//! product, as this does in pieces over the pool.
+//! BENCHMARKS.md, the CPU section). Here the epilogue pass runs on rayon's current pool
+//! (candle's, inside a model's forward), whose workers go back to sleep after a short spin.
+//! candle's CPU matmul has no f16 / bf16 kernel of its own either: it widens both operands to
+//! f32 (serially) and narrows the product, as this does in pieces over the pool.
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, Layout, Shape, Storage, Tensor};
@@ -136,9 +136,10 @@ impl CpuLinearOp {
         } else {
             gemm::Parallelism::None
         };
-        // SAFETY: dst is [rows, n] row-major (written, not read: `read_dst` false); x's elements
-        // lie within its buffer and the weight is [n, k] contiguous (checked above), read as Wᵀ
-        // ([k, n]: row stride 1, column stride k).
+        // SAFETY: dst is [rows, n] row-major and initialised (`read_dst` false, so its values do
+        // not count, but gemm copies partial edge tiles through a buffer before overwriting
+        // them); x's elements lie within its buffer and the weight is [n, k] contiguous (checked
+        // above), read as Wᵀ ([k, n]: row stride 1, column stride k).
         unsafe {
             gemm::gemm(
                 rows,

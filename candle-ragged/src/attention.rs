@@ -382,10 +382,11 @@ fn max_of(x: &[f32]) -> f32 {
 /// (range reduction by `ln 2` in two parts, a degree-5 polynomial); within 1 ulp of the exact
 /// value over every 997th f32 from −87.3 to 88.3 (the test). Arguments below −87.34 give about
 /// 1.2e−38 (the smallest normal f32) where `f32::exp` goes subnormal or 0: in a softmax such a
-/// term is lost in its sum either way. NaN gives NaN. No fused multiply-adds, so every build
-/// (SSE2, AVX) rounds the same.
+/// term is lost in its sum either way. Arguments above 88.38 give about 2.4e38 where `f32::exp`
+/// overflows to ∞ (a softmax never passes one: its arguments are at most 0). NaN gives NaN. No
+/// fused multiply-adds, so every build (SSE2, AVX) rounds the same.
 #[inline(always)]
-pub(crate) fn exp_f32(x: f32) -> f32 {
+fn exp_f32(x: f32) -> f32 {
     const LOG2_E: f32 = std::f32::consts::LOG2_E;
     // ln 2 = LN2_HI + LN2_LO, LN2_HI with few mantissa bits so `n · LN2_HI` is exact.
     const LN2_HI: f32 = 0.693_359_4;
