@@ -338,26 +338,51 @@ fn attend_one_head<T: Float32>(
             vb[j * dim + d] = v.at(j, d);
         }
     }
+    // Query rows two at a time: each row of Kᵀ and of V is loaded once for both (the sums of
+    // each row are exactly those of one row at a time).
     let mut res = vec![0f32; len * dim];
-    let mut padded_scores = vec![0f32; width];
-    let mut qrow = vec![0f32; dim];
-    for (i, acc) in res.chunks_exact_mut(dim).enumerate() {
-        for (d, qd) in qrow.iter_mut().enumerate() {
-            *qd = q.at(i, d);
+    let mut scores = vec![0f32; 2 * width];
+    let mut qrows = vec![0f32; 2 * dim];
+    for (pair, out) in res.chunks_mut(2 * dim).enumerate() {
+        let n = out.len() / dim;
+        for (r, qrow) in qrows.chunks_exact_mut(dim).take(n).enumerate() {
+            for (d, qd) in qrow.iter_mut().enumerate() {
+                *qd = q.at(2 * pair + r, d);
+            }
         }
-        // Scores: the head dims' rows of Kᵀ weighted by the query.
-        weighted_row_sum(&qrow, &kt, &mut padded_scores);
-        let scores = &mut padded_scores[..len];
-        scores.iter_mut().for_each(|s| *s *= scale);
-        let max = max_of(scores);
-        // The exponentials are independent lanes; their sum keeps the keys' order.
-        scores.iter_mut().for_each(|s| *s = exp_f32(*s - max));
-        let denom = scores.iter().fold(0f32, |d, &s| d + s);
-        // Output: the keys' rows of V weighted by the probabilities.
-        weighted_row_sum(scores, &vb, acc);
-        acc.iter_mut().for_each(|a| *a /= denom);
+        if n == 2 {
+            let (qa, qb) = qrows.split_at(dim);
+            let (sa, sb) = scores.split_at_mut(width);
+            // Scores: the head dims' rows of Kᵀ weighted by the query.
+            weighted_row_sums::<2, PAIR_BLOCK>([qa, qb], &kt, [&mut *sa, &mut *sb]);
+            let (sa, sb) = (&mut sa[..len], &mut sb[..len]);
+            let denoms = [softmax_numerators(sa, scale), softmax_numerators(sb, scale)];
+            // Output: the keys' rows of V weighted by the probabilities.
+            let (oa, ob) = out.split_at_mut(dim);
+            weighted_row_sums::<2, PAIR_BLOCK>([sa, sb], &vb, [&mut *oa, &mut *ob]);
+            for (o, denom) in [oa, ob].into_iter().zip(denoms) {
+                o.iter_mut().for_each(|a| *a /= denom);
+            }
+        } else {
+            let s = &mut scores[..width];
+            weighted_row_sums::<1, BLOCK>([&qrows[..dim]], &kt, [&mut *s]);
+            let denom = softmax_numerators(&mut s[..len], scale);
+            weighted_row_sums::<1, BLOCK>([&s[..len]], &vb, [&mut *out]);
+            out.iter_mut().for_each(|a| *a /= denom);
+        }
     }
     res
+}
+
+/// Scales a query's raw scores, replaces each by `exp(score − max)` and returns their sum (over
+/// the keys in order): the softmax but for the division.
+#[inline(always)]
+fn softmax_numerators(scores: &mut [f32], scale: f32) -> f32 {
+    scores.iter_mut().for_each(|s| *s *= scale);
+    let max = max_of(scores);
+    // The exponentials are independent lanes; their sum keeps the keys' order.
+    scores.iter_mut().for_each(|s| *s = exp_f32(*s - max));
+    scores.iter().fold(0f32, |d, &s| d + s)
 }
 
 /// The largest value of `x` (NaNs skipped, as `f32::max` skips them; −∞ for an empty slice),
@@ -406,44 +431,70 @@ fn exp_f32(x: f32) -> f32 {
     y * f32::from_bits(((n as i32 + 127) as u32) << 23)
 }
 
-/// `out[c] = Σ_r coeff[r] · rows[r][c]` for every column `c` of `out`, `rows` holding
-/// `coeff.len()` rows of `out.len()` values: each column summed over the rows in order (the
-/// summation order of one row at a time), BLOCK columns at a time held in registers across the
-/// whole sum (one store a block instead of one a row).
+/// `out[q][c] = Σ_r coeff[q][r] · rows[r][c]` for every column `c` of each of the `Q` outputs,
+/// `rows` holding `coeff[q].len()` rows of `out[q].len()` values: each column summed over the
+/// rows in order (the summation order of one row at a time), `W` columns of every output at a
+/// time held in registers across the whole sum (one store a block instead of one a row), each
+/// row's block loaded once for all `Q` outputs.
 #[inline(always)]
-fn weighted_row_sum(coeff: &[f32], rows: &[f32], out: &mut [f32]) {
-    let width = out.len();
-    let mut c0 = block_sums::<BLOCK>(coeff, rows, out, 0);
-    c0 = block_sums::<LANES>(coeff, rows, out, c0);
+fn weighted_row_sums<const Q: usize, const W: usize>(
+    coeff: [&[f32]; Q],
+    rows: &[f32],
+    mut out: [&mut [f32]; Q],
+) {
+    let width = out[0].len();
+    let mut c0 = block_sums::<Q, W>(coeff, rows, &mut out, 0);
+    c0 = block_sums::<Q, LANES>(coeff, rows, &mut out, c0);
     if c0 < width {
-        let tail = &mut out[c0..];
-        tail.iter_mut().for_each(|a| *a = 0.0);
-        for (&w, row) in coeff.iter().zip(rows.chunks_exact(width)) {
-            for (a, &x) in tail.iter_mut().zip(&row[c0..]) {
-                *a += w * x;
+        for (coeff, out) in coeff.iter().zip(out.iter_mut()) {
+            let tail = &mut out[c0..];
+            tail.iter_mut().for_each(|a| *a = 0.0);
+            for (&w, row) in coeff.iter().zip(rows.chunks_exact(width)) {
+                for (a, &x) in tail.iter_mut().zip(&row[c0..]) {
+                    *a += w * x;
+                }
             }
         }
     }
 }
 
-/// [`weighted_row_sum`]'s columns from `c0` on, `W` at a time in registers, while `W` whole
-/// columns are left; returns the first column not done.
+/// [`weighted_row_sums`]'s columns from `c0` on, `W` at a time in registers, while `W` whole
+/// columns are left; returns the first column not done. Two outputs are written out as two named
+/// accumulator arrays: in the loop over `Q` the compiler kept them in memory (4.5× slower than
+/// one row at a time, stop 62's first try).
 #[inline(always)]
-fn block_sums<const W: usize>(
-    coeff: &[f32],
+fn block_sums<const Q: usize, const W: usize>(
+    coeff: [&[f32]; Q],
     rows: &[f32],
-    out: &mut [f32],
+    out: &mut [&mut [f32]; Q],
     mut c0: usize,
 ) -> usize {
-    let width = out.len();
+    let width = out[0].len();
     while c0 + W <= width {
-        let mut a = [0f32; W];
-        for (&w, row) in coeff.iter().zip(rows.chunks_exact(width)) {
-            for (a, &x) in a.iter_mut().zip(&row[c0..c0 + W]) {
-                *a += w * x;
+        let mut a = [[0f32; W]; Q];
+        if Q == 2 {
+            let (mut a0, mut a1) = ([0f32; W], [0f32; W]);
+            for ((&w0, &w1), row) in coeff[0].iter().zip(coeff[1]).zip(rows.chunks_exact(width)) {
+                let x = &row[c0..c0 + W];
+                for ((a0, a1), &x) in a0.iter_mut().zip(a1.iter_mut()).zip(x) {
+                    *a0 += w0 * x;
+                    *a1 += w1 * x;
+                }
+            }
+            a[0] = a0;
+            a[1] = a1;
+        } else {
+            for q in 0..Q {
+                for (&w, row) in coeff[q].iter().zip(rows.chunks_exact(width)) {
+                    for (a, &x) in a[q].iter_mut().zip(&row[c0..c0 + W]) {
+                        *a += w * x;
+                    }
+                }
             }
         }
-        out[c0..c0 + W].copy_from_slice(&a);
+        for (out, a) in out.iter_mut().zip(&a) {
+            out[c0..c0 + W].copy_from_slice(a);
+        }
         c0 += W;
     }
     c0
@@ -452,10 +503,14 @@ fn block_sums<const W: usize>(
 /// One AVX register of f32.
 const LANES: usize = 8;
 
-/// Columns (keys for the scores, head dims for the output) that [`weighted_row_sum`] computes at
-/// a time in registers: eight 8-lane AVX registers, eight independent chains of adds (three
-/// cycles each) to keep both of a core's vector adders busy.
+/// Columns (keys for the scores, head dims for the output) that [`weighted_row_sums`] computes at
+/// a time in registers for one query row: eight 8-lane AVX registers, eight independent chains
+/// of adds (three cycles each) to keep both of a core's vector adders busy.
 const BLOCK: usize = 64;
+
+/// The same for two query rows at once: 2 × 4 accumulator registers, 4 loaded blocks and 2
+/// broadcasts fit AVX's 16 registers.
+const PAIR_BLOCK: usize = 32;
 
 #[cfg(test)]
 mod tests {
