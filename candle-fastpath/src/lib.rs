@@ -4,9 +4,8 @@
 //!   residual, as one cuBLASLt call with the bias (and residual) in its epilogue (plus one
 //!   in-place GELU kernel). candle's own `Linear` runs a matmul and then a separate broadcast add
 //!   (and a GELU, and a residual add), each a full pass over the activations; in a ViT those
-//!   passes cost more than the matmuls. On the CPU one f32 `gemm` call with the bias in its
-//!   destination and one pass for the residual and GELU (f16 / bf16 widened, rounded once), with
-//!   the same semantics.
+//!   passes cost more than the matmuls. On the CPU one f32 `gemm` call and one pass for the
+//!   bias, residual and GELU (f16 / bf16 widened, rounded once), with the same semantics.
 //! - [`LayerNorm`]: torch's LayerNorm as one bandwidth-bound kernel on CUDA (one pass a row of
 //!   ours on the CPU); [`norm_linear`]: a LayerNorm and the Linear (and GELU) after it as one kernel
 //!   where rows are few and narrow (a DeiT-T block at batch 1), [`residual_norm_linear`]

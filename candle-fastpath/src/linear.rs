@@ -128,8 +128,8 @@ impl FusedLinear {
     /// `x` `[.., in]` → `[.., out]` with `epilogue` applied (see [`Epilogue`]). On CUDA: one
     /// cuBLASLt call (bias and residual in its epilogue) plus, for the GELU epilogues, one
     /// in-place GELU kernel; the output is the only allocation. On the CPU: one f32 `gemm` call
-    /// into the output, which starts as the bias rows, then one pass for the residual and the
-    /// GELU (f16 / bf16 widened first, rounded once at the end; [`cpu_gemm`]).
+    /// into the output, then one pass for the bias, the residual and the GELU (f16 / bf16
+    /// widened first, rounded once at the end; [`cpu_gemm`]).
     pub fn forward_with(&self, x: &Tensor, epilogue: Epilogue) -> Result<Tensor> {
         let dims = x.dims();
         if dims.is_empty() || *dims.last().unwrap() != self.in_dim() {
@@ -291,8 +291,8 @@ impl Module for FusedLinear {
     }
 }
 
-/// Whether [`FusedLinear`] runs on the CPU as one f32 `gemm` call with the bias in its
-/// destination and the epilogue in one pass after it (`linear_cpu`): yes unless
+/// Whether [`FusedLinear`] runs on the CPU as one f32 `gemm` call and the bias, residual and
+/// GELU in one pass after it (`linear_cpu`): yes unless
 /// `CANDLE_FASTPATH_CPU_LINEAR=0` (read once; candle's ops, for A/B measurements).
 pub fn cpu_gemm() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();

@@ -599,10 +599,12 @@ mod tests {
             (63, 64),
             (197, 64),
             (66, 128),
-            // Head dims past the last whole block of 64 (the remainder loop).
+            // Head dims past the last whole block of 64 (the 8-lane blocks).
             (33, 48),
             (70, 96),
             (40, 8),
+            // Not a multiple of 8: the scalar remainder loop.
+            (9, 12),
         ] {
             let (x, (q, k, v)) = strided_qkv(len, dim, 0x9e3779b97f4a7c15);
             let got = attend_one_head(rows(&x, q), rows(&x, k), rows(&x, v), (len, dim, 0.125));
