@@ -79,9 +79,9 @@ impl DTypeArg {
 /// Which Hub repository family to download from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum SourceArg {
-    /// timm/deit_{size}[_distilled]_patch16_224.fb_in1k
+    /// `timm/deit_{size}[_distilled]_patch16_224.fb_in1k`
     Timm,
-    /// facebook/deit-{size}[-distilled]-patch16-224
+    /// `facebook/deit-{size}[-distilled]-patch16-224`
     Facebook,
 }
 
