@@ -220,12 +220,14 @@ impl CustomOp3 for RaggedAttention<'_> {
 
 impl RaggedAttention<'_> {
     /// CPU path: per sequence and head, scores in f32, a max-subtracted softmax, then the
-    /// weighted sum of values. Sequences run in parallel and, within a sequence, heads do too
-    /// (a batch of one image still uses every core). Every inner loop runs over independent
-    /// lanes (keys for the scores, with K transposed once per head; head dims for the values),
-    /// so it vectorises without reassociating any sum: each score is still accumulated over
-    /// the head dims in order, each output over the keys in order. The exponential is
-    /// [`exp_f32`], which vectorises too (libm's `expf` is a call per score).
+    /// weighted sum of values. Sequences run in parallel, within a sequence heads do too, and
+    /// within a head blocks of up to [`UNIT_QUERIES`] query rows (one image with three heads is
+    /// still twelve tasks, so two or more cores end together). Per head, K is transposed and V
+    /// gathered once ([`KeysValues`]); then either [`fma::attend_rows`] (x86-64 with AVX2 and
+    /// FMA: matmul register tiles) or [`attend_rows`] (any CPU: loops over independent lanes
+    /// that keep the bits of one row and one key at a time). Both sum each score over the head
+    /// dims in order and each output over the keys in order; the exponential is [`exp_f32`],
+    /// which vectorises (libm's `expf` is a call per score).
     fn cpu_attention<T: Float32>(
         &self,
         q: &[T],
@@ -243,6 +245,7 @@ impl RaggedAttention<'_> {
         let (qa, ka, va) = (at(lq), at(lk), at(lv));
         let scale = self.softmax_scale;
         let row_len = heads * dim;
+        let fma = fma_kernel(dim);
         let mut out = vec![T::from_f32(0.0); self.batch.total_tokens() * row_len];
         let offsets = self.batch.offsets()?;
         for_each_sequence(&mut out, &offsets, row_len, |start, len, out_rows| {
@@ -257,11 +260,12 @@ impl RaggedAttention<'_> {
                             first: first + start * row_stride + h * head_stride,
                             stride: row_stride,
                         };
-                    attend_one_head_dispatch(
+                    attend_head(
                         rows(q, qa),
                         rows(k, ka),
                         rows(v, va),
                         (len, dim, scale),
+                        fma,
                     )
                 })
                 .collect();
@@ -292,58 +296,154 @@ impl<T: Float32> HeadRows<'_, T> {
     }
 }
 
-/// [`attend_one_head`] compiled for AVX when the CPU has it (8 lanes instead of SSE2's 4; no FMA,
-/// so every product and sum rounds exactly as in the baseline build).
-fn attend_one_head_dispatch<T: Float32>(
+/// Query rows a task of the CPU attention takes at most (see [`query_block_rows`]).
+const UNIT_QUERIES: usize = 64;
+
+/// Rows of each block of a `len`-row head: nearly equal blocks, none over [`UNIT_QUERIES`]
+/// (197 rows: 50, 50, 50, 47).
+fn query_block_rows(len: usize) -> usize {
+    len.div_ceil(len.div_ceil(UNIT_QUERIES).max(1)).max(1)
+}
+
+/// Keys padded to a multiple of this in [`KeysValues`]: whole vectors (and whole FMA tiles).
+const KEY_PAD: usize = 16;
+
+/// One (sequence, head)'s keys and values as the CPU kernels read them, in f32: Kᵀ
+/// (`[dim, width]`, the keys padded with zero columns to `width`, a multiple of [`KEY_PAD`], so
+/// the last block of scores is whole vectors; the padded scores are 0 and never read) and V
+/// (`[len, dim]`, contiguous). Built once per head, read by every block of its query rows.
+struct KeysValues {
+    kt: Vec<f32>,
+    vb: Vec<f32>,
+    width: usize,
+    len: usize,
+    dim: usize,
+}
+
+impl KeysValues {
+    fn pack<T: Float32>(k: HeadRows<'_, T>, v: HeadRows<'_, T>, len: usize, dim: usize) -> Self {
+        let width = len.next_multiple_of(KEY_PAD);
+        let mut kt = vec![0f32; dim * width];
+        let mut vb = Vec::with_capacity(len * dim);
+        for j in 0..len {
+            let k_row = &k.data[k.first + j * k.stride..][..dim];
+            for (col, &x) in kt.chunks_exact_mut(width).zip(k_row) {
+                col[j] = x.to_f32();
+            }
+            let v_row = &v.data[v.first + j * v.stride..][..dim];
+            vb.extend(v_row.iter().map(|x| x.to_f32()));
+        }
+        Self {
+            kt,
+            vb,
+            width,
+            len,
+            dim,
+        }
+    }
+}
+
+/// Whether the CPU attention takes the FMA kernel for head dim `dim`: the CPU has AVX2 and FMA,
+/// `dim` is a multiple of 16 (32, 64 and 128 are), and `CANDLE_RAGGED_CPU_FMA` is not `0` (which
+/// selects [`attend_rows`]' loops, for A/B runs and for the bits of a machine without FMA). The
+/// CPU and the variable are read once a process.
+fn fma_kernel(dim: usize) -> bool {
+    static FMA: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let usable = *FMA.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+        {
+            return std::env::var("CANDLE_RAGGED_CPU_FMA").as_deref() != Ok("0");
+        }
+        false
+    });
+    usable && dim % KEY_PAD == 0
+}
+
+/// One (sequence, head): its `len` query rows against its `len` key / value rows of `dim`
+/// values, scores scaled by `scale`; returns the `[len, dim]` output in f32. K and V are packed
+/// once, then blocks of query rows run in parallel, by the FMA kernel when `fma` (from
+/// [`fma_kernel`]) says so.
+fn attend_head<T: Float32>(
     q: HeadRows<'_, T>,
     k: HeadRows<'_, T>,
     v: HeadRows<'_, T>,
-    shape: (usize, usize, f32),
+    (len, dim, scale): (usize, usize, f32),
+    fma: bool,
 ) -> Vec<f32> {
+    let kv = KeysValues::pack(k, v, len, dim);
+    let rows = query_block_rows(len);
+    let mut out = vec![0f32; len * dim];
+    out.par_chunks_mut(rows * dim)
+        .enumerate()
+        .for_each(|(b, out)| {
+            let q = HeadRows {
+                first: q.first + b * rows * q.stride,
+                ..q
+            };
+            attend_rows_dispatch(q, &kv, scale, fma, out)
+        });
+    out
+}
+
+/// `out.len() / dim` query rows (from `q`'s first) against the keys and values of `kv`:
+/// [`fma::attend_rows`] when `fma` (the caller checked the CPU, [`fma_kernel`]), else
+/// [`attend_rows_wide`].
+fn attend_rows_dispatch<T: Float32>(
+    q: HeadRows<'_, T>,
+    kv: &KeysValues,
+    scale: f32,
+    fma: bool,
+    out: &mut [f32],
+) {
+    #[cfg(target_arch = "x86_64")]
+    if fma {
+        // SAFETY: fma_kernel() saw AVX2 and FMA on this CPU.
+        return unsafe { fma::attend_rows(q, kv, scale, out) };
+    }
+    assert!(!fma, "the FMA kernel is x86-64 only");
+    attend_rows_wide(q, kv, scale, out)
+}
+
+/// [`attend_rows`] compiled for AVX when the CPU has it (8 lanes instead of SSE2's 4; no FMA, so
+/// every product and sum rounds exactly as in the baseline build).
+fn attend_rows_wide<T: Float32>(q: HeadRows<'_, T>, kv: &KeysValues, scale: f32, out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx") {
         #[target_feature(enable = "avx")]
         unsafe fn avx<T: Float32>(
             q: HeadRows<'_, T>,
-            k: HeadRows<'_, T>,
-            v: HeadRows<'_, T>,
-            shape: (usize, usize, f32),
-        ) -> Vec<f32> {
-            attend_one_head(q, k, v, shape)
+            kv: &KeysValues,
+            scale: f32,
+            out: &mut [f32],
+        ) {
+            attend_rows(q, kv, scale, out)
         }
         // SAFETY: the CPU reports AVX.
-        return unsafe { avx(q, k, v, shape) };
+        return unsafe { avx(q, kv, scale, out) };
     }
-    attend_one_head(q, k, v, shape)
+    attend_rows(q, kv, scale, out)
 }
 
-/// One (sequence, head): `len` query rows against `len` key / value rows of `dim` values, scores
-/// scaled by `scale`; returns the `[len, dim]` output in f32.
+/// `out.len() / dim` query rows (from `q`'s first) against the keys and values of `kv`, scores
+/// scaled by `scale`, into `out` (`[rows, dim]`). Loops over independent lanes (keys for the
+/// scores, head dims for the output), query rows two at a time: every sum in the order, and with
+/// the roundings, of one row and one key at a time.
 #[inline(always)]
-fn attend_one_head<T: Float32>(
-    q: HeadRows<'_, T>,
-    k: HeadRows<'_, T>,
-    v: HeadRows<'_, T>,
-    (len, dim, scale): (usize, usize, f32),
-) -> Vec<f32> {
-    // K transposed ([dim, width]) so a query's scores are `dim` axpy passes over the keys; its
-    // rows padded with zero columns to a multiple of 8 keys, so the last block of scores is a
-    // whole vector too (the padded scores are 0 and never read).
-    let width = len.next_multiple_of(LANES);
-    let mut kt = vec![0f32; dim * width];
-    let mut vb = vec![0f32; len * dim];
-    for j in 0..len {
-        for d in 0..dim {
-            kt[d * width + j] = k.at(j, d);
-            vb[j * dim + d] = v.at(j, d);
-        }
-    }
+fn attend_rows<T: Float32>(q: HeadRows<'_, T>, kv: &KeysValues, scale: f32, out: &mut [f32]) {
+    let KeysValues {
+        kt,
+        vb,
+        width,
+        len,
+        dim,
+    } = kv;
+    let (width, len, dim) = (*width, *len, *dim);
     // Query rows two at a time: each row of Kᵀ and of V is loaded once for both (the sums of
     // each row are exactly those of one row at a time).
-    let mut res = vec![0f32; len * dim];
     let mut scores = vec![0f32; 2 * width];
     let mut qrows = vec![0f32; 2 * dim];
-    for (pair, out) in res.chunks_mut(2 * dim).enumerate() {
+    for (pair, out) in out.chunks_mut(2 * dim).enumerate() {
         let n = out.len() / dim;
         for (r, qrow) in qrows.chunks_exact_mut(dim).take(n).enumerate() {
             for (d, qd) in qrow.iter_mut().enumerate() {
@@ -354,24 +454,214 @@ fn attend_one_head<T: Float32>(
             let (qa, qb) = qrows.split_at(dim);
             let (sa, sb) = scores.split_at_mut(width);
             // Scores: the head dims' rows of Kᵀ weighted by the query.
-            weighted_row_sums::<2, PAIR_BLOCK>([qa, qb], &kt, [&mut *sa, &mut *sb]);
+            weighted_row_sums::<2, PAIR_BLOCK>([qa, qb], kt, [&mut *sa, &mut *sb]);
             let (sa, sb) = (&mut sa[..len], &mut sb[..len]);
             let denoms = [softmax_numerators(sa, scale), softmax_numerators(sb, scale)];
             // Output: the keys' rows of V weighted by the probabilities.
             let (oa, ob) = out.split_at_mut(dim);
-            weighted_row_sums::<2, PAIR_BLOCK>([sa, sb], &vb, [&mut *oa, &mut *ob]);
+            weighted_row_sums::<2, PAIR_BLOCK>([sa, sb], vb, [&mut *oa, &mut *ob]);
             for (o, denom) in [oa, ob].into_iter().zip(denoms) {
                 o.iter_mut().for_each(|a| *a /= denom);
             }
         } else {
             let s = &mut scores[..width];
-            weighted_row_sums::<1, BLOCK>([&qrows[..dim]], &kt, [&mut *s]);
+            weighted_row_sums::<1, BLOCK>([&qrows[..dim]], kt, [&mut *s]);
             let denom = softmax_numerators(&mut s[..len], scale);
-            weighted_row_sums::<1, BLOCK>([&s[..len]], &vb, [&mut *out]);
+            weighted_row_sums::<1, BLOCK>([&s[..len]], vb, [&mut *out]);
             out.iter_mut().for_each(|a| *a /= denom);
         }
     }
-    res
+}
+
+/// The CPU attention with fused multiply-adds (x86-64 with AVX2 and FMA): both products as
+/// register tiles of 6 rows × 16 columns, the classic matmul microkernel shape (12 accumulators,
+/// 2 loaded vectors and a broadcast in AVX's 16 registers: each loaded vector feeds 6 FMAs).
+/// Each tile walks one 16-column panel of the right operand (Kᵀ: 64 head dims × 16 keys, 4 KB; V:
+/// the keys × 16 head dims, 12.6 KB at 197 keys) while it is in L1, panel after panel. Every
+/// output still sums its terms in order (head dims for a score, keys for an output value) with
+/// one rounding a term, so a row's bits depend on neither the tile nor the block it falls in;
+/// they differ from [`attend_rows`]' (a product and a sum rounded apart there).
+#[cfg(target_arch = "x86_64")]
+mod fma {
+    use super::{Float32, HeadRows, KeysValues};
+    use std::arch::x86_64::*;
+
+    /// Columns of a tile: two AVX vectors.
+    const COLS: usize = 16;
+
+    /// Rows of a full tile.
+    const ROWS: usize = 6;
+
+    /// [`super::attend_rows`] with FMA (head dims a multiple of [`COLS`]).
+    ///
+    /// # Safety
+    /// The CPU must have AVX2 and FMA.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn attend_rows<T: Float32>(
+        q: HeadRows<'_, T>,
+        kv: &KeysValues,
+        scale: f32,
+        out: &mut [f32],
+    ) {
+        let (width, len, dim) = (kv.width, kv.len, kv.dim);
+        assert!(dim % COLS == 0 && width % COLS == 0);
+        let m = out.len() / dim;
+        if m == 0 {
+            return;
+        }
+        // Q's rows in place when they are f32, widened otherwise.
+        let widened: Vec<f32>;
+        let (qx, q_rs) = match T::as_f32(q.data) {
+            Some(x) => (&x[q.first..q.first + (m - 1) * q.stride + dim], q.stride),
+            None => {
+                let mut w = Vec::with_capacity(m * dim);
+                for i in 0..m {
+                    let row = &q.data[q.first + i * q.stride..][..dim];
+                    w.extend(row.iter().map(|x| x.to_f32()));
+                }
+                widened = w;
+                (&widened[..], dim)
+            }
+        };
+        let mut scores = vec![0f32; m * width];
+        // SAFETY (both calls): the CPU has AVX2 and FMA (this function's contract); product
+        // checks the slices against the sizes.
+        unsafe { product(qx, q_rs, m, dim, &kv.kt, width, width, &mut scores) };
+        // A plain loop, not a closure: its body is compiled with this function's AVX2.
+        let mut denoms = Vec::with_capacity(m);
+        for s in scores.chunks_exact_mut(width) {
+            denoms.push(softmax_numerators_lanes(&mut s[..len], scale));
+        }
+        unsafe { product(&scores, width, m, len, &kv.vb, dim, dim, out) };
+        for (o, denom) in out.chunks_exact_mut(dim).zip(denoms) {
+            o.iter_mut().for_each(|x| *x /= denom);
+        }
+    }
+
+    /// [`softmax_numerators`] with the sum in 8 lanes (key `j` into lane `j % 8`, the lanes
+    /// then added in order): the serial sum over the keys, a chain of dependent adds, took as
+    /// long as a quarter of the products. The order is fixed by the row's length alone.
+    #[inline(always)]
+    fn softmax_numerators_lanes(scores: &mut [f32], scale: f32) -> f32 {
+        const LANES: usize = 8;
+        let mut max = [f32::NEG_INFINITY; LANES];
+        let mut chunks = scores.chunks_exact_mut(LANES);
+        for c in &mut chunks {
+            for (m, s) in max.iter_mut().zip(c.iter_mut()) {
+                *s *= scale;
+                *m = if *s > *m { *s } else { *m };
+            }
+        }
+        let tail = chunks.into_remainder();
+        tail.iter_mut().for_each(|s| *s *= scale);
+        let max = max
+            .iter()
+            .chain(tail.iter())
+            .fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+        let mut sums = [0f32; LANES];
+        let mut chunks = scores.chunks_exact_mut(LANES);
+        for c in &mut chunks {
+            for (sum, s) in sums.iter_mut().zip(c.iter_mut()) {
+                *s = super::exp_f32(*s - max);
+                *sum += *s;
+            }
+        }
+        let mut denom = sums.iter().sum::<f32>();
+        for s in chunks.into_remainder() {
+            *s = super::exp_f32(*s - max);
+            denom += *s;
+        }
+        denom
+    }
+
+    /// `c[r][col] = Σ_i a[r][i] · b[i][col]`, the terms summed in order of `i`, for `m` rows
+    /// (`k` terms each, a's rows `a_rs` apart) and the first `n` columns (a multiple of
+    /// [`COLS`]) of b's `k` rows (`b_rs` apart); c is `[m, c.len() / m]` row-major.
+    ///
+    /// # Safety
+    /// The CPU must have AVX2 and FMA.
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn product(
+        a: &[f32],
+        a_rs: usize,
+        m: usize,
+        k: usize,
+        b: &[f32],
+        b_rs: usize,
+        n: usize,
+        c: &mut [f32],
+    ) {
+        let c_rs = c.len() / m.max(1);
+        // The bounds every tile stays within (its reads and writes are unchecked).
+        assert!(n % COLS == 0 && n <= b_rs && n <= c_rs && k <= a_rs);
+        assert!(m == 0 || (a.len() >= (m - 1) * a_rs + k && c.len() >= (m - 1) * c_rs + n));
+        assert!(k == 0 || b.len() >= (k - 1) * b_rs + n);
+        let (a, b, c) = (a.as_ptr(), b.as_ptr(), c.as_mut_ptr());
+        for c0 in (0..n).step_by(COLS) {
+            let mut r0 = 0;
+            // SAFETY: rows r0.. of a and c, columns c0..c0 + COLS of b and c, within the asserts.
+            unsafe {
+                let b = b.add(c0);
+                while r0 + ROWS <= m {
+                    tile::<ROWS>(
+                        a.add(r0 * a_rs),
+                        a_rs,
+                        k,
+                        b,
+                        b_rs,
+                        c.add(r0 * c_rs + c0),
+                        c_rs,
+                    );
+                    r0 += ROWS;
+                }
+                let (a, c) = (a.add(r0 * a_rs), c.add(r0 * c_rs + c0));
+                match m - r0 {
+                    1 => tile::<1>(a, a_rs, k, b, b_rs, c, c_rs),
+                    2 => tile::<2>(a, a_rs, k, b, b_rs, c, c_rs),
+                    3 => tile::<3>(a, a_rs, k, b, b_rs, c, c_rs),
+                    4 => tile::<4>(a, a_rs, k, b, b_rs, c, c_rs),
+                    5 => tile::<5>(a, a_rs, k, b, b_rs, c, c_rs),
+                    _ => {}
+                }
+            }
+        }
+    }
+
+    /// One `R × 16` tile of [`product`]: `R` rows of `a` (`a_rs` apart, `k` terms), `k` rows of
+    /// 16 values of `b` (`b_rs` apart), written to `R` rows of `c` (`c_rs` apart). The
+    /// accumulators are indexed by constants once the loops over `R` unroll, so they stay in
+    /// registers.
+    ///
+    /// # Safety
+    /// AVX2 and FMA; the pointers valid for those rows.
+    #[inline(always)]
+    unsafe fn tile<const R: usize>(
+        a: *const f32,
+        a_rs: usize,
+        k: usize,
+        b: *const f32,
+        b_rs: usize,
+        c: *mut f32,
+        c_rs: usize,
+    ) {
+        unsafe {
+            let mut acc = [[_mm256_setzero_ps(); 2]; R];
+            for i in 0..k {
+                let b0 = _mm256_loadu_ps(b.add(i * b_rs));
+                let b1 = _mm256_loadu_ps(b.add(i * b_rs + 8));
+                for (r, acc) in acc.iter_mut().enumerate() {
+                    let w = _mm256_broadcast_ss(&*a.add(r * a_rs + i));
+                    acc[0] = _mm256_fmadd_ps(w, b0, acc[0]);
+                    acc[1] = _mm256_fmadd_ps(w, b1, acc[1]);
+                }
+            }
+            for (r, acc) in acc.iter().enumerate() {
+                _mm256_storeu_ps(c.add(r * c_rs), acc[0]);
+                _mm256_storeu_ps(c.add(r * c_rs + 8), acc[1]);
+            }
+        }
+    }
 }
 
 /// Scales a query's raw scores, replaces each by `exp(score − max)` and returns their sum (over
@@ -545,6 +835,30 @@ mod tests {
         }
     }
 
+    /// `m` query rows from row `r0` on of the head in `x`, by the FMA kernel when `fma`, else
+    /// by `loops` (attend_rows or attend_rows_wide).
+    #[allow(clippy::too_many_arguments)]
+    fn attend_block(
+        x: &[f32],
+        (q0, qs): (usize, usize),
+        k: (usize, usize),
+        v: (usize, usize),
+        (r0, m): (usize, usize),
+        (len, dim): (usize, usize),
+        fma: bool,
+        loops: fn(HeadRows<'_, f32>, &KeysValues, f32, &mut [f32]),
+    ) -> Vec<f32> {
+        let kv = KeysValues::pack(rows(x, k), rows(x, v), len, dim);
+        let q = rows(x, (q0 + r0 * qs, qs));
+        let mut out = vec![f32::NAN; m * dim];
+        if fma {
+            attend_rows_dispatch(q, &kv, 0.125, true, &mut out);
+        } else {
+            loops(q, &kv, 0.125, &mut out);
+        }
+        out
+    }
+
     fn same_bits(a: &[f32], b: &[f32]) -> bool {
         a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
     }
@@ -607,12 +921,129 @@ mod tests {
             (9, 12),
         ] {
             let (x, (q, k, v)) = strided_qkv(len, dim, 0x9e3779b97f4a7c15);
-            let got = attend_one_head(rows(&x, q), rows(&x, k), rows(&x, v), (len, dim, 0.125));
+            let got = attend_block(&x, q, k, v, (0, len), (len, dim), false, attend_rows);
             let want = one_row_at_a_time(&x, q, k, v, len, dim, 0.125);
             assert!(
                 same_bits(&got, &want),
                 "len {len} dim {dim}: the vectorised loops changed the bits"
             );
+        }
+    }
+
+    /// The attention of one head in f64 (softmax of the scaled scores, then the weighted values).
+    fn reference_f64(
+        x: &[f32],
+        (q0, qs): (usize, usize),
+        (k0, ks): (usize, usize),
+        (v0, vs): (usize, usize),
+        len: usize,
+        dim: usize,
+        scale: f64,
+    ) -> Vec<f64> {
+        let mut res = vec![0f64; len * dim];
+        for i in 0..len {
+            let s: Vec<f64> = (0..len)
+                .map(|j| {
+                    (0..dim)
+                        .map(|d| x[q0 + i * qs + d] as f64 * x[k0 + j * ks + d] as f64)
+                        .sum::<f64>()
+                        * scale
+                })
+                .collect();
+            let max = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let p: Vec<f64> = s.iter().map(|s| (s - max).exp()).collect();
+            let denom: f64 = p.iter().sum();
+            for d in 0..dim {
+                let a: f64 = (0..len).map(|j| p[j] * x[v0 + j * vs + d] as f64).sum();
+                res[i * dim + d] = a / denom;
+            }
+        }
+        res
+    }
+
+    /// Whether this CPU runs the FMA kernel's tests (it has AVX2 and FMA).
+    fn has_fma() -> bool {
+        #[cfg(target_arch = "x86_64")]
+        {
+            std::arch::is_x86_feature_detected!("avx2")
+                && std::arch::is_x86_feature_detected!("fma")
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        false
+    }
+
+    #[test]
+    fn both_kernels_match_an_f64_reference() {
+        // The FMA kernel (where the CPU has it) and the loops, strided rows, the odd lengths,
+        // every supported head dim: within 1e-5 of the f64 result, relative to its size.
+        let arms: &[bool] = if has_fma() { &[false, true] } else { &[false] };
+        for &(len, dim) in &[
+            (1usize, 32usize),
+            (2, 64),
+            (5, 32),
+            (63, 64),
+            (64, 64),
+            (65, 64),
+            (197, 64),
+            (66, 128),
+            (577, 64),
+        ] {
+            let (x, (q, k, v)) = strided_qkv(len, dim, 0x6a09e667f3bcc909 ^ len as u64);
+            let want = reference_f64(&x, q, k, v, len, dim, 0.125);
+            for &fma in arms {
+                let got = attend_block(&x, q, k, v, (0, len), (len, dim), fma, attend_rows_wide);
+                let worst = got
+                    .iter()
+                    .zip(&want)
+                    .map(|(&g, &w)| (g as f64 - w).abs() / w.abs().max(1.0))
+                    .fold(0f64, f64::max);
+                assert!(
+                    worst <= 1e-5,
+                    "len {len} dim {dim} fma {fma}: off by {worst:e}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn query_blocks_keep_each_rows_bits() {
+        // A row's result must not depend on the work unit (or, in the FMA kernel, the register
+        // tile) it falls in: blocks of every size 1..=13 from several first rows against the
+        // whole head at once.
+        let arms: &[bool] = if has_fma() { &[false, true] } else { &[false] };
+        for &(len, dim) in &[(197usize, 64usize), (40, 32), (23, 128)] {
+            let (x, (q, k, v)) = strided_qkv(len, dim, 0xbb67ae8584caa73b);
+            for &fma in arms {
+                let block =
+                    |r0, m| attend_block(&x, q, k, v, (r0, m), (len, dim), fma, attend_rows_wide);
+                let whole = block(0, len);
+                for m in 1..=13 {
+                    for r0 in [0, 1, 5, len - m] {
+                        let got = block(r0, m);
+                        assert!(
+                            same_bits(&got, &whole[r0 * dim..(r0 + m) * dim]),
+                            "len {len} dim {dim} fma {fma}: rows {r0}..{} changed",
+                            r0 + m
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn query_blocks_are_nearly_equal() {
+        for len in [1usize, 2, 63, 64, 65, 128, 129, 197, 577, 1024] {
+            let rows = query_block_rows(len);
+            let blocks = len.div_ceil(rows);
+            let last = len - (blocks - 1) * rows;
+            assert!(rows <= UNIT_QUERIES, "len {len}: blocks of {rows}");
+            assert_eq!(
+                blocks,
+                len.div_ceil(UNIT_QUERIES),
+                "len {len}: {blocks} blocks"
+            );
+            assert!(rows - last < blocks, "len {len}: {rows} then {last}");
         }
     }
 
@@ -662,9 +1093,8 @@ mod tests {
         // lanes are independent and no sum is reassociated. Strided rows, odd lengths.
         for &(len, dim) in &[(1usize, 32usize), (63, 64), (197, 64), (65, 128)] {
             let (buf, (q, k, v)) = strided_qkv(len, dim, 0x2545f4914f6cdd1d);
-            let (q, k, v) = (rows(&buf, q), rows(&buf, k), rows(&buf, v));
-            let base = attend_one_head(q, k, v, (len, dim, 0.125));
-            let wide = attend_one_head_dispatch(q, k, v, (len, dim, 0.125));
+            let block = |loops| attend_block(&buf, q, k, v, (0, len), (len, dim), false, loops);
+            let (base, wide) = (block(attend_rows), block(attend_rows_wide));
             assert!(
                 same_bits(&base, &wide),
                 "len {len} dim {dim}: the dispatched build changed the bits"

@@ -7,6 +7,10 @@ use rayon::prelude::*;
 pub(crate) trait Float32: Copy + Send + Sync {
     fn to_f32(self) -> f32;
     fn from_f32(x: f32) -> Self;
+    /// The slice itself when the type is f32 (read in place, nothing widened).
+    fn as_f32(_: &[Self]) -> Option<&[f32]> {
+        None
+    }
 }
 
 impl Float32 for f32 {
@@ -15,6 +19,9 @@ impl Float32 for f32 {
     }
     fn from_f32(x: f32) -> Self {
         x
+    }
+    fn as_f32(s: &[f32]) -> Option<&[f32]> {
+        Some(s)
     }
 }
 
