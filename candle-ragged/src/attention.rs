@@ -930,37 +930,6 @@ mod tests {
         }
     }
 
-    /// The attention of one head in f64 (softmax of the scaled scores, then the weighted values).
-    fn reference_f64(
-        x: &[f32],
-        (q0, qs): (usize, usize),
-        (k0, ks): (usize, usize),
-        (v0, vs): (usize, usize),
-        len: usize,
-        dim: usize,
-        scale: f64,
-    ) -> Vec<f64> {
-        let mut res = vec![0f64; len * dim];
-        for i in 0..len {
-            let s: Vec<f64> = (0..len)
-                .map(|j| {
-                    (0..dim)
-                        .map(|d| x[q0 + i * qs + d] as f64 * x[k0 + j * ks + d] as f64)
-                        .sum::<f64>()
-                        * scale
-                })
-                .collect();
-            let max = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-            let p: Vec<f64> = s.iter().map(|s| (s - max).exp()).collect();
-            let denom: f64 = p.iter().sum();
-            for d in 0..dim {
-                let a: f64 = (0..len).map(|j| p[j] * x[v0 + j * vs + d] as f64).sum();
-                res[i * dim + d] = a / denom;
-            }
-        }
-        res
-    }
-
     /// Whether this CPU runs the FMA kernel's tests (it has AVX2 and FMA).
     fn has_fma() -> bool {
         #[cfg(target_arch = "x86_64")]
@@ -973,10 +942,15 @@ mod tests {
     }
 
     #[test]
-    fn both_kernels_match_an_f64_reference() {
-        // The FMA kernel (where the CPU has it) and the loops, strided rows, the odd lengths,
-        // every supported head dim: within 1e-5 of the f64 result, relative to its size.
-        let arms: &[bool] = if has_fma() { &[false, true] } else { &[false] };
+    fn fma_kernel_agrees_with_the_loops() {
+        // Strided rows, the odd lengths, every supported head dim: the FMA kernel (where the CPU
+        // has it) within 1e-5 of one row and one key at a time (relative to the output's size),
+        // while its bits differ. The op's integration tests hold whichever kernel the CPU runs
+        // to the f64 reference in every dtype.
+        if !has_fma() {
+            eprintln!("no AVX2 + FMA on this CPU: the FMA kernel is not run here");
+            return;
+        }
         for &(len, dim) in &[
             (1usize, 32usize),
             (2, 64),
@@ -989,19 +963,14 @@ mod tests {
             (577, 64),
         ] {
             let (x, (q, k, v)) = strided_qkv(len, dim, 0x6a09e667f3bcc909 ^ len as u64);
-            let want = reference_f64(&x, q, k, v, len, dim, 0.125);
-            for &fma in arms {
-                let got = attend_block(&x, q, k, v, (0, len), (len, dim), fma, attend_rows_wide);
-                let worst = got
-                    .iter()
-                    .zip(&want)
-                    .map(|(&g, &w)| (g as f64 - w).abs() / w.abs().max(1.0))
-                    .fold(0f64, f64::max);
-                assert!(
-                    worst <= 1e-5,
-                    "len {len} dim {dim} fma {fma}: off by {worst:e}"
-                );
-            }
+            let want = one_row_at_a_time(&x, q, k, v, len, dim, 0.125);
+            let got = attend_block(&x, q, k, v, (0, len), (len, dim), true, attend_rows_wide);
+            let worst = got
+                .iter()
+                .zip(&want)
+                .map(|(&g, &w)| (g - w).abs() / w.abs().max(1.0))
+                .fold(0f32, f32::max);
+            assert!(worst <= 1e-5, "len {len} dim {dim}: off by {worst:e}");
         }
     }
 
