@@ -538,9 +538,10 @@ mod fma {
         }
     }
 
-    /// [`softmax_numerators`] with the sum in 8 lanes (key `j` into lane `j % 8`, the lanes
-    /// then added in order): the serial sum over the keys, a chain of dependent adds, took as
-    /// long as a quarter of the products. The order is fixed by the row's length alone.
+    /// [`super::softmax_numerators`] with the sum in 8 lanes (key `j` into lane `j % 8`, the
+    /// lanes then added in order): the serial sum over the keys, a chain of dependent adds, held
+    /// most of this kernel's time outside the two products. The order is fixed by the row's
+    /// length alone.
     #[inline(always)]
     fn softmax_numerators_lanes(scores: &mut [f32], scale: f32) -> f32 {
         const LANES: usize = 8;
