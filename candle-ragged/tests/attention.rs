@@ -460,8 +460,9 @@ fn cu_seqlens_on_another_device_is_refused() {
 }
 
 #[test]
-fn cpu_and_device_agree_bitwise_on_f32_shapes() {
-    // On a CPU-only build both sides are the CPU; on the GPU machine this compares the two paths.
+fn cpu_and_device_agree_on_f32_shapes() {
+    // On a CPU-only build both sides are the CPU; on the GPU machine this compares the two paths
+    // (within 1e-5, not bit for bit: the kernels sum in different orders).
     let dev = device();
     let lengths = [5usize, 70, 1];
     let batch_dev = RaggedBatch::from_lengths(&lengths, &dev).unwrap();
