@@ -294,6 +294,16 @@ impl<T: Float32> HeadRows<'_, T> {
     fn at(&self, row: usize, d: usize) -> f32 {
         self.data[self.first + row * self.stride + d].to_f32()
     }
+
+    /// The first `n` rows of `dim` values, contiguous, in f32.
+    fn widened(&self, n: usize, dim: usize) -> Vec<f32> {
+        let mut out = Vec::with_capacity(n * dim);
+        for i in 0..n {
+            let row = &self.data[self.first + i * self.stride..][..dim];
+            out.extend(row.iter().map(|x| x.to_f32()));
+        }
+        out
+    }
 }
 
 /// Query rows a task of the CPU attention takes at most (see [`query_block_rows`]).
@@ -324,18 +334,15 @@ impl KeysValues {
     fn pack<T: Float32>(k: HeadRows<'_, T>, v: HeadRows<'_, T>, len: usize, dim: usize) -> Self {
         let width = len.next_multiple_of(KEY_PAD);
         let mut kt = vec![0f32; dim * width];
-        let mut vb = Vec::with_capacity(len * dim);
         for j in 0..len {
             let k_row = &k.data[k.first + j * k.stride..][..dim];
             for (col, &x) in kt.chunks_exact_mut(width).zip(k_row) {
                 col[j] = x.to_f32();
             }
-            let v_row = &v.data[v.first + j * v.stride..][..dim];
-            vb.extend(v_row.iter().map(|x| x.to_f32()));
         }
         Self {
             kt,
-            vb,
+            vb: v.widened(len, dim),
             width,
             len,
             dim,
@@ -514,12 +521,7 @@ mod fma {
         let (qx, q_rs) = match T::as_f32(q.data) {
             Some(x) => (&x[q.first..q.first + (m - 1) * q.stride + dim], q.stride),
             None => {
-                let mut w = Vec::with_capacity(m * dim);
-                for i in 0..m {
-                    let row = &q.data[q.first + i * q.stride..][..dim];
-                    w.extend(row.iter().map(|x| x.to_f32()));
-                }
-                widened = w;
+                widened = q.widened(m, dim);
                 (&widened[..], dim)
             }
         };
@@ -545,20 +547,8 @@ mod fma {
     #[inline(always)]
     fn softmax_numerators_lanes(scores: &mut [f32], scale: f32) -> f32 {
         const LANES: usize = 8;
-        let mut max = [f32::NEG_INFINITY; LANES];
-        let mut chunks = scores.chunks_exact_mut(LANES);
-        for c in &mut chunks {
-            for (m, s) in max.iter_mut().zip(c.iter_mut()) {
-                *s *= scale;
-                *m = if *s > *m { *s } else { *m };
-            }
-        }
-        let tail = chunks.into_remainder();
-        tail.iter_mut().for_each(|s| *s *= scale);
-        let max = max
-            .iter()
-            .chain(tail.iter())
-            .fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+        let max = super::scale_to_max(scores, scale);
+        // Each exponential added to its lane's sum as it is made (one pass over the row).
         let mut sums = [0f32; LANES];
         let mut chunks = scores.chunks_exact_mut(LANES);
         for c in &mut chunks {
@@ -669,11 +659,17 @@ mod fma {
 /// the keys in order): the softmax but for the division.
 #[inline(always)]
 fn softmax_numerators(scores: &mut [f32], scale: f32) -> f32 {
-    scores.iter_mut().for_each(|s| *s *= scale);
-    let max = max_of(scores);
+    let max = scale_to_max(scores, scale);
     // The exponentials are independent lanes; their sum keeps the keys' order.
     scores.iter_mut().for_each(|s| *s = exp_f32(*s - max));
     scores.iter().fold(0f32, |d, &s| d + s)
+}
+
+/// Scales a query's raw scores in place and returns their maximum: the softmax's first step.
+#[inline(always)]
+fn scale_to_max(scores: &mut [f32], scale: f32) -> f32 {
+    scores.iter_mut().for_each(|s| *s *= scale);
+    max_of(scores)
 }
 
 /// The largest value of `x` (NaNs skipped, as `f32::max` skips them; −∞ for an empty slice),
