@@ -65,6 +65,16 @@ def save(args, rows, skipped):
                "torch": torch.__version__, "timm": timm.__version__, "rows": rows, "skipped": skipped}, open(args.out, "w"), indent=1)
 
 
+def add_row(args, rows, skipped, model, path, b, dtype, sec):
+    """One result row (the format of our bench's JSON), saved at once so that a run cut short by a
+    time limit keeps its rows."""
+    r = {"model": model, "pruner": "none", "mode": "none", "path": path, "batch": b, "dtype": dtype,
+         "img_s": b / sec, "latency_ms": sec * 1e3, "mean_kept_tokens": 197.0}
+    rows.append(r)
+    save(args, rows, skipped)
+    print(f"{model:10} {path:17} {dtype:4} b={b:<4} {r['img_s']:10.2f} img/s {r['latency_ms']:9.3f} ms", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -75,10 +85,12 @@ def main():
     ap.add_argument("--max-autotune", action="store_true")
     ap.add_argument("--compile", default="ro", help="compile modes to run: ro, max, or ro,max (--max-autotune adds max); on the CPU any value runs the default mode, `none` none")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    ap.add_argument("--dtype", default="f16", help="dtypes (f16, bf16, f32); the GPU rows were measured in f16")
+    ap.add_argument("--dtype", default="f16", help="dtypes (f16, bf16, f32) on the CPU; the GPU rows run in f16 only")
     args = ap.parse_args()
     if args.device == "cpu":
         return cpu_main(args)
+    if args.dtype != "f16":
+        ap.error("on the GPU the peers run in f16 only (--dtype f16)")
     start = time.time()
     torch.manual_seed(0)
     torch.backends.cuda.matmul.allow_tf32 = True
@@ -86,11 +98,7 @@ def main():
     batches = [int(b) for b in args.batch.split(",")]
 
     def row(model, path, b, sec):
-        r = {"model": model, "pruner": "none", "mode": "none", "path": path, "batch": b, "dtype": "f16",
-             "img_s": b / sec, "latency_ms": sec * 1e3, "mean_kept_tokens": 197.0}
-        rows.append(r)
-        save(args, rows, skipped)  # after every row, so a run cut short by a time limit keeps its rows
-        print(f"{model:10} {path:17} b={b:<4} {r['img_s']:10.1f} img/s {r['latency_ms']:9.3f} ms", flush=True)
+        add_row(args, rows, skipped, model, path, b, "f16", sec)
 
     for model in args.models.split(","):
         m = timm.create_model(NAMES[model], pretrained=False).cuda().half().eval()
@@ -138,11 +146,7 @@ def cpu_main(args):
     batches = [int(b) for b in args.batch.split(",")]
 
     def row(model, path, b, dtype, sec):
-        r = {"model": model, "pruner": "none", "mode": "none", "path": path, "batch": b, "dtype": dtype,
-             "img_s": b / sec, "latency_ms": sec * 1e3, "mean_kept_tokens": 197.0}
-        rows.append(r)
-        save(args, rows, skipped)
-        print(f"{model:10} {path:14} {dtype:4} b={b:<4} {r['img_s']:10.2f} img/s {r['latency_ms']:9.2f} ms", flush=True)
+        add_row(args, rows, skipped, model, path, b, dtype, sec)
 
     for model in args.models.split(","):
         for dtype in args.dtype.split(","):
