@@ -68,6 +68,7 @@ mod linear_cpu;
 mod norm;
 mod norm_cpu;
 mod norm_linear;
+mod packed_cpu;
 mod patch;
 mod pool;
 mod pooled_head;
@@ -113,6 +114,7 @@ pub use norm_linear::{
     thin_residual_norm_tiles, NormLinearMode, ResidualNormLinearForms, ThinResidualNormTiles,
     NORM_LINEAR_DIMS,
 };
+pub use packed_cpu::cpu_packed;
 pub use patch::{patchify, patchify_after_zero_rows};
 pub use pool::{retain_freed_memory, track_buffer_events, PeakMemory};
 pub use pooled_head::{pooled_head_enabled, PooledMlpHead, POOLED_HEAD_WIDTHS};

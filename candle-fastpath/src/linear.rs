@@ -7,7 +7,10 @@
 use candle_core::{DType, Module, Shape, Tensor};
 use candle_nn::VarBuilder;
 
+use std::sync::{Arc, OnceLock};
+
 use crate::error::{FastpathError, Result};
+use crate::packed_cpu::{cpu_packed, PackedWeight};
 
 const OP: &str = "fused_linear";
 
@@ -48,6 +51,9 @@ impl Epilogue<'_> {
 pub struct FusedLinear {
     weight: Tensor,
     bias: Option<Tensor>,
+    /// The weight as panels for the CPU product ([`cpu_packed`]), made on the first CPU call and
+    /// shared by clones: the weight's bytes once more, in its dtype.
+    packed: Arc<OnceLock<PackedWeight>>,
 }
 
 /// A [`FusedLinear`] with bias, loaded like `candle_nn::linear`: `weight` `[out, in]` and `bias`
@@ -106,7 +112,18 @@ impl FusedLinear {
         Ok(Self {
             weight: weight.contiguous()?,
             bias,
+            packed: Arc::default(),
         })
+    }
+
+    /// The weight's panels for the CPU product, packed on the first call.
+    fn packed_weight(&self) -> Result<&PackedWeight> {
+        if let Some(p) = self.packed.get() {
+            return Ok(p);
+        }
+        let p = PackedWeight::pack(&self.weight)?;
+        // Two threads may pack at once; both panels are the same, the first one set stays.
+        Ok(self.packed.get_or_init(|| p))
     }
 
     pub fn weight(&self) -> &Tensor {
@@ -127,9 +144,11 @@ impl FusedLinear {
 
     /// `x` `[.., in]` → `[.., out]` with `epilogue` applied (see [`Epilogue`]). On CUDA: one
     /// cuBLASLt call (bias and residual in its epilogue) plus, for the GELU epilogues, one
-    /// in-place GELU kernel; the output is the only allocation. On the CPU: one f32 `gemm` call
-    /// into the output, then one pass for the bias, the residual and the GELU (f16 / bf16
-    /// widened first, rounded once at the end; [`cpu_gemm`]).
+    /// in-place GELU kernel; the output is the only allocation. On the CPU: the product on the
+    /// weight's panels, packed on the first call, with the bias, the residual and the GELU
+    /// applied to each task's block of the output ([`cpu_packed`]; one f32 `gemm` call and one
+    /// pass after it where that does not apply); f16 / bf16 inputs widened first, the output
+    /// rounded once at the end ([`cpu_gemm`]).
     pub fn forward_with(&self, x: &Tensor, epilogue: Epilogue) -> Result<Tensor> {
         let dims = x.dims();
         if dims.is_empty() || *dims.last().unwrap() != self.in_dim() {
@@ -193,6 +212,11 @@ impl FusedLinear {
                     None => None,
                 },
                 gelu: epilogue.gelu(),
+                packed: if cpu_packed() {
+                    Some(self.packed_weight()?)
+                } else {
+                    None
+                },
             };
             let y = x2.apply_op2_no_bwd(&self.weight, &op)?;
             return Ok(y.reshape(out_shape)?);

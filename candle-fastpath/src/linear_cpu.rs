@@ -1,7 +1,8 @@
-//! [`FusedLinear`](crate::FusedLinear)'s CPU path: one f32 `gemm` call for the product, then
-//! the bias, the residual and the GELU in one pass over the output, in pieces over rayon's
-//! pool; f16 / bf16 operands are widened to f32 first and the output rounded once at
-//! the end (the CUDA path's rounding).
+//! [`FusedLinear`](crate::FusedLinear)'s CPU path: the product on the weight's packed panels
+//! (`packed_cpu`, x86-64 with AVX2 + FMA), the bias, the residual and the GELU applied a task's
+//! block at a time; elsewhere (or under `CANDLE_FASTPATH_CPU_PACKED=0`) one f32 `gemm` call,
+//! then those in one pass over the output, in pieces over rayon's pool. f16 / bf16 inputs are
+//! widened to f32 first and the output rounded once at the end (the CUDA path's rounding).
 //!
 //! Why: as candle ops the layer is a matmul into a zeroed buffer, a broadcast bias add, a
 //! residual add and the GELU, each a pass over the output, and candle runs every elementwise op
@@ -13,29 +14,39 @@
 //! candle's CPU matmul has no f16 / bf16 kernel of its own either: it widens both operands to
 //! f32 (serially) and narrows the product, as this does in pieces over the pool.
 
+use std::borrow::Cow;
+
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, Layout, Shape, Storage, Tensor};
 use half::slice::HalfFloatSliceExt;
 
 use crate::cpu_pieces::{f32_values, for_pieces, narrow, widen};
+use crate::packed_cpu::{Finish, PackedWeight};
 
 /// `x·Wᵀ + b`, then `+ r` and the exact GELU as asked, for `x` `[rows, in]` (any strides) and a
 /// contiguous weight `[out, in]`, f32, f16 or bf16; output `[rows, out]`, contiguous, in their
 /// dtype. `bias` is `[out]` and `residual` `[rows, out]`, both contiguous, of that dtype, on the
 /// CPU (the caller checked shapes, dtypes and devices).
-pub(crate) struct CpuLinearOp {
+pub(crate) struct CpuLinearOp<'a> {
     pub bias: Option<Tensor>,
     pub residual: Option<Tensor>,
     pub gelu: bool,
+    /// The weight's panels, when the product runs on them ([`crate::cpu_packed`]) rather than
+    /// through `gemm`.
+    pub packed: Option<&'a PackedWeight>,
 }
 
-/// `f` on the values of a contiguous CPU tensor (the bias or the residual, `what`) as f32.
-fn with_f32<R>(t: &Tensor, what: &str, f: impl FnOnce(&[f32]) -> R) -> candle_core::Result<R> {
-    let (storage, layout) = t.storage_and_layout();
-    let Storage::Cpu(s) = &*storage else {
+/// The values of a contiguous CPU tensor (the bias or the residual, `what`) as f32: borrowed
+/// from `guard` (the tensor's storage, held by the caller) when they are f32.
+fn f32_of<'g>(
+    guard: &'g (impl std::ops::Deref<Target = Storage> + 'g),
+    layout: &Layout,
+    what: &str,
+) -> candle_core::Result<Cow<'g, [f32]>> {
+    let Storage::Cpu(s) = &**guard else {
         candle_core::bail!("fused_linear (CPU): the {what} is not on the CPU")
     };
-    Ok(f(&f32_values(s, layout, "fused_linear", what)?))
+    f32_values(s, layout, "fused_linear", what)
 }
 
 /// The rows of a half-precision `x` `[rows, k]` (any strides) widened to a contiguous f32
@@ -62,57 +73,35 @@ where
     out
 }
 
-impl CpuLinearOp {
-    /// Adds the bias (`b`, one value a column), then the residual, then takes the GELU of whole
-    /// output rows of `n` values (`r` the same positions of the residual): the order of the CUDA
-    /// epilogue, `gelu((x·Wᵀ + b) + r)`.
-    fn epilogue(dst: &mut [f32], n: usize, b: Option<&[f32]>, r: Option<&[f32]>, gelu: bool) {
-        if let Some(b) = b {
-            for row in dst.chunks_exact_mut(n) {
-                for (d, b) in row.iter_mut().zip(b) {
-                    *d += *b;
-                }
-            }
-        }
-        if let Some(r) = r {
-            for (d, r) in dst.iter_mut().zip(r) {
-                *d += *r;
-            }
-        }
-        if gelu {
-            crate::gelu_cpu::gelu_in_place(dst);
+impl CpuLinearOp<'_> {
+    /// A half-precision weight widened to f32 for `gemm`; nothing when the product runs on the
+    /// panels, which widen a block at a time.
+    fn widened_weight<T: Copy + Sync>(&self, w: &[T]) -> Vec<f32>
+    where
+        [T]: HalfFloatSliceExt,
+    {
+        match self.packed {
+            Some(_) => Vec::new(),
+            None => widen(w),
         }
     }
 
-    /// [`Self::epilogue`] over the whole `[rows, n]` output, in pieces of whole rows over
-    /// rayon's pool.
-    fn epilogue_pass(dst: &mut [f32], n: usize, b: Option<&[f32]>, r: Option<&[f32]>, gelu: bool) {
+    /// `finish` over the whole `[rows, n]` output `dst`, in pieces of whole rows over rayon's
+    /// pool.
+    fn finish_pass(dst: &mut [f32], n: usize, finish: Finish<'_>) {
+        if finish.bias.is_none() && finish.residual.is_none() && !finish.gelu {
+            return;
+        }
         for_pieces(dst, n, |at, d| {
-            Self::epilogue(d, n, b, r.map(|r| &r[at..at + d.len()]), gelu)
+            for (i, row) in d.chunks_exact_mut(n).enumerate() {
+                finish.apply(row, at / n + i, 0..n, n)
+            }
         });
     }
 
-    /// The epilogue pass over the product `dst` (`[rows, n]`) with the bias `b` and this op's
-    /// residual and GELU; no pass when there is nothing to add.
-    fn finish(&self, dst: &mut [f32], n: usize, b: Option<&[f32]>) -> candle_core::Result<()> {
-        match &self.residual {
-            Some(r) => with_f32(r, "residual", |r| {
-                if r.len() != dst.len() {
-                    candle_core::bail!("fused_linear (CPU): residual is not [rows, out]")
-                }
-                Self::epilogue_pass(dst, n, b, Some(r), self.gelu);
-                Ok(())
-            })?,
-            None if b.is_some() || self.gelu => {
-                Self::epilogue_pass(dst, n, b, None, self.gelu);
-                Ok(())
-            }
-            None => Ok(()),
-        }
-    }
-
     /// The layer over f32 operands: `x` `[rows, k]` from element `x0` with row / column strides
-    /// `(rs, cs)`, `w` `[n, k]` contiguous; the output `[rows, n]` in f32.
+    /// `(rs, cs)`, `w` `[n, k]` contiguous (read only by `gemm`, when the op has no panels); the
+    /// output `[rows, n]` in f32.
     #[allow(clippy::too_many_arguments)]
     fn forward_f32(
         &self,
@@ -124,9 +113,43 @@ impl CpuLinearOp {
         k: usize,
         n: usize,
     ) -> candle_core::Result<Vec<f32>> {
+        if x0 + (rows - 1) * rs + (k - 1) * cs >= x.len() {
+            candle_core::bail!("fused_linear (CPU): x reaches past its buffer")
+        }
+        let bias_storage = self.bias.as_ref().map(|b| b.storage_and_layout());
+        let residual_storage = self.residual.as_ref().map(|r| r.storage_and_layout());
+        let bias = match &bias_storage {
+            Some((guard, layout)) => Some(f32_of(guard, layout, "bias")?),
+            None => None,
+        };
+        let residual = match &residual_storage {
+            Some((guard, layout)) => Some(f32_of(guard, layout, "residual")?),
+            None => None,
+        };
+        if bias.as_ref().is_some_and(|b| b.len() != n) {
+            candle_core::bail!("fused_linear (CPU): bias is not [out]")
+        }
+        if residual.as_ref().is_some_and(|r| r.len() != rows * n) {
+            candle_core::bail!("fused_linear (CPU): residual is not [rows, out]")
+        }
+        let finish = Finish {
+            bias: bias.as_deref(),
+            residual: residual.as_deref(),
+            gelu: self.gelu,
+        };
+        if let Some(packed) = self.packed {
+            return Ok(if cs == 1 {
+                packed.product(&x[x0..], rs, rows, finish)
+            } else {
+                let dense: Vec<f32> = (0..rows)
+                    .flat_map(|i| (0..k).map(move |t| x[x0 + i * rs + t * cs]))
+                    .collect();
+                packed.product(&dense, k, rows, finish)
+            });
+        }
         // gemm reads through raw pointers: every element it reads must lie in the buffers.
-        if x0 + (rows - 1) * rs + (k - 1) * cs >= x.len() || w.len() != n * k {
-            candle_core::bail!("fused_linear (CPU): x or the weight reaches past its buffer")
+        if w.len() != n * k {
+            candle_core::bail!("fused_linear (CPU): the weight is not [out, in]")
         }
         let len = rows * n;
         let mut dst = vec![0f32; len];
@@ -164,20 +187,12 @@ impl CpuLinearOp {
             )
         }
         // The bias, residual and GELU in one pass over the product.
-        match &self.bias {
-            Some(b) => with_f32(b, "bias", |b| {
-                if b.len() != n {
-                    candle_core::bail!("fused_linear (CPU): bias is not [out]")
-                }
-                self.finish(&mut dst, n, Some(b))
-            })??,
-            None => self.finish(&mut dst, n, None)?,
-        }
+        Self::finish_pass(&mut dst, n, finish);
         Ok(dst)
     }
 }
 
-impl CustomOp2 for CpuLinearOp {
+impl CustomOp2 for CpuLinearOp<'_> {
     fn name(&self) -> &'static str {
         "fused_linear_cpu"
     }
@@ -214,11 +229,11 @@ impl CustomOp2 for CpuLinearOp {
                 n,
             )?),
             (CpuStorage::F16(x), CpuStorage::F16(w)) => {
-                let (x, w) = (widen_rows(x, xl, rows, k), widen(&w[w0..w1]));
+                let (x, w) = (widen_rows(x, xl, rows, k), self.widened_weight(&w[w0..w1]));
                 CpuStorage::F16(narrow(&self.forward_f32(&x, 0, dense, &w, rows, k, n)?))
             }
             (CpuStorage::BF16(x), CpuStorage::BF16(w)) => {
-                let (x, w) = (widen_rows(x, xl, rows, k), widen(&w[w0..w1]));
+                let (x, w) = (widen_rows(x, xl, rows, k), self.widened_weight(&w[w0..w1]));
                 CpuStorage::BF16(narrow(&self.forward_f32(&x, 0, dense, &w, rows, k, n)?))
             }
             _ => candle_core::bail!(

@@ -170,12 +170,52 @@ fn thin_gemm_matches_reference_at_batch_one_rows() {
     }
 }
 
+/// On the CPU the product runs on the weight's panels wherever the CPU has AVX2 and FMA (so the
+/// reference tests here check that kernel in CI), unless switched off; a layer's later calls,
+/// which use the panels its first call packed, and its clones' give the first call's bits, in
+/// every dtype.
+#[test]
+fn cpu_panels_apply_and_give_the_same_bits_every_call() {
+    #[cfg(target_arch = "x86_64")]
+    let fma =
+        std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma");
+    #[cfg(not(target_arch = "x86_64"))]
+    let fma = false;
+    let off = matches!(
+        std::env::var("CANDLE_FASTPATH_CPU_PACKED").as_deref(),
+        Ok("0") | Ok("off")
+    );
+    assert_eq!(candle_fastpath::cpu_packed(), fma && !off);
+    let mut rng = StdRng::seed_from_u64(5);
+    let (m, k, n) = (70, 300, 40);
+    for dtype in [DType::F32, DType::F16, DType::BF16] {
+        let to = |v: Vec<f32>, shape: &[usize]| {
+            Tensor::from_vec(v, shape, &Device::Cpu)
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap()
+        };
+        let layer = FusedLinear::new(
+            to(randn(&mut rng, n * k, 0.1), &[n, k]),
+            Some(to(randn(&mut rng, n, 0.5), &[n])),
+        )
+        .unwrap();
+        let x = to(randn(&mut rng, m * k, 1.0), &[m, k]);
+        let first = host(&layer.forward_with(&x, Epilogue::Gelu).unwrap());
+        let again = host(&layer.forward_with(&x, Epilogue::Gelu).unwrap());
+        let clone = host(&layer.clone().forward_with(&x, Epilogue::Gelu).unwrap());
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&first), bits(&again), "{dtype:?}: second call");
+        assert_eq!(bits(&first), bits(&clone), "{dtype:?}: clone");
+    }
+}
+
 #[test]
 fn matches_reference_every_epilogue_dtype_and_shape() {
     let dev = device();
     let mut rng = StdRng::seed_from_u64(11);
     for dtype in [DType::F32, DType::F16, DType::BF16] {
-        for &(k, n) in &[(64, 192), (7, 5), (40, 24), (384, 1152)] {
+        for &(k, n) in &[(64, 192), (7, 5), (40, 24), (300, 40), (384, 1152)] {
             for &m in &[1, 2, 63, 64, 65, 197, 577] {
                 for kind in [Kind::Plain, Kind::Gelu, Kind::Residual, Kind::ResidualGelu] {
                     let bias = m % 2 == 1 || matches!(kind, Kind::Gelu);
