@@ -163,7 +163,7 @@ fn device_mismatch(what: &'static str, q: &Tensor, found: &candle_core::Device) 
 
 fn aligned(t: &Tensor) -> Result<Tensor> {
     let l = t.layout();
-    let ok = l.start_offset() % 8 == 0 && l.stride()[..2].iter().all(|s| s % 8 == 0);
+    let ok = l.start_offset().is_multiple_of(8) && l.stride()[..2].iter().all(|s| s % 8 == 0);
     Ok(if ok { t.clone() } else { t.contiguous()? })
 }
 
@@ -364,7 +364,7 @@ fn fma_kernel(dim: usize) -> bool {
         }
         false
     });
-    usable && dim % KEY_PAD == 0
+    usable && dim.is_multiple_of(KEY_PAD)
 }
 
 /// One (sequence, head): its `len` query rows against its `len` key / value rows of `dim`
@@ -585,7 +585,7 @@ mod fma {
     ) {
         let c_rs = c.len() / m.max(1);
         // The bounds every tile stays within (its reads and writes are unchecked).
-        assert!(n % COLS == 0 && n <= b_rs && n <= c_rs && k <= a_rs);
+        assert!(n.is_multiple_of(COLS) && n <= b_rs && n <= c_rs && k <= a_rs);
         assert!(m == 0 || (a.len() >= (m - 1) * a_rs + k && c.len() >= (m - 1) * c_rs + n));
         assert!(k == 0 || b.len() >= (k - 1) * b_rs + n);
         let (a, b, c) = (a.as_ptr(), b.as_ptr(), c.as_mut_ptr());

@@ -129,7 +129,7 @@ pub(crate) fn score_source<'a>(
                     x.dtype()
                 )));
             }
-            if heads == 0 || c % heads != 0 {
+            if heads == 0 || !c.is_multiple_of(heads) {
                 return Err(msg(format!("{heads} heads do not divide {c} channels")));
             }
             // The CUDA kernel keeps one head's query (and its logits) in shared memory.

@@ -172,13 +172,13 @@ impl DeiTConfig {
         if self.num_classes == 0 || self.mlp_ratio == 0 {
             return bad("num_classes and mlp_ratio must be non-zero".into());
         }
-        if self.dim % self.heads != 0 {
+        if !self.dim.is_multiple_of(self.heads) {
             return bad(format!(
                 "dim {} is not divisible by heads {}",
                 self.dim, self.heads
             ));
         }
-        if self.image_size % self.patch_size != 0 || self.image_size == 0 {
+        if !self.image_size.is_multiple_of(self.patch_size) || self.image_size == 0 {
             return bad(format!(
                 "image_size {} is not a non-zero multiple of patch_size {}",
                 self.image_size, self.patch_size
