@@ -4,8 +4,11 @@
 //!   residual, as one cuBLASLt call with the bias (and residual) in its epilogue (plus one
 //!   in-place GELU kernel). candle's own `Linear` runs a matmul and then a separate broadcast add
 //!   (and a GELU, and a residual add), each a full pass over the activations; in a ViT those
-//!   passes cost more than the matmuls. On the CPU one f32 `gemm` call and one pass for the
-//!   bias, residual and GELU (f16 / bf16 widened, rounded once), with the same semantics.
+//!   passes cost more than the matmuls. On the CPU, with the same semantics, the product
+//!   runs as AVX2 / FMA register tiles over the weight packed once into panels (in its own
+//!   dtype), the bias, residual and GELU applied while each block is in cache ([`cpu_packed`];
+//!   one f32 `gemm` call and one pass after it on other CPUs); f16 / bf16 inputs are widened,
+//!   the output rounded once.
 //! - [`LayerNorm`]: torch's LayerNorm as one bandwidth-bound kernel on CUDA (one pass a row of
 //!   ours on the CPU); [`norm_linear`]: a LayerNorm and the Linear (and GELU) after it as one kernel
 //!   where rows are few and narrow (a DeiT-T block at batch 1), [`residual_norm_linear`]

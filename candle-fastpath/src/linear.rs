@@ -1,6 +1,7 @@
 //! [`FusedLinear`]: a Linear layer whose bias, activation and residual ride in the matmul's
-//! epilogue on CUDA, in one f32 `gemm` call and one pass after it on the CPU (`linear_cpu`), and
-//! as plain candle ops elsewhere (same semantics; on CUDA and the CPU the product, bias and
+//! epilogue on CUDA, in the tiles of a product over the weight's packed panels on the CPU
+//! (`linear_cpu`, `packed_cpu`; one f32 `gemm` call and one pass after it on CPUs without
+//! AVX2 and FMA), and as plain candle ops elsewhere (same semantics; on CUDA and the CPU the product, bias and
 //! residual are summed in f32 and rounded once to the storage dtype, candle's ops round each
 //! step).
 
@@ -315,8 +316,9 @@ impl Module for FusedLinear {
     }
 }
 
-/// Whether [`FusedLinear`] runs on the CPU as one f32 `gemm` call and the bias, residual and
-/// GELU in one pass after it (`linear_cpu`): yes unless
+/// Whether [`FusedLinear`] runs on the CPU through this crate's kernels (`linear_cpu`: the
+/// product on the weight's packed panels where [`cpu_packed`] says so, else one f32 `gemm`
+/// call, with the bias, residual and GELU applied once): yes unless
 /// `CANDLE_FASTPATH_CPU_LINEAR=0` (read once; candle's ops, for A/B measurements).
 pub fn cpu_gemm() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();

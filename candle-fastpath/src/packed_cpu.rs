@@ -32,32 +32,77 @@ use rayon::prelude::*;
 /// Columns of a panel and of a tile: two AVX vectors.
 const COLS: usize = 16;
 
-/// Rows of a full tile: 12 accumulators, two panel vectors and a broadcast in the 16 registers.
-const ROWS: usize = 6;
-
 /// Terms of K in a panel block: 16 KB of f32, which stays in L1 while a task's rows pass over it.
 const DEPTH: usize = 256;
 
-/// Row tiles a task spans at most: 240 rows of x, ≤ 240 KB a K block, stay in L2 while the
-/// task's panels pass over them.
-const TASK_TILES: usize = 40;
+/// Rows a task spans at most: 240 rows of x, ≤ 240 KB a K block, stay in L2 while the task's
+/// panels pass over them.
+const TASK_ROWS: usize = 240;
 
 /// Below this many multiply-adds a product runs on the calling thread alone (waking the pool
 /// costs more than it saves).
 const PARALLEL_MIN: usize = 1 << 20;
 
+/// The register tiles a CPU runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kernel {
+    /// AVX2 + FMA: 6 rows × one panel (16 columns, two vectors): 12 accumulators, two panel
+    /// vectors and a broadcast in AVX's 16 registers.
+    Avx2,
+    /// AVX-512: 8 rows × two panels (32 columns, two vectors): 16 accumulators of AVX-512's 32
+    /// registers; ten loads (two panel vectors, eight broadcasts) a sixteen multiply-adds.
+    Avx512,
+}
+
+impl Kernel {
+    /// Rows of a full tile.
+    const fn rows(self) -> usize {
+        match self {
+            Kernel::Avx2 => 6,
+            Kernel::Avx512 => 8,
+        }
+    }
+}
+
+/// The most rows a tile of any kernel has.
+const MAX_ROWS: usize = 8;
+
+/// The kernel [`FusedLinear`](crate::FusedLinear)'s CPU product runs, from the CPU and
+/// `CANDLE_FASTPATH_CPU_PACKED` (read once): AVX-512 tiles where the CPU has AVX-512F (and AVX2 +
+/// FMA), AVX2 tiles where it has AVX2 + FMA or under `=avx2`, none (one `gemm` call a layer)
+/// on other CPUs or under `=0`.
+fn kernel() -> Option<Kernel> {
+    static KERNEL: OnceLock<Option<Kernel>> = OnceLock::new();
+    crate::switches::read_once(&KERNEL, "CANDLE_FASTPATH_CPU_PACKED", |v| match v {
+        Some("0") | Some("off") => None,
+        _ if !has_fma() => None,
+        Some("avx2") => Some(Kernel::Avx2),
+        _ if has_avx512() => Some(Kernel::Avx512),
+        _ => Some(Kernel::Avx2),
+    })
+}
+
 /// Whether [`FusedLinear`](crate::FusedLinear) runs on the CPU through [`PackedWeight`]: yes on
-/// x86-64 CPUs with AVX2 and FMA unless `CANDLE_FASTPATH_CPU_PACKED=0` (read once; then, and on
-/// other CPUs, one `gemm` call a layer, as before).
+/// x86-64 CPUs with AVX2 and FMA (AVX-512 tiles where the CPU has AVX-512F) unless
+/// `CANDLE_FASTPATH_CPU_PACKED=0` (read once; then, and on other CPUs, one `gemm` call a layer,
+/// as before); `=avx2` keeps the AVX2 tiles on an AVX-512 CPU.
 pub fn cpu_packed() -> bool {
-    static ON: OnceLock<bool> = OnceLock::new();
-    crate::switches::on_unless_off(&ON, "CANDLE_FASTPATH_CPU_PACKED") && has_fma()
+    kernel().is_some()
 }
 
 fn has_fma() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+fn has_avx512() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        has_fma() && std::arch::is_x86_feature_detected!("avx512f")
     }
     #[cfg(not(target_arch = "x86_64"))]
     false
@@ -162,11 +207,11 @@ impl PackedWeight {
     }
 
     /// `finish(x·Wᵀ)` for `x` `[rows, in]` (f32, rows `x_rs` apart, each contiguous):
-    /// `[rows, out]` row-major.
+    /// `[rows, out]` row-major, on the tiles [`cpu_packed`] chose.
     ///
     /// # Panics
     /// If `x` is too short for those rows, the bias is not `[out]` or the residual not
-    /// `[rows, out]`, or the CPU lacks AVX2 or FMA ([`cpu_packed`] says whether it has them).
+    /// `[rows, out]`, or the CPU has no tiles ([`cpu_packed`] is false).
     pub(crate) fn product(
         &self,
         x: &[f32],
@@ -174,11 +219,28 @@ impl PackedWeight {
         rows: usize,
         finish: Finish<'_>,
     ) -> Vec<f32> {
+        let kernel = kernel().expect("fused_linear (CPU): packed product without AVX2 + FMA");
+        self.product_with(kernel, x, x_rs, rows, finish)
+    }
+
+    /// [`Self::product`] on `kernel`'s tiles.
+    fn product_with(
+        &self,
+        kernel: Kernel,
+        x: &[f32],
+        x_rs: usize,
+        rows: usize,
+        finish: Finish<'_>,
+    ) -> Vec<f32> {
         let (n, k) = (self.out, self.depth);
         // The tiles read and write through raw pointers: everything they touch lies here.
+        let supported = match kernel {
+            Kernel::Avx2 => has_fma(),
+            Kernel::Avx512 => has_avx512(),
+        };
         assert!(
-            has_fma(),
-            "fused_linear (CPU): packed product without AVX2 + FMA"
+            supported,
+            "fused_linear (CPU): {kernel:?} tiles on a CPU without them"
         );
         assert!(rows > 0 && k > 0 && x_rs >= k && x.len() >= (rows - 1) * x_rs + k);
         assert!(finish.bias.is_none_or(|b| b.len() == n));
@@ -188,7 +250,8 @@ impl PackedWeight {
         let dst = Output(out.as_mut_ptr());
 
         let panel_count = n.div_ceil(COLS);
-        let tiles = rows.div_ceil(ROWS);
+        let tile_rows = kernel.rows();
+        let tiles = rows.div_ceil(tile_rows);
         let threads = rayon::current_num_threads().max(1);
         let parallel = threads > 1 && rows * n * k >= PARALLEL_MIN;
         // Three tasks a thread when there is work for them, so that a thread that finishes
@@ -199,13 +262,15 @@ impl PackedWeight {
         let row_tasks = tiles
             .div_ceil(4)
             .min(wanted)
-            .max(tiles.div_ceil(TASK_TILES));
-        let rows_per_task = tiles.div_ceil(row_tasks) * ROWS;
+            .max(tiles.div_ceil(TASK_ROWS / tile_rows));
+        let rows_per_task = tiles.div_ceil(row_tasks) * tile_rows;
         let panel_tasks = wanted
             .div_ceil(row_tasks)
             .min(panel_count.div_ceil(8))
             .max(1);
-        let panels_per_task = panel_count.div_ceil(panel_tasks);
+        // An even count of panels a task, so that AVX-512's two-panel tiles pair them alike
+        // whatever the split.
+        let panels_per_task = panel_count.div_ceil(panel_tasks).next_multiple_of(2);
         let tasks: Vec<(Range<usize>, Range<usize>)> = (0..rows)
             .step_by(rows_per_task)
             .flat_map(|r| {
@@ -218,10 +283,16 @@ impl PackedWeight {
             })
             .collect();
         let run = |(rows, panels): &(Range<usize>, Range<usize>)| {
-            // SAFETY: AVX2 + FMA (asserted above); x holds every row the task reads, and the
-            // tasks' output blocks (their rows × their panels' columns) are disjoint parts of
-            // `out`, which has room for `len` values.
-            unsafe { self.task(x, x_rs, rows.clone(), panels.clone(), dst, finish) }
+            let (rows, panels) = (rows.clone(), panels.clone());
+            // SAFETY: the CPU has the kernel's features (asserted above); x holds every row
+            // the task reads, and the tasks' output blocks (their rows × their panels'
+            // columns) are disjoint parts of `out`, which has room for `len` values.
+            unsafe {
+                match kernel {
+                    Kernel::Avx2 => self.task_avx2(x, x_rs, rows, panels, dst, finish),
+                    Kernel::Avx512 => self.task_avx512(x, x_rs, rows, panels, dst, finish),
+                }
+            }
         };
         if parallel {
             tasks.par_iter().for_each(run);
@@ -234,14 +305,13 @@ impl PackedWeight {
         out
     }
 
-    /// One task: output rows `rows` × the columns of panels `panels`, then its finish.
+    /// [`Self::task`] on AVX2 tiles.
     ///
     /// # Safety
-    /// AVX2 and FMA; `x` holds rows `rows` (`x_rs` apart, `depth` terms each); `dst` has room
-    /// for `[rows.end, out]` values and no other thread touches this task's block.
+    /// AVX2 and FMA, and [`Self::task`]'s.
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn task(
+    unsafe fn task_avx2(
         &self,
         x: &[f32],
         x_rs: usize,
@@ -250,88 +320,178 @@ impl PackedWeight {
         dst: Output,
         finish: Finish<'_>,
     ) {
-        let (n, k) = (self.out, self.depth);
-        // A half-precision block widened here, then read by every row tile of the task.
-        let mut widened = [0f32; DEPTH * COLS];
+        // SAFETY: the caller's.
+        unsafe { self.task::<Avx2Tiles>(x, x_rs, rows, panels, dst, finish) }
+    }
+
+    /// [`Self::task`] on AVX-512 tiles.
+    ///
+    /// # Safety
+    /// AVX-512F, AVX2 and FMA, and [`Self::task`]'s.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    unsafe fn task_avx512(
+        &self,
+        x: &[f32],
+        x_rs: usize,
+        rows: Range<usize>,
+        panels: Range<usize>,
+        dst: Output,
+        finish: Finish<'_>,
+    ) {
+        // SAFETY: the caller's.
+        unsafe { self.task::<Avx512Tiles>(x, x_rs, rows, panels, dst, finish) }
+    }
+
+    #[cfg(not(target_arch = "x86_64"))]
+    unsafe fn task_avx2(
+        &self,
+        _: &[f32],
+        _: usize,
+        _: Range<usize>,
+        _: Range<usize>,
+        _: Output,
+        _: Finish<'_>,
+    ) {
+        unreachable!("product asserts the kernel's features first")
+    }
+
+    #[cfg(not(target_arch = "x86_64"))]
+    unsafe fn task_avx512(
+        &self,
+        _: &[f32],
+        _: usize,
+        _: Range<usize>,
+        _: Range<usize>,
+        _: Output,
+        _: Finish<'_>,
+    ) {
+        unreachable!("product asserts the kernel's features first")
+    }
+
+    /// This panel's block of K terms `k0 .. k0 + terms` as f32: in place for an f32 weight,
+    /// widened into `buf` otherwise.
+    #[inline(always)]
+    fn block<'b>(&'b self, p: usize, k0: usize, terms: usize, buf: &'b mut [f32]) -> &'b [f32] {
+        let k = self.depth;
+        let block = (p * k + k0) * COLS..(p * k + k0 + terms) * COLS;
+        match &self.panels {
+            Panels::F32(v) => &v[block],
+            Panels::F16(v) => {
+                v[block].convert_to_f32_slice(&mut buf[..terms * COLS]);
+                &buf[..terms * COLS]
+            }
+            Panels::BF16(v) => {
+                v[block].convert_to_f32_slice(&mut buf[..terms * COLS]);
+                &buf[..terms * COLS]
+            }
+        }
+    }
+
+    /// One task: output rows `rows` × the columns of panels `panels`, then its finish.
+    ///
+    /// # Safety
+    /// The CPU has `T`'s features; `x` holds rows `rows` (`x_rs` apart, `depth` terms each);
+    /// `dst` has room for `[rows.end, out]` values and no other thread touches this task's
+    /// block.
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn task<T: Tiles>(
+        &self,
+        x: &[f32],
+        x_rs: usize,
+        rows: Range<usize>,
+        panels: Range<usize>,
+        dst: Output,
+        finish: Finish<'_>,
+    ) {
+        let (n, k, tr) = (self.out, self.depth, T::ROWS);
+        // Half-precision blocks (a tile's one or two panels) widened here, then read by every
+        // row tile of the task.
+        let mut widened = [[0f32; DEPTH * COLS]; 2];
         // The task's rows of x for one K block, a tile's rows interleaved term by term, so that
-        // a tile's six broadcasts a term come from one stream (a last tile of m < 6 rows
+        // a tile's broadcasts a term come from one stream (a last tile of m < T::ROWS rows
         // leaves the other places as they were: it reads only its m).
         // Kept per thread: a fresh buffer of this size (≤ 240 KB) is a fresh mapping, whose
         // page faults cost as much as the packing.
         thread_local!(static INTERLEAVED: std::cell::RefCell<Vec<f32>> = const {
             std::cell::RefCell::new(Vec::new())
         });
-        let tile_count = rows.len().div_ceil(ROWS);
-        let size = tile_count * ROWS * DEPTH.min(k);
-        INTERLEAVED.with_borrow_mut(|interleaved| {
-            if interleaved.len() < size {
-                interleaved.resize(size, 0.0);
-            }
-            for k0 in (0..k).step_by(DEPTH) {
-                let terms = (k - k0).min(DEPTH);
-                for (t, tile_rows) in interleaved[..tile_count * ROWS * terms]
-                    .chunks_exact_mut(ROWS * terms)
-                    .enumerate()
-                {
-                    for (r, row) in (rows.start + t * ROWS..rows.end).take(ROWS).enumerate() {
-                        let src = &x[row * x_rs + k0..row * x_rs + k0 + terms];
-                        for (i, &v) in src.iter().enumerate() {
-                            tile_rows[i * ROWS + r] = v;
-                        }
+        let tile_count = rows.len().div_ceil(tr);
+        let size = tile_count * tr * DEPTH.min(k);
+        // Taken out and put back rather than borrowed in a closure: a closure is compiled
+        // without this function's caller's target features, so its intrinsics would be calls.
+        let mut interleaved = INTERLEAVED.take();
+        if interleaved.len() < size {
+            interleaved.resize(size, 0.0);
+        }
+        for k0 in (0..k).step_by(DEPTH) {
+            let terms = (k - k0).min(DEPTH);
+            for (t, tile) in interleaved[..tile_count * tr * terms]
+                .chunks_exact_mut(tr * terms)
+                .enumerate()
+            {
+                for (r, row) in (rows.start + t * tr..rows.end).take(tr).enumerate() {
+                    let src = &x[row * x_rs + k0..row * x_rs + k0 + terms];
+                    for (i, &v) in src.iter().enumerate() {
+                        tile[i * tr + r] = v;
                     }
                 }
-                let first = k0 == 0;
-                for p in panels.clone() {
-                    let col = p * COLS;
-                    let width = (n - col).min(COLS);
-                    let block = (p * k + k0) * COLS..(p * k + k0 + terms) * COLS;
-                    let b: &[f32] = match &self.panels {
-                        Panels::F32(v) => &v[block],
-                        Panels::F16(v) => {
-                            v[block].convert_to_f32_slice(&mut widened[..terms * COLS]);
-                            &widened[..terms * COLS]
-                        }
-                        Panels::BF16(v) => {
-                            v[block].convert_to_f32_slice(&mut widened[..terms * COLS]);
-                            &widened[..terms * COLS]
-                        }
-                    };
-                    for (t, r) in rows.clone().step_by(ROWS).enumerate() {
-                        let m = (rows.end - r).min(ROWS);
-                        // SAFETY: tile t of the interleaved rows (`terms` terms of ROWS values);
-                        // `terms` rows of 16 values of b; rows r .. r + m, columns col .. col +
-                        // width of dst (this task's block).
-                        unsafe {
-                            let a = interleaved.as_ptr().add(t * ROWS * terms);
-                            let c = dst.0.add(r * n + col);
-                            if width == COLS {
-                                tiles(m, a, terms, b.as_ptr(), c, n, first);
-                            } else {
-                                // The last panel's valid columns, through a full-width buffer.
-                                let mut buf = [0f32; ROWS * COLS];
-                                if !first {
-                                    for i in 0..m {
-                                        std::ptr::copy_nonoverlapping(
-                                            c.add(i * n),
-                                            buf.as_mut_ptr().add(i * COLS),
-                                            width,
-                                        );
-                                    }
-                                }
-                                tiles(m, a, terms, b.as_ptr(), buf.as_mut_ptr(), COLS, first);
+            }
+            let first = k0 == 0;
+            let mut p = panels.start;
+            while p < panels.end {
+                let col = p * COLS;
+                // Two panels a tile where the kernel takes two and both are whole.
+                let pair = T::PAIRS && p + 1 < panels.end && col + 2 * COLS <= n;
+                let width = (n - col).min(COLS);
+                let [w0, w1] = &mut widened;
+                let b0 = self.block(p, k0, terms, w0).as_ptr();
+                let b1 = if pair {
+                    self.block(p + 1, k0, terms, w1).as_ptr()
+                } else {
+                    b0
+                };
+                for (t, r) in rows.clone().step_by(tr).enumerate() {
+                    let m = (rows.end - r).min(tr);
+                    // SAFETY: tile t of the interleaved rows (`terms` terms of T::ROWS
+                    // values); `terms` rows of 16 values at b0 (and b1); rows r .. r + m,
+                    // columns col .. col + width (+ 16 for a pair) of dst (this task's
+                    // block); the CPU has T's features (the caller's).
+                    unsafe {
+                        let a = interleaved.as_ptr().add(t * tr * terms);
+                        let c = dst.0.add(r * n + col);
+                        if pair {
+                            T::two(m, a, terms, b0, b1, c, n, first);
+                        } else if width == COLS {
+                            T::one(m, a, terms, b0, c, n, first);
+                        } else {
+                            // The last panel's valid columns, through a full-width buffer.
+                            let mut buf = [0f32; MAX_ROWS * COLS];
+                            if !first {
                                 for i in 0..m {
                                     std::ptr::copy_nonoverlapping(
-                                        buf.as_ptr().add(i * COLS),
                                         c.add(i * n),
+                                        buf.as_mut_ptr().add(i * COLS),
                                         width,
                                     );
                                 }
                             }
+                            T::one(m, a, terms, b0, buf.as_mut_ptr(), COLS, first);
+                            for i in 0..m {
+                                std::ptr::copy_nonoverlapping(
+                                    buf.as_ptr().add(i * COLS),
+                                    c.add(i * n),
+                                    width,
+                                );
+                            }
                         }
                     }
                 }
+                p += if pair { 2 } else { 1 };
             }
-        });
+        }
+        INTERLEAVED.set(interleaved);
         if finish.bias.is_none() && finish.residual.is_none() && !finish.gelu {
             return;
         }
@@ -344,61 +504,171 @@ impl PackedWeight {
             finish.apply(seg, r, cols.clone(), n);
         }
     }
+}
 
-    #[cfg(not(target_arch = "x86_64"))]
-    unsafe fn task(
-        &self,
-        _: &[f32],
-        _: usize,
-        _: Range<usize>,
-        _: Range<usize>,
-        _: Output,
-        _: Finish<'_>,
+/// A kernel's register tiles, for [`PackedWeight::task`]. `a` is a tile's rows of x
+/// interleaved (row `r`'s term `i` at `i·ROWS + r`), `k` terms; a panel block `b` is `k` rows
+/// of 16 values back to back; `c`'s rows are `c_rs` apart. A tile starts from zero when
+/// `first`, from `c`'s values otherwise, and adds its `k` products in order, one fused
+/// multiply-add each.
+#[cfg(target_arch = "x86_64")]
+trait Tiles {
+    /// Rows of a full tile.
+    const ROWS: usize;
+    /// Whether a full tile spans two panels.
+    const PAIRS: bool;
+    /// `m` (1 ..= ROWS) rows × one panel's 16 columns.
+    ///
+    /// # Safety
+    /// The CPU has the kernel's features; the pointers valid for those rows and columns.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn one(
+        m: usize,
+        a: *const f32,
+        k: usize,
+        b: *const f32,
+        c: *mut f32,
+        c_rs: usize,
+        first: bool,
+    );
+    /// `m` rows × two panels' 32 columns (`b0`'s, then `b1`'s); only where `PAIRS`.
+    ///
+    /// # Safety
+    /// As [`Tiles::one`].
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn two(
+        m: usize,
+        a: *const f32,
+        k: usize,
+        b0: *const f32,
+        b1: *const f32,
+        c: *mut f32,
+        c_rs: usize,
+        first: bool,
+    );
+}
+
+/// AVX2 + FMA: 6 × 16 tiles.
+#[cfg(target_arch = "x86_64")]
+struct Avx2Tiles;
+
+#[cfg(target_arch = "x86_64")]
+impl Tiles for Avx2Tiles {
+    const ROWS: usize = Kernel::Avx2.rows();
+    const PAIRS: bool = false;
+
+    #[inline(always)]
+    unsafe fn one(
+        m: usize,
+        a: *const f32,
+        k: usize,
+        b: *const f32,
+        c: *mut f32,
+        c_rs: usize,
+        first: bool,
     ) {
-        unreachable!("product asserts AVX2 + FMA first")
+        // SAFETY: the caller's.
+        unsafe {
+            match m {
+                6 => tile_avx2::<6>(a, k, b, c, c_rs, first),
+                5 => tile_avx2::<5>(a, k, b, c, c_rs, first),
+                4 => tile_avx2::<4>(a, k, b, c, c_rs, first),
+                3 => tile_avx2::<3>(a, k, b, c, c_rs, first),
+                2 => tile_avx2::<2>(a, k, b, c, c_rs, first),
+                1 => tile_avx2::<1>(a, k, b, c, c_rs, first),
+                _ => unreachable!("an AVX2 tile has 1 to 6 rows"),
+            }
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn two(
+        _: usize,
+        _: *const f32,
+        _: usize,
+        _: *const f32,
+        _: *const f32,
+        _: *mut f32,
+        _: usize,
+        _: bool,
+    ) {
+        unreachable!("AVX2 tiles span one panel")
     }
 }
 
-/// [`tile`] for `m` (1 ..= 6) rows.
-///
-/// # Safety
-/// As [`tile`].
+/// AVX-512: 8 × 32 tiles (8 × 16 for an unpaired panel).
 #[cfg(target_arch = "x86_64")]
-#[allow(clippy::too_many_arguments)]
-#[inline(always)]
-unsafe fn tiles(
-    m: usize,
-    a: *const f32,
-    k: usize,
-    b: *const f32,
-    c: *mut f32,
-    c_rs: usize,
-    first: bool,
-) {
-    // SAFETY: the caller's.
-    unsafe {
-        match m {
-            6 => tile::<6>(a, k, b, c, c_rs, first),
-            5 => tile::<5>(a, k, b, c, c_rs, first),
-            4 => tile::<4>(a, k, b, c, c_rs, first),
-            3 => tile::<3>(a, k, b, c, c_rs, first),
-            2 => tile::<2>(a, k, b, c, c_rs, first),
-            1 => tile::<1>(a, k, b, c, c_rs, first),
-            _ => unreachable!("a tile has 1 to {ROWS} rows"),
+struct Avx512Tiles;
+
+#[cfg(target_arch = "x86_64")]
+impl Tiles for Avx512Tiles {
+    const ROWS: usize = Kernel::Avx512.rows();
+    const PAIRS: bool = true;
+
+    #[inline(always)]
+    unsafe fn one(
+        m: usize,
+        a: *const f32,
+        k: usize,
+        b: *const f32,
+        c: *mut f32,
+        c_rs: usize,
+        first: bool,
+    ) {
+        // SAFETY: the caller's.
+        unsafe {
+            match m {
+                8 => tile_avx512::<8, 1>(a, k, [b, b], c, c_rs, first),
+                7 => tile_avx512::<7, 1>(a, k, [b, b], c, c_rs, first),
+                6 => tile_avx512::<6, 1>(a, k, [b, b], c, c_rs, first),
+                5 => tile_avx512::<5, 1>(a, k, [b, b], c, c_rs, first),
+                4 => tile_avx512::<4, 1>(a, k, [b, b], c, c_rs, first),
+                3 => tile_avx512::<3, 1>(a, k, [b, b], c, c_rs, first),
+                2 => tile_avx512::<2, 1>(a, k, [b, b], c, c_rs, first),
+                1 => tile_avx512::<1, 1>(a, k, [b, b], c, c_rs, first),
+                _ => unreachable!("an AVX-512 tile has 1 to 8 rows"),
+            }
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn two(
+        m: usize,
+        a: *const f32,
+        k: usize,
+        b0: *const f32,
+        b1: *const f32,
+        c: *mut f32,
+        c_rs: usize,
+        first: bool,
+    ) {
+        let b = [b0, b1];
+        // SAFETY: the caller's.
+        unsafe {
+            match m {
+                8 => tile_avx512::<8, 2>(a, k, b, c, c_rs, first),
+                7 => tile_avx512::<7, 2>(a, k, b, c, c_rs, first),
+                6 => tile_avx512::<6, 2>(a, k, b, c, c_rs, first),
+                5 => tile_avx512::<5, 2>(a, k, b, c, c_rs, first),
+                4 => tile_avx512::<4, 2>(a, k, b, c, c_rs, first),
+                3 => tile_avx512::<3, 2>(a, k, b, c, c_rs, first),
+                2 => tile_avx512::<2, 2>(a, k, b, c, c_rs, first),
+                1 => tile_avx512::<1, 2>(a, k, b, c, c_rs, first),
+                _ => unreachable!("an AVX-512 tile has 1 to 8 rows"),
+            }
         }
     }
 }
 
-/// `c[r][0..16] (+)= Σ_i a[r][i] · b[i][0..16]` for `R` rows: `a` `k` terms of [`ROWS`] values
-/// (row `r`'s term `i` at `i·ROWS + r`), `b` `k` rows of 16 values back to back, `c`'s rows `c_rs` apart; starting from zero
-/// when `first`, from `c`'s values otherwise. The accumulators are indexed by constants once the
-/// loops over `R` unroll, so they stay in registers.
+/// `c[r][0..16] (+)= Σ_i a[r][i] · b[i][0..16]` for `R` rows, as [`Tiles::one`] with 6-row
+/// interleaving. The accumulators are indexed by constants once the loops over `R` unroll, so
+/// they stay in registers.
 ///
 /// # Safety
 /// AVX2 and FMA; the pointers valid for those rows.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn tile<const R: usize>(
+unsafe fn tile_avx2<const R: usize>(
     a: *const f32,
     k: usize,
     b: *const f32,
@@ -407,6 +677,7 @@ unsafe fn tile<const R: usize>(
     first: bool,
 ) {
     use std::arch::x86_64::*;
+    const ROWS: usize = Kernel::Avx2.rows();
     // SAFETY: the caller's.
     unsafe {
         let mut acc = [[_mm256_setzero_ps(); 2]; R];
@@ -432,6 +703,53 @@ unsafe fn tile<const R: usize>(
     }
 }
 
+/// `R` rows × `P` panels (16 columns each, panel `j`'s block at `b[j]`), as [`Tiles::one`] /
+/// [`Tiles::two`] with 8-row interleaving: one AVX-512 vector a row and panel.
+///
+/// # Safety
+/// AVX-512F; the pointers valid for those rows.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn tile_avx512<const R: usize, const P: usize>(
+    a: *const f32,
+    k: usize,
+    b: [*const f32; 2],
+    c: *mut f32,
+    c_rs: usize,
+    first: bool,
+) {
+    use std::arch::x86_64::*;
+    const ROWS: usize = Kernel::Avx512.rows();
+    // SAFETY: the caller's.
+    unsafe {
+        let mut acc = [[_mm512_setzero_ps(); P]; R];
+        if !first {
+            for (r, acc) in acc.iter_mut().enumerate() {
+                for (j, acc) in acc.iter_mut().enumerate() {
+                    *acc = _mm512_loadu_ps(c.add(r * c_rs + j * COLS));
+                }
+            }
+        }
+        for i in 0..k {
+            let mut bv = [_mm512_setzero_ps(); P];
+            for (j, v) in bv.iter_mut().enumerate() {
+                *v = _mm512_loadu_ps(b[j].add(i * COLS));
+            }
+            for (r, acc) in acc.iter_mut().enumerate() {
+                let w = _mm512_set1_ps(*a.add(i * ROWS + r));
+                for (acc, v) in acc.iter_mut().zip(&bv) {
+                    *acc = _mm512_fmadd_ps(w, *v, *acc);
+                }
+            }
+        }
+        for (r, acc) in acc.iter().enumerate() {
+            for (j, acc) in acc.iter().enumerate() {
+                _mm512_storeu_ps(c.add(r * c_rs + j * COLS), *acc);
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -451,40 +769,52 @@ mod tests {
         }
     }
 
-    /// Each value is the ordered FMA chain over K, so its bits do not depend on how the rows
-    /// and panels are split into tasks or on the K blocks: checked against that chain written
-    /// out, on shapes with partial tiles, a partial last panel and three K blocks, for every
-    /// thread count the split depends on.
+    /// Each value is the ordered FMA chain over K, so its bits depend neither on the kernel nor
+    /// on how the rows and panels are split into tasks or K into blocks: checked against that
+    /// chain written out for every kernel this CPU has, on shapes with partial tiles, panels
+    /// paired and unpaired, a partial last panel and three K blocks, for every thread count
+    /// the split depends on.
     #[test]
     fn values_are_the_ordered_fma_chain() {
-        if !has_fma() {
-            return;
-        }
-        let (rows, k, n) = (203, 2 * DEPTH + 7, 40);
-        let x: Vec<f32> = (0..rows * k)
-            .map(|v| ((v * 37 % 101) as f32 - 50.0) / 31.0)
+        let kernels: Vec<Kernel> = [(Kernel::Avx2, has_fma()), (Kernel::Avx512, has_avx512())]
+            .into_iter()
+            .filter_map(|(k, has)| has.then_some(k))
             .collect();
-        let w: Vec<f32> = (0..n * k)
-            .map(|v| ((v * 53 % 97) as f32 - 48.0) / 29.0)
-            .collect();
-        let packed =
-            PackedWeight::pack(&Tensor::from_slice(&w, (n, k), &candle_core::Device::Cpu).unwrap())
-                .unwrap();
         let none = Finish {
             bias: None,
             residual: None,
             gelu: false,
         };
-        for threads in [1, 2, 5] {
-            let pool = rayon::ThreadPoolBuilder::new()
-                .num_threads(threads)
-                .build()
-                .unwrap();
-            let got = pool.install(|| packed.product(&x, k, rows, none));
-            for i in 0..rows {
-                for j in 0..n {
-                    let want = (0..k).fold(0f32, |s, t| x[i * k + t].mul_add(w[j * k + t], s));
-                    assert_eq!(got[i * n + j].to_bits(), want.to_bits(), "[{i}, {j}]");
+        for n in [40, 56] {
+            let (rows, k) = (203, 2 * DEPTH + 7);
+            let x: Vec<f32> = (0..rows * k)
+                .map(|v| ((v * 37 % 101) as f32 - 50.0) / 31.0)
+                .collect();
+            let w: Vec<f32> = (0..n * k)
+                .map(|v| ((v * 53 % 97) as f32 - 48.0) / 29.0)
+                .collect();
+            let packed = PackedWeight::pack(
+                &Tensor::from_slice(&w, (n, k), &candle_core::Device::Cpu).unwrap(),
+            )
+            .unwrap();
+            for &kernel in &kernels {
+                for threads in [1, 2, 5] {
+                    let pool = rayon::ThreadPoolBuilder::new()
+                        .num_threads(threads)
+                        .build()
+                        .unwrap();
+                    let got = pool.install(|| packed.product_with(kernel, &x, k, rows, none));
+                    for i in 0..rows {
+                        for j in 0..n {
+                            let want =
+                                (0..k).fold(0f32, |s, t| x[i * k + t].mul_add(w[j * k + t], s));
+                            assert_eq!(
+                                got[i * n + j].to_bits(),
+                                want.to_bits(),
+                                "{kernel:?} n={n} threads={threads} [{i}, {j}]"
+                            );
+                        }
+                    }
                 }
             }
         }
