@@ -1261,7 +1261,7 @@ cuda_only_op2!(
 /// 16-byte boundary (candle's allocations do; views at odd offsets do not): what the kernels that
 /// move whole 16-byte vectors require of every operand they read that way.
 pub(crate) fn contiguous_16b(layout: &Layout, elem_size: usize) -> bool {
-    layout.is_contiguous() && (layout.start_offset() * elem_size) % 16 == 0
+    layout.is_contiguous() && (layout.start_offset() * elem_size).is_multiple_of(16)
 }
 
 /// Whether [`LayerNormOp`] handles these tensors: a supported dtype, C a whole number of 16-byte
@@ -1272,7 +1272,7 @@ pub(crate) fn layer_norm_supported(x: &Tensor, w: &Tensor, b: &Tensor) -> bool {
     let c = w.elem_count();
     let vec = 16 / size;
     matches!(x.dtype(), DType::F32 | DType::F16 | DType::BF16)
-        && c % vec == 0
+        && c.is_multiple_of(vec)
         && c / vec <= 32 * LN_MAX_CHUNKS
         && x.rank() >= 1
         && [x, w, b].iter().all(|t| contiguous_16b(t.layout(), size))
@@ -1982,7 +1982,7 @@ where
         let ok = if vector {
             contiguous_16b(layout, size)
         } else {
-            layout.is_contiguous() && (layout.start_offset() * size) % 4 == 0
+            layout.is_contiguous() && (layout.start_offset() * size).is_multiple_of(4)
         };
         if !ok || layout.shape().elem_count() != count || s.dtype() != T::DTYPE {
             return Err(not_contiguous(&format!("{what} parameter"), layout));
@@ -3085,7 +3085,7 @@ impl EmbedTokensOp {
         let vec = c % (16 / size) == 0
             && [(lx, true), (lpre, p > 0), (lpos, true)]
                 .iter()
-                .all(|(l, used)| !used || (l.start_offset() * size) % 16 == 0);
+                .all(|(l, used)| !used || (l.start_offset() * size).is_multiple_of(16));
         let func = {
             let mut states = STATE.lock().unwrap_or_else(|e| e.into_inner());
             device_state(&mut states, dev)?.embed[dtype_index(T::DTYPE)?].clone()

@@ -271,7 +271,7 @@ pub(crate) fn norm_linear_eligible(
         && x.dims().last() == Some(&c)
         && x.elem_count() > 0
         && linear.in_dim() == c
-        && n % 2 == 0
+        && n.is_multiple_of(2)
         && [norm.weight(), norm.bias(), linear.weight(), bias]
             .iter()
             .all(|t| same(t))

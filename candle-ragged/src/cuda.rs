@@ -553,8 +553,10 @@ fn vec_choice(elem: usize, row: usize, offsets_and_strides: &[usize]) -> usize {
         .iter()
         .position(|&v| {
             v >= elem
-                && (row * elem) % v == 0
-                && offsets_and_strides.iter().all(|s| (s * elem) % v == 0)
+                && (row * elem).is_multiple_of(v)
+                && offsets_and_strides
+                    .iter()
+                    .all(|s| (s * elem).is_multiple_of(v))
         })
         .unwrap_or(3)
 }
