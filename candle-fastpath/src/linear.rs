@@ -50,11 +50,24 @@ impl Epilogue<'_> {
 ///   place on CUDA, without a copy.
 #[derive(Debug, Clone)]
 pub struct FusedLinear {
-    weight: Tensor,
+    weight: Weight,
     bias: Option<Tensor>,
-    /// The weight as panels for the CPU product ([`cpu_packed`]), made on the first CPU call and
-    /// shared by clones: the weight's bytes once more, in its dtype.
-    packed: Arc<OnceLock<PackedWeight>>,
+}
+
+/// How a [`FusedLinear`] holds its weight.
+#[derive(Debug, Clone)]
+enum Weight {
+    /// As given (made contiguous): on CUDA, and on CPUs without the packed product.
+    Tensor(Tensor),
+    /// On the CPU where [`cpu_packed`] holds: as the panels the product reads, in the weight's
+    /// dtype, and nothing else, so the layer costs the weight's bytes once (holding the tensor
+    /// too doubled a CPU model's memory). [`FusedLinear::weight`] unpacks a copy on its first
+    /// call; no forward path on the CPU asks for it.
+    Packed {
+        panels: Arc<PackedWeight>,
+        dtype: DType,
+        unpacked: Arc<OnceLock<Tensor>>,
+    },
 }
 
 /// A [`FusedLinear`] with bias, loaded like `candle_nn::linear`: `weight` `[out, in]` and `bias`
@@ -110,25 +123,44 @@ impl FusedLinear {
                 Some(b.contiguous()?)
             }
         };
-        Ok(Self {
-            weight: weight.contiguous()?,
-            bias,
-            packed: Arc::default(),
-        })
+        let weight = weight.contiguous()?;
+        let weight = if weight.device().is_cpu() && cpu_packed() {
+            Weight::Packed {
+                panels: Arc::new(PackedWeight::pack(&weight)?),
+                dtype: weight.dtype(),
+                unpacked: Arc::default(),
+            }
+        } else {
+            Weight::Tensor(weight)
+        };
+        Ok(Self { weight, bias })
     }
 
-    /// The weight's panels for the CPU product, packed on the first call.
-    fn packed_weight(&self) -> Result<&PackedWeight> {
-        if let Some(p) = self.packed.get() {
-            return Ok(p);
-        }
-        let p = PackedWeight::pack(&self.weight)?;
-        // Two threads may pack at once; both panels are the same, the first one set stays.
-        Ok(self.packed.get_or_init(|| p))
-    }
-
+    /// The weight, `[out, in]`. A CPU layer that holds only its panels (see [`cpu_packed`])
+    /// unpacks them into a tensor on the first call and keeps it (the weight's bytes again).
     pub fn weight(&self) -> &Tensor {
-        &self.weight
+        match &self.weight {
+            Weight::Tensor(w) => w,
+            Weight::Packed {
+                panels,
+                dtype,
+                unpacked,
+            } => unpacked.get_or_init(|| panels.unpack(*dtype)),
+        }
+    }
+
+    fn dtype(&self) -> DType {
+        match &self.weight {
+            Weight::Tensor(w) => w.dtype(),
+            Weight::Packed { dtype, .. } => *dtype,
+        }
+    }
+
+    fn device(&self) -> &candle_core::Device {
+        match &self.weight {
+            Weight::Tensor(w) => w.device(),
+            Weight::Packed { .. } => &candle_core::Device::Cpu,
+        }
     }
 
     pub fn bias(&self) -> Option<&Tensor> {
@@ -136,11 +168,17 @@ impl FusedLinear {
     }
 
     pub fn in_dim(&self) -> usize {
-        self.weight.dims()[1]
+        match &self.weight {
+            Weight::Tensor(w) => w.dims()[1],
+            Weight::Packed { panels, .. } => panels.depth(),
+        }
     }
 
     pub fn out_dim(&self) -> usize {
-        self.weight.dims()[0]
+        match &self.weight {
+            Weight::Tensor(w) => w.dims()[0],
+            Weight::Packed { panels, .. } => panels.out(),
+        }
     }
 
     /// `x` `[.., in]` → `[.., out]` with `epilogue` applied (see [`Epilogue`]). On CUDA: one
@@ -160,7 +198,7 @@ impl FusedLinear {
                 shape: x.shape().clone(),
             });
         }
-        check_like(OP, &self.weight, "x", x, x.shape())?;
+        check_parts(OP, self.dtype(), self.device(), "x", x, x.shape())?;
         let mut out_dims = dims.to_vec();
         *out_dims.last_mut().unwrap() = self.out_dim();
         let out_shape = Shape::from(out_dims);
@@ -173,7 +211,7 @@ impl FusedLinear {
             });
         }
         if let Some(r) = epilogue.residual() {
-            check_like(OP, &self.weight, "residual", r, &out_shape)?;
+            check_parts(OP, self.dtype(), self.device(), "residual", r, &out_shape)?;
         }
         // Rows strided but each row contiguous: cuBLASLt reads them in place (its leading
         // dimension), so a column slice costs no copy.
@@ -190,7 +228,7 @@ impl FusedLinear {
                     bias: bias.clone(),
                     gelu: epilogue.gelu(),
                 };
-                let y = x2.apply_op2_no_bwd(&self.weight, &op)?;
+                let y = x2.apply_op2_no_bwd(self.weight(), &op)?;
                 return Ok(y.reshape(out_shape)?);
             }
             let op = crate::cuda::LinearOp {
@@ -202,7 +240,7 @@ impl FusedLinear {
                 },
             };
             let x2 = if row_strided { x2 } else { x2.contiguous()? };
-            let y = x2.apply_op2_no_bwd(&self.weight, &op)?;
+            let y = x2.apply_op2_no_bwd(self.weight(), &op)?;
             return Ok(y.reshape(out_shape)?);
         }
         if x.device().is_cpu() && cpu_gemm() {
@@ -213,13 +251,15 @@ impl FusedLinear {
                     None => None,
                 },
                 gelu: epilogue.gelu(),
-                packed: if cpu_packed() {
-                    Some(self.packed_weight()?)
-                } else {
-                    None
+                packed: match &self.weight {
+                    Weight::Packed { panels, .. } => Some(panels.as_ref()),
+                    Weight::Tensor(_) => None,
                 },
             };
-            let y = x2.apply_op2_no_bwd(&self.weight, &op)?;
+            let y = match &self.weight {
+                Weight::Packed { .. } => x2.apply_op1_no_bwd(&op)?,
+                Weight::Tensor(w) => x2.apply_op2_no_bwd(w, &op)?,
+            };
             return Ok(y.reshape(out_shape)?);
         }
         let y = self.reference(&x2, epilogue, rows)?;
@@ -274,7 +314,7 @@ impl FusedLinear {
                 && n % 2 == 0
                 && rows > 0
                 && crate::cuda::contiguous_16b(x.layout(), size)
-                && crate::cuda::contiguous_16b(self.weight.layout(), size)
+                && crate::cuda::contiguous_16b(self.weight().layout(), size)
                 && crate::cuda::thin_gemm_sm_count(dev)
                     .is_some_and(|sms| rows.div_ceil(tile) * n.div_ceil(width.tile_n()) <= sms)
         }
@@ -294,7 +334,7 @@ impl FusedLinear {
     /// `CANDLE_FASTPATH_CPU_LINEAR=0`, and what the CUDA path falls back to). `x2` is
     /// `[rows, in]`.
     fn reference(&self, x2: &Tensor, epilogue: Epilogue, rows: usize) -> Result<Tensor> {
-        let y = x2.matmul(&self.weight.t()?)?;
+        let y = x2.matmul(&self.weight().t()?)?;
         let y = match &self.bias {
             Some(b) => y.broadcast_add(b)?,
             None => y,
@@ -368,6 +408,18 @@ pub(crate) fn check_like(
     t: &Tensor,
     shape: &Shape,
 ) -> Result<()> {
+    check_parts(op, weight.dtype(), weight.device(), what, t, shape)
+}
+
+/// [`check_like`] against a weight's dtype and device.
+fn check_parts(
+    op: &'static str,
+    dtype: DType,
+    device: &candle_core::Device,
+    what: &'static str,
+    t: &Tensor,
+    shape: &Shape,
+) -> Result<()> {
     if t.shape() != shape {
         return Err(FastpathError::ShapeMismatch {
             op,
@@ -376,13 +428,13 @@ pub(crate) fn check_like(
             found: t.shape().clone(),
         });
     }
-    if t.dtype() != weight.dtype() {
+    if t.dtype() != dtype {
         return Err(FastpathError::DTypeMismatch {
             op,
             what,
-            expected: weight.dtype(),
+            expected: dtype,
             found: t.dtype(),
         });
     }
-    FastpathError::check_same_device(op, what, t.device(), weight.device())
+    FastpathError::check_same_device(op, what, t.device(), device)
 }

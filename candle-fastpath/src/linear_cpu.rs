@@ -1,6 +1,7 @@
 //! [`FusedLinear`](crate::FusedLinear)'s CPU path: the product on the weight's packed panels
-//! (`packed_cpu`, x86-64 with AVX2 + FMA), the bias, the residual and the GELU applied a task's
-//! block at a time; elsewhere (or under `CANDLE_FASTPATH_CPU_PACKED=0`) one f32 `gemm` call,
+//! (`packed_cpu`, x86-64 with AVX2 + FMA; the op then takes `x` alone, the layer holding no
+//! weight tensor), the bias, the residual and the GELU applied a task's block at a time;
+//! elsewhere (or under `CANDLE_FASTPATH_CPU_PACKED=0`) one f32 `gemm` call on `x` and the weight,
 //! then those in one pass over the output, in pieces over rayon's pool. f16 / bf16 inputs are
 //! widened to f32 first and the output rounded once at the end (the CUDA path's rounding).
 //!
@@ -17,7 +18,7 @@
 use std::borrow::Cow;
 
 use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, CustomOp2, Layout, Shape, Storage, Tensor};
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Shape, Storage, Tensor};
 use half::slice::HalfFloatSliceExt;
 
 use crate::cpu_pieces::{f32_values, for_pieces, narrow, widen};
@@ -74,18 +75,6 @@ where
 }
 
 impl CpuLinearOp<'_> {
-    /// A half-precision weight widened to f32 for `gemm`; nothing when the product runs on the
-    /// panels, which widen a block at a time.
-    fn widened_weight<T: Copy + Sync>(&self, w: &[T]) -> Vec<f32>
-    where
-        [T]: HalfFloatSliceExt,
-    {
-        match self.packed {
-            Some(_) => Vec::new(),
-            None => widen(w),
-        }
-    }
-
     /// `finish` over the whole `[rows, n]` output `dst`, in pieces of whole rows over rayon's
     /// pool.
     fn finish_pass(dst: &mut [f32], n: usize, finish: Finish<'_>) {
@@ -192,6 +181,93 @@ impl CpuLinearOp<'_> {
     }
 }
 
+impl CpuLinearOp<'_> {
+    /// The layer on `x` (`[rows, k]`, any strides) and, when the op has no panels, the weight
+    /// `w` (`[n, k]`, contiguous, x's dtype).
+    fn forward(
+        &self,
+        xs: &CpuStorage,
+        xl: &Layout,
+        w: Option<(&CpuStorage, &Layout)>,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (rows, k) = xl.shape().dims2()?;
+        // The weight's rows and, for `gemm`, its storage and the range of its values.
+        let (n, ws) = match (self.packed, w) {
+            (Some(p), _) => (p.out(), None),
+            (None, Some((ws, wl))) => {
+                let Some(range) = wl.contiguous_offsets() else {
+                    candle_core::bail!("fused_linear (CPU): the weight is not contiguous")
+                };
+                let (n, wk) = wl.shape().dims2()?;
+                if wk != k {
+                    candle_core::bail!(
+                        "fused_linear (CPU): x {:?} against weight {:?}",
+                        xl.shape(),
+                        wl.shape()
+                    )
+                }
+                (n, Some((ws, range.0..range.1)))
+            }
+            (None, None) => candle_core::bail!("fused_linear (CPU): neither panels nor a weight"),
+        };
+        if self.packed.is_some_and(|p| p.depth() != k) || rows == 0 || k == 0 {
+            candle_core::bail!("fused_linear (CPU): x {:?} against the weight", xl.shape())
+        }
+        let w_dtype = match (self.packed, &ws) {
+            (Some(p), _) => p.dtype(),
+            (None, Some((ws, _))) => ws.dtype(),
+            (None, None) => unreachable!("bailed above"),
+        };
+        if w_dtype != xs.dtype() {
+            candle_core::bail!("fused_linear (CPU): x and weight of different dtypes")
+        }
+        let strides = (xl.stride()[0], xl.stride()[1]);
+        let dense = (k, 1);
+        let out = match xs {
+            CpuStorage::F32(x) => {
+                let w = match &ws {
+                    Some((CpuStorage::F32(w), r)) => &w[r.clone()],
+                    _ => &[][..],
+                };
+                CpuStorage::F32(self.forward_f32(x, xl.start_offset(), strides, w, rows, k, n)?)
+            }
+            CpuStorage::F16(x) => {
+                let w = match &ws {
+                    Some((CpuStorage::F16(w), r)) => widen(&w[r.clone()]),
+                    _ => Vec::new(),
+                };
+                let x = widen_rows(x, xl, rows, k);
+                CpuStorage::F16(narrow(&self.forward_f32(&x, 0, dense, &w, rows, k, n)?))
+            }
+            CpuStorage::BF16(x) => {
+                let w = match &ws {
+                    Some((CpuStorage::BF16(w), r)) => widen(&w[r.clone()]),
+                    _ => Vec::new(),
+                };
+                let x = widen_rows(x, xl, rows, k);
+                CpuStorage::BF16(narrow(&self.forward_f32(&x, 0, dense, &w, rows, k, n)?))
+            }
+            _ => candle_core::bail!(
+                "fused_linear (CPU): x of f32, f16 or bf16, got {:?}",
+                xs.dtype()
+            ),
+        };
+        Ok((out, Shape::from((rows, n))))
+    }
+}
+
+/// The layer with its weight as panels ([`CpuLinearOp::packed`]): `x` alone.
+impl CustomOp1 for CpuLinearOp<'_> {
+    fn name(&self) -> &'static str {
+        "fused_linear_cpu"
+    }
+
+    fn cpu_fwd(&self, xs: &CpuStorage, xl: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        self.forward(xs, xl, None)
+    }
+}
+
+/// The layer on `x` and the weight tensor (`gemm`).
 impl CustomOp2 for CpuLinearOp<'_> {
     fn name(&self) -> &'static str {
         "fused_linear_cpu"
@@ -204,45 +280,6 @@ impl CustomOp2 for CpuLinearOp<'_> {
         ws: &CpuStorage,
         wl: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let (rows, k) = xl.shape().dims2()?;
-        let (n, wk) = wl.shape().dims2()?;
-        let Some((w0, w1)) = wl.contiguous_offsets() else {
-            candle_core::bail!("fused_linear (CPU): the weight is not contiguous")
-        };
-        if wk != k || rows == 0 || k == 0 {
-            candle_core::bail!(
-                "fused_linear (CPU): x {:?} against weight {:?}",
-                xl.shape(),
-                wl.shape()
-            )
-        }
-        let strides = (xl.stride()[0], xl.stride()[1]);
-        let dense = (k, 1);
-        let out = match (xs, ws) {
-            (CpuStorage::F32(x), CpuStorage::F32(w)) => CpuStorage::F32(self.forward_f32(
-                x,
-                xl.start_offset(),
-                strides,
-                &w[w0..w1],
-                rows,
-                k,
-                n,
-            )?),
-            (CpuStorage::F16(x), CpuStorage::F16(w)) => {
-                let (x, w) = (widen_rows(x, xl, rows, k), self.widened_weight(&w[w0..w1]));
-                CpuStorage::F16(narrow(&self.forward_f32(&x, 0, dense, &w, rows, k, n)?))
-            }
-            (CpuStorage::BF16(x), CpuStorage::BF16(w)) => {
-                let (x, w) = (widen_rows(x, xl, rows, k), self.widened_weight(&w[w0..w1]));
-                CpuStorage::BF16(narrow(&self.forward_f32(&x, 0, dense, &w, rows, k, n)?))
-            }
-            _ => candle_core::bail!(
-                "fused_linear (CPU): x and weight of one dtype among f32, f16, bf16, got {:?} \
-                 and {:?}",
-                xs.dtype(),
-                ws.dtype()
-            ),
-        };
-        Ok((out, Shape::from((rows, n))))
+        self.forward(xs, xl, Some((ws, wl)))
     }
 }

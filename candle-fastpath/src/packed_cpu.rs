@@ -206,6 +206,48 @@ impl PackedWeight {
         Ok(Self { out, depth, panels })
     }
 
+    /// Rows of W (`out`).
+    pub(crate) fn out(&self) -> usize {
+        self.out
+    }
+
+    /// Columns of W (`in`, the product's K).
+    pub(crate) fn depth(&self) -> usize {
+        self.depth
+    }
+
+    /// The dtype the weight was packed from (its panels').
+    pub(crate) fn dtype(&self) -> candle_core::DType {
+        match self.panels {
+            Panels::F32(_) => candle_core::DType::F32,
+            Panels::F16(_) => candle_core::DType::F16,
+            Panels::BF16(_) => candle_core::DType::BF16,
+        }
+    }
+
+    /// W again, `[out, in]` in `dtype` (the dtype it was packed from), on the CPU.
+    pub(crate) fn unpack(&self, dtype: candle_core::DType) -> Tensor {
+        fn rows_of<T: Copy + Default>(panels: &[T], n: usize, k: usize) -> Vec<T> {
+            let mut w = vec![T::default(); n * k];
+            for (j, row) in w.chunks_exact_mut(k).enumerate() {
+                let (p, c) = (j / COLS, j % COLS);
+                for (i, v) in row.iter_mut().enumerate() {
+                    *v = panels[(p * k + i) * COLS + c];
+                }
+            }
+            w
+        }
+        let (n, k, dev) = (self.out, self.depth, &candle_core::Device::Cpu);
+        let w = match &self.panels {
+            Panels::F32(v) => Tensor::from_vec(rows_of(v, n, k), (n, k), dev),
+            Panels::F16(v) => Tensor::from_vec(rows_of(v, n, k), (n, k), dev),
+            Panels::BF16(v) => Tensor::from_vec(rows_of(v, n, k), (n, k), dev),
+        };
+        let w = w.expect("fused_linear (CPU): n × k values make an [n, k] tensor");
+        debug_assert_eq!(w.dtype(), dtype);
+        w
+    }
+
     /// `finish(x·Wᵀ)` for `x` `[rows, in]` (f32, rows `x_rs` apart, each contiguous):
     /// `[rows, out]` row-major, on the tiles [`cpu_packed`] chose.
     ///

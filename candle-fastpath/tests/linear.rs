@@ -210,6 +210,47 @@ fn cpu_panels_apply_and_give_the_same_bits_every_call() {
     }
 }
 
+/// A CPU layer that holds only its panels gives its weight back bit for bit (unpacked on
+/// request), in every dtype and with a partial last panel, and answers the dims and dtype /
+/// device checks as the tensor would.
+#[test]
+fn cpu_layer_gives_its_weight_back() {
+    let mut rng = StdRng::seed_from_u64(6);
+    let (k, n) = (37, 21);
+    for dtype in [DType::F32, DType::F16, DType::BF16] {
+        let w = Tensor::from_vec(randn(&mut rng, n * k, 1.0), (n, k), &Device::Cpu)
+            .unwrap()
+            .to_dtype(dtype)
+            .unwrap();
+        let layer = FusedLinear::new(w.clone(), None).unwrap();
+        assert_eq!((layer.out_dim(), layer.in_dim()), (n, k));
+        assert_eq!(layer.weight().dtype(), dtype);
+        assert_eq!(layer.weight().dims(), &[n, k]);
+        let bits = |t: &Tensor| {
+            t.to_dtype(DType::F32)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap()
+                .iter()
+                .map(|v| v.to_bits())
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(bits(layer.weight()), bits(&w), "{dtype:?}");
+        let other = if dtype == DType::F32 {
+            DType::F16
+        } else {
+            DType::F32
+        };
+        let x = Tensor::zeros((2, k), other, &Device::Cpu).unwrap();
+        assert!(matches!(
+            layer.forward_with(&x, Epilogue::Plain),
+            Err(FastpathError::DTypeMismatch { .. })
+        ));
+    }
+}
+
 #[test]
 fn matches_reference_every_epilogue_dtype_and_shape() {
     let dev = device();
