@@ -184,7 +184,7 @@ impl FusedLinear {
     /// `x` `[.., in]` → `[.., out]` with `epilogue` applied (see [`Epilogue`]). On CUDA: one
     /// cuBLASLt call (bias and residual in its epilogue) plus, for the GELU epilogues, one
     /// in-place GELU kernel; the output is the only allocation. On the CPU: the product on the
-    /// weight's panels, packed on the first call, with the bias, the residual and the GELU
+    /// weight's panels (packed when the layer was made), with the bias, the residual and the GELU
     /// applied to each task's block of the output ([`cpu_packed`]; one f32 `gemm` call and one
     /// pass after it where that does not apply); f16 / bf16 inputs widened first, the output
     /// rounded once at the end ([`cpu_gemm`]).

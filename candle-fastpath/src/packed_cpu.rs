@@ -1,24 +1,25 @@
 //! [`FusedLinear`](crate::FusedLinear)'s CPU product with its weight packed once, for x86-64
-//! CPUs with AVX2 and FMA: `x·Wᵀ` as 6 × 16 register tiles over 16-column panels of `Wᵀ`,
-//! and the bias, residual and GELU applied to each task's block of the output while it is in
-//! cache.
+//! CPUs with AVX2 and FMA: `x·Wᵀ` as register tiles over 16-column panels of `Wᵀ` (6 rows ×
+//! one panel with AVX2, 8 rows × two panels with AVX-512), and the bias, residual and GELU
+//! applied to each task's block of the output while it is in cache.
 //!
 //! Why: `gemm`, which the layer called before, packs both operands on every call (its packing
 //! routine was ~7 % of a DeiT-T f32 batch-1 forward's samples under `perf` on the 2-core build
 //! machine, its microkernel 42 %) and writes into a zeroed output (`memset`, 2 %), and a
 //! half-precision weight had to be widened to a fresh f32 copy on every call: DeiT-S bf16 took
 //! 134 ms a batch-1 forward there against 76 ms in f32. A weight never changes, so its panels
-//! are made once, in its own dtype (the same bytes again, not an f32 copy), and an f16 / bf16
-//! panel is widened a block at a time into a 16 KB buffer that the tiles then reuse across all
-//! of a task's rows.
+//! are made once, in its own dtype, when the layer is made (the layer then keeps them instead
+//! of the weight tensor), and an f16 / bf16 panel is widened a block at a time into a 16 KB
+//! buffer that the tiles then reuse across all of a task's rows.
 //!
 //! How: panel `p` holds columns `16p .. 16p + 16` of `Wᵀ` (rows `16p ..` of W; zeros past the
 //! last one) as `k` rows of 16 values. A task is a range of output rows and a range of panels;
-//! for each panel and each block of at most [`DEPTH`] terms of K it runs the 6 × 16 tile (12
-//! accumulators, two loads of the panel and six broadcasts of x a term) down its rows, a
-//! tile's first K block starting from zero and each later one from what the last one stored.
-//! So an output value is the sum of its `k` products in order of K, one rounding a fused
-//! multiply-add: the same bits whatever the tasks or the thread count.
+//! it interleaves its rows of x a tile at a time for each block of at most [`DEPTH`] terms of K
+//! (so a tile's broadcasts read one stream), then runs the tiles down its rows for each panel
+//! (or pair of panels), a tile's first K block starting from zero and each later one from what
+//! the last one stored. So an output value is the sum of its `k` products in order of K, one
+//! rounding a fused multiply-add: the same bits whatever the kernel, the tasks or the thread
+//! count.
 
 use std::ops::Range;
 use std::sync::OnceLock;
@@ -82,7 +83,7 @@ fn kernel() -> Option<Kernel> {
     })
 }
 
-/// Whether [`FusedLinear`](crate::FusedLinear) runs on the CPU through [`PackedWeight`]: yes on
+/// Whether [`FusedLinear`](crate::FusedLinear) runs its CPU product on packed panels: yes on
 /// x86-64 CPUs with AVX2 and FMA (AVX-512 tiles where the CPU has AVX-512F) unless
 /// `CANDLE_FASTPATH_CPU_PACKED=0` (read once; then, and on other CPUs, one `gemm` call a layer,
 /// as before); `=avx2` keeps the AVX2 tiles on an AVX-512 CPU.
