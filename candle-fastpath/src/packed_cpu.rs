@@ -504,10 +504,8 @@ impl PackedWeight {
                     unsafe {
                         let a = interleaved.as_ptr().add(t * tr * terms);
                         let c = dst.0.add(r * n + col);
-                        if pair {
-                            T::two(m, a, terms, b0, b1, c, n, first);
-                        } else if width == COLS {
-                            T::one(m, a, terms, b0, c, n, first);
+                        if pair || width == COLS {
+                            T::tile(m, a, terms, [b0, b1], pair, c, n, first);
                         } else {
                             // The last panel's valid columns, through a full-width buffer.
                             let mut buf = [0f32; MAX_ROWS * COLS];
@@ -520,7 +518,7 @@ impl PackedWeight {
                                     );
                                 }
                             }
-                            T::one(m, a, terms, b0, buf.as_mut_ptr(), COLS, first);
+                            T::tile(m, a, terms, [b0, b0], false, buf.as_mut_ptr(), COLS, first);
                             for i in 0..m {
                                 std::ptr::copy_nonoverlapping(
                                     buf.as_ptr().add(i * COLS),
@@ -550,41 +548,28 @@ impl PackedWeight {
 }
 
 /// A kernel's register tiles, for [`PackedWeight::task`]. `a` is a tile's rows of x
-/// interleaved (row `r`'s term `i` at `i·ROWS + r`), `k` terms; a panel block `b` is `k` rows
-/// of 16 values back to back; `c`'s rows are `c_rs` apart. A tile starts from zero when
-/// `first`, from `c`'s values otherwise, and adds its `k` products in order, one fused
-/// multiply-add each.
+/// interleaved (row `r`'s term `i` at `i·ROWS + r`), `k` terms; a panel block is `k` rows of 16
+/// values back to back; `c`'s rows are `c_rs` apart. A tile starts from zero when `first`,
+/// from `c`'s values otherwise, and adds its `k` products in order, one fused multiply-add
+/// each.
 #[cfg(target_arch = "x86_64")]
 trait Tiles {
     /// Rows of a full tile.
     const ROWS: usize;
     /// Whether a full tile spans two panels.
     const PAIRS: bool;
-    /// `m` (1 ..= ROWS) rows × one panel's 16 columns.
+    /// `m` (1 ..= ROWS) rows × the 16 columns of panel block `b[0]`, and those of `b[1]` after
+    /// them when `pair` (only where `PAIRS`).
     ///
     /// # Safety
     /// The CPU has the kernel's features; the pointers valid for those rows and columns.
     #[allow(clippy::too_many_arguments)]
-    unsafe fn one(
+    unsafe fn tile(
         m: usize,
         a: *const f32,
         k: usize,
-        b: *const f32,
-        c: *mut f32,
-        c_rs: usize,
-        first: bool,
-    );
-    /// `m` rows × two panels' 32 columns (`b0`'s, then `b1`'s); only where `PAIRS`.
-    ///
-    /// # Safety
-    /// As [`Tiles::one`].
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn two(
-        m: usize,
-        a: *const f32,
-        k: usize,
-        b0: *const f32,
-        b1: *const f32,
+        b: [*const f32; 2],
+        pair: bool,
         c: *mut f32,
         c_rs: usize,
         first: bool,
@@ -601,15 +586,18 @@ impl Tiles for Avx2Tiles {
     const PAIRS: bool = false;
 
     #[inline(always)]
-    unsafe fn one(
+    unsafe fn tile(
         m: usize,
         a: *const f32,
         k: usize,
-        b: *const f32,
+        b: [*const f32; 2],
+        pair: bool,
         c: *mut f32,
         c_rs: usize,
         first: bool,
     ) {
+        debug_assert!(!pair, "AVX2 tiles span one panel");
+        let b = b[0];
         // SAFETY: the caller's.
         unsafe {
             match m {
@@ -623,20 +611,6 @@ impl Tiles for Avx2Tiles {
             }
         }
     }
-
-    #[inline(always)]
-    unsafe fn two(
-        _: usize,
-        _: *const f32,
-        _: usize,
-        _: *const f32,
-        _: *const f32,
-        _: *mut f32,
-        _: usize,
-        _: bool,
-    ) {
-        unreachable!("AVX2 tiles span one panel")
-    }
 }
 
 /// AVX-512: 8 × 32 tiles (8 × 16 for an unpaired panel).
@@ -649,61 +623,59 @@ impl Tiles for Avx512Tiles {
     const PAIRS: bool = true;
 
     #[inline(always)]
-    unsafe fn one(
+    unsafe fn tile(
         m: usize,
         a: *const f32,
         k: usize,
-        b: *const f32,
+        b: [*const f32; 2],
+        pair: bool,
         c: *mut f32,
         c_rs: usize,
         first: bool,
     ) {
         // SAFETY: the caller's.
         unsafe {
-            match m {
-                8 => tile_avx512::<8, 1>(a, k, [b, b], c, c_rs, first),
-                7 => tile_avx512::<7, 1>(a, k, [b, b], c, c_rs, first),
-                6 => tile_avx512::<6, 1>(a, k, [b, b], c, c_rs, first),
-                5 => tile_avx512::<5, 1>(a, k, [b, b], c, c_rs, first),
-                4 => tile_avx512::<4, 1>(a, k, [b, b], c, c_rs, first),
-                3 => tile_avx512::<3, 1>(a, k, [b, b], c, c_rs, first),
-                2 => tile_avx512::<2, 1>(a, k, [b, b], c, c_rs, first),
-                1 => tile_avx512::<1, 1>(a, k, [b, b], c, c_rs, first),
-                _ => unreachable!("an AVX-512 tile has 1 to 8 rows"),
-            }
-        }
-    }
-
-    #[inline(always)]
-    unsafe fn two(
-        m: usize,
-        a: *const f32,
-        k: usize,
-        b0: *const f32,
-        b1: *const f32,
-        c: *mut f32,
-        c_rs: usize,
-        first: bool,
-    ) {
-        let b = [b0, b1];
-        // SAFETY: the caller's.
-        unsafe {
-            match m {
-                8 => tile_avx512::<8, 2>(a, k, b, c, c_rs, first),
-                7 => tile_avx512::<7, 2>(a, k, b, c, c_rs, first),
-                6 => tile_avx512::<6, 2>(a, k, b, c, c_rs, first),
-                5 => tile_avx512::<5, 2>(a, k, b, c, c_rs, first),
-                4 => tile_avx512::<4, 2>(a, k, b, c, c_rs, first),
-                3 => tile_avx512::<3, 2>(a, k, b, c, c_rs, first),
-                2 => tile_avx512::<2, 2>(a, k, b, c, c_rs, first),
-                1 => tile_avx512::<1, 2>(a, k, b, c, c_rs, first),
-                _ => unreachable!("an AVX-512 tile has 1 to 8 rows"),
+            if pair {
+                avx512_rows::<2>(m, a, k, b, c, c_rs, first)
+            } else {
+                avx512_rows::<1>(m, a, k, b, c, c_rs, first)
             }
         }
     }
 }
 
-/// `c[r][0..16] (+)= Σ_i a[r][i] · b[i][0..16]` for `R` rows, as [`Tiles::one`] with 6-row
+/// [`tile_avx512`] for `m` (1 ..= 8) rows of `P` panels.
+///
+/// # Safety
+/// As [`tile_avx512`].
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn avx512_rows<const P: usize>(
+    m: usize,
+    a: *const f32,
+    k: usize,
+    b: [*const f32; 2],
+    c: *mut f32,
+    c_rs: usize,
+    first: bool,
+) {
+    // SAFETY: the caller's.
+    unsafe {
+        match m {
+            8 => tile_avx512::<8, P>(a, k, b, c, c_rs, first),
+            7 => tile_avx512::<7, P>(a, k, b, c, c_rs, first),
+            6 => tile_avx512::<6, P>(a, k, b, c, c_rs, first),
+            5 => tile_avx512::<5, P>(a, k, b, c, c_rs, first),
+            4 => tile_avx512::<4, P>(a, k, b, c, c_rs, first),
+            3 => tile_avx512::<3, P>(a, k, b, c, c_rs, first),
+            2 => tile_avx512::<2, P>(a, k, b, c, c_rs, first),
+            1 => tile_avx512::<1, P>(a, k, b, c, c_rs, first),
+            _ => unreachable!("an AVX-512 tile has 1 to 8 rows"),
+        }
+    }
+}
+
+/// `c[r][0..16] (+)= Σ_i a[r][i] · b[i][0..16]` for `R` rows, as [`Tiles::tile`] with 6-row
 /// interleaving. The accumulators are indexed by constants once the loops over `R` unroll, so
 /// they stay in registers.
 ///
@@ -746,8 +718,8 @@ unsafe fn tile_avx2<const R: usize>(
     }
 }
 
-/// `R` rows × `P` panels (16 columns each, panel `j`'s block at `b[j]`), as [`Tiles::one`] /
-/// [`Tiles::two`] with 8-row interleaving: one AVX-512 vector a row and panel.
+/// `R` rows × `P` panels (16 columns each, panel `j`'s block at `b[j]`), as [`Tiles::tile`] with 8-row
+/// interleaving: one AVX-512 vector a row and panel.
 ///
 /// # Safety
 /// AVX-512F; the pointers valid for those rows.
