@@ -65,7 +65,6 @@ enum Weight {
     /// call; no forward path on the CPU asks for it.
     Packed {
         panels: Arc<PackedWeight>,
-        dtype: DType,
         unpacked: Arc<OnceLock<Tensor>>,
     },
 }
@@ -127,7 +126,6 @@ impl FusedLinear {
         let weight = if weight.device().is_cpu() && cpu_packed() {
             Weight::Packed {
                 panels: Arc::new(PackedWeight::pack(&weight)?),
-                dtype: weight.dtype(),
                 unpacked: Arc::default(),
             }
         } else {
@@ -141,18 +139,14 @@ impl FusedLinear {
     pub fn weight(&self) -> &Tensor {
         match &self.weight {
             Weight::Tensor(w) => w,
-            Weight::Packed {
-                panels,
-                dtype,
-                unpacked,
-            } => unpacked.get_or_init(|| panels.unpack(*dtype)),
+            Weight::Packed { panels, unpacked } => unpacked.get_or_init(|| panels.unpack()),
         }
     }
 
     fn dtype(&self) -> DType {
         match &self.weight {
             Weight::Tensor(w) => w.dtype(),
-            Weight::Packed { dtype, .. } => *dtype,
+            Weight::Packed { panels, .. } => panels.dtype(),
         }
     }
 

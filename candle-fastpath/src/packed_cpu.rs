@@ -226,8 +226,8 @@ impl PackedWeight {
         }
     }
 
-    /// W again, `[out, in]` in `dtype` (the dtype it was packed from), on the CPU.
-    pub(crate) fn unpack(&self, dtype: candle_core::DType) -> Tensor {
+    /// W again, `[out, in]` in its dtype, on the CPU.
+    pub(crate) fn unpack(&self) -> Tensor {
         fn rows_of<T: Copy + Default>(panels: &[T], n: usize, k: usize) -> Vec<T> {
             let mut w = vec![T::default(); n * k];
             for (j, row) in w.chunks_exact_mut(k).enumerate() {
@@ -244,9 +244,7 @@ impl PackedWeight {
             Panels::F16(v) => Tensor::from_vec(rows_of(v, n, k), (n, k), dev),
             Panels::BF16(v) => Tensor::from_vec(rows_of(v, n, k), (n, k), dev),
         };
-        let w = w.expect("fused_linear (CPU): n × k values make an [n, k] tensor");
-        debug_assert_eq!(w.dtype(), dtype);
-        w
+        w.expect("fused_linear (CPU): n × k values make an [n, k] tensor")
     }
 
     /// `finish(x·Wᵀ)` for `x` `[rows, in]` (f32, rows `x_rs` apart, each contiguous):
