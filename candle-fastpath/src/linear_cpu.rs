@@ -179,9 +179,7 @@ impl CpuLinearOp<'_> {
         Self::finish_pass(&mut dst, n, finish);
         Ok(dst)
     }
-}
 
-impl CpuLinearOp<'_> {
     /// The layer on `x` (`[rows, k]`, any strides) and, when the op has no panels, the weight
     /// `w` (`[n, k]`, contiguous, x's dtype).
     fn forward(
@@ -191,9 +189,14 @@ impl CpuLinearOp<'_> {
         w: Option<(&CpuStorage, &Layout)>,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         let (rows, k) = xl.shape().dims2()?;
-        // The weight's rows and, for `gemm`, its storage and the range of its values.
-        let (n, ws) = match (self.packed, w) {
-            (Some(p), _) => (p.out(), None),
+        // The weight's rows, its dtype and, for `gemm`, its storage and the range of its values.
+        let (n, w_dtype, ws) = match (self.packed, w) {
+            (Some(p), _) => {
+                if p.depth() != k {
+                    candle_core::bail!("fused_linear (CPU): x {:?} against the weight", xl.shape())
+                }
+                (p.out(), p.dtype(), None)
+            }
             (None, Some((ws, wl))) => {
                 let Some(range) = wl.contiguous_offsets() else {
                     candle_core::bail!("fused_linear (CPU): the weight is not contiguous")
@@ -206,18 +209,13 @@ impl CpuLinearOp<'_> {
                         wl.shape()
                     )
                 }
-                (n, Some((ws, range.0..range.1)))
+                (n, ws.dtype(), Some((ws, range.0..range.1)))
             }
             (None, None) => candle_core::bail!("fused_linear (CPU): neither panels nor a weight"),
         };
-        if self.packed.is_some_and(|p| p.depth() != k) || rows == 0 || k == 0 {
-            candle_core::bail!("fused_linear (CPU): x {:?} against the weight", xl.shape())
+        if rows == 0 || k == 0 {
+            candle_core::bail!("fused_linear (CPU): x {:?} is empty", xl.shape())
         }
-        let w_dtype = match (self.packed, &ws) {
-            (Some(p), _) => p.dtype(),
-            (None, Some((ws, _))) => ws.dtype(),
-            (None, None) => unreachable!("bailed above"),
-        };
         if w_dtype != xs.dtype() {
             candle_core::bail!("fused_linear (CPU): x and weight of different dtypes")
         }

@@ -447,15 +447,18 @@ impl PackedWeight {
         finish: Finish<'_>,
     ) {
         let (n, k, tr) = (self.out, self.depth, T::ROWS);
-        // Half-precision blocks (a tile's one or two panels) widened here, then read by every
-        // row tile of the task.
-        let mut widened = [[0f32; DEPTH * COLS]; 2];
         // The task's rows of x for one K block, a tile's rows interleaved term by term, so that
         // a tile's broadcasts a term come from one stream (a last tile of m < T::ROWS rows
         // leaves the other places as they were: it reads only its m).
         // Kept per thread: a fresh buffer of this size (≤ 240 KB) is a fresh mapping, whose
         // page faults cost as much as the packing.
         thread_local!(static INTERLEAVED: std::cell::RefCell<Vec<f32>> = const {
+            std::cell::RefCell::new(Vec::new())
+        });
+        // Half-precision blocks (a tile's one or two panels) widened here, then read by every
+        // row tile of the task; kept per thread too (a stack array zeroed 32 KB a task), and
+        // none for f32 panels, which the tiles read in place.
+        thread_local!(static WIDENED: std::cell::RefCell<Vec<f32>> = const {
             std::cell::RefCell::new(Vec::new())
         });
         let tile_count = rows.len().div_ceil(tr);
@@ -466,6 +469,12 @@ impl PackedWeight {
         if interleaved.len() < size {
             interleaved.resize(size, 0.0);
         }
+        let mut widened = WIDENED.take();
+        let half = !matches!(self.panels, Panels::F32(_));
+        if half && widened.len() < 2 * DEPTH * COLS {
+            widened.resize(2 * DEPTH * COLS, 0.0);
+        }
+        let widened_half = widened.len() / 2;
         for k0 in (0..k).step_by(DEPTH) {
             let terms = (k - k0).min(DEPTH);
             for (t, tile) in interleaved[..tile_count * tr * terms]
@@ -486,7 +495,7 @@ impl PackedWeight {
                 // Two panels a tile where the kernel takes two and both are whole.
                 let pair = T::PAIRS && p + 1 < panels.end && col + 2 * COLS <= n;
                 let width = (n - col).min(COLS);
-                let [w0, w1] = &mut widened;
+                let (w0, w1) = widened.split_at_mut(widened_half);
                 let b0 = self.block(p, k0, terms, w0).as_ptr();
                 let b1 = if pair {
                     self.block(p + 1, k0, terms, w1).as_ptr()
@@ -531,6 +540,7 @@ impl PackedWeight {
             }
         }
         INTERLEAVED.set(interleaved);
+        WIDENED.set(widened);
         if finish.bias.is_none() && finish.residual.is_none() && !finish.gelu {
             return;
         }
