@@ -16,7 +16,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, Layout, Shape};
 use half::slice::HalfFloatSliceExt;
 
-use crate::cpu_pieces::{f32_values, for_pieces};
+use crate::cpu_pieces::{collect_pieces, f32_values};
 
 /// `[.., C]` → `[.., C]`, contiguous x; weight and bias `[C]` (the caller checked shapes, dtypes
 /// and devices).
@@ -83,15 +83,14 @@ where
     }
 }
 
-/// `rows` over matching pieces of `x` and `out` (whole rows of `c` values), in pieces over
-/// rayon's pool.
-fn split_rows<T: Send + Sync>(
+/// The rows of `x` (whole rows of `c` values) through `rows(x_piece, out_piece)` into a new
+/// vector, in pieces over rayon's pool.
+fn split_rows<T: Copy + Default + Send + Sync>(
     x: &[T],
-    out: &mut [T],
     c: usize,
     rows: impl Fn(&[T], &mut [T]) + Sync,
-) {
-    for_pieces(out, c, |at, o| rows(&x[at..at + o.len()], o));
+) -> Vec<T> {
+    collect_pieces(x.len(), c, |at, o| rows(&x[at..at + o.len()], o))
 }
 
 impl CustomOp3 for CpuLayerNormOp {
@@ -126,21 +125,17 @@ impl CustomOp3 for CpuLayerNormOp {
         let out = match xs {
             CpuStorage::F32(v) => {
                 let x = &v[start..end];
-                let mut out = vec![0f32; x.len()];
-                split_rows(x, &mut out, c, |x, o| norm_rows_dispatch(x, &w, &b, eps, o));
-                CpuStorage::F32(out)
+                CpuStorage::F32(split_rows(x, c, |x, o| {
+                    norm_rows_dispatch(x, &w, &b, eps, o)
+                }))
             }
             CpuStorage::F16(v) => {
                 let x = &v[start..end];
-                let mut out = vec![half::f16::ZERO; x.len()];
-                split_rows(x, &mut out, c, |x, o| norm_rows_half(x, &w, &b, eps, o));
-                CpuStorage::F16(out)
+                CpuStorage::F16(split_rows(x, c, |x, o| norm_rows_half(x, &w, &b, eps, o)))
             }
             CpuStorage::BF16(v) => {
                 let x = &v[start..end];
-                let mut out = vec![half::bf16::ZERO; x.len()];
-                split_rows(x, &mut out, c, |x, o| norm_rows_half(x, &w, &b, eps, o));
-                CpuStorage::BF16(out)
+                CpuStorage::BF16(split_rows(x, c, |x, o| norm_rows_half(x, &w, &b, eps, o)))
             }
             other => candle_core::bail!("layer_norm (CPU): no kernel for {:?}", other.dtype()),
         };
