@@ -224,8 +224,9 @@ impl RaggedAttention<'_> {
     /// within a head blocks of up to [`UNIT_QUERIES`] query rows (one image with three heads is
     /// still twelve tasks, so two or more cores end together). Per head, K is transposed and V
     /// gathered once ([`KeysValues`]); then either [`fma::attend_rows`] (x86-64 with AVX2 and
-    /// FMA: matmul register tiles) or [`attend_rows`] (any CPU: loops over independent lanes
-    /// that keep the bits of one row and one key at a time). Both sum each score over the head
+    /// FMA: matmul register tiles; [`fma::attend_rows_512`] with AVX-512, the same bits) or
+    /// [`attend_rows`] (any CPU: loops over independent lanes that keep the bits of one row and
+    /// one key at a time). Both sum each score over the head
     /// dims in order and each output over the keys in order; the exponential is [`exp_f32`],
     /// which vectorises (libm's `expf` is a call per score).
     fn cpu_attention<T: Float32>(
@@ -245,10 +246,17 @@ impl RaggedAttention<'_> {
         let (qa, ka, va) = (at(lq), at(lk), at(lv));
         let scale = self.softmax_scale;
         let row_len = heads * dim;
-        let fma = fma_kernel(dim);
-        let mut out = vec![T::from_f32(0.0); self.batch.total_tokens() * row_len];
+        let kernel = cpu_kernel(dim);
+        let n = self.batch.total_tokens() * row_len;
+        // Written once, by the tasks (no zeroing pass first: at 16 threads a serial memset of
+        // the output cost more than the attention's own work at batch 1).
+        let mut out: Vec<T> = Vec::with_capacity(n);
         let offsets = self.batch.offsets()?;
-        for_each_sequence(&mut out, &offsets, row_len, |start, len, out_rows| {
+        let covered = offsets.last().map_or(0, |&e| e as usize * row_len).min(n);
+        let (rows, rest) = out.spare_capacity_mut()[..n].split_at_mut(covered);
+        // Rows past the last sequence (a batch sized for more tokens than it holds) stay zero.
+        rest.fill(std::mem::MaybeUninit::new(T::from_f32(0.0)));
+        for_each_sequence(rows, &offsets, row_len, |start, len, out_rows| {
             // One head's [len, dim] result per task, written back below.
             let per_head: Vec<Vec<f32>> = (0..heads)
                 .into_par_iter()
@@ -265,7 +273,7 @@ impl RaggedAttention<'_> {
                         rows(k, ka),
                         rows(v, va),
                         (len, dim, scale),
-                        fma,
+                        kernel,
                     )
                 })
                 .collect();
@@ -273,11 +281,16 @@ impl RaggedAttention<'_> {
                 for i in 0..len {
                     let o = &mut out_rows[i * row_len + h * dim..i * row_len + (h + 1) * dim];
                     for (o, &r) in o.iter_mut().zip(&res[i * dim..(i + 1) * dim]) {
-                        *o = T::from_f32(r);
+                        o.write(T::from_f32(r));
                     }
                 }
             }
         });
+        // SAFETY: the sequences' rows (offsets start at 0, validated with the batch, and
+        // for_each_sequence hands each sequence its `len · row_len` values, every head's
+        // `len × dim` block of them written above) cover the first `covered` values, `rest` the
+        // others.
+        unsafe { out.set_len(n) };
         Ok(out)
     }
 }
@@ -350,33 +363,54 @@ impl KeysValues {
     }
 }
 
-/// Whether the CPU attention takes the FMA kernel for head dim `dim`: the CPU has AVX2 and FMA,
-/// `dim` is a multiple of 16 (32, 64 and 128 are), and `CANDLE_RAGGED_CPU_FMA` is not `0` (which
-/// selects [`attend_rows`]' loops, for A/B runs and for the bits of a machine without FMA). The
-/// CPU and the variable are read once a process.
-fn fma_kernel(dim: usize) -> bool {
-    static FMA: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    let usable = *FMA.get_or_init(|| {
+/// Which kernel the CPU attention runs a head with (see [`cpu_kernel`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum CpuKernel {
+    /// [`attend_rows`]' lane loops (any CPU): one rounding a product and a sum.
+    Loops,
+    /// [`fma::attend_rows`]: AVX2 + FMA register tiles, 6 rows × 16 columns.
+    Fma,
+    /// [`fma::attend_rows_512`]: AVX-512 register tiles, 8 rows × 32 columns; the same bits as
+    /// [`CpuKernel::Fma`] (each output the same ordered chain of fused multiply-adds).
+    Avx512,
+}
+
+/// The CPU attention's kernel for head dim `dim`: [`CpuKernel::Avx512`] where the CPU has
+/// AVX-512F (and AVX2 and FMA), [`CpuKernel::Fma`] where it has AVX2 and FMA, when `dim` is a
+/// multiple of 16 (32, 64 and 128 are); else [`CpuKernel::Loops`]. `CANDLE_RAGGED_CPU_FMA=0`
+/// selects the loops (for A/B runs and for the bits of a machine without FMA), `=avx2` the AVX2
+/// tiles. The CPU and the variable are read once a process.
+fn cpu_kernel(dim: usize) -> CpuKernel {
+    static KERNEL: std::sync::OnceLock<CpuKernel> = std::sync::OnceLock::new();
+    let best = *KERNEL.get_or_init(|| {
         #[cfg(target_arch = "x86_64")]
         if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
         {
-            return std::env::var("CANDLE_RAGGED_CPU_FMA").as_deref() != Ok("0");
+            return match std::env::var("CANDLE_RAGGED_CPU_FMA").as_deref() {
+                Ok("0") => CpuKernel::Loops,
+                Ok("avx2") => CpuKernel::Fma,
+                _ if std::arch::is_x86_feature_detected!("avx512f") => CpuKernel::Avx512,
+                _ => CpuKernel::Fma,
+            };
         }
-        false
+        CpuKernel::Loops
     });
-    usable && dim.is_multiple_of(KEY_PAD)
+    if dim.is_multiple_of(KEY_PAD) {
+        best
+    } else {
+        CpuKernel::Loops
+    }
 }
 
 /// One (sequence, head): its `len` query rows against its `len` key / value rows of `dim`
 /// values, scores scaled by `scale`; returns the `[len, dim]` output in f32. K and V are packed
-/// once, then blocks of query rows run in parallel, by the FMA kernel when `fma` (from
-/// [`fma_kernel`]) says so.
+/// once, then blocks of query rows run in parallel, by `kernel` (from [`cpu_kernel`]).
 fn attend_head<T: Float32>(
     q: HeadRows<'_, T>,
     k: HeadRows<'_, T>,
     v: HeadRows<'_, T>,
     (len, dim, scale): (usize, usize, f32),
-    fma: bool,
+    kernel: CpuKernel,
 ) -> Vec<f32> {
     let kv = KeysValues::pack(k, v, len, dim);
     let rows = query_block_rows(len);
@@ -388,28 +422,32 @@ fn attend_head<T: Float32>(
                 first: q.first + b * rows * q.stride,
                 ..q
             };
-            attend_rows_dispatch(q, &kv, scale, fma, out)
+            attend_rows_dispatch(q, &kv, scale, kernel, out)
         });
     out
 }
 
-/// `out.len() / dim` query rows (from `q`'s first) against the keys and values of `kv`:
-/// [`fma::attend_rows`] when `fma` (the caller checked the CPU, [`fma_kernel`]), else
-/// [`attend_rows_wide`].
+/// `out.len() / dim` query rows (from `q`'s first) against the keys and values of `kv`, by
+/// `kernel` (the caller checked the CPU, [`cpu_kernel`]): [`fma::attend_rows`],
+/// [`fma::attend_rows_512`] or [`attend_rows_wide`].
 fn attend_rows_dispatch<T: Float32>(
     q: HeadRows<'_, T>,
     kv: &KeysValues,
     scale: f32,
-    fma: bool,
+    kernel: CpuKernel,
     out: &mut [f32],
 ) {
-    #[cfg(target_arch = "x86_64")]
-    if fma {
-        // SAFETY: fma_kernel() saw AVX2 and FMA on this CPU.
-        return unsafe { fma::attend_rows(q, kv, scale, out) };
+    match kernel {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: cpu_kernel() saw AVX2 and FMA on this CPU.
+        CpuKernel::Fma => unsafe { fma::attend_rows(q, kv, scale, out) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: cpu_kernel() saw AVX-512F, AVX2 and FMA on this CPU.
+        CpuKernel::Avx512 => unsafe { fma::attend_rows_512(q, kv, scale, out) },
+        CpuKernel::Loops => attend_rows_wide(q, kv, scale, out),
+        #[cfg(not(target_arch = "x86_64"))]
+        _ => unreachable!("the tile kernels are x86-64 only"),
     }
-    assert!(!fma, "the FMA kernel is x86-64 only");
-    attend_rows_wide(q, kv, scale, out)
 }
 
 /// [`attend_rows`] compiled for AVX when the CPU has it (8 lanes instead of SSE2's 4; no FMA, so
@@ -510,6 +548,39 @@ mod fma {
         scale: f32,
         out: &mut [f32],
     ) {
+        // SAFETY: this function's contract.
+        unsafe { attend_rows_with::<T, false>(q, kv, scale, out) }
+    }
+
+    /// [`attend_rows`] on AVX-512 tiles ([`product_512`]), the softmax's exponentials 16 at a
+    /// time: the same bits (each value the same chain of roundings).
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512F, AVX2 and FMA.
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    pub(super) unsafe fn attend_rows_512<T: Float32>(
+        q: HeadRows<'_, T>,
+        kv: &KeysValues,
+        scale: f32,
+        out: &mut [f32],
+    ) {
+        // SAFETY: this function's contract.
+        unsafe { attend_rows_with::<T, true>(q, kv, scale, out) }
+    }
+
+    /// The body of [`attend_rows`] (`WIDE` false) and [`attend_rows_512`] (true), inlined into
+    /// each so that its loops compile with the caller's features (plain loops, no closures: a
+    /// closure would not inherit them).
+    ///
+    /// # Safety
+    /// AVX2 and FMA, and AVX-512F when `WIDE`.
+    #[inline(always)]
+    unsafe fn attend_rows_with<T: Float32, const WIDE: bool>(
+        q: HeadRows<'_, T>,
+        kv: &KeysValues,
+        scale: f32,
+        out: &mut [f32],
+    ) {
         let (width, len, dim) = (kv.width, kv.len, kv.dim);
         assert!(dim % COLS == 0 && width % COLS == 0);
         let m = out.len() / dim;
@@ -526,17 +597,30 @@ mod fma {
             }
         };
         let mut scores = vec![0f32; m * width];
-        // SAFETY (both calls): the CPU has AVX2 and FMA (this function's contract); product
-        // checks the slices against the sizes.
-        unsafe { product(qx, q_rs, m, dim, &kv.kt, width, width, &mut scores) };
-        // A plain loop, not a closure: its body is compiled with this function's AVX2.
+        // SAFETY (every product call): the CPU has the features (this function's contract);
+        // the products check the slices against the sizes.
+        unsafe {
+            if WIDE {
+                product_512(qx, q_rs, m, dim, &kv.kt, width, width, &mut scores)
+            } else {
+                product(qx, q_rs, m, dim, &kv.kt, width, width, &mut scores)
+            }
+        };
         let mut denoms = Vec::with_capacity(m);
         for s in scores.chunks_exact_mut(width) {
             denoms.push(softmax_numerators_lanes(&mut s[..len], scale));
         }
-        unsafe { product(&scores, width, m, len, &kv.vb, dim, dim, out) };
+        unsafe {
+            if WIDE {
+                product_512(&scores, width, m, len, &kv.vb, dim, dim, out)
+            } else {
+                product(&scores, width, m, len, &kv.vb, dim, dim, out)
+            }
+        };
         for (o, denom) in out.chunks_exact_mut(dim).zip(denoms) {
-            o.iter_mut().for_each(|x| *x /= denom);
+            for x in o {
+                *x /= denom;
+            }
         }
     }
 
@@ -548,18 +632,20 @@ mod fma {
     fn softmax_numerators_lanes(scores: &mut [f32], scale: f32) -> f32 {
         const LANES: usize = 8;
         let max = super::scale_to_max(scores, scale);
-        // Each exponential added to its lane's sum as it is made (one pass over the row).
+        // The exponentials over the whole row first (as wide as the CPU's vectors), then their
+        // sum in the lanes: the same values and the same sum as one pass.
+        for s in scores.iter_mut() {
+            *s = super::exp_f32(*s - max);
+        }
         let mut sums = [0f32; LANES];
-        let mut chunks = scores.chunks_exact_mut(LANES);
+        let mut chunks = scores.chunks_exact(LANES);
         for c in &mut chunks {
-            for (sum, s) in sums.iter_mut().zip(c.iter_mut()) {
-                *s = super::exp_f32(*s - max);
+            for (sum, s) in sums.iter_mut().zip(c) {
                 *sum += *s;
             }
         }
         let mut denom = sums.iter().sum::<f32>();
-        for s in chunks.into_remainder() {
-            *s = super::exp_f32(*s - max);
+        for s in chunks.remainder() {
             denom += *s;
         }
         denom
@@ -650,6 +736,122 @@ mod fma {
             for (r, acc) in acc.iter().enumerate() {
                 _mm256_storeu_ps(c.add(r * c_rs), acc[0]);
                 _mm256_storeu_ps(c.add(r * c_rs + 8), acc[1]);
+            }
+        }
+    }
+
+    /// Columns of an AVX-512 tile: two 16-lane vectors.
+    const COLS_512: usize = 32;
+
+    /// Rows of a full AVX-512 tile (16 accumulators, two loaded vectors and a broadcast in the
+    /// 32 registers).
+    const ROWS_512: usize = 8;
+
+    /// [`product`] on AVX-512 register tiles: `ROWS_512 × COLS_512`, then a 16-column tile for
+    /// the last 16 columns where `n` is an odd multiple of 16. Each output the same ordered
+    /// chain of fused multiply-adds as in [`product`], so the same bits.
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512F.
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn product_512(
+        a: &[f32],
+        a_rs: usize,
+        m: usize,
+        k: usize,
+        b: &[f32],
+        b_rs: usize,
+        n: usize,
+        c: &mut [f32],
+    ) {
+        let c_rs = c.len() / m.max(1);
+        // The bounds every tile stays within (its reads and writes are unchecked).
+        assert!(n.is_multiple_of(COLS) && n <= b_rs && n <= c_rs && k <= a_rs);
+        assert!(m == 0 || (a.len() >= (m - 1) * a_rs + k && c.len() >= (m - 1) * c_rs + n));
+        assert!(k == 0 || b.len() >= (k - 1) * b_rs + n);
+        let (a, b, c) = (a.as_ptr(), b.as_ptr(), c.as_mut_ptr());
+        let mut c0 = 0;
+        // SAFETY (both): columns c0.. of b and c, every row of a and c, within the asserts.
+        while c0 + COLS_512 <= n {
+            unsafe { rows_512::<2>(a, a_rs, m, k, b.add(c0), b_rs, c.add(c0), c_rs) };
+            c0 += COLS_512;
+        }
+        if c0 < n {
+            unsafe { rows_512::<1>(a, a_rs, m, k, b.add(c0), b_rs, c.add(c0), c_rs) };
+        }
+    }
+
+    /// The `m` rows of one `16 · V`-column strip of [`product_512`]: tiles of [`ROWS_512`]
+    /// rows, then one of the rows left.
+    ///
+    /// # Safety
+    /// AVX-512F; the pointers valid for those rows and columns.
+    #[allow(clippy::too_many_arguments)]
+    #[inline(always)]
+    unsafe fn rows_512<const V: usize>(
+        a: *const f32,
+        a_rs: usize,
+        m: usize,
+        k: usize,
+        b: *const f32,
+        b_rs: usize,
+        c: *mut f32,
+        c_rs: usize,
+    ) {
+        let mut r0 = 0;
+        // SAFETY: rows r0.. of a and c, within the caller's bounds.
+        unsafe {
+            while r0 + ROWS_512 <= m {
+                tile_512::<ROWS_512, V>(a.add(r0 * a_rs), a_rs, k, b, b_rs, c.add(r0 * c_rs), c_rs);
+                r0 += ROWS_512;
+            }
+            let (a, c) = (a.add(r0 * a_rs), c.add(r0 * c_rs));
+            match m - r0 {
+                1 => tile_512::<1, V>(a, a_rs, k, b, b_rs, c, c_rs),
+                2 => tile_512::<2, V>(a, a_rs, k, b, b_rs, c, c_rs),
+                3 => tile_512::<3, V>(a, a_rs, k, b, b_rs, c, c_rs),
+                4 => tile_512::<4, V>(a, a_rs, k, b, b_rs, c, c_rs),
+                5 => tile_512::<5, V>(a, a_rs, k, b, b_rs, c, c_rs),
+                6 => tile_512::<6, V>(a, a_rs, k, b, b_rs, c, c_rs),
+                7 => tile_512::<7, V>(a, a_rs, k, b, b_rs, c, c_rs),
+                _ => {}
+            }
+        }
+    }
+
+    /// One `R × 16·V` tile of [`product_512`] (as [`tile`], 16-lane vectors).
+    ///
+    /// # Safety
+    /// AVX-512F; the pointers valid for those rows.
+    #[inline(always)]
+    unsafe fn tile_512<const R: usize, const V: usize>(
+        a: *const f32,
+        a_rs: usize,
+        k: usize,
+        b: *const f32,
+        b_rs: usize,
+        c: *mut f32,
+        c_rs: usize,
+    ) {
+        unsafe {
+            let mut acc = [[_mm512_setzero_ps(); V]; R];
+            let mut bv = [_mm512_setzero_ps(); V];
+            for i in 0..k {
+                for (j, bv) in bv.iter_mut().enumerate() {
+                    *bv = _mm512_loadu_ps(b.add(i * b_rs + 16 * j));
+                }
+                for (r, acc) in acc.iter_mut().enumerate() {
+                    let w = _mm512_set1_ps(*a.add(r * a_rs + i));
+                    for (acc, &bv) in acc.iter_mut().zip(&bv) {
+                        *acc = _mm512_fmadd_ps(w, bv, *acc);
+                    }
+                }
+            }
+            for (r, acc) in acc.iter().enumerate() {
+                for (j, &acc) in acc.iter().enumerate() {
+                    _mm512_storeu_ps(c.add(r * c_rs + 16 * j), acc);
+                }
             }
         }
     }
@@ -832,8 +1034,8 @@ mod tests {
         }
     }
 
-    /// `m` query rows from row `r0` on of the head in `x`, by the FMA kernel when `fma`, else
-    /// by `loops` (attend_rows or attend_rows_wide).
+    /// `m` query rows from row `r0` on of the head in `x`, by `kernel`, with `loops`
+    /// (attend_rows or attend_rows_wide) for [`CpuKernel::Loops`].
     #[allow(clippy::too_many_arguments)]
     fn attend_block(
         x: &[f32],
@@ -842,16 +1044,16 @@ mod tests {
         v: (usize, usize),
         (r0, m): (usize, usize),
         (len, dim): (usize, usize),
-        fma: bool,
+        kernel: CpuKernel,
         loops: fn(HeadRows<'_, f32>, &KeysValues, f32, &mut [f32]),
     ) -> Vec<f32> {
         let kv = KeysValues::pack(rows(x, k), rows(x, v), len, dim);
         let q = rows(x, (q0 + r0 * qs, qs));
         let mut out = vec![f32::NAN; m * dim];
-        if fma {
-            attend_rows_dispatch(q, &kv, 0.125, true, &mut out);
-        } else {
+        if kernel == CpuKernel::Loops {
             loops(q, &kv, 0.125, &mut out);
+        } else {
+            attend_rows_dispatch(q, &kv, 0.125, kernel, &mut out);
         }
         out
     }
@@ -918,7 +1120,16 @@ mod tests {
             (9, 12),
         ] {
             let (x, (q, k, v)) = strided_qkv(len, dim, 0x9e3779b97f4a7c15);
-            let got = attend_block(&x, q, k, v, (0, len), (len, dim), false, attend_rows);
+            let got = attend_block(
+                &x,
+                q,
+                k,
+                v,
+                (0, len),
+                (len, dim),
+                CpuKernel::Loops,
+                attend_rows,
+            );
             let want = one_row_at_a_time(&x, q, k, v, len, dim, 0.125);
             assert!(
                 same_bits(&got, &want),
@@ -936,6 +1147,28 @@ mod tests {
         }
         #[cfg(not(target_arch = "x86_64"))]
         false
+    }
+
+    /// Whether this CPU also runs the AVX-512 kernel.
+    fn has_avx512() -> bool {
+        #[cfg(target_arch = "x86_64")]
+        {
+            has_fma() && std::arch::is_x86_feature_detected!("avx512f")
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        false
+    }
+
+    /// The kernels this CPU runs.
+    fn kernels() -> Vec<CpuKernel> {
+        let mut k = vec![CpuKernel::Loops];
+        if has_fma() {
+            k.push(CpuKernel::Fma);
+        }
+        if has_avx512() {
+            k.push(CpuKernel::Avx512);
+        }
+        k
     }
 
     #[test]
@@ -961,7 +1194,16 @@ mod tests {
         ] {
             let (x, (q, k, v)) = strided_qkv(len, dim, 0x6a09e667f3bcc909 ^ len as u64);
             let want = one_row_at_a_time(&x, q, k, v, len, dim, 0.125);
-            let got = attend_block(&x, q, k, v, (0, len), (len, dim), true, attend_rows_wide);
+            let got = attend_block(
+                &x,
+                q,
+                k,
+                v,
+                (0, len),
+                (len, dim),
+                CpuKernel::Fma,
+                attend_rows_wide,
+            );
             let worst = got
                 .iter()
                 .zip(&want)
@@ -972,23 +1214,59 @@ mod tests {
     }
 
     #[test]
+    fn avx512_kernel_gives_the_fma_kernels_bits() {
+        // Each value is the same chain of fused multiply-adds in both tile shapes and the
+        // softmax the same steps in wider vectors: bit for bit, on odd lengths (partial tiles of
+        // rows, a last 16-key strip) and every supported head dim.
+        if !has_avx512() {
+            eprintln!("no AVX-512F on this CPU: the AVX-512 kernel is not run here");
+            return;
+        }
+        for &(len, dim) in &[
+            (1usize, 32usize),
+            (2, 64),
+            (7, 64),
+            (9, 128),
+            (17, 32),
+            (63, 64),
+            (64, 64),
+            (65, 64),
+            (197, 64),
+            (577, 64),
+            (66, 128),
+        ] {
+            let (x, (q, k, v)) = strided_qkv(len, dim, 0x3c6ef372fe94f82b ^ len as u64);
+            let run = |kernel| attend_block(&x, q, k, v, (0, len), (len, dim), kernel, attend_rows);
+            let (avx2, avx512) = (run(CpuKernel::Fma), run(CpuKernel::Avx512));
+            assert!(
+                avx512.iter().all(|v| v.is_finite()),
+                "len {len} dim {dim}: unwritten"
+            );
+            assert!(
+                same_bits(&avx2, &avx512),
+                "len {len} dim {dim}: the bits changed"
+            );
+        }
+    }
+
+    #[test]
     fn query_blocks_keep_each_rows_bits() {
         // A row's result must not depend on the work unit (or, in the FMA kernel, the register
         // tile) it falls in: blocks of every size 1..=13 from several first rows against the
         // whole head at once.
-        let arms: &[bool] = if has_fma() { &[false, true] } else { &[false] };
         for &(len, dim) in &[(197usize, 64usize), (40, 32), (23, 128)] {
             let (x, (q, k, v)) = strided_qkv(len, dim, 0xbb67ae8584caa73b);
-            for &fma in arms {
-                let block =
-                    |r0, m| attend_block(&x, q, k, v, (r0, m), (len, dim), fma, attend_rows_wide);
+            for kernel in kernels() {
+                let block = |r0, m| {
+                    attend_block(&x, q, k, v, (r0, m), (len, dim), kernel, attend_rows_wide)
+                };
                 let whole = block(0, len);
                 for m in 1..=13 {
                     for r0 in [0, 1, 5, len - m] {
                         let got = block(r0, m);
                         assert!(
                             same_bits(&got, &whole[r0 * dim..(r0 + m) * dim]),
-                            "len {len} dim {dim} fma {fma}: rows {r0}..{} changed",
+                            "len {len} dim {dim} {kernel:?}: rows {r0}..{} changed",
                             r0 + m
                         );
                     }
@@ -1059,7 +1337,8 @@ mod tests {
         // lanes are independent and no sum is reassociated. Strided rows, odd lengths.
         for &(len, dim) in &[(1usize, 32usize), (63, 64), (197, 64), (65, 128)] {
             let (buf, (q, k, v)) = strided_qkv(len, dim, 0x2545f4914f6cdd1d);
-            let block = |loops| attend_block(&buf, q, k, v, (0, len), (len, dim), false, loops);
+            let block =
+                |loops| attend_block(&buf, q, k, v, (0, len), (len, dim), CpuKernel::Loops, loops);
             let (base, wide) = (block(attend_rows), block(attend_rows_wide));
             assert!(
                 same_bits(&base, &wide),
