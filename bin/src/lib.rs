@@ -1,6 +1,26 @@
 //! Shared pieces of the command-line tools: device/dtype/model options and model loading, and
 //! the one-line error reporting every tool uses.
 
+/// Makes mimalloc the binary's global allocator (the `mimalloc` feature, on by default).
+///
+/// Why: a CPU forward allocates every op's output afresh (candle's CPU ops return new vectors),
+/// hundreds of MB a forward at batch 8, from the pool's 16 threads at once. glibc's malloc hands
+/// much of that back to the kernel and takes it again: ~950 page faults a DeiT-T forward at
+/// batch 1 on a 16-core Intel host (5 a forward with mimalloc), each a kernel entry contending on
+/// the process's memory map. There, DeiT-T / S at batch 1 and 8 ran 1.10-1.42x faster (median
+/// 1.25x) with mimalloc; glibc with a raised mmap / trim threshold 0.89-1.20x, jemalloc
+/// 0.83-1.33x (docs/BENCHMARKS.md, "The CPU path"). A library cannot choose the allocator of the
+/// program that links it, so this lives in the tools; a program embedding our crates picks its
+/// own (`#[global_allocator]`).
+#[macro_export]
+macro_rules! fast_allocator {
+    () => {
+        #[cfg(feature = "mimalloc")]
+        #[global_allocator]
+        static GLOBAL_ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+    };
+}
+
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 

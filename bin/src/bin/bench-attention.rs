@@ -10,6 +10,8 @@
 //!
 //! Rows go to a JSON file (`--out`), a table to stdout.
 
+bin::fast_allocator!();
+
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, IndexOp, Tensor};
 use candle_ragged::{pack, ragged_attention, unpack, RaggedBatch};

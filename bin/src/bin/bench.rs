@@ -7,6 +7,8 @@
 //! counts per image. Warm-up runs are excluded; each row is the median of `--reps` runs, timed
 //! from a synchronised device to a synchronised device. Writes JSON to `--out` after every row.
 
+bin::fast_allocator!();
+
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::process::ExitCode;

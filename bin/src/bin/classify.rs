@@ -1,5 +1,7 @@
 //! `classify IMAGE...`: top-k ImageNet classes per image with a DeiT model.
 
+bin::fast_allocator!();
+
 use std::path::PathBuf;
 use std::process::ExitCode;
 

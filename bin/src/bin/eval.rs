@@ -2,6 +2,8 @@
 //! over a labelled image set, in one pass (each batch is decoded once, then every setting runs on
 //! it), plus how far each pruned setting's logits are from the dense ones.
 
+bin::fast_allocator!();
+
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
