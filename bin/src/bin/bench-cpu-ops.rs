@@ -1,0 +1,218 @@
+//! bench-cpu-ops: the CPU time of each operation of a DeiT block, one at a time, on the
+//! model's shapes (f32, random weights): where a CPU forward's time goes, op by op, and with
+//! `scripts/peers/torch_cpu_ops.py` (the same operations in PyTorch, the same output lines) how
+//! each compares with PyTorch's on the same machine.
+//!
+//! Each operation runs `--reps` times after three untimed calls; the median wall time is
+//! reported with its GFLOP/s and the page faults one call takes (`/proc/self/stat`, Linux). Each
+//! runs inside candle's CPU pool, as the model's forward does. The block line adds the two
+//! LayerNorms, qkv, the attention, proj + residual, fc1 + GELU and fc2 + residual.
+//! Thread count: `RAYON_NUM_THREADS`, as for the model.
+
+bin::fast_allocator!();
+
+use std::process::ExitCode;
+use std::time::Instant;
+
+use anyhow::{bail, Result};
+use bin::run_main;
+use candle_core::{DType, Device, Tensor};
+use candle_fastpath::{Epilogue, FusedLinear, LayerNorm};
+use candle_ragged::{ragged_attention, RaggedBatch};
+use clap::Parser;
+
+#[derive(Parser, Debug)]
+#[command(about = "CPU time of each operation of a DeiT block on the model's shapes")]
+struct Args {
+    /// deit-tiny, deit-small, deit-base.
+    #[arg(long, value_delimiter = ',', default_value = "deit-tiny,deit-small")]
+    models: Vec<String>,
+    /// Images a call (197 tokens each).
+    #[arg(long, value_delimiter = ',', default_value = "1,8")]
+    batch: Vec<usize>,
+    /// Timed calls per operation (the median is reported).
+    #[arg(long, default_value_t = 30)]
+    reps: usize,
+    /// Only these operations (ln, qkv, attn, proj+res, fc1+gelu, fc1, fc2+res); all if empty.
+    #[arg(long, value_delimiter = ',')]
+    ops: Vec<String>,
+}
+
+/// Tokens an image: 196 patches and the class token.
+const TOKENS: usize = 197;
+const HEAD_DIM: usize = 64;
+
+/// Minor page faults of this process so far (0 where `/proc/self/stat` cannot be read).
+fn minor_faults() -> u64 {
+    let Ok(stat) = std::fs::read_to_string("/proc/self/stat") else {
+        return 0;
+    };
+    // Field 10 (minflt), counted after the command name's closing parenthesis.
+    stat.rfind(')')
+        .and_then(|at| stat[at + 2..].split(' ').nth(7))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
+}
+
+/// One operation's figures: median µs a call and the page faults of one call.
+struct Timing {
+    us: f64,
+    faults: u64,
+}
+
+fn time(reps: usize, mut call: impl FnMut() -> Result<()>) -> Result<Timing> {
+    for _ in 0..3 {
+        call()?;
+    }
+    let before = minor_faults();
+    call()?;
+    let faults = minor_faults() - before;
+    let mut us = Vec::with_capacity(reps);
+    for _ in 0..reps {
+        let start = Instant::now();
+        call()?;
+        us.push(start.elapsed().as_secs_f64() * 1e6);
+    }
+    us.sort_by(f64::total_cmp);
+    Ok(Timing {
+        us: us[reps / 2],
+        faults,
+    })
+}
+
+/// A `[out, in]` layer with bias, N(0, 0.02) weights.
+fn layer(inputs: usize, outputs: usize, dev: &Device) -> Result<FusedLinear> {
+    let w = Tensor::randn(0f32, 0.02, (outputs, inputs), dev)?;
+    let b = Tensor::randn(0f32, 0.02, outputs, dev)?;
+    Ok(FusedLinear::new(w, Some(b))?)
+}
+
+fn run(args: Args) -> Result<()> {
+    if args.reps == 0 {
+        bail!("--reps must be at least 1");
+    }
+    let dev = Device::Cpu;
+    let wanted = |op: &str| args.ops.is_empty() || args.ops.iter().any(|o| o == op);
+    for model in &args.models {
+        let (c, heads) = match model.as_str() {
+            "deit-tiny" => (192, 3),
+            "deit-small" => (384, 6),
+            "deit-base" => (768, 12),
+            other => bail!("unknown model {other:?} (deit-tiny, deit-small, deit-base)"),
+        };
+        for &b in &args.batch {
+            if b == 0 {
+                bail!("--batch values must be at least 1");
+            }
+            let rows = b * TOKENS;
+            let (qkv, proj) = (layer(c, 3 * c, &dev)?, layer(c, c, &dev)?);
+            let (fc1, fc2) = (layer(c, 4 * c, &dev)?, layer(4 * c, c, &dev)?);
+            let norm = LayerNorm::new(
+                Tensor::ones(c, DType::F32, &dev)?,
+                Tensor::zeros(c, DType::F32, &dev)?,
+                1e-6,
+            )?;
+            let x = Tensor::randn(0f32, 1.0, (rows, c), &dev)?;
+            let hidden = Tensor::randn(0f32, 1.0, (rows, 4 * c), &dev)?;
+            let batch = RaggedBatch::from_lengths(&vec![TOKENS; b], &dev)?;
+            // q, k and v as the model reads them: strided views of the fused projection.
+            let fused = qkv
+                .forward_with(&x, Epilogue::Plain)?
+                .reshape((rows, 3, heads, HEAD_DIM))?;
+            let part = |i| fused.narrow(1, i, 1).and_then(|t| t.squeeze(1));
+            let (q, k, v) = (part(0)?, part(1)?, part(2)?);
+            let scale = (HEAD_DIM as f32).powf(-0.5);
+            let linear_flops = |i: usize, o: usize| 2.0 * (rows * i * o) as f64;
+            let attention_flops = 4.0 * (b * heads * TOKENS * TOKENS * HEAD_DIM) as f64;
+            type Call<'a> = Box<dyn FnMut() -> Result<()> + Send + 'a>;
+            let ops: Vec<(&str, f64, Call)> = vec![
+                (
+                    "ln",
+                    0.0,
+                    Box::new(|| {
+                        norm.forward_checked(&x)?;
+                        Ok(())
+                    }),
+                ),
+                (
+                    "qkv",
+                    linear_flops(c, 3 * c),
+                    Box::new(|| {
+                        qkv.forward_with(&x, Epilogue::Plain)?;
+                        Ok(())
+                    }),
+                ),
+                (
+                    "attn",
+                    attention_flops,
+                    Box::new(|| {
+                        ragged_attention(&q, &k, &v, &batch, scale)?;
+                        Ok(())
+                    }),
+                ),
+                (
+                    "proj+res",
+                    linear_flops(c, c),
+                    Box::new(|| {
+                        proj.forward_with(&x, Epilogue::Residual(&x))?;
+                        Ok(())
+                    }),
+                ),
+                (
+                    "fc1+gelu",
+                    linear_flops(c, 4 * c),
+                    Box::new(|| {
+                        fc1.forward_with(&x, Epilogue::Gelu)?;
+                        Ok(())
+                    }),
+                ),
+                (
+                    "fc1",
+                    linear_flops(c, 4 * c),
+                    Box::new(|| {
+                        fc1.forward_with(&x, Epilogue::Plain)?;
+                        Ok(())
+                    }),
+                ),
+                (
+                    "fc2+res",
+                    linear_flops(4 * c, c),
+                    Box::new(|| {
+                        fc2.forward_with(&hidden, Epilogue::Residual(&x))?;
+                        Ok(())
+                    }),
+                ),
+            ];
+            let mut block = 0.0;
+            for (name, flops, mut call) in ops {
+                if !wanted(name) {
+                    continue;
+                }
+                let t = dev.with_context(|| time(args.reps, &mut call))?;
+                block += match name {
+                    "ln" => 2.0 * t.us,
+                    "fc1" => 0.0,
+                    _ => t.us,
+                };
+                println!(
+                    "{model} b{b} {name:10} {:9.1} us  {:7.1} GFLOPS  {} faults/call",
+                    t.us,
+                    flops / t.us / 1e3,
+                    t.faults
+                );
+            }
+            if args.ops.is_empty() {
+                println!(
+                    "{model} b{b} block(2 ln) {block:.1} us; x12 = {:.2} ms",
+                    block * 12.0 / 1e3
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    run_main(|| run(args))
+}
