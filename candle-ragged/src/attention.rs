@@ -600,10 +600,11 @@ mod fma {
         // SAFETY (every product call): the CPU has the features (this function's contract);
         // the products check the slices against the sizes.
         unsafe {
+            let (q, kt) = ((qx, q_rs, m, dim), (&kv.kt[..], width, width));
             if WIDE {
-                product_512(qx, q_rs, m, dim, &kv.kt, width, width, &mut scores)
+                product_512(q, kt, &mut scores)
             } else {
-                product(qx, q_rs, m, dim, &kv.kt, width, width, &mut scores)
+                product(q, kt, &mut scores)
             }
         };
         let mut denoms = Vec::with_capacity(m);
@@ -611,10 +612,11 @@ mod fma {
             denoms.push(softmax_numerators_lanes(&mut s[..len], scale));
         }
         unsafe {
+            let (p, v) = ((&scores[..], width, m, len), (&kv.vb[..], dim, dim));
             if WIDE {
-                product_512(&scores, width, m, len, &kv.vb, dim, dim, out)
+                product_512(p, v, out)
             } else {
-                product(&scores, width, m, len, &kv.vb, dim, dim, out)
+                product(p, v, out)
             }
         };
         for (o, denom) in out.chunks_exact_mut(dim).zip(denoms) {
@@ -651,29 +653,34 @@ mod fma {
         denom
     }
 
+    /// The row stride of `c` in [`product`] and [`product_512`], after checking the bounds every
+    /// tile of theirs stays within (the tiles' reads and writes are unchecked): `m` rows of `k`
+    /// terms in `a`, `k` rows of `n` columns in `b`, `m` rows of `n` in `c`.
+    fn checked_c_stride(
+        (a, a_rs, m, k): (&[f32], usize, usize, usize),
+        (b, b_rs, n): (&[f32], usize, usize),
+        c: &[f32],
+    ) -> usize {
+        let c_rs = c.len() / m.max(1);
+        assert!(n.is_multiple_of(COLS) && n <= b_rs && n <= c_rs && k <= a_rs);
+        assert!(m == 0 || (a.len() >= (m - 1) * a_rs + k && c.len() >= (m - 1) * c_rs + n));
+        assert!(k == 0 || b.len() >= (k - 1) * b_rs + n);
+        c_rs
+    }
+
     /// `c[r][col] = Σ_i a[r][i] · b[i][col]`, the terms summed in order of `i`, for `m` rows
     /// (`k` terms each, a's rows `a_rs` apart) and the first `n` columns (a multiple of
     /// [`COLS`]) of b's `k` rows (`b_rs` apart); c is `[m, c.len() / m]` row-major.
     ///
     /// # Safety
     /// The CPU must have AVX2 and FMA.
-    #[allow(clippy::too_many_arguments)]
     #[target_feature(enable = "avx2,fma")]
     unsafe fn product(
-        a: &[f32],
-        a_rs: usize,
-        m: usize,
-        k: usize,
-        b: &[f32],
-        b_rs: usize,
-        n: usize,
+        (a, a_rs, m, k): (&[f32], usize, usize, usize),
+        (b, b_rs, n): (&[f32], usize, usize),
         c: &mut [f32],
     ) {
-        let c_rs = c.len() / m.max(1);
-        // The bounds every tile stays within (its reads and writes are unchecked).
-        assert!(n.is_multiple_of(COLS) && n <= b_rs && n <= c_rs && k <= a_rs);
-        assert!(m == 0 || (a.len() >= (m - 1) * a_rs + k && c.len() >= (m - 1) * c_rs + n));
-        assert!(k == 0 || b.len() >= (k - 1) * b_rs + n);
+        let c_rs = checked_c_stride((a, a_rs, m, k), (b, b_rs, n), c);
         let (a, b, c) = (a.as_ptr(), b.as_ptr(), c.as_mut_ptr());
         for c0 in (0..n).step_by(COLS) {
             let mut r0 = 0;
@@ -753,23 +760,13 @@ mod fma {
     ///
     /// # Safety
     /// The CPU must have AVX-512F.
-    #[allow(clippy::too_many_arguments)]
     #[target_feature(enable = "avx512f")]
     unsafe fn product_512(
-        a: &[f32],
-        a_rs: usize,
-        m: usize,
-        k: usize,
-        b: &[f32],
-        b_rs: usize,
-        n: usize,
+        (a, a_rs, m, k): (&[f32], usize, usize, usize),
+        (b, b_rs, n): (&[f32], usize, usize),
         c: &mut [f32],
     ) {
-        let c_rs = c.len() / m.max(1);
-        // The bounds every tile stays within (its reads and writes are unchecked).
-        assert!(n.is_multiple_of(COLS) && n <= b_rs && n <= c_rs && k <= a_rs);
-        assert!(m == 0 || (a.len() >= (m - 1) * a_rs + k && c.len() >= (m - 1) * c_rs + n));
-        assert!(k == 0 || b.len() >= (k - 1) * b_rs + n);
+        let c_rs = checked_c_stride((a, a_rs, m, k), (b, b_rs, n), c);
         let (a, b, c) = (a.as_ptr(), b.as_ptr(), c.as_mut_ptr());
         let mut c0 = 0;
         // SAFETY (both): columns c0.. of b and c, every row of a and c, within the asserts.
@@ -1172,19 +1169,28 @@ mod tests {
     }
 
     #[test]
-    fn fma_kernel_agrees_with_the_loops() {
+    fn fma_kernels_agree_with_the_loops() {
         // Strided rows, the odd lengths, every supported head dim: the FMA kernel (where the CPU
         // has it) within 1e-5 of one row and one key at a time (relative to the output's size),
-        // while its bits differ. The op's integration tests hold whichever kernel the CPU runs
-        // to the f64 reference in every dtype.
+        // while its bits differ; the AVX-512 kernel (where the CPU has AVX-512F) bit for bit
+        // the FMA kernel's (each value the same chain of fused multiply-adds in either tile
+        // shape, the softmax the same steps in wider vectors; partial tiles of rows, a last
+        // 16-key strip). The op's integration tests hold whichever kernel the CPU runs to the
+        // f64 reference in every dtype.
         if !has_fma() {
-            eprintln!("no AVX2 + FMA on this CPU: the FMA kernel is not run here");
+            eprintln!("no AVX2 + FMA on this CPU: the FMA kernels are not run here");
             return;
+        }
+        if !has_avx512() {
+            eprintln!("no AVX-512F on this CPU: the AVX-512 kernel is not run here");
         }
         for &(len, dim) in &[
             (1usize, 32usize),
             (2, 64),
             (5, 32),
+            (7, 64),
+            (9, 128),
+            (17, 32),
             (63, 64),
             (64, 64),
             (65, 64),
@@ -1210,42 +1216,14 @@ mod tests {
                 .map(|(&g, &w)| (g - w).abs() / w.abs().max(1.0))
                 .fold(0f32, f32::max);
             assert!(worst <= 1e-5, "len {len} dim {dim}: off by {worst:e}");
-        }
-    }
-
-    #[test]
-    fn avx512_kernel_gives_the_fma_kernels_bits() {
-        // Each value is the same chain of fused multiply-adds in both tile shapes and the
-        // softmax the same steps in wider vectors: bit for bit, on odd lengths (partial tiles of
-        // rows, a last 16-key strip) and every supported head dim.
-        if !has_avx512() {
-            eprintln!("no AVX-512F on this CPU: the AVX-512 kernel is not run here");
-            return;
-        }
-        for &(len, dim) in &[
-            (1usize, 32usize),
-            (2, 64),
-            (7, 64),
-            (9, 128),
-            (17, 32),
-            (63, 64),
-            (64, 64),
-            (65, 64),
-            (197, 64),
-            (577, 64),
-            (66, 128),
-        ] {
-            let (x, (q, k, v)) = strided_qkv(len, dim, 0x3c6ef372fe94f82b ^ len as u64);
-            let run = |kernel| attend_block(&x, q, k, v, (0, len), (len, dim), kernel, attend_rows);
-            let (avx2, avx512) = (run(CpuKernel::Fma), run(CpuKernel::Avx512));
-            assert!(
-                avx512.iter().all(|v| v.is_finite()),
-                "len {len} dim {dim}: unwritten"
-            );
-            assert!(
-                same_bits(&avx2, &avx512),
-                "len {len} dim {dim}: the bits changed"
-            );
+            if has_avx512() {
+                let (block, kernel) = ((0, len), CpuKernel::Avx512);
+                let wide = attend_block(&x, q, k, v, block, (len, dim), kernel, attend_rows);
+                assert!(
+                    same_bits(&got, &wide),
+                    "len {len} dim {dim}: AVX-512 bits differ"
+                );
+            }
         }
     }
 
