@@ -252,6 +252,10 @@ impl RaggedAttention<'_> {
         // the output cost more than the attention's own work at batch 1).
         let mut out: Vec<T> = Vec::with_capacity(n);
         let offsets = self.batch.offsets()?;
+        if offsets.first().is_some_and(|&first| first != 0) {
+            // RaggedBatch validates this; the writes below rely on it.
+            candle_core::bail!("ragged_attention (CPU): cu_seqlens must start at 0")
+        }
         // Blocks a head at least: one task for each of the pool's threads where the
         // (sequence, head) pairs are fewer (see query_block_rows).
         let pairs = offsets.len().saturating_sub(1) * heads;
@@ -290,7 +294,7 @@ impl RaggedAttention<'_> {
                 }
             }
         });
-        // SAFETY: the sequences' rows (offsets start at 0, validated with the batch, and
+        // SAFETY: the sequences' rows (offsets start at 0, checked above, and
         // for_each_sequence hands each sequence its `len · row_len` values, every head's
         // `len × dim` block of them written above) cover the first `covered` values, `rest` the
         // others.
