@@ -256,10 +256,6 @@ impl RaggedAttention<'_> {
             // RaggedBatch validates this; the writes below rely on it.
             candle_core::bail!("ragged_attention (CPU): cu_seqlens must start at 0")
         }
-        // Blocks a head at least: one task for each of the pool's threads where the
-        // (sequence, head) pairs are fewer (see query_block_rows).
-        let pairs = offsets.len().saturating_sub(1) * heads;
-        let min_blocks = rayon::current_num_threads() / pairs.max(1);
         let covered = offsets.last().map_or(0, |&e| e as usize * row_len).min(n);
         let (rows, rest) = out.spare_capacity_mut()[..n].split_at_mut(covered);
         // Rows past the last sequence (a batch sized for more tokens than it holds) stay zero.
@@ -281,7 +277,7 @@ impl RaggedAttention<'_> {
                         rows(k, ka),
                         rows(v, va),
                         (len, dim, scale),
-                        (kernel, min_blocks),
+                        kernel,
                     )
                 })
                 .collect();
@@ -330,21 +326,10 @@ impl<T: Float32> HeadRows<'_, T> {
 /// Query rows a task of the CPU attention takes at most (see [`query_block_rows`]).
 const UNIT_QUERIES: usize = 64;
 
-/// Query rows a block takes at least when blocks are added for idle threads.
-const MIN_BLOCK_QUERIES: usize = 8;
-
 /// Rows of each block of a `len`-row head: nearly equal blocks, none over [`UNIT_QUERIES`]
-/// (197 rows: 50, 50, 50, 47), and at least `min_blocks` of them while each keeps
-/// [`MIN_BLOCK_QUERIES`] rows: with fewer (sequence, head) pairs than the pool has threads,
-/// the caller asks for `threads / pairs` blocks a head so that every thread gets one (one image
-/// of DeiT-T on 16 threads: 5 blocks of 40 rows, 15 tasks, instead of 12 tasks of 50 rows). A
-/// row's result does not depend on its block.
-fn query_block_rows(len: usize, min_blocks: usize) -> usize {
-    let blocks = len
-        .div_ceil(UNIT_QUERIES)
-        .max(min_blocks.min(len / MIN_BLOCK_QUERIES))
-        .max(1);
-    len.div_ceil(blocks).max(1)
+/// (197 rows: 50, 50, 50, 47).
+fn query_block_rows(len: usize) -> usize {
+    len.div_ceil(len.div_ceil(UNIT_QUERIES).max(1)).max(1)
 }
 
 /// Keys padded to a multiple of this in [`KeysValues`]: whole vectors (and whole FMA tiles).
@@ -423,17 +408,16 @@ fn cpu_kernel(dim: usize) -> CpuKernel {
 
 /// One (sequence, head): its `len` query rows against its `len` key / value rows of `dim`
 /// values, scores scaled by `scale`; returns the `[len, dim]` output in f32. K and V are packed
-/// once, then blocks of query rows run in parallel (at least `min_blocks` of them, see
-/// [`query_block_rows`]), by `kernel` (from [`cpu_kernel`]).
+/// once, then blocks of query rows run in parallel, by `kernel` (from [`cpu_kernel`]).
 fn attend_head<T: Float32>(
     q: HeadRows<'_, T>,
     k: HeadRows<'_, T>,
     v: HeadRows<'_, T>,
     (len, dim, scale): (usize, usize, f32),
-    (kernel, min_blocks): (CpuKernel, usize),
+    kernel: CpuKernel,
 ) -> Vec<f32> {
     let kv = KeysValues::pack(k, v, len, dim);
-    let rows = query_block_rows(len, min_blocks);
+    let rows = query_block_rows(len);
     let mut out = vec![0f32; len * dim];
     out.par_chunks_mut(rows * dim)
         .enumerate()
@@ -1275,33 +1259,18 @@ mod tests {
 
     #[test]
     fn query_blocks_are_nearly_equal() {
-        for len in [1usize, 2, 7, 63, 64, 65, 128, 129, 197, 577, 1024] {
-            for min_blocks in [0usize, 1, 3, 5, 16] {
-                let rows = query_block_rows(len, min_blocks);
-                let blocks = len.div_ceil(rows);
-                let last = len - (blocks - 1) * rows;
-                let case = format!("len {len}, at least {min_blocks}: {blocks} blocks of {rows}");
-                assert!(rows <= UNIT_QUERIES, "{case}");
-                // As many blocks as the cap needs, more only where asked (rounding to equal
-                // blocks may drop one) and each keeps its minimum of rows.
-                let want = len
-                    .div_ceil(UNIT_QUERIES)
-                    .max(min_blocks.min(len / MIN_BLOCK_QUERIES))
-                    .max(1);
-                assert_eq!(rows, len.div_ceil(want), "{case}");
-                assert!(
-                    blocks <= want && blocks >= len.div_ceil(UNIT_QUERIES),
-                    "{case}"
-                );
-                assert!(
-                    blocks == 1 || rows >= MIN_BLOCK_QUERIES.min(UNIT_QUERIES),
-                    "{case}"
-                );
-                assert!(rows - last < blocks, "{case}: then {last}");
-            }
+        for len in [1usize, 2, 63, 64, 65, 128, 129, 197, 577, 1024] {
+            let rows = query_block_rows(len);
+            let blocks = len.div_ceil(rows);
+            let last = len - (blocks - 1) * rows;
+            assert!(rows <= UNIT_QUERIES, "len {len}: blocks of {rows}");
+            assert_eq!(
+                blocks,
+                len.div_ceil(UNIT_QUERIES),
+                "len {len}: {blocks} blocks"
+            );
+            assert!(rows - last < blocks, "len {len}: {rows} then {last}");
         }
-        // One image of DeiT-T on 16 threads: 5 blocks of 40 rows a head.
-        assert_eq!(query_block_rows(197, 16 / 3), 40);
     }
 
     #[test]
