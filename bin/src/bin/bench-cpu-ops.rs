@@ -38,6 +38,11 @@ struct Args {
     ops: Vec<String>,
 }
 
+/// The operations, in the order they run and print.
+const OPS: [&str; 7] = [
+    "ln", "qkv", "attn", "proj+res", "fc1+gelu", "fc1", "fc2+res",
+];
+
 /// Tokens an image: 196 patches and the class token.
 const TOKENS: usize = 197;
 const HEAD_DIM: usize = 64;
@@ -90,6 +95,9 @@ fn layer(inputs: usize, outputs: usize, dev: &Device) -> Result<FusedLinear> {
 fn run(args: Args) -> Result<()> {
     if args.reps == 0 {
         bail!("--reps must be at least 1");
+    }
+    if let Some(op) = args.ops.iter().find(|o| !OPS.contains(&o.as_str())) {
+        bail!("unknown operation {op:?} (one of {})", OPS.join(", "));
     }
     let dev = Device::Cpu;
     let wanted = |op: &str| args.ops.is_empty() || args.ops.iter().any(|o| o == op);

@@ -1,0 +1,53 @@
+//! `bench-cpu-ops`: every operation prints one line with its time, GFLOP/s and page faults,
+//! and bad arguments are one-line errors.
+
+use std::process::Command;
+
+fn run(args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_bench-cpu-ops"))
+        .args(args)
+        .env("RAYON_NUM_THREADS", "2")
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn every_operation_prints_its_line() {
+    let out = run(&["--models", "deit-tiny", "--batch", "1", "--reps", "1"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8(out.stdout).unwrap();
+    for op in [
+        "ln", "qkv", "attn", "proj+res", "fc1+gelu", "fc1", "fc2+res",
+    ] {
+        let line = text
+            .lines()
+            .find(|l| l.split_whitespace().nth(2) == Some(op))
+            .unwrap_or_else(|| panic!("no line for {op} in:\n{text}"));
+        let us: f64 = line.split_whitespace().nth(3).unwrap().parse().unwrap();
+        assert!(us > 0.0, "{line}");
+    }
+    assert!(text.contains("deit-tiny b1 block(2 ln)"), "{text}");
+}
+
+#[test]
+fn bad_arguments_are_one_line_errors() {
+    for (args, says) in [
+        (vec!["--models", "deit-huge"], "unknown model"),
+        (vec!["--ops", "attn,softmax"], "unknown operation"),
+        (vec!["--reps", "0"], "--reps"),
+        (vec!["--batch", "0"], "--batch"),
+    ] {
+        let out = run(&args);
+        assert!(!out.status.success(), "{args:?} succeeded");
+        let err = String::from_utf8(out.stderr).unwrap();
+        assert!(
+            err.starts_with("error: ") && err.contains(says),
+            "{args:?}: {err}"
+        );
+        assert_eq!(err.trim_end().lines().count(), 1, "{args:?}: {err}");
+    }
+}
