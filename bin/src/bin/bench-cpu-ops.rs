@@ -133,9 +133,11 @@ fn run(args: Args) -> Result<()> {
             let linear_flops = |i: usize, o: usize| 2.0 * (rows * i * o) as f64;
             let attention_flops = 4.0 * (b * heads * TOKENS * TOKENS * HEAD_DIM) as f64;
             type Call<'a> = Box<dyn FnMut() -> Result<()> + Send + 'a>;
+            // The names from OPS, so the list checked against --ops is the list that runs.
+            let [ln, qkv_op, attn, proj_res, fc1_gelu, fc1_op, fc2_res] = OPS;
             let ops: Vec<(&str, f64, Call)> = vec![
                 (
-                    "ln",
+                    ln,
                     0.0,
                     Box::new(|| {
                         norm.forward_checked(&x)?;
@@ -143,7 +145,7 @@ fn run(args: Args) -> Result<()> {
                     }),
                 ),
                 (
-                    "qkv",
+                    qkv_op,
                     linear_flops(c, 3 * c),
                     Box::new(|| {
                         qkv.forward_with(&x, Epilogue::Plain)?;
@@ -151,7 +153,7 @@ fn run(args: Args) -> Result<()> {
                     }),
                 ),
                 (
-                    "attn",
+                    attn,
                     attention_flops,
                     Box::new(|| {
                         ragged_attention(&q, &k, &v, &batch, scale)?;
@@ -159,7 +161,7 @@ fn run(args: Args) -> Result<()> {
                     }),
                 ),
                 (
-                    "proj+res",
+                    proj_res,
                     linear_flops(c, c),
                     Box::new(|| {
                         proj.forward_with(&x, Epilogue::Residual(&x))?;
@@ -167,7 +169,7 @@ fn run(args: Args) -> Result<()> {
                     }),
                 ),
                 (
-                    "fc1+gelu",
+                    fc1_gelu,
                     linear_flops(c, 4 * c),
                     Box::new(|| {
                         fc1.forward_with(&x, Epilogue::Gelu)?;
@@ -175,7 +177,7 @@ fn run(args: Args) -> Result<()> {
                     }),
                 ),
                 (
-                    "fc1",
+                    fc1_op,
                     linear_flops(c, 4 * c),
                     Box::new(|| {
                         fc1.forward_with(&x, Epilogue::Plain)?;
@@ -183,7 +185,7 @@ fn run(args: Args) -> Result<()> {
                     }),
                 ),
                 (
-                    "fc2+res",
+                    fc2_res,
                     linear_flops(4 * c, c),
                     Box::new(|| {
                         fc2.forward_with(&hidden, Epilogue::Residual(&x))?;
