@@ -96,6 +96,32 @@ fn odd_lengths_every_dtype() {
     }
 }
 
+/// The CPU path at pool sizes from one thread to more threads than the (sequence, head, block
+/// of query rows) tasks (one DeiT-T image has twelve; 16 and 40 threads leave some idle), each
+/// against the reference. (On CUDA the pool changes nothing.)
+#[test]
+fn any_pool_size_gives_the_reference() {
+    let cases: [(&[usize], usize); 4] = [
+        (&[197], 3),
+        (&[1], 1),
+        (&[2, 65, 197, 64], 6),
+        (&[5, 63, 17, 1, 130, 40, 9, 77, 64, 12, 3, 101], 4),
+    ];
+    for threads in [1, 3, 16, 40] {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .unwrap();
+        for (i, &(lengths, heads)) in cases.iter().enumerate() {
+            // One row's views are contiguous: plain tensors there.
+            let fused = lengths.iter().sum::<usize>() > 1;
+            for dtype in DTYPES {
+                pool.install(|| check(lengths, heads, 64, dtype, fused, 0.125, 900 + i as u64));
+            }
+        }
+    }
+}
+
 /// Batches whose sequences all have one length: the kernels then take each sequence's span from
 /// that length instead of cu_seqlens (lever 54). Every kernel family: resident (f16 / bf16,
 /// head_dim <= 64, up to 256 tokens, with and without key parts), tiled (longer or head_dim 128),
