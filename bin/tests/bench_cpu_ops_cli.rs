@@ -21,7 +21,7 @@ fn every_operation_prints_its_line() {
     );
     let text = String::from_utf8(out.stdout).unwrap();
     for op in [
-        "ln", "qkv", "attn", "proj+res", "fc1+gelu", "fc1", "fc2+res",
+        "ln", "qkv", "attn", "proj+res", "fc1+gelu", "fc1", "fc2+res", "block",
     ] {
         let line = text
             .lines()
