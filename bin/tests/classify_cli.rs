@@ -256,6 +256,33 @@ fn unreachable_hub_is_one_line() {
     );
 }
 
+/// A file that is no image fails on its header before any weights are fetched: the Hub is
+/// pointed at a closed port with an empty cache, so a download attempt would be the error.
+#[test]
+fn bad_image_fails_before_the_download() {
+    let f = fixture();
+    let text = f.dir.join("notes.jpg");
+    std::fs::write(&text, b"plain text").unwrap();
+    let empty = f.dir.join("empty.png");
+    std::fs::write(&empty, b"").unwrap();
+    for (p, words) in [
+        (&text, ["notes.jpg", "unrecognised"]),
+        (&empty, ["empty.png", "empty"]),
+    ] {
+        let cache = tempfile::tempdir().unwrap();
+        let out = Command::new(env!("CARGO_BIN_EXE_classify"))
+            .args(["--model", "deit-tiny", s(&f.images[0]), s(p)])
+            .env("HF_ENDPOINT", "http://127.0.0.1:9")
+            .env("HF_HOME", cache.path())
+            .env("RUST_BACKTRACE", "1")
+            .output()
+            .unwrap();
+        assert_one_line_error(&out, &words);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!err.contains("download"), "{err}");
+    }
+}
+
 #[test]
 fn unknown_model_is_rejected_by_clap() {
     let f = fixture();

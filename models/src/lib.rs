@@ -38,7 +38,7 @@ pub use error::{ModelError, PreprocessError};
 pub use hub::{fetch, HubSource};
 pub use labels::{class_names, imagenet1k_classes, imagenet1k_index_of_wnid, ImageNetClass};
 pub use on_device::{CapturablePrunedForward, DevicePrunedForward, PrunedTokens};
-pub use preprocess::{decode_image, Interpolation, PreprocessConfig, Resize};
+pub use preprocess::{check_image_file, decode_image, Interpolation, PreprocessConfig, Resize};
 pub use pruned::{BlockPruner, ExecutionPath, PruneStage, PrunedForward};
 pub use staged::{Reads, StagedGraph};
 pub use uniform_batches::UniformBatches;

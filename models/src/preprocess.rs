@@ -378,6 +378,18 @@ impl PreprocessConfig {
     }
 }
 
+/// Checks an image file's header without decoding its pixels: what [`decode_image`] refuses
+/// before it allocates (empty file, unknown format, unreadable header, zero size, over
+/// `max_pixels`, a JPEG without its end-of-image marker). A tool can check every input this way
+/// before it loads a model, so that a bad file fails in milliseconds, not after a download.
+pub fn check_image_file(path: &Path, max_pixels: u64) -> Result<(), PreprocessError> {
+    let bytes = std::fs::read(path).map_err(|source| PreprocessError::Io {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    checked_reader(&bytes, path, max_pixels).map(|_| ())
+}
+
 /// Decodes image bytes, guessing the format from the content. `path` is only used in errors.
 ///
 /// Refuses empty input, unknown formats, zero-sized images and images over `max_pixels` (checked
@@ -388,6 +400,25 @@ pub fn decode_image(
     path: &Path,
     max_pixels: u64,
 ) -> Result<RgbImage, PreprocessError> {
+    let mut r = checked_reader(bytes, path, max_pixels)?;
+    let mut limits = Limits::default();
+    // Up to 8 bytes per pixel (RGBA16) for the largest accepted image, plus slack.
+    limits.max_alloc = Some(max_pixels.saturating_mul(8).max(64 << 20));
+    r.limits(limits);
+    let img = r.decode().map_err(|e| PreprocessError::Decode {
+        path: path.to_path_buf(),
+        reason: e.to_string(),
+    })?;
+    Ok(img.to_rgb8())
+}
+
+/// A reader over `bytes` with its format guessed from the content, after [`check_image_file`]'s
+/// checks of the header.
+fn checked_reader<'a>(
+    bytes: &'a [u8],
+    path: &Path,
+    max_pixels: u64,
+) -> Result<ImageReader<Cursor<&'a [u8]>>, PreprocessError> {
     let path_buf = || path.to_path_buf();
     if bytes.is_empty() {
         return Err(PreprocessError::Empty { path: path_buf() });
@@ -420,7 +451,7 @@ pub fn decode_image(
             max_pixels,
         });
     }
-    let mut r = reader()?;
+    let r = reader()?;
     // The JPEG decoder fills a truncated scan with grey and reports success; PIL (what the
     // reference pipelines use) refuses such files, and so do we.
     if r.format() == Some(ImageFormat::Jpeg) && !jpeg_is_complete(bytes) {
@@ -429,12 +460,7 @@ pub fn decode_image(
             reason: "truncated JPEG (no end-of-image marker after the image data)".into(),
         });
     }
-    let mut limits = Limits::default();
-    // Up to 8 bytes per pixel (RGBA16) for the largest accepted image, plus slack.
-    limits.max_alloc = Some(max_pixels.saturating_mul(8).max(64 << 20));
-    r.limits(limits);
-    let img = r.decode().map_err(decode_err)?;
-    Ok(img.to_rgb8())
+    Ok(r)
 }
 
 /// Whether a JPEG stream reaches its end-of-image marker: walks the marker segments, skips the

@@ -104,13 +104,15 @@ fn main() -> ExitCode {
 }
 
 fn run(args: Args) -> Result<()> {
-    // Cheap checks first, so a typo'd path fails before a download or model load.
+    // Cheap checks first, so a typo'd path or a file that is no image fails before a download
+    // or model load: each file's header (not its pixels) read here.
     for p in &args.images {
         match std::fs::metadata(p) {
             Ok(m) if m.is_file() => {}
             Ok(_) => bail!("cannot read image {}: not a regular file", p.display()),
             Err(e) => bail!("cannot read image {}: {e}", p.display()),
         }
+        models::check_image_file(p, models::preprocess::DEFAULT_MAX_PIXELS)?;
     }
     let path = match (args.pruner.kind, args.path) {
         (None, p) => p.unwrap_or(ExecutionPath::Dense),
