@@ -316,6 +316,24 @@ fn eval_bad_datasets_are_one_line_errors() {
     assert_one_line_error(&run(eval, &args), &["dense"]);
 }
 
+/// A missing dataset fails before any weights are fetched: the Hub is pointed at a closed port
+/// with an empty cache, so a download attempt would be the error.
+#[test]
+fn missing_dataset_fails_before_the_download() {
+    let f = fixture();
+    let cache = tempfile::tempdir().unwrap();
+    let missing = f.root.join("no-such-dataset");
+    let out = Command::new(env!("CARGO_BIN_EXE_eval"))
+        .args(["--model", "deit-tiny", s(&missing), "--settings", "none"])
+        .env("HF_ENDPOINT", "http://127.0.0.1:9")
+        .env("HF_HOME", cache.path())
+        .output()
+        .unwrap();
+    assert_one_line_error(&out, &["cannot read dataset", "no-such-dataset"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!err.contains("download"), "{err}");
+}
+
 #[test]
 fn show_pruning_shades_dropped_patches() {
     let f = fixture();

@@ -437,6 +437,10 @@ fn main() -> ExitCode {
 
 fn run(args: Args) -> Result<()> {
     let settings = parse_settings(&args.settings)?;
+    // A typo'd dataset path fails before a download or model load (its labels are read after,
+    // against the model's class count).
+    std::fs::metadata(&args.dataset)
+        .with_context(|| format!("cannot read dataset {}", args.dataset.display()))?;
     let loaded = load_model(&args.model)?;
     let num_classes = loaded.config.num_classes;
     let mut samples = load_dataset(&args.dataset, num_classes)?;
