@@ -30,7 +30,7 @@ use models::{expected_tensors, AttentionInputs, Block, DeiTConfig, WeightNaming}
 #[derive(Parser, Debug)]
 #[command(about = "CPU time of each operation of a DeiT block on the model's shapes")]
 struct Args {
-    /// deit-tiny, deit-small, deit-base.
+    /// Models by name: deit-tiny, deit-small, deit-base (-distilled: the same shapes).
     #[arg(long, value_delimiter = ',', default_value = "deit-tiny,deit-small")]
     models: Vec<String>,
     /// Images a call (197 tokens each).
@@ -52,7 +52,6 @@ const OPS: [&str; 8] = [
 
 /// Tokens an image: 196 patches and the class token.
 const TOKENS: usize = 197;
-const HEAD_DIM: usize = 64;
 
 /// Minor page faults of this process so far (0 where `/proc/self/stat` cannot be read).
 fn minor_faults() -> u64 {
@@ -99,11 +98,11 @@ fn layer(inputs: usize, outputs: usize, dev: &Device) -> Result<FusedLinear> {
     Ok(FusedLinear::new(w, Some(b))?)
 }
 
-/// Block 0 of `model` with random weights (N(0, 0.02), LayerNorms at identity), timm-named.
-fn random_block(model: &str, dev: &Device) -> Result<(Block, DeiTConfig)> {
-    let cfg = DeiTConfig::from_name(model)?;
+/// Block 0 of a `cfg` model with random weights (N(0, 0.02), LayerNorms at identity),
+/// timm-named.
+fn random_block(cfg: &DeiTConfig, dev: &Device) -> Result<Block> {
     let mut tensors = HashMap::new();
-    for (name, shape) in expected_tensors(&cfg, WeightNaming::Timm) {
+    for (name, shape) in expected_tensors(cfg, WeightNaming::Timm) {
         let Some(local) = name.strip_prefix("blocks.0.") else {
             continue;
         };
@@ -117,7 +116,7 @@ fn random_block(model: &str, dev: &Device) -> Result<(Block, DeiTConfig)> {
         tensors.insert(local.to_string(), t);
     }
     let vb = VarBuilder::from_tensors(tensors, DType::F32, dev);
-    Ok((Block::new(&cfg, vb)?, cfg))
+    Ok(Block::new(cfg, vb)?)
 }
 
 fn run(args: Args) -> Result<()> {
@@ -129,48 +128,38 @@ fn run(args: Args) -> Result<()> {
     }
     let dev = Device::Cpu;
     let wanted = |op: &str| args.ops.is_empty() || args.ops.iter().any(|o| o == op);
+    if let Some(&b) = args.batch.iter().find(|&&b| b == 0) {
+        bail!("--batch values must be at least 1 (got {b})");
+    }
     for model in &args.models {
-        let (c, heads) = match model.as_str() {
-            "deit-tiny" => (192, 3),
-            "deit-small" => (384, 6),
-            "deit-base" => (768, 12),
-            other => bail!("unknown model {other:?} (deit-tiny, deit-small, deit-base)"),
-        };
+        // Width, heads and head dim from the model's config; the weights once a model.
+        let cfg = DeiTConfig::from_name(model)?;
+        let (c, heads, head_dim) = (cfg.dim, cfg.heads, cfg.head_dim());
+        let (qkv, proj) = (layer(c, 3 * c, &dev)?, layer(c, c, &dev)?);
+        let (fc1, fc2) = (layer(c, 4 * c, &dev)?, layer(4 * c, c, &dev)?);
+        let norm = LayerNorm::new(
+            Tensor::ones(c, DType::F32, &dev)?,
+            Tensor::zeros(c, DType::F32, &dev)?,
+            1e-6,
+        )?;
+        let block = random_block(&cfg, &dev)?;
         for &b in &args.batch {
-            if b == 0 {
-                bail!("--batch values must be at least 1");
-            }
             let rows = b * TOKENS;
-            let (qkv, proj) = (layer(c, 3 * c, &dev)?, layer(c, c, &dev)?);
-            let (fc1, fc2) = (layer(c, 4 * c, &dev)?, layer(4 * c, c, &dev)?);
-            let norm = LayerNorm::new(
-                Tensor::ones(c, DType::F32, &dev)?,
-                Tensor::zeros(c, DType::F32, &dev)?,
-                1e-6,
-            )?;
             let x = Tensor::randn(0f32, 1.0, (rows, c), &dev)?;
             let hidden = Tensor::randn(0f32, 1.0, (rows, 4 * c), &dev)?;
             let batch = RaggedBatch::from_lengths(&vec![TOKENS; b], &dev)?;
             // q, k and v as the model reads them: strided views of the fused projection.
             let fused = qkv
                 .forward_with(&x, Epilogue::Plain)?
-                .reshape((rows, 3, heads, HEAD_DIM))?;
+                .reshape((rows, 3, heads, head_dim))?;
             let part = |i| fused.narrow(1, i, 1).and_then(|t| t.squeeze(1));
             let (q, k, v) = (part(0)?, part(1)?, part(2)?);
-            let scale = (HEAD_DIM as f32).powf(-0.5);
+            let scale = (head_dim as f32).powf(-0.5);
             let linear_flops = |i: usize, o: usize| 2.0 * (rows * i * o) as f64;
-            let attention_flops = 4.0 * (b * heads * TOKENS * TOKENS * HEAD_DIM) as f64;
+            let attention_flops = 4.0 * (b * heads * TOKENS * TOKENS * head_dim) as f64;
             type Call<'a> = Box<dyn FnMut() -> Result<()> + Send + 'a>;
             // The names from OPS, so the list checked against --ops is the list that runs.
             let [ln, qkv_op, attn, proj_res, fc1_gelu, fc1_op, fc2_res, block_op] = OPS;
-            let (block, cfg) = random_block(model, &dev)?;
-            if (cfg.dim, cfg.heads) != (c, heads) {
-                bail!(
-                    "{model}: the model's block is {} wide with {} heads",
-                    cfg.dim,
-                    cfg.heads
-                );
-            }
             let inputs = AttentionInputs::Ragged { batch: &batch };
             let block_flops = linear_flops(c, 3 * c)
                 + attention_flops
@@ -243,13 +232,13 @@ fn run(args: Args) -> Result<()> {
                     }),
                 ),
             ];
-            let mut block = 0.0;
+            let mut sum = 0.0;
             for (name, flops, mut call) in ops {
                 if !wanted(name) {
                     continue;
                 }
                 let t = dev.with_context(|| time(args.reps, &mut call))?;
-                block += match name {
+                sum += match name {
                     "ln" => 2.0 * t.us,
                     "fc1" | "block" => 0.0,
                     _ => t.us,
@@ -263,8 +252,8 @@ fn run(args: Args) -> Result<()> {
             }
             if args.ops.is_empty() {
                 println!(
-                    "{model} b{b} block(2 ln) {block:.1} us; x12 = {:.2} ms",
-                    block * 12.0 / 1e3
+                    "{model} b{b} block(2 ln) {sum:.1} us; x12 = {:.2} ms",
+                    sum * 12.0 / 1e3
                 );
             }
         }
