@@ -277,11 +277,7 @@ impl PreprocessConfig {
 
     /// Reads and decodes an image file (see [`decode_image`]).
     pub fn decode_file(&self, path: &Path) -> Result<RgbImage, PreprocessError> {
-        let bytes = std::fs::read(path).map_err(|source| PreprocessError::Io {
-            path: path.to_path_buf(),
-            source,
-        })?;
-        decode_image(&bytes, path, self.max_pixels)
+        decode_image(&read_image_file(path)?, path, self.max_pixels)
     }
 
     /// The resized image size `(width, height)` for an input of `(width, height)`.
@@ -383,11 +379,15 @@ impl PreprocessConfig {
 /// `max_pixels`, a JPEG without its end-of-image marker). A tool can check every input this way
 /// before it loads a model, so that a bad file fails in milliseconds, not after a download.
 pub fn check_image_file(path: &Path, max_pixels: u64) -> Result<(), PreprocessError> {
-    let bytes = std::fs::read(path).map_err(|source| PreprocessError::Io {
+    checked_reader(&read_image_file(path)?, path, max_pixels).map(|_| ())
+}
+
+/// An image file's bytes, a read error naming the file.
+fn read_image_file(path: &Path) -> Result<Vec<u8>, PreprocessError> {
+    std::fs::read(path).map_err(|source| PreprocessError::Io {
         path: path.to_path_buf(),
         source,
-    })?;
-    checked_reader(&bytes, path, max_pixels).map(|_| ())
+    })
 }
 
 /// Decodes image bytes, guessing the format from the content. `path` is only used in errors.
@@ -405,11 +405,16 @@ pub fn decode_image(
     // Up to 8 bytes per pixel (RGBA16) for the largest accepted image, plus slack.
     limits.max_alloc = Some(max_pixels.saturating_mul(8).max(64 << 20));
     r.limits(limits);
-    let img = r.decode().map_err(|e| PreprocessError::Decode {
+    let img = r.decode().map_err(decode_error(path))?;
+    Ok(img.to_rgb8())
+}
+
+/// The decoder's error about `path`'s image, as ours.
+fn decode_error(path: &Path) -> impl Fn(image::ImageError) -> PreprocessError + '_ {
+    move |e| PreprocessError::Decode {
         path: path.to_path_buf(),
         reason: e.to_string(),
-    })?;
-    Ok(img.to_rgb8())
+    }
 }
 
 /// A reader over `bytes` with its format guessed from the content, after [`check_image_file`]'s
@@ -423,10 +428,6 @@ fn checked_reader<'a>(
     if bytes.is_empty() {
         return Err(PreprocessError::Empty { path: path_buf() });
     }
-    let decode_err = |e: image::ImageError| PreprocessError::Decode {
-        path: path_buf(),
-        reason: e.to_string(),
-    };
     let reader = || -> Result<ImageReader<Cursor<&[u8]>>, PreprocessError> {
         let r = ImageReader::new(Cursor::new(bytes))
             .with_guessed_format()
@@ -439,7 +440,7 @@ fn checked_reader<'a>(
         }
         Ok(r)
     };
-    let (width, height) = reader()?.into_dimensions().map_err(decode_err)?;
+    let (width, height) = reader()?.into_dimensions().map_err(decode_error(path))?;
     if width == 0 || height == 0 {
         return Err(PreprocessError::ZeroSized { path: path_buf() });
     }

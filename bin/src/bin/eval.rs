@@ -193,10 +193,18 @@ fn unknown_label(label: &str, num_classes: usize) -> String {
     )
 }
 
-fn load_dataset(root: &Path, num_classes: usize) -> Result<Vec<Sample>> {
+/// Whether the dataset at `root` is a folder (else a list file); an error naming it when it
+/// cannot be read.
+fn dataset_is_folder(root: &Path) -> Result<bool> {
     let meta = std::fs::metadata(root)
         .with_context(|| format!("cannot read dataset {}", root.display()))?;
-    if meta.is_dir() {
+    Ok(meta.is_dir())
+}
+
+/// The samples of the dataset at `root`, a folder of class folders (`is_folder`, from
+/// [`dataset_is_folder`]) or a list file.
+fn load_dataset(root: &Path, is_folder: bool, num_classes: usize) -> Result<Vec<Sample>> {
+    if is_folder {
         load_folder(root, num_classes)
     } else {
         load_list(root, num_classes)
@@ -439,11 +447,10 @@ fn run(args: Args) -> Result<()> {
     let settings = parse_settings(&args.settings)?;
     // A typo'd dataset path fails before a download or model load (its labels are read after,
     // against the model's class count).
-    std::fs::metadata(&args.dataset)
-        .with_context(|| format!("cannot read dataset {}", args.dataset.display()))?;
+    let is_folder = dataset_is_folder(&args.dataset)?;
     let loaded = load_model(&args.model)?;
     let num_classes = loaded.config.num_classes;
-    let mut samples = load_dataset(&args.dataset, num_classes)?;
+    let mut samples = load_dataset(&args.dataset, is_folder, num_classes)?;
     if let Some(n) = args.limit {
         samples.truncate(n as usize);
     }
