@@ -50,6 +50,7 @@
 //! ```
 
 mod attention_norm_linear;
+mod block_cpu;
 mod cpu_pieces;
 #[cfg(feature = "cuda")]
 mod cuda;
@@ -96,6 +97,7 @@ pub use attention_norm_linear::{
     select_attention_block_enabled, select_attention_block_with_norms, select_mlp_block,
     select_mlp_block_applies, select_mlp_block_enabled, BlockTail, MlpTail,
 };
+pub use block_cpu::cpu_row_chunks;
 pub use embed::embed_tokens;
 pub use error::{FastpathError, Result};
 pub use gelu_cpu::gelu_erf;
@@ -111,11 +113,11 @@ pub use linear::{
 };
 pub use norm::{cpu_norm, layer_norm, LayerNorm};
 pub use norm_linear::{
-    linear_residual_norm, linear_residual_norm_applies, linear_residual_norm_enabled, norm_linear,
-    norm_linear_applies, norm_linear_mode, norm_linear_tile_rows, residual_norm_linear,
-    residual_norm_linear_applies, residual_norm_linear_forms, residual_norm_linear_step_applies,
-    thin_residual_norm_tiles, NormLinearMode, ResidualNormLinearForms, ThinResidualNormTiles,
-    NORM_LINEAR_DIMS,
+    block_after_attention, block_mlp, linear_residual_norm, linear_residual_norm_applies,
+    linear_residual_norm_enabled, norm_linear, norm_linear_applies, norm_linear_mode,
+    norm_linear_tile_rows, residual_norm_linear, residual_norm_linear_applies,
+    residual_norm_linear_forms, residual_norm_linear_step_applies, thin_residual_norm_tiles,
+    BlockMlp, NormLinearMode, ResidualNormLinearForms, ThinResidualNormTiles, NORM_LINEAR_DIMS,
 };
 pub use packed_cpu::cpu_packed;
 pub use patch::{patchify, patchify_after_zero_rows};

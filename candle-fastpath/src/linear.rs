@@ -161,6 +161,14 @@ impl FusedLinear {
         self.bias.as_ref()
     }
 
+    /// The weight's panels, where the layer holds them ([`cpu_packed`] on the CPU).
+    pub(crate) fn packed(&self) -> Option<&PackedWeight> {
+        match &self.weight {
+            Weight::Packed { panels, .. } => Some(panels),
+            Weight::Tensor(_) => None,
+        }
+    }
+
     pub fn in_dim(&self) -> usize {
         match &self.weight {
             Weight::Tensor(w) => w.dims()[1],

@@ -54,7 +54,7 @@ fn norm_rows_f32(x: &[f32], w: &[f32], b: &[f32], eps: f32, out: &mut [f32]) {
 }
 
 /// [`norm_rows_f32`] compiled for AVX2 when the CPU has it (no FMA: the baseline build's bits).
-fn norm_rows_dispatch(x: &[f32], w: &[f32], b: &[f32], eps: f32, out: &mut [f32]) {
+pub(crate) fn norm_rows_dispatch(x: &[f32], w: &[f32], b: &[f32], eps: f32, out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx2") {
         #[target_feature(enable = "avx2")]

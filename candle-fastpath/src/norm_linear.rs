@@ -108,6 +108,10 @@ pub fn norm_linear(
             found: linear.weight().shape().clone(),
         });
     }
+    // On the CPU: the two steps a chunk of rows at a time, one parallel pass (`block_cpu`).
+    if let Some(y) = crate::block_cpu::norm_linear(x, norm, linear, gelu)? {
+        return Ok(y);
+    }
     // A shape's first call with 64-row tiles takes the two steps instead (first_wide_call).
     #[cfg(feature = "cuda")]
     let tile_rows = match (fused_tile_rows(x, norm, linear, gelu), x.device()) {
@@ -355,6 +359,12 @@ pub fn residual_norm_linear(
     linear: &FusedLinear,
     gelu: bool,
 ) -> Result<(Tensor, Tensor)> {
+    // On the CPU: the steps a chunk of rows at a time, one parallel pass (`block_cpu`).
+    if let Some(both) =
+        crate::block_cpu::residual_norm_linear(o, residual, front, norm, linear, gelu)?
+    {
+        return Ok(both);
+    }
     #[cfg(feature = "cuda")]
     if residual_norm_linear_applies(o, residual, front, norm, linear, gelu) {
         if let Some(op) = crate::cuda::ResidualNormLinearOp::from_layers(front, norm, linear, gelu)
@@ -391,6 +401,72 @@ pub fn residual_norm_linear(
     let x1 = front.forward_residual(o, residual)?;
     let y = norm_linear(&x1, norm, linear, gelu)?;
     Ok((x1, y))
+}
+
+/// A pre-norm block's MLP half and, optionally, the next block's norm1 and qkv projection: what
+/// [`block_mlp`] and [`block_after_attention`] run.
+#[derive(Clone, Copy, Debug)]
+pub struct BlockMlp<'a> {
+    pub norm2: &'a LayerNorm,
+    pub fc1: &'a FusedLinear,
+    pub fc2: &'a FusedLinear,
+    /// The next block's norm1 and qkv, when its qkv projection is wanted too.
+    pub next: Option<(&'a LayerNorm, &'a FusedLinear)>,
+}
+
+/// A pre-norm block after its attention: `x1 = x + o·Wpᵀ + bp` (`proj`), then [`block_mlp`] on
+/// `x1`.
+///
+/// # Arguments
+/// * `o` - `[.., C]`: the attention's output with heads merged.
+/// * `x` - `[.., C]`: the block's input (the residual stream), shaped like `o`.
+/// * `proj` - `Wp` `[C, C]` (and its bias).
+///
+/// # Returns
+/// `(y, qkv)` as [`block_mlp`] returns them: what [`residual_norm_linear`] (proj into norm2 →
+/// fc1 with the GELU) and then fc2 as in [`block_mlp`] return, bit for bit on the CPU. On the
+/// CPU, where every Linear holds packed panels ([`crate::cpu_packed`]), one parallel pass over
+/// chunks of rows runs all the steps (`CANDLE_FASTPATH_CPU_ROWS=0`: the steps one by one);
+/// elsewhere those steps.
+pub fn block_after_attention(
+    o: &Tensor,
+    x: &Tensor,
+    proj: &FusedLinear,
+    w: &BlockMlp,
+) -> Result<(Tensor, Option<Tensor>)> {
+    if let Some(done) = crate::block_cpu::mlp_rows(Some((o, proj)), x, w)? {
+        return Ok(done);
+    }
+    let (x1, hidden) = residual_norm_linear(o, x, proj, w.norm2, w.fc1, true)?;
+    fc2_then_next(&hidden, &x1, w)
+}
+
+/// A pre-norm block's MLP half on its residual stream `x1` (`[.., C]`):
+/// `y = x1 + fc2(gelu(fc1(norm2(x1))))` and, with `w.next`, the next block's `qkv(norm1(y))`.
+///
+/// # Returns
+/// `(y, qkv)`: `y` shaped like `x1`, `qkv` `[.., N]` with `w.next` (else `None`): what
+/// [`norm_linear`] (norm2 → fc1 with the GELU) and then [`residual_norm_linear`] (fc2 into the
+/// next norm1 → qkv) or, without a next block, `fc2.forward_residual` return, bit for bit on the
+/// CPU, where one parallel pass over chunks of rows runs them as [`block_after_attention`] does;
+/// elsewhere those steps.
+pub fn block_mlp(x1: &Tensor, w: &BlockMlp) -> Result<(Tensor, Option<Tensor>)> {
+    if let Some(done) = crate::block_cpu::mlp_rows(None, x1, w)? {
+        return Ok(done);
+    }
+    let hidden = norm_linear(x1, w.norm2, w.fc1, true)?;
+    fc2_then_next(&hidden, x1, w)
+}
+
+/// `x1 + fc2(hidden)` and, with `w.next`, the next block's qkv of it.
+fn fc2_then_next(hidden: &Tensor, x1: &Tensor, w: &BlockMlp) -> Result<(Tensor, Option<Tensor>)> {
+    match w.next {
+        Some((norm1, qkv)) => {
+            let (y, q) = residual_norm_linear(hidden, x1, w.fc2, norm1, qkv, false)?;
+            Ok((y, Some(q)))
+        }
+        None => Ok((w.fc2.forward_residual(hidden, x1)?, None)),
+    }
 }
 
 /// A pre-norm block's residual add and the LayerNorm after it: `x1 = residual + o·Wpᵀ + bp`

@@ -264,6 +264,43 @@ impl PackedWeight {
         self.product_with(kernel, x, x_rs, rows, finish)
     }
 
+    /// `finish(x·Wᵀ)` for `rows` rows of `x` (f32, contiguous, `depth` terms a row) into `out`
+    /// (`[rows, out]` row-major), every panel, on the calling thread: one task of
+    /// [`Self::product`] covering the whole output, so the same bits. For callers that split
+    /// the rows over the pool themselves (`block_cpu`).
+    ///
+    /// # Panics
+    /// If `x` or `out` is too short for `rows` rows, the bias is not `[out]` or the residual not
+    /// `[rows, out]`, or the CPU has no tiles ([`cpu_packed`] is false).
+    pub(crate) fn product_serial(
+        &self,
+        x: &[f32],
+        rows: usize,
+        finish: Finish<'_>,
+        out: &mut [f32],
+    ) {
+        let kernel = kernel().expect("fused_linear (CPU): packed product without AVX2 + FMA");
+        let (n, k) = (self.out, self.depth);
+        let supported = match kernel {
+            Kernel::Avx2 => has_fma(),
+            Kernel::Avx512 => has_avx512(),
+        };
+        // The tiles read and write through raw pointers: everything they touch lies here.
+        assert!(supported && rows > 0 && x.len() >= rows * k && out.len() >= rows * n);
+        assert!(finish.bias.is_none_or(|b| b.len() == n));
+        assert!(finish.residual.is_none_or(|r| r.len() == rows * n));
+        let (panels, dst) = (0..n.div_ceil(COLS), Output(out.as_mut_ptr()));
+        // SAFETY: the CPU has the kernel's features and x, out, the bias and the residual hold
+        // every value the task reads or writes (asserted above); `out` is borrowed mutably, so
+        // no other thread touches it.
+        unsafe {
+            match kernel {
+                Kernel::Avx2 => self.task_avx2(x, k, 0..rows, panels, dst, finish),
+                Kernel::Avx512 => self.task_avx512(x, k, 0..rows, panels, dst, finish),
+            }
+        }
+    }
+
     /// [`Self::product`] on `kernel`'s tiles.
     fn product_with(
         &self,

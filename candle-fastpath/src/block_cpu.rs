@@ -1,0 +1,657 @@
+//! A pre-norm block's per-token steps on the CPU as one parallel pass over chunks of rows:
+//! [`crate::residual_norm_linear`] (the attention's projection or fc2 with its residual add, the
+//! LayerNorm after it and the Linear after that) and [`crate::norm_linear`], where every Linear
+//! holds packed panels ([`crate::cpu_packed`]) and the LayerNorm runs as ours
+//! ([`crate::cpu_norm`]); `CANDLE_FASTPATH_CPU_ROWS=0` runs the layers one after another instead.
+//!
+//! Why: run as separate layers, each step is a parallel section of its own (a LayerNorm of fewer
+//! than 64 K values runs on the calling thread alone), and at the end of every section each thread
+//! waits for the slowest before the pool wakes for the next: on the H200 machine's 16-core host a
+//! rayon section costs 8–16 µs beyond its work, beside 20–140 µs of work a step at DeiT-T batch 1
+//! (docs/BENCHMARKS.md, the CPU section, stop 66). A row's steps need that row alone, so a chunk
+//! of rows runs them all while its values are in cache: a block's five steps after its attention
+//! are two sections instead of six.
+//!
+//! The same bits as the separate layers: each step is the layer's own code on the chunk's rows
+//! (the packed product's tiles, whose values do not depend on how the rows and panels are split
+//! into tasks, and the LayerNorm's row function), and f16 / bf16 values are rounded wherever the
+//! layers store their outputs.
+
+use std::ops::Range;
+use std::sync::OnceLock;
+
+use candle_core::{CpuStorage, DType, Layout, Storage, Tensor};
+use half::slice::HalfFloatSliceExt;
+use half::{bf16, f16};
+use rayon::prelude::*;
+
+use crate::cpu_pieces::f32_values;
+use crate::error::Result;
+use crate::packed_cpu::{Finish, PackedWeight};
+use crate::{FusedLinear, LayerNorm};
+
+/// Below this many multiply-adds the whole pass runs on the calling thread (the packed
+/// product's threshold).
+const PARALLEL_MIN: usize = 1 << 20;
+
+/// Rows a chunk holds at most: past 24 rows a thread, several chunks a thread, so that a thread
+/// that finishes early takes another. Measured on the H200 machine's 16-core host, DeiT-S / B at
+/// batch 8 (1,576 rows), the model's block alone: chunks of ≤ 64 rows (two a thread) 0.90× the
+/// layers one after another, of ≤ 128 rows 0.90×, of ≤ 24 rows (five a thread) 1.04–1.10×; at
+/// batch 32 all three 1.07–1.20× (docs/BENCHMARKS.md, the CPU section, stop 67).
+const CHUNK_ROWS: usize = 24;
+
+/// Rows a chunk holds at least where there are that many: one AVX-512 tile.
+const MIN_CHUNK_ROWS: usize = 8;
+
+/// Whether [`crate::residual_norm_linear`], [`crate::norm_linear`], [`crate::block_mlp`] and
+/// [`crate::block_after_attention`] run on the CPU as one pass over chunks of rows (this module): yes unless `CANDLE_FASTPATH_CPU_ROWS=0` (read once; the
+/// layers one after another, for A/B measurements).
+pub fn cpu_row_chunks() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    crate::switches::on_unless_off(&ON, "CANDLE_FASTPATH_CPU_ROWS")
+}
+
+/// An error the checks before a pass should have made impossible.
+fn internal(msg: &str) -> crate::FastpathError {
+    candle_core::Error::Msg(msg.to_string()).into()
+}
+
+/// A CPU dtype the steps run in: f32 values are used as they are, f16 / bf16 ones widened to
+/// f32 for the arithmetic and rounded where a layer stores its output.
+trait Elem: candle_core::WithDType {
+    /// The values of a CPU storage of this dtype, if it is one.
+    fn values(s: &CpuStorage) -> Option<&[Self]>;
+    /// `src` as f32 into `dst` (the same length).
+    fn load(src: &[Self], dst: &mut [f32]);
+    /// `src` stored into `dst` in this dtype; `src` then holds what was stored, as f32.
+    fn store(src: &mut [f32], dst: &mut [Self]);
+    /// `v` rounded to this dtype in place (as if stored and read back).
+    fn round(v: &mut [f32]);
+}
+
+impl Elem for f32 {
+    fn values(s: &CpuStorage) -> Option<&[Self]> {
+        match s {
+            CpuStorage::F32(v) => Some(v),
+            _ => None,
+        }
+    }
+    fn load(src: &[Self], dst: &mut [f32]) {
+        dst.copy_from_slice(src)
+    }
+    fn store(src: &mut [f32], dst: &mut [Self]) {
+        dst.copy_from_slice(src)
+    }
+    fn round(_: &mut [f32]) {}
+}
+
+macro_rules! half_elem {
+    ($t:ty, $variant:ident) => {
+        impl Elem for $t {
+            fn values(s: &CpuStorage) -> Option<&[Self]> {
+                match s {
+                    CpuStorage::$variant(v) => Some(v),
+                    _ => None,
+                }
+            }
+            fn load(src: &[Self], dst: &mut [f32]) {
+                src.convert_to_f32_slice(dst)
+            }
+            fn store(src: &mut [f32], dst: &mut [Self]) {
+                dst.convert_from_f32_slice(src);
+                dst.convert_to_f32_slice(src);
+            }
+            fn round(v: &mut [f32]) {
+                // Through the same slice conversions the layers store with, a row at a time.
+                let mut buf = [<$t>::ZERO; 256];
+                for piece in v.chunks_mut(buf.len()) {
+                    let b = &mut buf[..piece.len()];
+                    b.convert_from_f32_slice(piece);
+                    b.convert_to_f32_slice(piece);
+                }
+            }
+        }
+    };
+}
+half_elem!(f16, F16);
+half_elem!(bf16, BF16);
+
+/// A Linear's panels and bias (as f32), as the chunks read them.
+struct LinearParts<'a> {
+    panels: &'a PackedWeight,
+    bias: Option<std::borrow::Cow<'a, [f32]>>,
+}
+
+/// A LayerNorm's weight, bias (as f32) and eps.
+struct NormParts<'a> {
+    weight: std::borrow::Cow<'a, [f32]>,
+    bias: std::borrow::Cow<'a, [f32]>,
+    eps: f32,
+}
+
+/// A tensor's storage held for reading, with its layout.
+type Held<'a> = (candle_core::StorageRef<'a>, &'a Layout);
+
+/// The CPU storage and the range of values of a contiguous tensor, or `None`.
+fn contiguous_cpu<'g>(held: &'g Held<'_>) -> Option<(&'g CpuStorage, Range<usize>)> {
+    let Storage::Cpu(s) = &*held.0 else {
+        return None;
+    };
+    let (a, b) = held.1.contiguous_offsets()?;
+    Some((s, a..b))
+}
+
+/// `held`'s f32 values (widened for f16 / bf16), for a weight or bias of `op`.
+fn f32_of<'g>(held: &'g Held<'_>, what: &str) -> Result<std::borrow::Cow<'g, [f32]>> {
+    let Storage::Cpu(s) = &*held.0 else {
+        return Err(internal(&format!("{what} is not on the CPU")));
+    };
+    Ok(f32_values(s, held.1, "cpu rows", what)?)
+}
+
+/// Whether the layers can run here: every tensor on the CPU in `dtype` (f32, f16, bf16), every
+/// Linear holding panels, the LayerNorms ours, and the switches on.
+fn layers_apply(dtype: DType, linears: &[&FusedLinear], norms: &[&LayerNorm]) -> bool {
+    cpu_row_chunks()
+        && crate::cpu_norm()
+        && matches!(dtype, DType::F32 | DType::F16 | DType::BF16)
+        && linears.iter().all(|l| {
+            l.packed().is_some_and(|p| p.dtype() == dtype)
+                && l.bias()
+                    .is_none_or(|b| b.dtype() == dtype && b.device().is_cpu())
+        })
+        && norms
+            .iter()
+            .all(|n| n.weight().dtype() == dtype && n.weight().device().is_cpu())
+}
+
+/// How many rows a chunk takes of `rows`, for steps of `macs_per_row` multiply-adds a row: all of
+/// them on one thread below [`PARALLEL_MIN`]; otherwise a whole number of chunks a thread
+/// (balanced), each of at most [`CHUNK_ROWS`] rows and, where there are enough rows, at least
+/// [`MIN_CHUNK_ROWS`].
+fn chunk_rows(rows: usize, macs_per_row: usize) -> usize {
+    let threads = rayon::current_num_threads().max(1);
+    if threads == 1 || rows.saturating_mul(macs_per_row) < PARALLEL_MIN {
+        return rows;
+    }
+    let per_thread = rows.div_ceil(threads * CHUNK_ROWS);
+    let chunks = (threads * per_thread).min(rows.div_ceil(MIN_CHUNK_ROWS));
+    rows.div_ceil(chunks.max(1))
+}
+
+/// A base pointer the chunks write their own rows through.
+#[derive(Clone, Copy)]
+struct Out<T>(*mut T);
+// SAFETY: every chunk writes a disjoint range of rows (see `run_chunks`).
+unsafe impl<T: Send> Send for Out<T> {}
+unsafe impl<T: Send> Sync for Out<T> {}
+
+impl<T> Out<T> {
+    /// Rows `rows` (`width` values each) of the buffer.
+    ///
+    /// # Safety
+    /// The buffer holds those rows, and no other live slice covers them.
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn rows(&self, rows: &Range<usize>, width: usize) -> &mut [T] {
+        // SAFETY: the caller's.
+        unsafe {
+            std::slice::from_raw_parts_mut(self.0.add(rows.start * width), rows.len() * width)
+        }
+    }
+}
+
+/// `work(rows, scratch)` over chunks of `rows` rows (`chunk` each, the last shorter), in parallel
+/// on rayon's current pool when there is more than one; `scratch` a per-thread f32 buffer of at
+/// least `scratch_per_row · chunk` values.
+fn run_chunks(
+    rows: usize,
+    chunk: usize,
+    scratch_per_row: usize,
+    work: impl Fn(Range<usize>, &mut [f32]) + Sync,
+) {
+    // Kept per thread: a fresh buffer of a chunk's size can be a fresh mapping, whose page faults
+    // cost more than the chunk's copies.
+    thread_local!(static SCRATCH: std::cell::RefCell<Vec<f32>> = const {
+        std::cell::RefCell::new(Vec::new())
+    });
+    let one = |c: usize| {
+        let range = c * chunk..((c + 1) * chunk).min(rows);
+        let mut scratch = SCRATCH.take();
+        if scratch.len() < scratch_per_row * chunk {
+            scratch.resize(scratch_per_row * chunk, 0.0);
+        }
+        work(range, &mut scratch);
+        SCRATCH.set(scratch);
+    };
+    let chunks = rows.div_ceil(chunk);
+    if chunks == 1 {
+        one(0);
+    } else {
+        (0..chunks).into_par_iter().for_each(one);
+    }
+}
+
+/// A new `[rows, width]` buffer whose rows the chunks write, and the pointer they write through.
+fn output<T: Elem>(rows: usize, width: usize) -> (Vec<T>, Out<T>) {
+    let mut v = Vec::with_capacity(rows * width);
+    let p = Out(v.as_mut_ptr());
+    (v, p)
+}
+
+/// A tensor of `dims` from a buffer every value of which the chunks wrote.
+///
+/// # Safety
+/// Every one of the buffer's `len` first values was written.
+unsafe fn finished<T: Elem>(mut v: Vec<T>, len: usize, dims: &[usize]) -> Result<Tensor> {
+    // SAFETY: the caller's.
+    unsafe { v.set_len(len) };
+    Ok(Tensor::from_vec(v, dims, &candle_core::Device::Cpu)?)
+}
+
+/// [`crate::residual_norm_linear`] on the CPU as one pass over chunks of rows, where
+/// [`layers_apply`] holds and `o` and `residual` are contiguous CPU tensors of consistent shapes;
+/// `None` otherwise (the layers then run one after another and report any bad input).
+pub(crate) fn residual_norm_linear(
+    o: &Tensor,
+    residual: &Tensor,
+    front: &FusedLinear,
+    norm: &LayerNorm,
+    linear: &FusedLinear,
+    gelu: bool,
+) -> Result<Option<(Tensor, Tensor)>> {
+    let (k, c, n) = (front.in_dim(), front.out_dim(), linear.out_dim());
+    let dtype = o.dtype();
+    let shapes_ok = o.rank() >= 1
+        && o.dims()[o.rank() - 1] == k
+        && residual.rank() == o.rank()
+        && residual.dims()[..o.rank() - 1] == o.dims()[..o.rank() - 1]
+        && residual.dims()[o.rank() - 1] == c
+        && norm.weight().elem_count() == c
+        && linear.in_dim() == c
+        && residual.dtype() == dtype
+        && o.elem_count() > 0;
+    if !shapes_ok || !layers_apply(dtype, &[front, linear], &[norm]) {
+        return Ok(None);
+    }
+    let (o_held, r_held) = (o.storage_and_layout(), residual.storage_and_layout());
+    let (Some(os), Some(rs)) = (contiguous_cpu(&o_held), contiguous_cpu(&r_held)) else {
+        return Ok(None);
+    };
+    let rows = o.elem_count() / k;
+    let mut y_dims = residual.dims().to_vec();
+    y_dims[o.rank() - 1] = n;
+    macro_rules! run {
+        ($t:ty) => {
+            rnl_typed::<$t>(
+                os,
+                rs,
+                rows,
+                front,
+                norm,
+                linear,
+                gelu,
+                residual.dims(),
+                &y_dims,
+            )
+        };
+    }
+    let both = match dtype {
+        DType::F32 => run!(f32),
+        DType::F16 => run!(f16),
+        _ => run!(bf16),
+    }?;
+    Ok(Some(both))
+}
+
+/// [`residual_norm_linear`] in one dtype: `os` / `rs` the storages and value ranges of `o` and
+/// the residual.
+#[allow(clippy::too_many_arguments)]
+fn rnl_typed<T: Elem>(
+    (os, o_range): (&CpuStorage, Range<usize>),
+    (rs, r_range): (&CpuStorage, Range<usize>),
+    rows: usize,
+    front: &FusedLinear,
+    norm: &LayerNorm,
+    linear: &FusedLinear,
+    gelu: bool,
+    x1_dims: &[usize],
+    y_dims: &[usize],
+) -> Result<(Tensor, Tensor)> {
+    let (k, c, n) = (front.in_dim(), front.out_dim(), linear.out_dim());
+    let (Some(o), Some(r)) = (T::values(os), T::values(rs)) else {
+        return Err(internal(
+            "residual_norm_linear (CPU): o or the residual is not of its dtype",
+        ));
+    };
+    let (o, r) = (&o[o_range], &r[r_range]);
+    let holds = Holds::of(&[front, linear], &[norm]);
+    let (front_p, linear_p, norm_p) = (holds.linear(0)?, holds.linear(1)?, holds.norm(0)?);
+    let (mut x1, x1_out) = output::<T>(rows, c);
+    let (mut y, y_out) = output::<T>(rows, n);
+    let chunk = chunk_rows(rows, k * c + c * n);
+    // A chunk's scratch: o's rows, the residual's, x1, its LayerNorm, y.
+    run_chunks(rows, chunk, k + 3 * c + n, |range, scratch| {
+        let m = range.len();
+        let (a, rest) = scratch.split_at_mut(m * k);
+        let (res, rest) = rest.split_at_mut(m * c);
+        let (x1_rows, rest) = rest.split_at_mut(m * c);
+        let (z, rest) = rest.split_at_mut(m * c);
+        let y_rows = &mut rest[..m * n];
+        T::load(&o[range.start * k..range.end * k], a);
+        T::load(&r[range.start * c..range.end * c], res);
+        let finish = Finish {
+            bias: front_p.bias.as_deref(),
+            residual: Some(res),
+            gelu: false,
+        };
+        front_p.panels.product_serial(a, m, finish, x1_rows);
+        // SAFETY: the chunks' row ranges are disjoint and inside the outputs' rows.
+        T::store(x1_rows, unsafe { x1_out.rows(&range, c) });
+        norm_p.rows(x1_rows, z);
+        T::round(z);
+        let finish = Finish {
+            bias: linear_p.bias.as_deref(),
+            residual: None,
+            gelu,
+        };
+        linear_p.panels.product_serial(z, m, finish, y_rows);
+        // SAFETY: as above.
+        T::store(y_rows, unsafe { y_out.rows(&range, n) });
+    });
+    // SAFETY: the chunks covered every row of both outputs and wrote every value of their rows.
+    unsafe {
+        let x1 = finished(std::mem::take(&mut x1), rows * c, x1_dims)?;
+        let y = finished(std::mem::take(&mut y), rows * n, y_dims)?;
+        Ok((x1, y))
+    }
+}
+
+/// [`crate::block_after_attention`] (with `front` the attention's output `o` and the projection)
+/// and [`crate::block_mlp`] (without: `x` is then the residual stream after the attention) on the
+/// CPU as one pass over chunks of rows, where [`layers_apply`] holds, the tensors are contiguous
+/// CPU tensors of one shape `[.., C]`, and the weights' shapes chain (proj `[C, C]`, fc1
+/// `[H, C]`, fc2 `[C, H]`, the next norm1 and qkv over C); `None` otherwise (the caller then runs
+/// the steps as [`crate::residual_norm_linear`] and [`crate::norm_linear`] do them).
+pub(crate) fn mlp_rows(
+    front: Option<(&Tensor, &FusedLinear)>,
+    x: &Tensor,
+    w: &crate::BlockMlp,
+) -> Result<Option<(Tensor, Option<Tensor>)>> {
+    let c = w.fc2.out_dim();
+    let dtype = x.dtype();
+    let chain_ok = w.norm2.weight().elem_count() == c
+        && w.fc1.in_dim() == c
+        && w.fc2.in_dim() == w.fc1.out_dim()
+        && w.next
+            .is_none_or(|(n1, qkv)| n1.weight().elem_count() == c && qkv.in_dim() == c)
+        && front.is_none_or(|(o, proj)| {
+            proj.in_dim() == c && proj.out_dim() == c && o.dims() == x.dims() && o.dtype() == dtype
+        });
+    let shapes_ok = chain_ok && x.rank() >= 1 && x.dims()[x.rank() - 1] == c && x.elem_count() > 0;
+    let mut linears = vec![w.fc1, w.fc2];
+    let mut norms = vec![w.norm2];
+    if let Some((n1, qkv)) = w.next {
+        linears.push(qkv);
+        norms.push(n1);
+    }
+    if let Some((_, proj)) = front {
+        linears.push(proj);
+    }
+    if !shapes_ok || !layers_apply(dtype, &linears, &norms) {
+        return Ok(None);
+    }
+    let o_held = front.map(|(o, _)| o.storage_and_layout());
+    let x_held = x.storage_and_layout();
+    let Some(xs) = contiguous_cpu(&x_held) else {
+        return Ok(None);
+    };
+    let os = match &o_held {
+        Some(held) => match contiguous_cpu(held) {
+            Some(os) => Some(os),
+            None => return Ok(None),
+        },
+        None => None,
+    };
+    let holds = Holds::of(&linears, &norms);
+    let rows = x.elem_count() / c;
+    let dims = x.dims();
+    let done = match dtype {
+        DType::F32 => mlp_typed::<f32>(os, xs, rows, &holds, dims),
+        DType::F16 => mlp_typed::<f16>(os, xs, rows, &holds, dims),
+        _ => mlp_typed::<bf16>(os, xs, rows, &holds, dims),
+    }?;
+    Ok(Some(done))
+}
+
+/// [`mlp_rows`] in one dtype; `holds` has fc1, fc2, the next qkv (with a next block), proj (with
+/// `os`), and norm2, the next norm1, in that order.
+fn mlp_typed<T: Elem>(
+    os: Option<(&CpuStorage, Range<usize>)>,
+    (xs, x_range): (&CpuStorage, Range<usize>),
+    rows: usize,
+    holds: &Holds<'_>,
+    dims: &[usize],
+) -> Result<(Tensor, Option<Tensor>)> {
+    let not_of_dtype = || internal("block_mlp (CPU): an input is not of its dtype");
+    let x = &T::values(xs).ok_or_else(not_of_dtype)?[x_range];
+    let o = match os {
+        Some((s, range)) => Some(&T::values(s).ok_or_else(not_of_dtype)?[range]),
+        None => None,
+    };
+    let (fc1, fc2, norm2) = (holds.linear(0)?, holds.linear(1)?, holds.norm(0)?);
+    let with_next = holds.norms.len() == 2;
+    let next = match with_next {
+        true => Some((holds.norm(1)?, holds.linear(2)?)),
+        false => None,
+    };
+    let proj = match o {
+        Some(_) => Some(holds.linear(if with_next { 3 } else { 2 })?),
+        None => None,
+    };
+    let (c, h) = (fc2.panels.out(), fc1.panels.out());
+    let n = next.as_ref().map_or(0, |(_, q)| q.panels.out());
+    let (mut y, y_out) = output::<T>(rows, c);
+    let (mut q, q_out) = output::<T>(if with_next { rows } else { 0 }, n);
+    let proj_macs = if proj.is_some() { c * c } else { 0 };
+    let chunk = chunk_rows(rows, proj_macs + 2 * c * h + c * n);
+    // A chunk's scratch: o's rows (then the block's output), x's, x1, a LayerNorm's output, the
+    // hidden rows, the next qkv.
+    run_chunks(rows, chunk, 4 * c + h + n, |range, scratch| {
+        let m = range.len();
+        let (a, rest) = scratch.split_at_mut(m * c);
+        let (res, rest) = rest.split_at_mut(m * c);
+        let (x1, rest) = rest.split_at_mut(m * c);
+        let (z, rest) = rest.split_at_mut(m * c);
+        let (hidden, rest) = rest.split_at_mut(m * h);
+        let q_rows = &mut rest[..m * n];
+        let rows_c = range.start * c..range.end * c;
+        match (o, &proj) {
+            (Some(o), Some(proj)) => {
+                // x1 = x + proj(o), rounded where the projection's layer stores it.
+                T::load(&o[rows_c.clone()], a);
+                T::load(&x[rows_c], res);
+                let finish = Finish {
+                    bias: proj.bias.as_deref(),
+                    residual: Some(res),
+                    gelu: false,
+                };
+                proj.panels.product_serial(a, m, finish, x1);
+                T::round(x1);
+            }
+            _ => T::load(&x[rows_c], x1),
+        }
+        // hidden = gelu(fc1(norm2(x1))).
+        norm2.rows(x1, z);
+        T::round(z);
+        let finish = Finish {
+            bias: fc1.bias.as_deref(),
+            residual: None,
+            gelu: true,
+        };
+        fc1.panels.product_serial(z, m, finish, hidden);
+        T::round(hidden);
+        // y = x1 + fc2(hidden), into o's rows (read already).
+        let finish = Finish {
+            bias: fc2.bias.as_deref(),
+            residual: Some(x1),
+            gelu: false,
+        };
+        fc2.panels.product_serial(hidden, m, finish, a);
+        // SAFETY: the chunks' row ranges are disjoint and inside the outputs' rows.
+        T::store(a, unsafe { y_out.rows(&range, c) });
+        if let Some((norm1, qkv)) = &next {
+            norm1.rows(a, z);
+            T::round(z);
+            let finish = Finish {
+                bias: qkv.bias.as_deref(),
+                residual: None,
+                gelu: false,
+            };
+            qkv.panels.product_serial(z, m, finish, q_rows);
+            // SAFETY: as above.
+            T::store(q_rows, unsafe { q_out.rows(&range, n) });
+        }
+    });
+    let mut q_dims = dims.to_vec();
+    q_dims[dims.len() - 1] = n;
+    // SAFETY: the chunks covered every row of the outputs and wrote every value of their rows
+    // (of q's only with a next block, which is when it is kept).
+    unsafe {
+        let y = finished(std::mem::take(&mut y), rows * c, dims)?;
+        let q = match with_next {
+            true => Some(finished(std::mem::take(&mut q), rows * n, &q_dims)?),
+            false => None,
+        };
+        Ok((y, q))
+    }
+}
+
+/// [`crate::norm_linear`] on the CPU as one pass over chunks of rows, where [`layers_apply`]
+/// holds and `x` is a contiguous CPU tensor of the norm's width; `None` otherwise.
+pub(crate) fn norm_linear(
+    x: &Tensor,
+    norm: &LayerNorm,
+    linear: &FusedLinear,
+    gelu: bool,
+) -> Result<Option<Tensor>> {
+    let (c, n) = (linear.in_dim(), linear.out_dim());
+    let dtype = x.dtype();
+    let shapes_ok = x.rank() >= 1
+        && x.dims()[x.rank() - 1] == c
+        && norm.weight().elem_count() == c
+        && x.elem_count() > 0;
+    if !shapes_ok || !layers_apply(dtype, &[linear], &[norm]) {
+        return Ok(None);
+    }
+    let x_held = x.storage_and_layout();
+    let Some(xs) = contiguous_cpu(&x_held) else {
+        return Ok(None);
+    };
+    let rows = x.elem_count() / c;
+    let mut y_dims = x.dims().to_vec();
+    y_dims[x.rank() - 1] = n;
+    let y = match dtype {
+        DType::F32 => nl_typed::<f32>(xs, rows, norm, linear, gelu, &y_dims),
+        DType::F16 => nl_typed::<f16>(xs, rows, norm, linear, gelu, &y_dims),
+        _ => nl_typed::<bf16>(xs, rows, norm, linear, gelu, &y_dims),
+    }?;
+    Ok(Some(y))
+}
+
+/// [`norm_linear`] in one dtype.
+fn nl_typed<T: Elem>(
+    (xs, x_range): (&CpuStorage, Range<usize>),
+    rows: usize,
+    norm: &LayerNorm,
+    linear: &FusedLinear,
+    gelu: bool,
+    y_dims: &[usize],
+) -> Result<Tensor> {
+    let (c, n) = (linear.in_dim(), linear.out_dim());
+    let Some(x) = T::values(xs) else {
+        return Err(internal("norm_linear (CPU): x is not of its dtype"));
+    };
+    let x = &x[x_range];
+    let holds = Holds::of(&[linear], &[norm]);
+    let (linear_p, norm_p) = (holds.linear(0)?, holds.norm(0)?);
+    let (mut y, y_out) = output::<T>(rows, n);
+    let chunk = chunk_rows(rows, c * n);
+    // A chunk's scratch: x's rows, their LayerNorm, y.
+    run_chunks(rows, chunk, 2 * c + n, |range, scratch| {
+        let m = range.len();
+        let (a, rest) = scratch.split_at_mut(m * c);
+        let (z, rest) = rest.split_at_mut(m * c);
+        let y_rows = &mut rest[..m * n];
+        T::load(&x[range.start * c..range.end * c], a);
+        norm_p.rows(a, z);
+        T::round(z);
+        let finish = Finish {
+            bias: linear_p.bias.as_deref(),
+            residual: None,
+            gelu,
+        };
+        linear_p.panels.product_serial(z, m, finish, y_rows);
+        // SAFETY: the chunks' row ranges are disjoint and inside the output's rows.
+        T::store(y_rows, unsafe { y_out.rows(&range, n) });
+    });
+    // SAFETY: the chunks covered every row and wrote every value of their rows.
+    unsafe { finished(std::mem::take(&mut y), rows * n, y_dims) }
+}
+
+/// The storages of some layers' biases and norms' parameters, held for reading while the chunks
+/// run.
+struct Holds<'a> {
+    linears: Vec<(&'a PackedWeight, Option<Held<'a>>)>,
+    norms: Vec<(Held<'a>, Held<'a>, f32)>,
+}
+
+impl<'a> Holds<'a> {
+    /// `linears` must hold panels ([`layers_apply`]).
+    fn of(linears: &[&'a FusedLinear], norms: &[&'a LayerNorm]) -> Self {
+        Self {
+            linears: linears
+                .iter()
+                .filter_map(|l| Some((l.packed()?, l.bias().map(|b| b.storage_and_layout()))))
+                .collect(),
+            norms: norms
+                .iter()
+                .map(|n| {
+                    let (w, b) = (
+                        n.weight().storage_and_layout(),
+                        n.bias().storage_and_layout(),
+                    );
+                    (w, b, n.eps() as f32)
+                })
+                .collect(),
+        }
+    }
+
+    fn linear(&self, i: usize) -> Result<LinearParts<'_>> {
+        let Some((panels, bias)) = self.linears.get(i) else {
+            return Err(internal("cpu rows: a Linear without panels"));
+        };
+        let bias = match bias {
+            Some(held) => Some(f32_of(held, "bias")?),
+            None => None,
+        };
+        Ok(LinearParts { panels, bias })
+    }
+
+    fn norm(&self, i: usize) -> Result<NormParts<'_>> {
+        let (w, b, eps) = &self.norms[i];
+        Ok(NormParts {
+            weight: f32_of(w, "norm weight")?,
+            bias: f32_of(b, "norm bias")?,
+            eps: *eps,
+        })
+    }
+}
+
+impl NormParts<'_> {
+    /// The LayerNorm of the rows of `x` into `out` (both f32, whole rows), the layer's own row
+    /// function.
+    fn rows(&self, x: &[f32], out: &mut [f32]) {
+        crate::norm_cpu::norm_rows_dispatch(x, &self.weight, &self.bias, self.eps, out)
+    }
+}
