@@ -269,9 +269,28 @@ impl Block {
         if let Some(done) = self.whole_block(x, &qkv, next, inputs, want_norms)? {
             return Ok(done);
         }
-        let (x1, hidden) = self.attention_through_fc1(x, &qkv, inputs)?;
-        let (y, next_qkv) = self.fc2_chained(&hidden, &x1, next, inputs)?;
+        if let Some((x1, hidden)) = self.fused_attention_through_fc1(x, &qkv, inputs)? {
+            let (y, next_qkv) = self.fc2_chained(&hidden, &x1, next, inputs)?;
+            return Ok((y, next_qkv, None));
+        }
+        // The attention, then the rest of the block (and the next block's qkv) per token:
+        // proj + residual + norm2 + fc1 + GELU, then fc2 + residual (+ norm1 + qkv), as two
+        // launches where the CUDA kernels apply, one pass over chunks of rows on the CPU.
+        let heads = self.attn.heads_from_qkv(&qkv, inputs)?;
+        let next = next.filter(|n| n.small_block_batch(x, inputs).is_none());
+        let (y, next_qkv) =
+            candle_fastpath::block_after_attention(&heads, x, &self.attn.proj, &self.mlp_to(next))?;
         Ok((y, next_qkv, None))
+    }
+
+    /// This block's MLP half, with `next`'s norm1 and qkv when given.
+    fn mlp_to<'a>(&'a self, next: Option<&'a Block>) -> candle_fastpath::BlockMlp<'a> {
+        candle_fastpath::BlockMlp {
+            norm2: &self.norm2,
+            fc1: &self.mlp.fc1,
+            fc2: &self.mlp.fc2,
+            next: next.map(|n| (&n.norm1, &n.attn.qkv)),
+        }
     }
 
     /// The block's output and the next block's qkv in one launch
@@ -309,33 +328,8 @@ impl Block {
         Ok(Some((y, Some(next_qkv), None)))
     }
 
-    /// From the block's input `x` and its qkv projection to `(x1, gelu(fc1(norm2(x1))))` with
-    /// `x1 = x + proj(attention)`: for one image's packed tokens one kernel from the qkv
-    /// projection where `candle_fastpath::attention_residual_norm_linear` applies (DeiT-T's
-    /// width), two where `candle_fastpath::attention_linear_residual_norm` does (DeiT-S's: the
-    /// attention through norm2, then fc1), else the attention and then
-    /// `candle_fastpath::residual_norm_linear`.
-    fn attention_through_fc1(
-        &self,
-        x: &Tensor,
-        qkv: &Tensor,
-        inputs: &AttentionInputs,
-    ) -> Result<(Tensor, Tensor)> {
-        if let Some(done) = self.fused_attention_through_fc1(x, qkv, inputs)? {
-            return Ok(done);
-        }
-        let heads = self.attn.heads_from_qkv(qkv, inputs)?;
-        Ok(candle_fastpath::residual_norm_linear(
-            &heads,
-            x,
-            &self.attn.proj,
-            &self.norm2,
-            &self.mlp.fc1,
-            true,
-        )?)
-    }
-
-    /// [`Self::attention_through_fc1`] as one kernel, `candle_fastpath::attention_residual_norm_linear`,
+    /// `(x1, gelu(fc1(norm2(x1))))` with `x1 = x + proj(attention)`, from the block's qkv projection,
+    /// as one kernel, `candle_fastpath::attention_residual_norm_linear`,
     /// where it applies (one image's packed tokens at DeiT-T's width), or as two at DeiT-S's
     /// width, `candle_fastpath::attention_linear_residual_norm` (the attention through norm2)
     /// and fc1; `None` otherwise.
@@ -761,8 +755,10 @@ impl Block {
                         return Ok((y, Some(next_qkv)));
                     }
                 }
-                let hidden = candle_fastpath::norm_linear(x, &self.norm2, &self.mlp.fc1, true)?;
-                self.fc2_chained(&hidden, x, next, inputs)
+                // Else norm2 + fc1 + GELU, then fc2 + residual (+ the next norm1 + qkv): two
+                // launches where the CUDA kernels apply, one pass over chunks of rows on the CPU.
+                let next = next.filter(|n| n.small_block_batch(x, inputs).is_none());
+                Ok(candle_fastpath::block_mlp(x, &self.mlp_to(next))?)
             }
         }
     }
