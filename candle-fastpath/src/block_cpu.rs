@@ -166,18 +166,54 @@ fn layers_apply(dtype: DType, linears: &[&FusedLinear], norms: &[&LayerNorm]) ->
             .all(|n| n.weight().dtype() == dtype && n.weight().device().is_cpu())
 }
 
-/// How many rows a chunk takes of `rows`, for steps of `macs_per_row` multiply-adds a row: all of
-/// them on one thread below [`PARALLEL_MIN`]; otherwise a whole number of chunks a thread
-/// (balanced), each of at most [`CHUNK_ROWS`] rows and, where there are enough rows, at least
-/// [`MIN_CHUNK_ROWS`].
-fn chunk_rows(rows: usize, macs_per_row: usize) -> usize {
+/// Chunks of this many rows or more are always taken: past ~16 rows a chunk, keeping a row's
+/// intermediate values in cache between the steps is worth more than the weights each chunk
+/// streams (at batch 32, with 64-row chunks, 1.07–1.20× the layers for DeiT-T / S / B).
+const SHORT_CHUNK_ROWS: usize = 16;
+
+/// Shorter chunks are taken where the pass's weights are at most this many bytes a row of a
+/// chunk: each chunk streams every weight of the pass through its core for its few rows, which
+/// costs more than the sections it saves once the weights are wide.
+const WEIGHT_BYTES_PER_SHORT_ROW: usize = 640 << 10;
+
+/// How many rows a chunk takes of `rows`, for steps of `macs_per_row` multiply-adds a row over
+/// `linears`: all of them on one thread below [`PARALLEL_MIN`]; otherwise a whole number of
+/// chunks a thread (balanced), each of at most [`CHUNK_ROWS`] rows and, where there are enough
+/// rows, at least [`MIN_CHUNK_ROWS`]. `None` (the layers one after another, which split each
+/// product over its output columns too and so read each weight fewer times) where the chunks
+/// would be shorter than [`SHORT_CHUNK_ROWS`] rows and the linears' weights exceed
+/// [`WEIGHT_BYTES_PER_SHORT_ROW`] a row of a chunk. Measured on the H200 machine's 16-core host
+/// with one image (197 rows, chunks of 13 on 16 threads; f32 weights after the attention, next
+/// qkv included, 1.8 / 7.1 / 28 MB for DeiT-T / S / B, i.e. 0.14 / 0.54 / 2.2 MB a chunk row):
+/// DeiT-T 1.15–1.74× the layers, DeiT-S 0.95–1.27× (three calls of four above 1.17), DeiT-B
+/// 0.85–0.91×; DeiT-S's EViT rows (chunks of 9 rows after the first step, 0.79 MB a row)
+/// 0.85–1.10×; at batch 8 (chunks of 20 rows) DeiT-T / S 1.05–1.16×, DeiT-B 0.99–1.10×
+/// (docs/BENCHMARKS.md, the CPU section, stop 67).
+fn chunk_rows(rows: usize, macs_per_row: usize, linears: &[&FusedLinear]) -> Option<usize> {
+    let weight_bytes: usize = linears
+        .iter()
+        .filter_map(|l| l.packed())
+        .map(|p| p.out() * p.depth() * p.dtype().size_in_bytes())
+        .sum();
     let threads = rayon::current_num_threads().max(1);
-    if threads == 1 || rows.saturating_mul(macs_per_row) < PARALLEL_MIN {
-        return rows;
+    chunk_plan(rows, macs_per_row, weight_bytes, threads)
+}
+
+/// [`chunk_rows`] for weights of `weight_bytes` bytes on `threads` threads.
+fn chunk_plan(
+    rows: usize,
+    macs_per_row: usize,
+    weight_bytes: usize,
+    threads: usize,
+) -> Option<usize> {
+    if threads <= 1 || rows.saturating_mul(macs_per_row) < PARALLEL_MIN {
+        return Some(rows);
     }
     let per_thread = rows.div_ceil(threads * CHUNK_ROWS);
     let chunks = (threads * per_thread).min(rows.div_ceil(MIN_CHUNK_ROWS));
-    rows.div_ceil(chunks.max(1))
+    let chunk = rows.div_ceil(chunks.max(1));
+    (chunk >= SHORT_CHUNK_ROWS || weight_bytes <= WEIGHT_BYTES_PER_SHORT_ROW * chunk)
+        .then_some(chunk)
 }
 
 /// A base pointer the chunks write their own rows through.
@@ -279,6 +315,9 @@ pub(crate) fn residual_norm_linear(
         return Ok(None);
     };
     let rows = o.elem_count() / k;
+    let Some(chunk) = chunk_rows(rows, k * c + c * n, &[front, linear]) else {
+        return Ok(None);
+    };
     let mut y_dims = residual.dims().to_vec();
     y_dims[o.rank() - 1] = n;
     macro_rules! run {
@@ -286,7 +325,7 @@ pub(crate) fn residual_norm_linear(
             rnl_typed::<$t>(
                 os,
                 rs,
-                rows,
+                (rows, chunk),
                 front,
                 norm,
                 linear,
@@ -310,7 +349,7 @@ pub(crate) fn residual_norm_linear(
 fn rnl_typed<T: Elem>(
     (os, o_range): (&CpuStorage, Range<usize>),
     (rs, r_range): (&CpuStorage, Range<usize>),
-    rows: usize,
+    (rows, chunk): (usize, usize),
     front: &FusedLinear,
     norm: &LayerNorm,
     linear: &FusedLinear,
@@ -329,7 +368,6 @@ fn rnl_typed<T: Elem>(
     let (front_p, linear_p, norm_p) = (holds.linear(0)?, holds.linear(1)?, holds.norm(0)?);
     let (mut x1, x1_out) = output::<T>(rows, c);
     let (mut y, y_out) = output::<T>(rows, n);
-    let chunk = chunk_rows(rows, k * c + c * n);
     // A chunk's scratch: o's rows, the residual's, x1, its LayerNorm, y.
     run_chunks(rows, chunk, k + 3 * c + n, |range, scratch| {
         let m = range.len();
@@ -413,13 +451,18 @@ pub(crate) fn mlp_rows(
         },
         None => None,
     };
-    let holds = Holds::of(&linears, &norms);
     let rows = x.elem_count() / c;
+    let (h, n) = (w.fc1.out_dim(), w.next.map_or(0, |(_, q)| q.out_dim()));
+    let proj_macs = if front.is_some() { c * c } else { 0 };
+    let Some(chunk) = chunk_rows(rows, proj_macs + 2 * c * h + c * n, &linears) else {
+        return Ok(None);
+    };
+    let holds = Holds::of(&linears, &norms);
     let dims = x.dims();
     let done = match dtype {
-        DType::F32 => mlp_typed::<f32>(os, xs, rows, &holds, dims),
-        DType::F16 => mlp_typed::<f16>(os, xs, rows, &holds, dims),
-        _ => mlp_typed::<bf16>(os, xs, rows, &holds, dims),
+        DType::F32 => mlp_typed::<f32>(os, xs, (rows, chunk), &holds, dims),
+        DType::F16 => mlp_typed::<f16>(os, xs, (rows, chunk), &holds, dims),
+        _ => mlp_typed::<bf16>(os, xs, (rows, chunk), &holds, dims),
     }?;
     Ok(Some(done))
 }
@@ -429,7 +472,7 @@ pub(crate) fn mlp_rows(
 fn mlp_typed<T: Elem>(
     os: Option<(&CpuStorage, Range<usize>)>,
     (xs, x_range): (&CpuStorage, Range<usize>),
-    rows: usize,
+    (rows, chunk): (usize, usize),
     holds: &Holds<'_>,
     dims: &[usize],
 ) -> Result<(Tensor, Option<Tensor>)> {
@@ -453,8 +496,6 @@ fn mlp_typed<T: Elem>(
     let n = next.as_ref().map_or(0, |(_, q)| q.panels.out());
     let (mut y, y_out) = output::<T>(rows, c);
     let (mut q, q_out) = output::<T>(if with_next { rows } else { 0 }, n);
-    let proj_macs = if proj.is_some() { c * c } else { 0 };
-    let chunk = chunk_rows(rows, proj_macs + 2 * c * h + c * n);
     // A chunk's scratch: o's rows (then the block's output), x's, x1, a LayerNorm's output, the
     // hidden rows, the next qkv.
     run_chunks(rows, chunk, 4 * c + h + n, |range, scratch| {
@@ -549,12 +590,16 @@ pub(crate) fn norm_linear(
         return Ok(None);
     };
     let rows = x.elem_count() / c;
+    let Some(chunk) = chunk_rows(rows, c * n, &[linear]) else {
+        return Ok(None);
+    };
     let mut y_dims = x.dims().to_vec();
     y_dims[x.rank() - 1] = n;
+    let rc = (rows, chunk);
     let y = match dtype {
-        DType::F32 => nl_typed::<f32>(xs, rows, norm, linear, gelu, &y_dims),
-        DType::F16 => nl_typed::<f16>(xs, rows, norm, linear, gelu, &y_dims),
-        _ => nl_typed::<bf16>(xs, rows, norm, linear, gelu, &y_dims),
+        DType::F32 => nl_typed::<f32>(xs, rc, norm, linear, gelu, &y_dims),
+        DType::F16 => nl_typed::<f16>(xs, rc, norm, linear, gelu, &y_dims),
+        _ => nl_typed::<bf16>(xs, rc, norm, linear, gelu, &y_dims),
     }?;
     Ok(Some(y))
 }
@@ -562,7 +607,7 @@ pub(crate) fn norm_linear(
 /// [`norm_linear`] in one dtype.
 fn nl_typed<T: Elem>(
     (xs, x_range): (&CpuStorage, Range<usize>),
-    rows: usize,
+    (rows, chunk): (usize, usize),
     norm: &LayerNorm,
     linear: &FusedLinear,
     gelu: bool,
@@ -576,7 +621,6 @@ fn nl_typed<T: Elem>(
     let holds = Holds::of(&[linear], &[norm]);
     let (linear_p, norm_p) = (holds.linear(0)?, holds.norm(0)?);
     let (mut y, y_out) = output::<T>(rows, n);
-    let chunk = chunk_rows(rows, c * n);
     // A chunk's scratch: x's rows, their LayerNorm, y.
     run_chunks(rows, chunk, 2 * c + n, |range, scratch| {
         let m = range.len();
@@ -653,5 +697,43 @@ impl NormParts<'_> {
     /// function.
     fn rows(&self, x: &[f32], out: &mut [f32]) {
         crate::norm_cpu::norm_rows_dispatch(x, &self.weight, &self.bias, self.eps, out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// f32 weights of a DeiT block after its attention and the next qkv (proj, fc1, fc2, qkv:
+    /// 12·C² values), and its multiply-adds a row.
+    fn tail(c: usize) -> (usize, usize) {
+        (12 * c * c * 4, 12 * c * c)
+    }
+
+    #[test]
+    fn chunks_split_rows_evenly_and_skip_short_chunks_of_wide_weights() {
+        let (t_bytes, t_macs) = tail(192);
+        let (s_bytes, s_macs) = tail(384);
+        let (b_bytes, b_macs) = tail(768);
+        // One image on 16 threads: a chunk of 13 rows a thread for DeiT-T and DeiT-S; DeiT-B's
+        // weights are too wide for chunks that short: the layers.
+        assert_eq!(chunk_plan(197, t_macs, t_bytes, 16), Some(13));
+        assert_eq!(chunk_plan(197, s_macs, s_bytes, 16), Some(13));
+        assert_eq!(chunk_plan(197, b_macs, b_bytes, 16), None);
+        // DeiT-S after a pruning step (139 rows: chunks of 9): the layers in f32, chunks in f16.
+        assert_eq!(chunk_plan(139, s_macs, s_bytes, 16), None);
+        assert_eq!(chunk_plan(139, s_macs, s_bytes / 2, 16), Some(9));
+        // Eight images: five chunks a thread of at most 24 rows, whatever the width.
+        for (bytes, macs) in [(t_bytes, t_macs), (b_bytes, b_macs)] {
+            let chunk = chunk_plan(1576, macs, bytes, 16).unwrap();
+            assert_eq!((chunk, 1576usize.div_ceil(chunk)), (20, 79));
+        }
+        // Two threads, one image: five chunks a thread of 20 rows.
+        assert_eq!(chunk_plan(197, b_macs, b_bytes, 2), Some(20));
+        // One thread, or too little work: one chunk.
+        assert_eq!(chunk_plan(197, b_macs, b_bytes, 1), Some(197));
+        assert_eq!(chunk_plan(3, 1000, b_bytes, 16), Some(3));
+        // Fewer rows than a thread's minimum: chunks of 8 rows.
+        assert_eq!(chunk_plan(40, t_macs, t_bytes, 16), Some(8));
     }
 }
