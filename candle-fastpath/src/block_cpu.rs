@@ -1,7 +1,9 @@
 //! A pre-norm block's per-token steps on the CPU as one parallel pass over chunks of rows:
-//! [`crate::residual_norm_linear`] (the attention's projection or fc2 with its residual add, the
-//! LayerNorm after it and the Linear after that) and [`crate::norm_linear`], where every Linear
-//! holds packed panels ([`crate::cpu_packed`]) and the LayerNorm runs as ours
+//! [`crate::block_after_attention`] (the attention's projection and residual add, norm2, fc1 +
+//! GELU, fc2 and its residual add, and the next block's norm1 and qkv), [`crate::block_mlp`] (the
+//! same from norm2), [`crate::residual_norm_linear`] (the projection or fc2 with its residual add,
+//! the LayerNorm after it and the Linear after that) and [`crate::norm_linear`], where every
+//! Linear holds packed panels ([`crate::cpu_packed`]) and the LayerNorm runs as ours
 //! ([`crate::cpu_norm`]); `CANDLE_FASTPATH_CPU_ROWS=0` runs the layers one after another instead.
 //!
 //! Why: run as separate layers, each step is a parallel section of its own (a LayerNorm of fewer
@@ -9,8 +11,9 @@
 //! waits for the slowest before the pool wakes for the next: on the H200 machine's 16-core host a
 //! rayon section costs 8–16 µs beyond its work, beside 20–140 µs of work a step at DeiT-T batch 1
 //! (docs/BENCHMARKS.md, the CPU section, stop 66). A row's steps need that row alone, so a chunk
-//! of rows runs them all while its values are in cache: a block's five steps after its attention
-//! are two sections instead of six.
+//! of rows runs them all while its values are in cache: a block's six layers from its attention's
+//! output to the next block's qkv (four parallel products, two LayerNorms on one thread) are one
+//! pass.
 //!
 //! The same bits as the separate layers: each step is the layer's own code on the chunk's rows
 //! (the packed product's tiles, whose values do not depend on how the rows and panels are split
@@ -45,8 +48,9 @@ const CHUNK_ROWS: usize = 24;
 const MIN_CHUNK_ROWS: usize = 8;
 
 /// Whether [`crate::residual_norm_linear`], [`crate::norm_linear`], [`crate::block_mlp`] and
-/// [`crate::block_after_attention`] run on the CPU as one pass over chunks of rows (this module): yes unless `CANDLE_FASTPATH_CPU_ROWS=0` (read once; the
-/// layers one after another, for A/B measurements).
+/// [`crate::block_after_attention`] run on the CPU as one pass over chunks of rows where that
+/// pays: yes unless `CANDLE_FASTPATH_CPU_ROWS=0` (read once; the layers one after another, for
+/// A/B measurements).
 pub fn cpu_row_chunks() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
     crate::switches::on_unless_off(&ON, "CANDLE_FASTPATH_CPU_ROWS")
@@ -103,7 +107,7 @@ macro_rules! half_elem {
                 dst.convert_to_f32_slice(src);
             }
             fn round(v: &mut [f32]) {
-                // Through the same slice conversions the layers store with, a row at a time.
+                // Through the same slice conversions the layers store with, 256 values at a time.
                 let mut buf = [<$t>::ZERO; 256];
                 for piece in v.chunks_mut(buf.len()) {
                     let b = &mut buf[..piece.len()];
@@ -142,7 +146,7 @@ fn contiguous_cpu<'g>(held: &'g Held<'_>) -> Option<(&'g CpuStorage, Range<usize
     Some((s, a..b))
 }
 
-/// `held`'s f32 values (widened for f16 / bf16), for a weight or bias of `op`.
+/// `held`'s f32 values (widened for f16 / bf16): a bias or a LayerNorm parameter, `what`.
 fn f32_of<'g>(held: &'g Held<'_>, what: &str) -> Result<std::borrow::Cow<'g, [f32]>> {
     let Storage::Cpu(s) = &*held.0 else {
         return Err(internal(&format!("{what} is not on the CPU")));
@@ -378,22 +382,10 @@ fn rnl_typed<T: Elem>(
         let y_rows = &mut rest[..m * n];
         T::load(&o[range.start * k..range.end * k], a);
         T::load(&r[range.start * c..range.end * c], res);
-        let finish = Finish {
-            bias: front_p.bias.as_deref(),
-            residual: Some(res),
-            gelu: false,
-        };
-        front_p.panels.product_serial(a, m, finish, x1_rows);
+        front_p.rows(a, m, Some(res), false, x1_rows);
         // SAFETY: the chunks' row ranges are disjoint and inside the outputs' rows.
         T::store(x1_rows, unsafe { x1_out.rows(&range, c) });
-        norm_p.rows(x1_rows, z);
-        T::round(z);
-        let finish = Finish {
-            bias: linear_p.bias.as_deref(),
-            residual: None,
-            gelu,
-        };
-        linear_p.panels.product_serial(z, m, finish, y_rows);
+        norm_linear_rows::<T>(&norm_p, &linear_p, gelu, x1_rows, m, z, y_rows);
         // SAFETY: as above.
         T::store(y_rows, unsafe { y_out.rows(&range, n) });
     });
@@ -512,44 +504,20 @@ fn mlp_typed<T: Elem>(
                 // x1 = x + proj(o), rounded where the projection's layer stores it.
                 T::load(&o[rows_c.clone()], a);
                 T::load(&x[rows_c], res);
-                let finish = Finish {
-                    bias: proj.bias.as_deref(),
-                    residual: Some(res),
-                    gelu: false,
-                };
-                proj.panels.product_serial(a, m, finish, x1);
+                proj.rows(a, m, Some(res), false, x1);
                 T::round(x1);
             }
             _ => T::load(&x[rows_c], x1),
         }
         // hidden = gelu(fc1(norm2(x1))).
-        norm2.rows(x1, z);
-        T::round(z);
-        let finish = Finish {
-            bias: fc1.bias.as_deref(),
-            residual: None,
-            gelu: true,
-        };
-        fc1.panels.product_serial(z, m, finish, hidden);
+        norm_linear_rows::<T>(&norm2, &fc1, true, x1, m, z, hidden);
         T::round(hidden);
         // y = x1 + fc2(hidden), into o's rows (read already).
-        let finish = Finish {
-            bias: fc2.bias.as_deref(),
-            residual: Some(x1),
-            gelu: false,
-        };
-        fc2.panels.product_serial(hidden, m, finish, a);
+        fc2.rows(hidden, m, Some(x1), false, a);
         // SAFETY: the chunks' row ranges are disjoint and inside the outputs' rows.
         T::store(a, unsafe { y_out.rows(&range, c) });
         if let Some((norm1, qkv)) = &next {
-            norm1.rows(a, z);
-            T::round(z);
-            let finish = Finish {
-                bias: qkv.bias.as_deref(),
-                residual: None,
-                gelu: false,
-            };
-            qkv.panels.product_serial(z, m, finish, q_rows);
+            norm_linear_rows::<T>(norm1, qkv, false, a, m, z, q_rows);
             // SAFETY: as above.
             T::store(q_rows, unsafe { q_out.rows(&range, n) });
         }
@@ -628,14 +596,7 @@ fn nl_typed<T: Elem>(
         let (z, rest) = rest.split_at_mut(m * c);
         let y_rows = &mut rest[..m * n];
         T::load(&x[range.start * c..range.end * c], a);
-        norm_p.rows(a, z);
-        T::round(z);
-        let finish = Finish {
-            bias: linear_p.bias.as_deref(),
-            residual: None,
-            gelu,
-        };
-        linear_p.panels.product_serial(z, m, finish, y_rows);
+        norm_linear_rows::<T>(&norm_p, &linear_p, gelu, a, m, z, y_rows);
         // SAFETY: the chunks' row ranges are disjoint and inside the output's rows.
         T::store(y_rows, unsafe { y_out.rows(&range, n) });
     });
@@ -690,6 +651,35 @@ impl<'a> Holds<'a> {
             eps: *eps,
         })
     }
+}
+
+impl LinearParts<'_> {
+    /// `x·Wᵀ + b`, `+ residual` and the GELU as asked, for `m` rows of `x` into `out` (f32, as
+    /// the layer computes them before it stores).
+    fn rows(&self, x: &[f32], m: usize, residual: Option<&[f32]>, gelu: bool, out: &mut [f32]) {
+        let finish = Finish {
+            bias: self.bias.as_deref(),
+            residual,
+            gelu,
+        };
+        self.panels.product_serial(x, m, finish, out)
+    }
+}
+
+/// [`crate::norm_linear`]'s two layers on `m` rows of `x`: their LayerNorm into `z`, rounded to
+/// `T` where the LayerNorm stores it, then the Linear (and the GELU) into `out`.
+fn norm_linear_rows<T: Elem>(
+    norm: &NormParts,
+    linear: &LinearParts,
+    gelu: bool,
+    x: &[f32],
+    m: usize,
+    z: &mut [f32],
+    out: &mut [f32],
+) {
+    norm.rows(x, z);
+    T::round(z);
+    linear.rows(z, m, None, gelu, out);
 }
 
 impl NormParts<'_> {
