@@ -300,6 +300,10 @@ pub(crate) fn residual_norm_linear(
     linear: &FusedLinear,
     gelu: bool,
 ) -> Result<Option<(Tensor, Tensor)>> {
+    // CUDA tensors (the GPU's eager path, where host time counts) leave at the first check.
+    if !o.device().is_cpu() {
+        return Ok(None);
+    }
     let (k, c, n) = (front.in_dim(), front.out_dim(), linear.out_dim());
     let dtype = o.dtype();
     let shapes_ok = o.rank() >= 1
@@ -408,6 +412,9 @@ pub(crate) fn mlp_rows(
     x: &Tensor,
     w: &crate::BlockMlp,
 ) -> Result<Option<(Tensor, Option<Tensor>)>> {
+    if !x.device().is_cpu() {
+        return Ok(None);
+    }
     let c = w.fc2.out_dim();
     let dtype = x.dtype();
     let chain_ok = w.norm2.weight().elem_count() == c
@@ -544,6 +551,9 @@ pub(crate) fn norm_linear(
     linear: &FusedLinear,
     gelu: bool,
 ) -> Result<Option<Tensor>> {
+    if !x.device().is_cpu() {
+        return Ok(None);
+    }
     let (c, n) = (linear.in_dim(), linear.out_dim());
     let dtype = x.dtype();
     let shapes_ok = x.rank() >= 1
