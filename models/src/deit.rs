@@ -328,11 +328,11 @@ impl Block {
         Ok(Some((y, Some(next_qkv), None)))
     }
 
-    /// `(x1, gelu(fc1(norm2(x1))))` with `x1 = x + proj(attention)`, from the block's qkv projection,
-    /// as one kernel, `candle_fastpath::attention_residual_norm_linear`,
-    /// where it applies (one image's packed tokens at DeiT-T's width), or as two at DeiT-S's
-    /// width, `candle_fastpath::attention_linear_residual_norm` (the attention through norm2)
-    /// and fc1; `None` otherwise.
+    /// `(x1, gelu(fc1(norm2(x1))))` with `x1 = x + proj(attention)`, from the block's qkv
+    /// projection: as one kernel, `candle_fastpath::attention_residual_norm_linear`, where it
+    /// applies (one image's packed tokens at DeiT-T's width), or as two at DeiT-S's width,
+    /// `candle_fastpath::attention_linear_residual_norm` (the attention through norm2) and fc1;
+    /// `None` otherwise.
     fn fused_attention_through_fc1(
         &self,
         x: &Tensor,
