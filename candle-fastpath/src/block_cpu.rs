@@ -28,7 +28,7 @@ use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 use rayon::prelude::*;
 
-use crate::cpu_pieces::f32_values;
+use crate::cpu_pieces::storage_f32;
 use crate::error::Result;
 use crate::packed_cpu::{Finish, PackedWeight};
 use crate::{FusedLinear, LayerNorm};
@@ -144,14 +144,6 @@ fn contiguous_cpu<'g>(held: &'g Held<'_>) -> Option<(&'g CpuStorage, Range<usize
     };
     let (a, b) = held.1.contiguous_offsets()?;
     Some((s, a..b))
-}
-
-/// `held`'s f32 values (widened for f16 / bf16): a bias or a LayerNorm parameter, `what`.
-fn f32_of<'g>(held: &'g Held<'_>, what: &str) -> Result<std::borrow::Cow<'g, [f32]>> {
-    let Storage::Cpu(s) = &*held.0 else {
-        return Err(internal(&format!("{what} is not on the CPU")));
-    };
-    Ok(f32_values(s, held.1, "cpu rows", what)?)
 }
 
 /// Whether the layers can run here: every tensor on the CPU in `dtype` (f32, f16, bf16), every
@@ -372,8 +364,12 @@ fn rnl_typed<T: Elem>(
         ));
     };
     let (o, r) = (&o[o_range], &r[r_range]);
-    let holds = Holds::of(&[front, linear], &[norm]);
-    let (front_p, linear_p, norm_p) = (holds.linear(0)?, holds.linear(1)?, holds.norm(0)?);
+    let (front_h, linear_h, norm_h) = (
+        HeldLinear::of(front)?,
+        HeldLinear::of(linear)?,
+        HeldNorm::of(norm),
+    );
+    let (front_p, linear_p, norm_p) = (front_h.parts()?, linear_h.parts()?, norm_h.parts()?);
     let (mut x1, x1_out) = output::<T>(rows, c);
     let (mut y, y_out) = output::<T>(rows, n);
     // A chunk's scratch: o's rows, the residual's, x1, its LayerNorm, y.
@@ -456,41 +452,57 @@ pub(crate) fn mlp_rows(
     let Some(chunk) = chunk_rows(rows, proj_macs + 2 * c * h + c * n, &linears) else {
         return Ok(None);
     };
-    let holds = Holds::of(&linears, &norms);
+    let front = match (os, front) {
+        (Some(os), Some((_, proj))) => Some((os, proj)),
+        _ => None,
+    };
     let dims = x.dims();
     let done = match dtype {
-        DType::F32 => mlp_typed::<f32>(os, xs, (rows, chunk), &holds, dims),
-        DType::F16 => mlp_typed::<f16>(os, xs, (rows, chunk), &holds, dims),
-        _ => mlp_typed::<bf16>(os, xs, (rows, chunk), &holds, dims),
+        DType::F32 => mlp_typed::<f32>(front, xs, (rows, chunk), w, dims),
+        DType::F16 => mlp_typed::<f16>(front, xs, (rows, chunk), w, dims),
+        _ => mlp_typed::<bf16>(front, xs, (rows, chunk), w, dims),
     }?;
     Ok(Some(done))
 }
 
-/// [`mlp_rows`] in one dtype; `holds` has fc1, fc2, the next qkv (with a next block), proj (with
-/// `os`), and norm2, the next norm1, in that order.
+/// [`mlp_rows`] in one dtype; `front`, when given, the storage and value range of the
+/// attention's output and the projection.
 fn mlp_typed<T: Elem>(
-    os: Option<(&CpuStorage, Range<usize>)>,
+    front: Option<((&CpuStorage, Range<usize>), &FusedLinear)>,
     (xs, x_range): (&CpuStorage, Range<usize>),
     (rows, chunk): (usize, usize),
-    holds: &Holds<'_>,
+    w: &crate::BlockMlp,
     dims: &[usize],
 ) -> Result<(Tensor, Option<Tensor>)> {
     let not_of_dtype = || internal("block_mlp (CPU): an input is not of its dtype");
     let x = &T::values(xs).ok_or_else(not_of_dtype)?[x_range];
-    let o = match os {
-        Some((s, range)) => Some(&T::values(s).ok_or_else(not_of_dtype)?[range]),
+    let o = match &front {
+        Some(((s, range), _)) => Some(&T::values(s).ok_or_else(not_of_dtype)?[range.clone()]),
         None => None,
     };
-    let (fc1, fc2, norm2) = (holds.linear(0)?, holds.linear(1)?, holds.norm(0)?);
-    let with_next = holds.norms.len() == 2;
-    let next = match with_next {
-        true => Some((holds.norm(1)?, holds.linear(2)?)),
-        false => None,
-    };
-    let proj = match o {
-        Some(_) => Some(holds.linear(if with_next { 3 } else { 2 })?),
+    let (fc1_h, fc2_h, norm2_h) = (
+        HeldLinear::of(w.fc1)?,
+        HeldLinear::of(w.fc2)?,
+        HeldNorm::of(w.norm2),
+    );
+    let next_h = match w.next {
+        Some((norm1, qkv)) => Some((HeldNorm::of(norm1), HeldLinear::of(qkv)?)),
         None => None,
     };
+    let proj_h = match front {
+        Some((_, proj)) => Some(HeldLinear::of(proj)?),
+        None => None,
+    };
+    let (fc1, fc2, norm2) = (fc1_h.parts()?, fc2_h.parts()?, norm2_h.parts()?);
+    let next = match &next_h {
+        Some((norm1, qkv)) => Some((norm1.parts()?, qkv.parts()?)),
+        None => None,
+    };
+    let proj = match &proj_h {
+        Some(p) => Some(p.parts()?),
+        None => None,
+    };
+    let with_next = next.is_some();
     let (c, h) = (fc2.panels.out(), fc1.panels.out());
     let n = next.as_ref().map_or(0, |(_, q)| q.panels.out());
     let (mut y, y_out) = output::<T>(rows, c);
@@ -596,8 +608,8 @@ fn nl_typed<T: Elem>(
         return Err(internal("norm_linear (CPU): x is not of its dtype"));
     };
     let x = &x[x_range];
-    let holds = Holds::of(&[linear], &[norm]);
-    let (linear_p, norm_p) = (holds.linear(0)?, holds.norm(0)?);
+    let (linear_h, norm_h) = (HeldLinear::of(linear)?, HeldNorm::of(norm));
+    let (linear_p, norm_p) = (linear_h.parts()?, norm_h.parts()?);
     let (mut y, y_out) = output::<T>(rows, n);
     // A chunk's scratch: x's rows, their LayerNorm, y.
     run_chunks(rows, chunk, 2 * c + n, |range, scratch| {
@@ -614,51 +626,60 @@ fn nl_typed<T: Elem>(
     unsafe { finished(std::mem::take(&mut y), rows * n, y_dims) }
 }
 
-/// The storages of some layers' biases and norms' parameters, held for reading while the chunks
-/// run.
-struct Holds<'a> {
-    linears: Vec<(&'a PackedWeight, Option<Held<'a>>)>,
-    norms: Vec<(Held<'a>, Held<'a>, f32)>,
+/// A Linear's panels and its bias's storage, held for reading while the chunks run.
+struct HeldLinear<'a> {
+    panels: &'a PackedWeight,
+    bias: Option<Held<'a>>,
 }
 
-impl<'a> Holds<'a> {
-    /// `linears` must hold panels ([`layers_apply`]).
-    fn of(linears: &[&'a FusedLinear], norms: &[&'a LayerNorm]) -> Self {
+impl<'a> HeldLinear<'a> {
+    /// `linear`'s panels (it must hold them: [`layers_apply`]) and its bias.
+    fn of(linear: &'a FusedLinear) -> Result<Self> {
+        let panels = linear
+            .packed()
+            .ok_or_else(|| internal("cpu rows: a Linear without panels"))?;
+        Ok(Self {
+            panels,
+            bias: linear.bias().map(|b| b.storage_and_layout()),
+        })
+    }
+
+    /// The panels and the bias as f32, as the chunks read them.
+    fn parts(&self) -> Result<LinearParts<'_>> {
+        let bias = match &self.bias {
+            Some((storage, layout)) => Some(storage_f32(storage, layout, "cpu rows", "bias")?),
+            None => None,
+        };
+        Ok(LinearParts {
+            panels: self.panels,
+            bias,
+        })
+    }
+}
+
+/// A LayerNorm's weight and bias storages, held for reading while the chunks run, and its eps.
+struct HeldNorm<'a> {
+    weight: Held<'a>,
+    bias: Held<'a>,
+    eps: f32,
+}
+
+impl<'a> HeldNorm<'a> {
+    fn of(norm: &'a LayerNorm) -> Self {
         Self {
-            linears: linears
-                .iter()
-                .filter_map(|l| Some((l.packed()?, l.bias().map(|b| b.storage_and_layout()))))
-                .collect(),
-            norms: norms
-                .iter()
-                .map(|n| {
-                    let (w, b) = (
-                        n.weight().storage_and_layout(),
-                        n.bias().storage_and_layout(),
-                    );
-                    (w, b, n.eps() as f32)
-                })
-                .collect(),
+            weight: norm.weight().storage_and_layout(),
+            bias: norm.bias().storage_and_layout(),
+            eps: norm.eps() as f32,
         }
     }
 
-    fn linear(&self, i: usize) -> Result<LinearParts<'_>> {
-        let Some((panels, bias)) = self.linears.get(i) else {
-            return Err(internal("cpu rows: a Linear without panels"));
-        };
-        let bias = match bias {
-            Some(held) => Some(f32_of(held, "bias")?),
-            None => None,
-        };
-        Ok(LinearParts { panels, bias })
-    }
-
-    fn norm(&self, i: usize) -> Result<NormParts<'_>> {
-        let (w, b, eps) = &self.norms[i];
+    /// The weight and bias as f32, as the chunks read them.
+    fn parts(&self) -> Result<NormParts<'_>> {
+        let ((w, wl), (b, bl)) = (&self.weight, &self.bias);
         Ok(NormParts {
-            weight: f32_of(w, "norm weight")?,
-            bias: f32_of(b, "norm bias")?,
-            eps: *eps,
+            weight: storage_f32(w, wl, "cpu rows", "norm weight")?,
+            bias: storage_f32(b, bl, "cpu rows", "norm bias")?,
+            eps: self.eps,
         })
     }
 }

@@ -7,7 +7,7 @@ use std::borrow::Cow;
 use std::mem::MaybeUninit;
 
 use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, Layout};
+use candle_core::{CpuStorage, Layout, Storage};
 use half::slice::HalfFloatSliceExt;
 
 /// From this many values a pass is split over the pool (candle splits its own elementwise ops
@@ -96,4 +96,18 @@ pub(crate) fn f32_values<'a>(
             other.dtype()
         ),
     })
+}
+
+/// The values of a contiguous CPU tensor's `storage` (held by the caller) as f32: borrowed for
+/// f32, widened into a copy for f16 / bf16. `op` and `what` name them in the errors.
+pub(crate) fn storage_f32<'g>(
+    storage: &'g Storage,
+    layout: &Layout,
+    op: &str,
+    what: &str,
+) -> candle_core::Result<Cow<'g, [f32]>> {
+    let Storage::Cpu(s) = storage else {
+        candle_core::bail!("{op} (CPU): the {what} is not on the CPU")
+    };
+    f32_values(s, layout, op, what)
 }

@@ -15,13 +15,11 @@
 //! candle's CPU matmul has no f16 / bf16 kernel of its own either: it widens both operands to
 //! f32 (serially) and narrows the product, as this does in pieces over the pool.
 
-use std::borrow::Cow;
-
 use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Shape, Storage, Tensor};
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Shape, Tensor};
 use half::slice::HalfFloatSliceExt;
 
-use crate::cpu_pieces::{f32_values, for_pieces, narrow, widen};
+use crate::cpu_pieces::{for_pieces, narrow, storage_f32, widen};
 use crate::packed_cpu::{Finish, PackedWeight};
 
 /// `x·Wᵀ + b`, then `+ r` and the exact GELU as asked, for `x` `[rows, in]` (any strides) and a
@@ -35,19 +33,6 @@ pub(crate) struct CpuLinearOp<'a> {
     /// The weight's panels, when the product runs on them ([`crate::cpu_packed`]) rather than
     /// through `gemm`.
     pub packed: Option<&'a PackedWeight>,
-}
-
-/// The values of a contiguous CPU tensor (the bias or the residual, `what`) as f32: borrowed
-/// from `guard` (the tensor's storage, held by the caller) when they are f32.
-fn f32_of<'g>(
-    guard: &'g (impl std::ops::Deref<Target = Storage> + 'g),
-    layout: &Layout,
-    what: &str,
-) -> candle_core::Result<Cow<'g, [f32]>> {
-    let Storage::Cpu(s) = &**guard else {
-        candle_core::bail!("fused_linear (CPU): the {what} is not on the CPU")
-    };
-    f32_values(s, layout, "fused_linear", what)
 }
 
 /// The rows of a half-precision `x` `[rows, k]` (any strides) widened to a contiguous f32
@@ -108,11 +93,11 @@ impl CpuLinearOp<'_> {
         let bias_storage = self.bias.as_ref().map(|b| b.storage_and_layout());
         let residual_storage = self.residual.as_ref().map(|r| r.storage_and_layout());
         let bias = match &bias_storage {
-            Some((guard, layout)) => Some(f32_of(guard, layout, "bias")?),
+            Some((guard, layout)) => Some(storage_f32(guard, layout, "fused_linear", "bias")?),
             None => None,
         };
         let residual = match &residual_storage {
-            Some((guard, layout)) => Some(f32_of(guard, layout, "residual")?),
+            Some((guard, layout)) => Some(storage_f32(guard, layout, "fused_linear", "residual")?),
             None => None,
         };
         if bias.as_ref().is_some_and(|b| b.len() != n) {

@@ -281,17 +281,12 @@ impl PackedWeight {
     ) {
         let kernel = kernel().expect("fused_linear (CPU): packed product without AVX2 + FMA");
         let (n, k) = (self.out, self.depth);
-        let supported = match kernel {
-            Kernel::Avx2 => has_fma(),
-            Kernel::Avx512 => has_avx512(),
-        };
-        // The tiles read and write through raw pointers: everything they touch lies here.
-        assert!(supported && rows > 0 && x.len() >= rows * k && out.len() >= rows * n);
-        assert!(finish.bias.is_none_or(|b| b.len() == n));
-        assert!(finish.residual.is_none_or(|r| r.len() == rows * n));
+        self.assert_operands(kernel, x, k, rows, finish);
+        assert!(out.len() >= rows * n);
         let (panels, dst) = (0..n.div_ceil(COLS), Output(out.as_mut_ptr()));
         // SAFETY: the CPU has the kernel's features and x, out, the bias and the residual hold
-        // every value the task reads or writes (asserted above); `out` is borrowed mutably, so
+        // every value the task reads or writes (asserted above; x's rows are `k` apart, so
+        // `rows · k` values); `out` is borrowed mutably, so
         // no other thread touches it.
         unsafe {
             match kernel {
@@ -299,6 +294,31 @@ impl PackedWeight {
                 Kernel::Avx512 => self.task_avx512(x, k, 0..rows, panels, dst, finish),
             }
         }
+    }
+
+    /// What the tiles, which read and write through raw pointers, need to hold: the CPU has
+    /// `kernel`'s features, `x` holds `rows` rows of `depth` terms `x_rs` apart, the bias is
+    /// `[out]` and the residual `[rows, out]`.
+    fn assert_operands(
+        &self,
+        kernel: Kernel,
+        x: &[f32],
+        x_rs: usize,
+        rows: usize,
+        finish: Finish<'_>,
+    ) {
+        let (n, k) = (self.out, self.depth);
+        let supported = match kernel {
+            Kernel::Avx2 => has_fma(),
+            Kernel::Avx512 => has_avx512(),
+        };
+        assert!(
+            supported,
+            "fused_linear (CPU): {kernel:?} tiles on a CPU without them"
+        );
+        assert!(rows > 0 && k > 0 && x_rs >= k && x.len() >= (rows - 1) * x_rs + k);
+        assert!(finish.bias.is_none_or(|b| b.len() == n));
+        assert!(finish.residual.is_none_or(|r| r.len() == rows * n));
     }
 
     /// [`Self::product`] on `kernel`'s tiles.
@@ -311,18 +331,7 @@ impl PackedWeight {
         finish: Finish<'_>,
     ) -> Vec<f32> {
         let (n, k) = (self.out, self.depth);
-        // The tiles read and write through raw pointers: everything they touch lies here.
-        let supported = match kernel {
-            Kernel::Avx2 => has_fma(),
-            Kernel::Avx512 => has_avx512(),
-        };
-        assert!(
-            supported,
-            "fused_linear (CPU): {kernel:?} tiles on a CPU without them"
-        );
-        assert!(rows > 0 && k > 0 && x_rs >= k && x.len() >= (rows - 1) * x_rs + k);
-        assert!(finish.bias.is_none_or(|b| b.len() == n));
-        assert!(finish.residual.is_none_or(|r| r.len() == rows * n));
+        self.assert_operands(kernel, x, x_rs, rows, finish);
         let len = rows * n;
         let mut out = Vec::<f32>::with_capacity(len);
         let dst = Output(out.as_mut_ptr());
