@@ -206,11 +206,11 @@ impl Block {
         Ok((self.attn.residual_from_qkv(&qkv, x, inputs)?, qkv))
     }
 
-    /// The MLP half: `x + mlp(norm2(x))`; per-token, so any layout works. norm2, fc1 and the
-    /// GELU as one kernel where that is faster (candle_fastpath::norm_linear).
+    /// The MLP half: `x + mlp(norm2(x))`; per-token, so any layout works
+    /// (candle_fastpath::block_mlp: norm2, fc1 and the GELU as one kernel where that is faster on
+    /// CUDA, one pass over chunks of rows on the CPU).
     pub fn mlp_residual(&self, x: &Tensor) -> Result<Tensor> {
-        let hidden = candle_fastpath::norm_linear(x, &self.norm2, &self.mlp.fc1, true)?;
-        Ok(self.mlp.fc2.forward_residual(&hidden, x)?)
+        Ok(candle_fastpath::block_mlp(x, &self.mlp_to(None))?.0)
     }
 
     pub fn forward_with(&self, x: &Tensor, inputs: &AttentionInputs) -> Result<Tensor> {
@@ -404,15 +404,13 @@ impl Block {
         let heads = self.attention_output(x, qkv, &inputs)?;
         let heads = candle_ragged::leading_rows(&heads, batch, num_prefix)?;
         let x = candle_ragged::leading_rows(x, batch, num_prefix)?;
-        let (x1, hidden) = candle_fastpath::residual_norm_linear(
+        let after = candle_fastpath::block_after_attention(
             &heads,
             &x,
             &self.attn.proj,
-            &self.norm2,
-            &self.mlp.fc1,
-            true,
+            &self.mlp_to(None),
         )?;
-        Ok(self.mlp.fc2.forward_residual(&hidden, &x1)?)
+        Ok(after.0)
     }
 
     /// The attention's output for tokens `x` (heads merged, before the projection), from their
