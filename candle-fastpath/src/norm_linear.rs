@@ -92,7 +92,9 @@ fn tile_rows_rule(
 /// `[.., N]`, what `linear.forward_with(&norm.forward(x)?, Epilogue::Gelu or Plain)` returns.
 /// On CUDA, where [`norm_linear_applies`] says so, one kernel computes it (the same normalised
 /// rows and roundings as the two-step path; only the GEMM's summation order differs), except a
-/// shape's first call with 64-row tiles; everywhere else it is those two steps.
+/// shape's first call with 64-row tiles; on the CPU, where the Linear holds packed panels, the
+/// two steps a chunk of rows at a time in one parallel pass (the same bits; `block_cpu`);
+/// everywhere else it is those two steps.
 pub fn norm_linear(
     x: &Tensor,
     norm: &LayerNorm,
@@ -349,8 +351,10 @@ pub fn residual_norm_linear_forms() -> ResidualNormLinearForms {
 /// [`residual_norm_linear_applies`] says so, one kernel computes both (levers 61 and 62 in
 /// `docs/LEVERS.md`): [`norm_linear`]'s kernel, whose CTAs sharing a row tile (a
 /// thread-block cluster) first compute the rows' x1 together. Its GEMMs sum in another order than
-/// cuBLASLt's; everything else rounds where the two steps round. Elsewhere it is those two
-/// steps. Both results are contiguous (views of one buffer on the fused path).
+/// cuBLASLt's; everything else rounds where the two steps round. On the CPU, where both Linears
+/// hold packed panels, the steps a chunk of rows at a time in one parallel pass (the same bits;
+/// `block_cpu`). Elsewhere it is those two steps. Both results are contiguous (views of one
+/// buffer on the CUDA fused path).
 pub fn residual_norm_linear(
     o: &Tensor,
     residual: &Tensor,
