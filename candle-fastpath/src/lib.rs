@@ -113,9 +113,9 @@ pub use linear::{
 };
 pub use norm::{cpu_norm, layer_norm, LayerNorm};
 pub use norm_linear::{
-    block_after_attention, block_mlp, linear_residual_norm, linear_residual_norm_applies,
-    linear_residual_norm_enabled, norm_linear, norm_linear_applies, norm_linear_mode,
-    norm_linear_tile_rows, residual_norm_linear, residual_norm_linear_applies,
+    block_after_attention, block_mlp, fc2_then_next, linear_residual_norm,
+    linear_residual_norm_applies, linear_residual_norm_enabled, norm_linear, norm_linear_applies,
+    norm_linear_mode, norm_linear_tile_rows, residual_norm_linear, residual_norm_linear_applies,
     residual_norm_linear_forms, residual_norm_linear_step_applies, thin_residual_norm_tiles,
     BlockMlp, NormLinearMode, ResidualNormLinearForms, ThinResidualNormTiles, NORM_LINEAR_DIMS,
 };

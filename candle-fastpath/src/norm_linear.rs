@@ -462,8 +462,21 @@ pub fn block_mlp(x1: &Tensor, w: &BlockMlp) -> Result<(Tensor, Option<Tensor>)> 
     fc2_then_next(&hidden, x1, w)
 }
 
-/// `x1 + fc2(hidden)` and, with `w.next`, the next block's qkv of it.
-fn fc2_then_next(hidden: &Tensor, x1: &Tensor, w: &BlockMlp) -> Result<(Tensor, Option<Tensor>)> {
+/// The last step of [`block_mlp`]: `y = x1 + fc2(hidden)` and, with `w.next`, the next block's
+/// `qkv(norm1(y))` in the same step ([`residual_norm_linear`]; without a next block
+/// `fc2.forward_residual`). For callers that ran fc1 themselves (a fused kernel through fc1).
+///
+/// # Arguments
+/// * `hidden` - `[.., 4C]`: fc1's GELU output.
+/// * `x1` - `[.., C]`: the residual stream after the attention, the same leading dims.
+///
+/// # Returns
+/// `(y, qkv)` as [`block_mlp`] returns them; `w.norm2` and `w.fc1` are not read.
+pub fn fc2_then_next(
+    hidden: &Tensor,
+    x1: &Tensor,
+    w: &BlockMlp,
+) -> Result<(Tensor, Option<Tensor>)> {
     match w.next {
         Some((norm1, qkv)) => {
             let (y, q) = residual_norm_linear(hidden, x1, w.fc2, norm1, qkv, false)?;

@@ -464,20 +464,12 @@ impl Block {
         next: Option<&Block>,
         inputs: &AttentionInputs,
     ) -> Result<(Tensor, Option<Tensor>)> {
-        match next.filter(|n| n.small_block_batch(x1, inputs).is_none()) {
-            Some(next) => {
-                let (y, next_qkv) = candle_fastpath::residual_norm_linear(
-                    hidden,
-                    x1,
-                    &self.mlp.fc2,
-                    &next.norm1,
-                    &next.attn.qkv,
-                    false,
-                )?;
-                Ok((y, Some(next_qkv)))
-            }
-            None => Ok((self.mlp.fc2.forward_residual(hidden, x1)?, None)),
-        }
+        let next = next.filter(|n| n.small_block_batch(x1, inputs).is_none());
+        Ok(candle_fastpath::fc2_then_next(
+            hidden,
+            x1,
+            &self.mlp_to(next),
+        )?)
     }
 
     /// This block's weights after its attention and `next`'s norm1 and qkv: what the chained

@@ -11,13 +11,17 @@
 # (attention, norm_linear, paths_agreement, ...; packed as test-NAME.xz) or a binary's (classify,
 # eval, bench, bench-attention); no NAME packs all of them. Each executable is ~5-7 MB compressed
 # (candle's and our PTX are in every one), ~130 MB in all: where the device tool carries at most
-# 64 MiB with the repository's own files (~40 MB), pack four at a time (under ~26 MB), e.g.
-#   scripts/gpu/bundle.sh attention pack select select_bounded
-#   scripts/gpu/bundle.sh select_rule sequence_mean step_scores attention_norm_linear
-#   scripts/gpu/bundle.sh attention_lrn embed head linear
-#   scripts/gpu/bundle.sh norm norm_linear patch pooled_head
-#   scripts/gpu/bundle.sh small_block graph gelu_phi bench-attention
-#   scripts/gpu/bundle.sh classify bench paths_agreement
+# 64 MiB with the repository's own files (~50 MB tracked), pack two or three at a time (under
+# ~14 MB; `du -sh .gpu` below says what this bundle came to), e.g.
+#   scripts/gpu/bundle.sh attention pack select
+#   scripts/gpu/bundle.sh select_bounded select_rule sequence_mean
+#   scripts/gpu/bundle.sh step_scores attention_norm_linear attention_lrn
+#   scripts/gpu/bundle.sh embed head linear
+#   scripts/gpu/bundle.sh norm norm_linear after_attention
+#   scripts/gpu/bundle.sh patch pooled_head programmatic
+#   scripts/gpu/bundle.sh small_block graph gelu_phi
+#   scripts/gpu/bundle.sh bench-attention classify
+#   scripts/gpu/bundle.sh bench paths_agreement
 # and run device-checks.sh on each (its tests and sanitizer stages take what the bundle holds).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
