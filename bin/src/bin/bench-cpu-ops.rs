@@ -1,5 +1,5 @@
 //! bench-cpu-ops: the CPU time of each operation of a DeiT block, one at a time, on the
-//! model's shapes (f32, random weights): where a CPU forward's time goes, op by op, and with
+//! model's shapes (random weights; f32 unless `--dtype`): where a CPU forward's time goes, op by op, and with
 //! `scripts/peers/torch_cpu_ops.py` (the same operations in PyTorch, the same output lines) how
 //! each compares with PyTorch's on the same machine.
 //!
@@ -19,7 +19,7 @@ use std::process::ExitCode;
 use std::time::Instant;
 
 use anyhow::{bail, Result};
-use bin::run_main;
+use bin::{run_main, DTypeArg};
 use candle_core::{DType, Device, Tensor};
 use candle_fastpath::{Epilogue, FusedLinear, LayerNorm};
 use candle_nn::VarBuilder;
@@ -43,6 +43,9 @@ struct Args {
     /// empty.
     #[arg(long, value_delimiter = ',')]
     ops: Vec<String>,
+    /// Dtype of the weights and activations (f32, f16, bf16).
+    #[arg(long, value_enum, default_value = "f32")]
+    dtype: DTypeArg,
 }
 
 /// The operations, in the order they run and print.
@@ -91,16 +94,16 @@ fn time(reps: usize, mut call: impl FnMut() -> Result<()>) -> Result<Timing> {
     })
 }
 
-/// A `[out, in]` layer with bias, N(0, 0.02) weights.
-fn layer(inputs: usize, outputs: usize, dev: &Device) -> Result<FusedLinear> {
-    let w = Tensor::randn(0f32, 0.02, (outputs, inputs), dev)?;
-    let b = Tensor::randn(0f32, 0.02, outputs, dev)?;
+/// A `[out, in]` layer with bias, N(0, 0.02) weights, in `dtype`.
+fn layer(inputs: usize, outputs: usize, dtype: DType, dev: &Device) -> Result<FusedLinear> {
+    let w = Tensor::randn(0f32, 0.02, (outputs, inputs), dev)?.to_dtype(dtype)?;
+    let b = Tensor::randn(0f32, 0.02, outputs, dev)?.to_dtype(dtype)?;
     Ok(FusedLinear::new(w, Some(b))?)
 }
 
 /// Block 0 of a `cfg` model with random weights (N(0, 0.02), LayerNorms at identity),
-/// timm-named.
-fn random_block(cfg: &DeiTConfig, dev: &Device) -> Result<Block> {
+/// timm-named, in `dtype`.
+fn random_block(cfg: &DeiTConfig, dtype: DType, dev: &Device) -> Result<Block> {
     let mut tensors = HashMap::new();
     for (name, shape) in expected_tensors(cfg, WeightNaming::Timm) {
         let Some(local) = name.strip_prefix("blocks.0.") else {
@@ -113,9 +116,9 @@ fn random_block(cfg: &DeiTConfig, dev: &Device) -> Result<Block> {
         } else {
             Tensor::randn(0f32, 0.02, shape.as_slice(), dev)?
         };
-        tensors.insert(local.to_string(), t);
+        tensors.insert(local.to_string(), t.to_dtype(dtype)?);
     }
-    let vb = VarBuilder::from_tensors(tensors, DType::F32, dev);
+    let vb = VarBuilder::from_tensors(tensors, dtype, dev);
     Ok(Block::new(cfg, vb)?)
 }
 
@@ -127,6 +130,7 @@ fn run(args: Args) -> Result<()> {
         bail!("unknown operation {op:?} (one of {})", OPS.join(", "));
     }
     let dev = Device::Cpu;
+    let dtype = args.dtype.dtype();
     let wanted = |op: &str| args.ops.is_empty() || args.ops.iter().any(|o| o == op);
     if let Some(&b) = args.batch.iter().find(|&&b| b == 0) {
         bail!("--batch values must be at least 1 (got {b})");
@@ -135,18 +139,18 @@ fn run(args: Args) -> Result<()> {
         // Width, heads and head dim from the model's config; the weights once a model.
         let cfg = DeiTConfig::from_name(model)?;
         let (c, heads, head_dim) = (cfg.dim, cfg.heads, cfg.head_dim());
-        let (qkv, proj) = (layer(c, 3 * c, &dev)?, layer(c, c, &dev)?);
-        let (fc1, fc2) = (layer(c, 4 * c, &dev)?, layer(4 * c, c, &dev)?);
+        let (qkv, proj) = (layer(c, 3 * c, dtype, &dev)?, layer(c, c, dtype, &dev)?);
+        let (fc1, fc2) = (layer(c, 4 * c, dtype, &dev)?, layer(4 * c, c, dtype, &dev)?);
         let norm = LayerNorm::new(
-            Tensor::ones(c, DType::F32, &dev)?,
-            Tensor::zeros(c, DType::F32, &dev)?,
+            Tensor::ones(c, dtype, &dev)?,
+            Tensor::zeros(c, dtype, &dev)?,
             1e-6,
         )?;
-        let block = random_block(&cfg, &dev)?;
+        let block = random_block(&cfg, dtype, &dev)?;
         for &b in &args.batch {
             let rows = b * TOKENS;
-            let x = Tensor::randn(0f32, 1.0, (rows, c), &dev)?;
-            let hidden = Tensor::randn(0f32, 1.0, (rows, 4 * c), &dev)?;
+            let x = Tensor::randn(0f32, 1.0, (rows, c), &dev)?.to_dtype(dtype)?;
+            let hidden = Tensor::randn(0f32, 1.0, (rows, 4 * c), &dev)?.to_dtype(dtype)?;
             let batch = RaggedBatch::from_lengths(&vec![TOKENS; b], &dev)?;
             // q, k and v as the model reads them: strided views of the fused projection.
             let fused = qkv
@@ -244,7 +248,8 @@ fn run(args: Args) -> Result<()> {
                     _ => t.us,
                 };
                 println!(
-                    "{model} b{b} {name:10} {:9.1} us  {:7.1} GFLOPS  {} faults/call",
+                    "{model} {} b{b} {name:10} {:9.1} us  {:7.1} GFLOPS  {} faults/call",
+                    args.dtype.name(),
                     t.us,
                     flops / t.us / 1e3,
                     t.faults
@@ -252,7 +257,8 @@ fn run(args: Args) -> Result<()> {
             }
             if args.ops.is_empty() {
                 println!(
-                    "{model} b{b} block(2 ln) {sum:.1} us; x12 = {:.2} ms",
+                    "{model} {} b{b} block(2 ln) {sum:.1} us; x12 = {:.2} ms",
+                    args.dtype.name(),
                     sum * 12.0 / 1e3
                 );
             }
