@@ -50,6 +50,7 @@
 //! ```
 
 mod attention_norm_linear;
+mod amx_cpu;
 mod block_cpu;
 mod cpu_pieces;
 #[cfg(feature = "cuda")]

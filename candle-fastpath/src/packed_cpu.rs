@@ -19,7 +19,10 @@
 //! (or pair of panels), a tile's first K block starting from zero and each later one from what
 //! the last one stored. So an output value is the sum of its `k` products in order of K, one
 //! rounding a fused multiply-add: the same bits whatever the kernel, the tasks or the thread
-//! count.
+//! count. On CPUs with AMX-BF16 a bf16 weight is packed for AMX tiles instead
+//! ([`crate::amx_cpu`]): the same tasks, each value the sum of the same exact products added in
+//! the hardware's pairs (the same bits whatever the tasks or the thread count, not always the
+//! AVX tiles' bits).
 
 use std::ops::Range;
 use std::sync::OnceLock;
@@ -53,6 +56,9 @@ enum Kernel {
     /// AVX-512: 8 rows × two panels (32 columns, two vectors): 16 accumulators of AVX-512's 32
     /// registers; ten loads (two panel vectors, eight broadcasts) a sixteen multiply-adds.
     Avx512,
+    /// AMX (bf16 weights packed as [`crate::amx_cpu`] pairs): two 16-row tiles × two panels,
+    /// four 16 × 16 accumulator tiles over all of K.
+    Amx,
 }
 
 impl Kernel {
@@ -61,6 +67,7 @@ impl Kernel {
         match self {
             Kernel::Avx2 => 6,
             Kernel::Avx512 => 8,
+            Kernel::Amx => crate::amx_cpu::ROWS,
         }
     }
 }
@@ -86,7 +93,8 @@ fn kernel() -> Option<Kernel> {
 /// Whether [`FusedLinear`](crate::FusedLinear) runs its CPU product on packed panels: yes on
 /// x86-64 CPUs with AVX2 and FMA (AVX-512 tiles where the CPU has AVX-512F) unless
 /// `CANDLE_FASTPATH_CPU_PACKED=0` (read once; then, and on other CPUs, one `gemm` call a layer,
-/// as before); `=avx2` keeps the AVX2 tiles on an AVX-512 CPU.
+/// as before); `=avx2` keeps the AVX2 tiles on an AVX-512 CPU. A bf16 weight takes AMX tiles
+/// instead where the CPU has AMX-BF16 (unless `CANDLE_FASTPATH_CPU_AMX=0`).
 pub fn cpu_packed() -> bool {
     kernel().is_some()
 }
@@ -114,6 +122,8 @@ enum Panels {
     F32(Vec<f32>),
     F16(Vec<f16>),
     BF16(Vec<bf16>),
+    /// A bf16 weight in [`crate::amx_cpu::pair_panels`]' layout, where AMX runs the product.
+    BF16Pairs(Vec<bf16>),
 }
 
 /// A `[out, in]` weight as panels of 16 columns of `Wᵀ` (see the module's documentation).
@@ -129,6 +139,7 @@ impl std::fmt::Debug for PackedWeight {
             Panels::F32(_) => "f32",
             Panels::F16(_) => "f16",
             Panels::BF16(_) => "bf16",
+            Panels::BF16Pairs(_) => "bf16, AMX pairs",
         };
         write!(f, "PackedWeight([{}, {}], {dtype})", self.out, self.depth)
     }
@@ -179,7 +190,7 @@ impl Finish<'_> {
 
 /// The output's base pointer, shared by the tasks, each of which writes its own rows × columns.
 #[derive(Clone, Copy)]
-struct Output(*mut f32);
+pub(crate) struct Output(pub(crate) *mut f32);
 // SAFETY: the tasks write disjoint parts of the buffer (see `PackedWeight::product`).
 unsafe impl Send for Output {}
 unsafe impl Sync for Output {}
@@ -198,6 +209,9 @@ impl PackedWeight {
         let panels = match s {
             CpuStorage::F32(w) => Panels::F32(panels_of(&w[a..b], out, depth)),
             CpuStorage::F16(w) => Panels::F16(panels_of(&w[a..b], out, depth)),
+            CpuStorage::BF16(w) if crate::amx_cpu::available() => {
+                Panels::BF16Pairs(crate::amx_cpu::pair_panels(&w[a..b], out, depth))
+            }
             CpuStorage::BF16(w) => Panels::BF16(panels_of(&w[a..b], out, depth)),
             other => candle_core::bail!(
                 "fused_linear (CPU): a {:?} weight, not f32, f16 or bf16",
@@ -222,7 +236,7 @@ impl PackedWeight {
         match self.panels {
             Panels::F32(_) => candle_core::DType::F32,
             Panels::F16(_) => candle_core::DType::F16,
-            Panels::BF16(_) => candle_core::DType::BF16,
+            Panels::BF16(_) | Panels::BF16Pairs(_) => candle_core::DType::BF16,
         }
     }
 
@@ -243,6 +257,7 @@ impl PackedWeight {
             Panels::F32(v) => Tensor::from_vec(rows_of(v, n, k), (n, k), dev),
             Panels::F16(v) => Tensor::from_vec(rows_of(v, n, k), (n, k), dev),
             Panels::BF16(v) => Tensor::from_vec(rows_of(v, n, k), (n, k), dev),
+            Panels::BF16Pairs(v) => Tensor::from_vec(crate::amx_cpu::unpair(v, n, k), (n, k), dev),
         };
         w.expect("fused_linear (CPU): n × k values make an [n, k] tensor")
     }
@@ -260,8 +275,7 @@ impl PackedWeight {
         rows: usize,
         finish: Finish<'_>,
     ) -> Vec<f32> {
-        let kernel = kernel().expect("fused_linear (CPU): packed product without AVX2 + FMA");
-        self.product_with(kernel, x, x_rs, rows, finish)
+        self.product_with(self.kernel(), x, x_rs, rows, finish)
     }
 
     /// `finish(x·Wᵀ)` for `rows` rows of `x` (f32, contiguous, `depth` terms a row) into `out`
@@ -279,7 +293,7 @@ impl PackedWeight {
         finish: Finish<'_>,
         out: &mut [f32],
     ) {
-        let kernel = kernel().expect("fused_linear (CPU): packed product without AVX2 + FMA");
+        let kernel = self.kernel();
         let (n, k) = (self.out, self.depth);
         self.assert_operands(kernel, x, k, rows, finish);
         assert!(out.len() >= rows * n);
@@ -292,6 +306,7 @@ impl PackedWeight {
             match kernel {
                 Kernel::Avx2 => self.task_avx2(x, k, 0..rows, panels, dst, finish),
                 Kernel::Avx512 => self.task_avx512(x, k, 0..rows, panels, dst, finish),
+                Kernel::Amx => self.task_amx(x, k, 0..rows, panels, dst, finish),
             }
         }
     }
@@ -311,6 +326,9 @@ impl PackedWeight {
         let supported = match kernel {
             Kernel::Avx2 => has_fma(),
             Kernel::Avx512 => has_avx512(),
+            Kernel::Amx => {
+                crate::amx_cpu::available() && matches!(self.panels, Panels::BF16Pairs(_))
+            }
         };
         assert!(
             supported,
@@ -319,6 +337,40 @@ impl PackedWeight {
         assert!(rows > 0 && k > 0 && x_rs >= k && x.len() >= (rows - 1) * x_rs + k);
         assert!(finish.bias.is_none_or(|b| b.len() == n));
         assert!(finish.residual.is_none_or(|r| r.len() == rows * n));
+    }
+
+    /// The tiles this weight's product runs on: AMX for pair panels, else the CPU's
+    /// ([`cpu_packed`]).
+    ///
+    /// # Panics
+    /// If the CPU has no tiles ([`cpu_packed`] is false).
+    fn kernel(&self) -> Kernel {
+        match self.panels {
+            Panels::BF16Pairs(_) => Kernel::Amx,
+            _ => kernel().expect("fused_linear (CPU): packed product without AVX2 + FMA"),
+        }
+    }
+
+    /// One task of the product on AMX tiles ([`crate::amx_cpu::task`]).
+    ///
+    /// # Safety
+    /// AMX is usable and the panels are pairs (see [`Self::assert_operands`]), and
+    /// [`Self::task`]'s.
+    unsafe fn task_amx(
+        &self,
+        x: &[f32],
+        x_rs: usize,
+        rows: Range<usize>,
+        panels: Range<usize>,
+        dst: Output,
+        finish: Finish<'_>,
+    ) {
+        let Panels::BF16Pairs(w) = &self.panels else {
+            unreachable!("assert_operands checks that AMX tasks have pair panels")
+        };
+        let (n, k) = (self.out, self.depth);
+        // SAFETY: the caller's.
+        unsafe { crate::amx_cpu::task(w, n, k, x, x_rs, rows, panels, dst, finish) }
     }
 
     /// [`Self::product`] on `kernel`'s tiles.
@@ -378,6 +430,7 @@ impl PackedWeight {
                 match kernel {
                     Kernel::Avx2 => self.task_avx2(x, x_rs, rows, panels, dst, finish),
                     Kernel::Avx512 => self.task_avx512(x, x_rs, rows, panels, dst, finish),
+                    Kernel::Amx => self.task_amx(x, x_rs, rows, panels, dst, finish),
                 }
             }
         };
@@ -472,6 +525,7 @@ impl PackedWeight {
                 v[block].convert_to_f32_slice(&mut buf[..terms * COLS]);
                 &buf[..terms * COLS]
             }
+            Panels::BF16Pairs(_) => unreachable!("pair panels run on AMX tiles only"),
         }
     }
 
@@ -886,6 +940,95 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    /// Where AMX runs the bf16 product (pair panels): every value within the rounding of its
+    /// K additions of the exact sum of its bf16 products (each exact in f32), the same bits
+    /// for every thread count and from [`PackedWeight::product_serial`], and the finish applied
+    /// as on the AVX tiles; shapes with a partial row tile, an unpaired partial last panel and
+    /// K not a multiple of the tile step. Elsewhere bf16 packs into ordinary panels (and the
+    /// test above covers them). Prints how many values equal the AVX path's ordered FMA chain.
+    #[test]
+    fn amx_products_are_the_bf16_sums() {
+        let dev = &candle_core::Device::Cpu;
+        let (rows, k, n) = (45, 2 * DEPTH + 7, 40);
+        let bf = |v: f32| bf16::from_f32(v).to_f32();
+        let x: Vec<f32> = (0..rows * k)
+            .map(|v| bf(((v * 37 % 101) as f32 - 50.0) / 31.0))
+            .collect();
+        let w: Vec<f32> = (0..n * k)
+            .map(|v| bf(((v * 53 % 97) as f32 - 48.0) / 29.0))
+            .collect();
+        let wt = Tensor::from_slice(&w, (n, k), dev)
+            .unwrap()
+            .to_dtype(candle_core::DType::BF16)
+            .unwrap();
+        let packed = PackedWeight::pack(&wt).unwrap();
+        let pairs = matches!(packed.panels, Panels::BF16Pairs(_));
+        assert_eq!(pairs, crate::amx_cpu::available());
+        if !pairs {
+            eprintln!("amx_products_are_the_bf16_sums: no AMX here, bf16 packs into AVX panels");
+            return;
+        }
+        let bias: Vec<f32> = (0..n).map(|j| j as f32 / 8.0).collect();
+        let none = Finish {
+            bias: None,
+            residual: None,
+            gelu: false,
+        };
+        let mut same_as_chain = 0;
+        let mut outs = Vec::new();
+        for threads in [1, 2, 5] {
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .unwrap();
+            outs.push(pool.install(|| packed.product(&x, k, rows, none)));
+        }
+        let mut serial = vec![f32::NAN; rows * n];
+        packed.product_serial(&x, rows, none, &mut serial);
+        outs.push(serial);
+        let got = &outs[0];
+        for (i, o) in outs.iter().enumerate() {
+            assert!(
+                o.iter().zip(got).all(|(a, b)| a.to_bits() == b.to_bits()),
+                "AMX run {i} differs from the first"
+            );
+        }
+        for i in 0..rows {
+            for j in 0..n {
+                let terms = (0..k).map(|t| x[i * k + t] as f64 * w[j * k + t] as f64);
+                let exact: f64 = terms.clone().sum();
+                let size: f64 = terms.map(f64::abs).sum();
+                let bound = 1.01 * k as f64 * f32::EPSILON as f64 / 2.0 * size + 1e-30;
+                let g = got[i * n + j];
+                assert!(
+                    (g as f64 - exact).abs() <= bound,
+                    "[{i}, {j}]: {g} against {exact} (bound {bound})"
+                );
+                let chain = (0..k).fold(0f32, |s, t| x[i * k + t].mul_add(w[j * k + t], s));
+                same_as_chain += usize::from(g.to_bits() == chain.to_bits());
+            }
+        }
+        eprintln!(
+            "amx_products_are_the_bf16_sums: {same_as_chain} of {} values equal the ordered FMA chain",
+            rows * n
+        );
+        let finish = Finish {
+            bias: Some(&bias),
+            residual: None,
+            gelu: true,
+        };
+        let finished = packed.product(&x, k, rows, finish);
+        for i in 0..rows {
+            let mut want = got[i * n..(i + 1) * n].to_vec();
+            finish.apply(&mut want, i, 0..n, n);
+            let g = &finished[i * n..(i + 1) * n];
+            assert!(
+                g.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()),
+                "row {i}: the finish"
+            );
         }
     }
 }
