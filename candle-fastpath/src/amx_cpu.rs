@@ -36,7 +36,7 @@ pub(crate) const COLS: usize = 16;
 const STEP: usize = 32;
 
 /// Rows of x a tile covers.
-const TILE_ROWS: usize = 16;
+pub(crate) const TILE_ROWS: usize = 16;
 
 /// Rows a full step of the task covers: two row tiles (four accumulators with two panels).
 pub(crate) const ROWS: usize = 2 * TILE_ROWS;

@@ -192,7 +192,32 @@ fn chunk_rows(rows: usize, macs_per_row: usize, linears: &[&FusedLinear]) -> Opt
         .map(|p| p.out() * p.depth() * p.dtype().size_in_bytes())
         .sum();
     let threads = rayon::current_num_threads().max(1);
+    if linears.iter().all(|l| l.packed().is_some_and(|p| p.amx())) {
+        return Some(amx_chunk_plan(rows, macs_per_row, threads));
+    }
     chunk_plan(rows, macs_per_row, weight_bytes, threads)
+}
+
+/// Rows a chunk takes at most where every product of the pass runs on AMX tiles.
+const AMX_CHUNK_ROWS: usize = 32;
+
+/// [`chunk_rows`] where every linear runs on AMX tiles ([`crate::amx_cpu`]): chunks of whole
+/// 16-row tiles (a partial tile computes its padding rows all the same), one a thread where the
+/// rows allow, of at most [`AMX_CHUNK_ROWS`] rows, and no weight gate: the tiles multiply so
+/// fast that a short chunk is not what costs. Measured on the H200 machine's 16-core host (AMX,
+/// bf16; one binary, two rounds, against the plan above, which cuts 20-row chunks at batch 8
+/// and declines DeiT-B at batch 1): DeiT-T / S at batch 8 1.05–1.11×, DeiT-B 1.10–1.28× at
+/// batch 1 and 8, batch 1 of DeiT-T / S 0.87–1.07× (the spread); chunks of at most 16 rows
+/// 0.89–1.30×, of at most 64 rows 0.89–1.16× (docs/BENCHMARKS.md, the CPU section, stop 68).
+fn amx_chunk_plan(rows: usize, macs_per_row: usize, threads: usize) -> usize {
+    if threads <= 1 || rows.saturating_mul(macs_per_row) < PARALLEL_MIN {
+        return rows;
+    }
+    let tiles = rows.div_ceil(crate::amx_cpu::TILE_ROWS);
+    let chunk_tiles = tiles
+        .div_ceil(threads)
+        .clamp(1, AMX_CHUNK_ROWS / crate::amx_cpu::TILE_ROWS);
+    (chunk_tiles * crate::amx_cpu::TILE_ROWS).min(rows)
 }
 
 /// [`chunk_rows`] for weights of `weight_bytes` bytes on `threads` threads.
@@ -729,6 +754,18 @@ mod tests {
     /// 12·C² values), and its multiply-adds a row.
     fn tail(c: usize) -> (usize, usize) {
         (12 * c * c * 4, 12 * c * c)
+    }
+
+    #[test]
+    fn amx_chunks_are_whole_tiles() {
+        let s_macs = 384 * (384 + 1536) + 1536 * (384 + 1152);
+        assert_eq!(amx_chunk_plan(197, s_macs, 16), 16);
+        assert_eq!(amx_chunk_plan(1576, s_macs, 16), 32);
+        assert_eq!(amx_chunk_plan(400, s_macs, 16), 32);
+        assert_eq!(amx_chunk_plan(139, s_macs, 16), 16);
+        assert_eq!(amx_chunk_plan(197, s_macs, 1), 197);
+        assert_eq!(amx_chunk_plan(3, s_macs, 16), 3);
+        assert_eq!(amx_chunk_plan(1576, s_macs, 64), 32);
     }
 
     #[test]

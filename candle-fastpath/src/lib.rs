@@ -49,8 +49,8 @@
 //! # }
 //! ```
 
-mod attention_norm_linear;
 mod amx_cpu;
+mod attention_norm_linear;
 mod block_cpu;
 mod cpu_pieces;
 #[cfg(feature = "cuda")]

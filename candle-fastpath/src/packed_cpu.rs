@@ -221,6 +221,11 @@ impl PackedWeight {
         Ok(Self { out, depth, panels })
     }
 
+    /// Whether the product runs on AMX tiles (a bf16 weight packed as pairs).
+    pub(crate) fn amx(&self) -> bool {
+        matches!(self.panels, Panels::BF16Pairs(_))
+    }
+
     /// Rows of W (`out`).
     pub(crate) fn out(&self) -> usize {
         self.out
