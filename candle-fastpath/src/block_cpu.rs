@@ -184,17 +184,18 @@ const WEIGHT_BYTES_PER_SHORT_ROW: usize = 640 << 10;
 /// DeiT-T 1.15–1.74× the layers, DeiT-S 0.95–1.27× (three calls of four above 1.17), DeiT-B
 /// 0.85–0.91×; DeiT-S's EViT rows (chunks of 9 rows after the first step, 0.79 MB a row)
 /// 0.85–1.10×; at batch 8 (chunks of 20 rows) DeiT-T / S 1.05–1.16×, DeiT-B 0.99–1.10×
-/// (docs/BENCHMARKS.md, the CPU section, stop 67).
+/// (docs/BENCHMARKS.md, the CPU section, stop 67). Where every linear runs on AMX tiles,
+/// [`amx_chunk_plan`] instead.
 fn chunk_rows(rows: usize, macs_per_row: usize, linears: &[&FusedLinear]) -> Option<usize> {
+    let threads = rayon::current_num_threads().max(1);
+    if linears.iter().all(|l| l.packed().is_some_and(|p| p.amx())) {
+        return Some(amx_chunk_plan(rows, macs_per_row, threads));
+    }
     let weight_bytes: usize = linears
         .iter()
         .filter_map(|l| l.packed())
         .map(|p| p.out() * p.depth() * p.dtype().size_in_bytes())
         .sum();
-    let threads = rayon::current_num_threads().max(1);
-    if linears.iter().all(|l| l.packed().is_some_and(|p| p.amx())) {
-        return Some(amx_chunk_plan(rows, macs_per_row, threads));
-    }
     chunk_plan(rows, macs_per_row, weight_bytes, threads)
 }
 
