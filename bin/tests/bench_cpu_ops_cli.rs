@@ -13,24 +13,42 @@ fn run(args: &[&str]) -> std::process::Output {
 
 #[test]
 fn every_operation_prints_its_line() {
-    let out = run(&["--models", "deit-tiny", "--batch", "1", "--reps", "1"]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let text = String::from_utf8(out.stdout).unwrap();
-    for op in [
-        "ln", "qkv", "attn", "proj+res", "fc1+gelu", "fc1", "fc2+res", "block",
-    ] {
-        let line = text
-            .lines()
-            .find(|l| l.split_whitespace().nth(2) == Some(op))
-            .unwrap_or_else(|| panic!("no line for {op} in:\n{text}"));
-        let us: f64 = line.split_whitespace().nth(3).unwrap().parse().unwrap();
-        assert!(us > 0.0, "{line}");
+    for dtype in ["f32", "bf16"] {
+        let out = run(&[
+            "--models",
+            "deit-tiny",
+            "--batch",
+            "1",
+            "--reps",
+            "1",
+            "--dtype",
+            dtype,
+        ]);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let text = String::from_utf8(out.stdout).unwrap();
+        for op in [
+            "ln", "qkv", "attn", "proj+res", "fc1+gelu", "fc1", "fc2+res", "block",
+        ] {
+            let line = text
+                .lines()
+                .find(|l| l.split_whitespace().nth(3) == Some(op))
+                .unwrap_or_else(|| panic!("no line for {op} in:\n{text}"));
+            assert!(
+                line.starts_with(&format!("deit-tiny {dtype} b1 ")),
+                "{line}"
+            );
+            let us: f64 = line.split_whitespace().nth(4).unwrap().parse().unwrap();
+            assert!(us > 0.0, "{line}");
+        }
+        assert!(
+            text.contains(&format!("deit-tiny {dtype} b1 block(2 ln)")),
+            "{text}"
+        );
     }
-    assert!(text.contains("deit-tiny b1 block(2 ln)"), "{text}");
 }
 
 #[test]
