@@ -21,13 +21,12 @@
 //! path's ordered chain by the rounding of the additions (the tests bound it; bit equality is
 //! counted where AMX runs).
 
-use std::ops::Range;
 use std::sync::OnceLock;
 
 use half::bf16;
 use half::slice::HalfFloatSliceExt;
 
-use crate::packed_cpu::{Finish, Output};
+use crate::packed_cpu::Task;
 
 /// Columns of a panel: one tile's 16 f32 accumulators a row.
 pub(crate) const COLS: usize = 16;
@@ -156,27 +155,24 @@ impl TileConfig {
     }
 }
 
-/// One task of the product: output rows `rows` × the columns of panels `panels`, each value
-/// `Σ_i x[row][i] · W[col][i]` over all `k` terms, then `finish`.
+/// One task of the product on AMX tiles: output rows `rows` × the columns of panels `panels`,
+/// each value `Σ_i x[row][i] · W[col][i]` over all `k` terms, then `finish`.
 ///
 /// # Safety
-/// [`available`] is true; `panels` are [`pair_panels`] of an `[n, k]` weight; `x` holds rows
+/// [`available`] is true; `weights` are [`pair_panels`] of an `[n, k]` weight; `x` holds rows
 /// `rows` (`x_rs` apart, `k` terms each); `dst` has room for `[rows.end, n]` values and no
 /// other thread touches this task's block.
 #[cfg(target_arch = "x86_64")]
-#[allow(clippy::too_many_arguments)]
-pub(crate) unsafe fn task(
-    weights: &[bf16],
-    n: usize,
-    k: usize,
-    x: &[f32],
-    x_rs: usize,
-    rows: Range<usize>,
-    panels: Range<usize>,
-    dst: Output,
-    finish: Finish<'_>,
-) {
+pub(crate) unsafe fn task(weights: &[bf16], n: usize, k: usize, task: Task<'_>) {
     use std::arch::asm;
+    let Task {
+        x,
+        x_rs,
+        rows,
+        panels,
+        dst,
+        finish,
+    } = task;
     let kp = padded_depth(k);
     let m = rows.len();
     let mp = m.next_multiple_of(TILE_ROWS);
@@ -291,18 +287,7 @@ pub(crate) unsafe fn task(
 }
 
 #[cfg(not(target_arch = "x86_64"))]
-#[allow(clippy::too_many_arguments)]
-pub(crate) unsafe fn task(
-    _: &[bf16],
-    _: usize,
-    _: usize,
-    _: &[f32],
-    _: usize,
-    _: Range<usize>,
-    _: Range<usize>,
-    _: Output,
-    _: Finish<'_>,
-) {
+pub(crate) unsafe fn task(_: &[bf16], _: usize, _: usize, _: Task<'_>) {
     unreachable!("AMX panels are made only where available() is true")
 }
 

@@ -195,6 +195,17 @@ pub(crate) struct Output(pub(crate) *mut f32);
 unsafe impl Send for Output {}
 unsafe impl Sync for Output {}
 
+/// One task of a product: output rows `rows` × the columns of panels `panels` of `x·Wᵀ` into
+/// `dst` (`out` values a row), then `finish`; `x`'s rows are `x_rs` apart.
+pub(crate) struct Task<'a> {
+    pub x: &'a [f32],
+    pub x_rs: usize,
+    pub rows: Range<usize>,
+    pub panels: Range<usize>,
+    pub dst: Output,
+    pub finish: Finish<'a>,
+}
+
 impl PackedWeight {
     /// Packs `weight` (`[out, in]`, contiguous, on the CPU, f32 / f16 / bf16).
     pub(crate) fn pack(weight: &Tensor) -> candle_core::Result<Self> {
@@ -303,17 +314,19 @@ impl PackedWeight {
         self.assert_operands(kernel, x, k, rows, finish);
         assert!(out.len() >= rows * n);
         let (panels, dst) = (0..n.div_ceil(COLS), Output(out.as_mut_ptr()));
+        let task = Task {
+            x,
+            x_rs: k,
+            rows: 0..rows,
+            panels,
+            dst,
+            finish,
+        };
         // SAFETY: the CPU has the kernel's features and x, out, the bias and the residual hold
         // every value the task reads or writes (asserted above; x's rows are `k` apart, so
         // `rows · k` values); `out` is borrowed mutably, so
         // no other thread touches it.
-        unsafe {
-            match kernel {
-                Kernel::Avx2 => self.task_avx2(x, k, 0..rows, panels, dst, finish),
-                Kernel::Avx512 => self.task_avx512(x, k, 0..rows, panels, dst, finish),
-                Kernel::Amx => self.task_amx(x, k, 0..rows, panels, dst, finish),
-            }
-        }
+        unsafe { self.run_task(kernel, task) }
     }
 
     /// What the tiles, which read and write through raw pointers, need to hold: the CPU has
@@ -356,26 +369,26 @@ impl PackedWeight {
         }
     }
 
-    /// One task of the product on AMX tiles ([`crate::amx_cpu::task`]).
+    /// `task` on `kernel`'s tiles ([`Self::task`] for the AVX ones, [`crate::amx_cpu::task`] for
+    /// AMX).
     ///
     /// # Safety
-    /// AMX is usable and the panels are pairs (see [`Self::assert_operands`]), and
+    /// What [`Self::assert_operands`] checks for `kernel` and the task's operands, and
     /// [`Self::task`]'s.
-    unsafe fn task_amx(
-        &self,
-        x: &[f32],
-        x_rs: usize,
-        rows: Range<usize>,
-        panels: Range<usize>,
-        dst: Output,
-        finish: Finish<'_>,
-    ) {
-        let Panels::BF16Pairs(w) = &self.panels else {
-            unreachable!("assert_operands checks that AMX tasks have pair panels")
-        };
-        let (n, k) = (self.out, self.depth);
+    unsafe fn run_task(&self, kernel: Kernel, task: Task<'_>) {
         // SAFETY: the caller's.
-        unsafe { crate::amx_cpu::task(w, n, k, x, x_rs, rows, panels, dst, finish) }
+        unsafe {
+            match kernel {
+                Kernel::Avx2 => self.task_avx2(task),
+                Kernel::Avx512 => self.task_avx512(task),
+                Kernel::Amx => {
+                    let Panels::BF16Pairs(w) = &self.panels else {
+                        unreachable!("assert_operands checks that AMX tasks have pair panels")
+                    };
+                    crate::amx_cpu::task(w, self.out, self.depth, task)
+                }
+            }
+        }
     }
 
     /// [`Self::product`] on `kernel`'s tiles.
@@ -427,17 +440,18 @@ impl PackedWeight {
             })
             .collect();
         let run = |(rows, panels): &(Range<usize>, Range<usize>)| {
-            let (rows, panels) = (rows.clone(), panels.clone());
+            let task = Task {
+                x,
+                x_rs,
+                rows: rows.clone(),
+                panels: panels.clone(),
+                dst,
+                finish,
+            };
             // SAFETY: the CPU has the kernel's features (asserted above); x holds every row
             // the task reads, and the tasks' output blocks (their rows × their panels'
             // columns) are disjoint parts of `out`, which has room for `len` values.
-            unsafe {
-                match kernel {
-                    Kernel::Avx2 => self.task_avx2(x, x_rs, rows, panels, dst, finish),
-                    Kernel::Avx512 => self.task_avx512(x, x_rs, rows, panels, dst, finish),
-                    Kernel::Amx => self.task_amx(x, x_rs, rows, panels, dst, finish),
-                }
-            }
+            unsafe { self.run_task(kernel, task) }
         };
         if parallel {
             tasks.par_iter().for_each(run);
@@ -456,17 +470,9 @@ impl PackedWeight {
     /// AVX2 and FMA, and [`Self::task`]'s.
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn task_avx2(
-        &self,
-        x: &[f32],
-        x_rs: usize,
-        rows: Range<usize>,
-        panels: Range<usize>,
-        dst: Output,
-        finish: Finish<'_>,
-    ) {
+    unsafe fn task_avx2(&self, task: Task<'_>) {
         // SAFETY: the caller's.
-        unsafe { self.task::<Avx2Tiles>(x, x_rs, rows, panels, dst, finish) }
+        unsafe { self.task::<Avx2Tiles>(task) }
     }
 
     /// [`Self::task`] on AVX-512 tiles.
@@ -475,42 +481,18 @@ impl PackedWeight {
     /// AVX-512F, AVX2 and FMA, and [`Self::task`]'s.
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx512f,avx2,fma")]
-    unsafe fn task_avx512(
-        &self,
-        x: &[f32],
-        x_rs: usize,
-        rows: Range<usize>,
-        panels: Range<usize>,
-        dst: Output,
-        finish: Finish<'_>,
-    ) {
+    unsafe fn task_avx512(&self, task: Task<'_>) {
         // SAFETY: the caller's.
-        unsafe { self.task::<Avx512Tiles>(x, x_rs, rows, panels, dst, finish) }
+        unsafe { self.task::<Avx512Tiles>(task) }
     }
 
     #[cfg(not(target_arch = "x86_64"))]
-    unsafe fn task_avx2(
-        &self,
-        _: &[f32],
-        _: usize,
-        _: Range<usize>,
-        _: Range<usize>,
-        _: Output,
-        _: Finish<'_>,
-    ) {
+    unsafe fn task_avx2(&self, _: Task<'_>) {
         unreachable!("product asserts the kernel's features first")
     }
 
     #[cfg(not(target_arch = "x86_64"))]
-    unsafe fn task_avx512(
-        &self,
-        _: &[f32],
-        _: usize,
-        _: Range<usize>,
-        _: Range<usize>,
-        _: Output,
-        _: Finish<'_>,
-    ) {
+    unsafe fn task_avx512(&self, _: Task<'_>) {
         unreachable!("product asserts the kernel's features first")
     }
 
@@ -534,7 +516,8 @@ impl PackedWeight {
         }
     }
 
-    /// One task: output rows `rows` × the columns of panels `panels`, then its finish.
+    /// One task (output rows `rows` × the columns of panels `panels`, then its finish) on `T`'s
+    /// tiles.
     ///
     /// # Safety
     /// The CPU has `T`'s features; `x` holds rows `rows` (`x_rs` apart, `depth` terms each);
@@ -542,15 +525,15 @@ impl PackedWeight {
     /// block.
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
-    unsafe fn task<T: Tiles>(
-        &self,
-        x: &[f32],
-        x_rs: usize,
-        rows: Range<usize>,
-        panels: Range<usize>,
-        dst: Output,
-        finish: Finish<'_>,
-    ) {
+    unsafe fn task<T: Tiles>(&self, task: Task<'_>) {
+        let Task {
+            x,
+            x_rs,
+            rows,
+            panels,
+            dst,
+            finish,
+        } = task;
         let (n, k, tr) = (self.out, self.depth, T::ROWS);
         // The task's rows of x for one K block, a tile's rows interleaved term by term, so that
         // a tile's broadcasts a term come from one stream (a last tile of m < T::ROWS rows
