@@ -14,8 +14,8 @@ use candle_fastpath::{
     block_after_attention, block_mlp, norm_linear, residual_norm_linear, BlockMlp, Epilogue,
     FusedLinear, LayerNorm,
 };
-use common::host;
 use common::layers::{random_layer_norm, random_linear};
+use common::{column_major, host};
 use rand::{rngs::StdRng, SeedableRng};
 
 const DTYPES: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
@@ -190,15 +190,7 @@ fn any_pool_and_layout_gives_the_layers() {
                     }
 
                     // A strided o (a transposed copy read back transposed): the layers' path.
-                    let o_t = o
-                        .squeeze(0)
-                        .unwrap()
-                        .t()
-                        .unwrap()
-                        .contiguous()
-                        .unwrap()
-                        .t()
-                        .unwrap();
+                    let o_t = column_major(&o.squeeze(0).unwrap());
                     assert!(rows == 1 || !o_t.is_contiguous());
                     let (y, _) =
                         block_after_attention(&o_t, &x.squeeze(0).unwrap(), &w.proj, &w.mlp(false))

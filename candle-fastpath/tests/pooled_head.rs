@@ -12,7 +12,7 @@ mod common;
 use candle_core::{DType, Device, Tensor};
 use candle_fastpath::PooledMlpHead;
 use candle_ragged::RaggedBatch;
-use common::{device, full_shared_memory, host, poison, quantize, randn};
+use common::{column_major, device, full_shared_memory, host, poison, quantize, randn};
 use rand::{rngs::StdRng, Rng, SeedableRng};
 
 fn gelu(x: f64) -> f64 {
@@ -270,13 +270,7 @@ fn strided_weights_give_the_same_result() {
     let (half, q) = (c / 2, c / 4);
     let l = random_layers(&mut rng, c, 2, dtype);
     let dense = head(&l, c, dtype, &dev);
-    let w0t = tensor(&l.w0, &[half, c], dtype, &dev)
-        .t()
-        .unwrap()
-        .contiguous()
-        .unwrap()
-        .t()
-        .unwrap();
+    let w0t = column_major(&tensor(&l.w0, &[half, c], dtype, &dev));
     assert!(!w0t.is_contiguous());
     let strided = PooledMlpHead::new(
         w0t,

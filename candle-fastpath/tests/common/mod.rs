@@ -55,6 +55,13 @@ pub fn quantize(v: &[f32], dtype: DType) -> Vec<f32> {
         .unwrap()
 }
 
+/// A 2-D tensor's values as a strided view: the transpose of a contiguous copy of its
+/// transpose (rows one apart, columns `rows` apart), for the tests that hand ops non-contiguous
+/// operands.
+pub fn column_major(t: &Tensor) -> Tensor {
+    t.t().unwrap().contiguous().unwrap().t().unwrap()
+}
+
 /// A tensor's values as a flat f32 vector on the host.
 pub fn host(t: &Tensor) -> Vec<f32> {
     t.to_dtype(DType::F32)
