@@ -274,16 +274,8 @@ pub(crate) unsafe fn task(weights: &[bf16], n: usize, k: usize, task: Task<'_>) 
         asm!("tilerelease", options(nostack, nomem));
     }
     ROWS_BF16.set(a);
-    if finish.bias.is_none() && finish.residual.is_none() && !finish.gelu {
-        return;
-    }
-    let cols = panels.start * COLS..(panels.end * COLS).min(n);
-    for r in rows {
-        // SAFETY: this task's columns of row r, all written above.
-        let seg =
-            unsafe { std::slice::from_raw_parts_mut(dst.0.add(r * n + cols.start), cols.len()) };
-        finish.apply(seg, r, cols.clone(), n);
-    }
+    // SAFETY: this task's block, every value written above (the caller's dst).
+    unsafe { finish.apply_block(dst, rows, panels, n) }
 }
 
 #[cfg(not(target_arch = "x86_64"))]

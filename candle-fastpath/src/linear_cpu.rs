@@ -63,7 +63,7 @@ impl CpuLinearOp<'_> {
     /// `finish` over the whole `[rows, n]` output `dst`, in pieces of whole rows over rayon's
     /// pool.
     fn finish_pass(dst: &mut [f32], n: usize, finish: Finish<'_>) {
-        if finish.bias.is_none() && finish.residual.is_none() && !finish.gelu {
+        if finish.is_none() {
             return;
         }
         for_pieces(dst, n, |at, d| {

@@ -171,6 +171,37 @@ pub(crate) struct Finish<'a> {
 }
 
 impl Finish<'_> {
+    /// Whether there is nothing to apply (no bias, no residual, no GELU).
+    pub(crate) fn is_none(&self) -> bool {
+        self.bias.is_none() && self.residual.is_none() && !self.gelu
+    }
+
+    /// Applies itself to a task's block of the output: rows `rows` × the columns of panels
+    /// `panels` of `dst` (`out` values a row).
+    ///
+    /// # Safety
+    /// `dst` holds those rows, all of the block's values written, and no other thread touches
+    /// the block.
+    pub(crate) unsafe fn apply_block(
+        &self,
+        dst: Output,
+        rows: Range<usize>,
+        panels: Range<usize>,
+        out: usize,
+    ) {
+        if self.is_none() {
+            return;
+        }
+        let cols = panels.start * COLS..(panels.end * COLS).min(out);
+        for r in rows {
+            // SAFETY: the block's columns of row r (the caller's).
+            let seg = unsafe {
+                std::slice::from_raw_parts_mut(dst.0.add(r * out + cols.start), cols.len())
+            };
+            self.apply(seg, r, cols.clone(), out);
+        }
+    }
+
     /// Applies itself to `seg`, the columns `cols` of output row `row` (`out` columns a row).
     pub(crate) fn apply(&self, seg: &mut [f32], row: usize, cols: Range<usize>, out: usize) {
         if let Some(b) = self.bias {
@@ -344,9 +375,7 @@ impl PackedWeight {
         let supported = match kernel {
             Kernel::Avx2 => has_fma(),
             Kernel::Avx512 => has_avx512(),
-            Kernel::Amx => {
-                crate::amx_cpu::available() && matches!(self.panels, Panels::BF16Pairs(_))
-            }
+            Kernel::Amx => crate::amx_cpu::available() && self.amx(),
         };
         assert!(
             supported,
@@ -629,17 +658,8 @@ impl PackedWeight {
         }
         INTERLEAVED.set(interleaved);
         WIDENED.set(widened);
-        if finish.bias.is_none() && finish.residual.is_none() && !finish.gelu {
-            return;
-        }
-        let cols = panels.start * COLS..(panels.end * COLS).min(n);
-        for r in rows {
-            // SAFETY: this task's columns of row r, all written above.
-            let seg = unsafe {
-                std::slice::from_raw_parts_mut(dst.0.add(r * n + cols.start), cols.len())
-            };
-            finish.apply(seg, r, cols.clone(), n);
-        }
+        // SAFETY: this task's block, every value written above (the caller's dst).
+        unsafe { finish.apply_block(dst, rows, panels, n) }
     }
 }
 
@@ -953,7 +973,7 @@ mod tests {
             .to_dtype(candle_core::DType::BF16)
             .unwrap();
         let packed = PackedWeight::pack(&wt).unwrap();
-        let pairs = matches!(packed.panels, Panels::BF16Pairs(_));
+        let pairs = packed.amx();
         assert_eq!(pairs, crate::amx_cpu::available());
         if !pairs {
             eprintln!("amx_products_are_the_bf16_sums: no AMX here, bf16 packs into AVX panels");
