@@ -107,32 +107,12 @@ fn place(i: usize, c: usize) -> usize {
 /// `w` (`[n, k]` row-major) as pair panels: panel `p` holds rows `16p ..` of W (zeros past row
 /// `n` and past term `k`) at `p · kp · 16 + place(i, c)`, `kp` = [`padded_depth`]`(k)`.
 pub(crate) fn pair_panels(w: &[bf16], n: usize, k: usize) -> Vec<bf16> {
-    use rayon::prelude::*;
-    let kp = padded_depth(k);
-    let mut out = vec![bf16::ZERO; n.div_ceil(COLS) * kp * COLS];
-    out.par_chunks_mut(kp * COLS)
-        .enumerate()
-        .for_each(|(p, panel)| {
-            for (c, row) in w[p * COLS * k..].chunks_exact(k).take(COLS).enumerate() {
-                for (i, &v) in row.iter().enumerate() {
-                    panel[place(i, c)] = v;
-                }
-            }
-        });
-    out
+    crate::packed_cpu::panels_placed(w, n, k, padded_depth(k), place)
 }
 
 /// W again (`[n, k]` row-major) from its pair panels.
 pub(crate) fn unpair(panels: &[bf16], n: usize, k: usize) -> Vec<bf16> {
-    let kp = padded_depth(k);
-    let mut w = vec![bf16::ZERO; n * k];
-    for (j, row) in w.chunks_exact_mut(k).enumerate() {
-        let (p, c) = (j / COLS, j % COLS);
-        for (i, v) in row.iter_mut().enumerate() {
-            *v = panels[p * kp * COLS + place(i, c)];
-        }
-    }
-    w
+    crate::packed_cpu::rows_placed(panels, n, k, padded_depth(k), place)
 }
 
 /// The tile configuration `ldtilecfg` reads (palette 1): tiles 0–3 the accumulators (16 rows of

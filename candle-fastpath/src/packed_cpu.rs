@@ -148,17 +148,47 @@ impl std::fmt::Debug for PackedWeight {
 /// `w` (`[n, k]` row-major) as panels: panel `p`, term `i`, column `c` at `(p·k + i)·16 + c`
 /// holds `w[16p + c][i]`, zero past row `n`.
 fn panels_of<T: Copy + Default + Send + Sync>(w: &[T], n: usize, k: usize) -> Vec<T> {
-    let mut out = vec![T::default(); n.div_ceil(COLS) * k * COLS];
-    out.par_chunks_mut(k * COLS)
+    panels_placed(w, n, k, k, |i, c| i * COLS + c)
+}
+
+/// `w` (`[n, k]` row-major) as panels of `kp ≥ k` terms each: panel `p` holds rows `16p ..` of
+/// W, term `i` of column `c` at `p · kp · 16 + place(i, c)`; zeros past row `n` and term `k`.
+pub(crate) fn panels_placed<T: Copy + Default + Send + Sync>(
+    w: &[T],
+    n: usize,
+    k: usize,
+    kp: usize,
+    place: impl Fn(usize, usize) -> usize + Sync,
+) -> Vec<T> {
+    let mut out = vec![T::default(); n.div_ceil(COLS) * kp * COLS];
+    out.par_chunks_mut(kp * COLS)
         .enumerate()
         .for_each(|(p, panel)| {
             for (c, row) in w[p * COLS * k..].chunks_exact(k).take(COLS).enumerate() {
                 for (i, &v) in row.iter().enumerate() {
-                    panel[i * COLS + c] = v;
+                    panel[place(i, c)] = v;
                 }
             }
         });
     out
+}
+
+/// W (`[n, k]` row-major) again from [`panels_placed`]' panels of `kp` terms.
+pub(crate) fn rows_placed<T: Copy + Default>(
+    panels: &[T],
+    n: usize,
+    k: usize,
+    kp: usize,
+    place: impl Fn(usize, usize) -> usize,
+) -> Vec<T> {
+    let mut w = vec![T::default(); n * k];
+    for (j, row) in w.chunks_exact_mut(k).enumerate() {
+        let (p, c) = (j / COLS, j % COLS);
+        for (i, v) in row.iter_mut().enumerate() {
+            *v = panels[p * kp * COLS + place(i, c)];
+        }
+    }
+    w
 }
 
 /// What is applied to `x·Wᵀ` before it is stored, as f32: `gelu((x·Wᵀ + bias) + residual)`,
@@ -290,14 +320,7 @@ impl PackedWeight {
     /// W again, `[out, in]` in its dtype, on the CPU.
     pub(crate) fn unpack(&self) -> Tensor {
         fn rows_of<T: Copy + Default>(panels: &[T], n: usize, k: usize) -> Vec<T> {
-            let mut w = vec![T::default(); n * k];
-            for (j, row) in w.chunks_exact_mut(k).enumerate() {
-                let (p, c) = (j / COLS, j % COLS);
-                for (i, v) in row.iter_mut().enumerate() {
-                    *v = panels[(p * k + i) * COLS + c];
-                }
-            }
-            w
+            rows_placed(panels, n, k, k, |i, c| i * COLS + c)
         }
         let (n, k, dev) = (self.out, self.depth, &candle_core::Device::Cpu);
         let w = match &self.panels {
