@@ -266,21 +266,32 @@ impl Block {
         // image, three (attention_residual_norm_linear), or one from this block's qkv to the
         // next one's (attention_block).
         let qkv = self.qkv_of(x, qkv)?;
+        let next = Self::chained_next(next, x, inputs);
         if let Some(done) = self.whole_block(x, &qkv, next, inputs, want_norms)? {
             return Ok(done);
         }
         if let Some((x1, hidden)) = self.fused_attention_through_fc1(x, &qkv, inputs)? {
-            let (y, next_qkv) = self.fc2_chained(&hidden, &x1, next, inputs)?;
+            // fc2 + residual (+ the next block's norm1 + qkv).
+            let (y, next_qkv) = candle_fastpath::fc2_then_next(&hidden, &x1, &self.mlp_to(next))?;
             return Ok((y, next_qkv, None));
         }
         // The attention, then the rest of the block (and the next block's qkv) per token:
         // proj + residual + norm2 + fc1 + GELU, then fc2 + residual (+ norm1 + qkv), as two
         // launches where the CUDA kernels apply, one pass over chunks of rows on the CPU.
         let heads = self.attn.heads_from_qkv(&qkv, inputs)?;
-        let next = next.filter(|n| n.small_block_batch(x, inputs).is_none());
         let (y, next_qkv) =
             candle_fastpath::block_after_attention(&heads, x, &self.attn.proj, &self.mlp_to(next))?;
         Ok((y, next_qkv, None))
+    }
+
+    /// `next`, unless it will run as one launch on tokens like `x` (`small_block_batch`) and
+    /// compute its own qkv: the block whose norm1 and qkv this block's last step runs.
+    fn chained_next<'a>(
+        next: Option<&'a Block>,
+        x: &Tensor,
+        inputs: &AttentionInputs,
+    ) -> Option<&'a Block> {
+        next.filter(|n| n.small_block_batch(x, inputs).is_none())
     }
 
     /// This block's MLP half, with `next`'s norm1 and qkv when given.
@@ -295,8 +306,9 @@ impl Block {
 
     /// The block's output and the next block's qkv in one launch
     /// (`candle_fastpath::attention_block`) where it applies: one image's packed tokens at
-    /// DeiT-T's width, with a next block that does not run as one launch itself; else `None`.
-    /// With `want_norms`, the output's row norms too
+    /// DeiT-T's width, with a next block (`next` as [`Self::chained_next`] gives it: one that
+    /// does not run as one launch itself); else `None`. With `want_norms`, the output's row
+    /// norms too
     /// ([`Self::forward_chained_with_norms`]).
     fn whole_block(
         &self,
@@ -306,10 +318,7 @@ impl Block {
         inputs: &AttentionInputs,
         want_norms: bool,
     ) -> Result<Option<ChainedBlock>> {
-        let (AttentionInputs::Ragged { batch }, Some(next)) = (
-            inputs,
-            next.filter(|n| n.small_block_batch(x, inputs).is_none()),
-        ) else {
+        let (AttentionInputs::Ragged { batch }, Some(next)) = (inputs, next) else {
             return Ok(None);
         };
         let tail = self.tail_to(next);
@@ -453,23 +462,6 @@ impl Block {
             }
             _ => None,
         }
-    }
-
-    /// `x1 + fc2(hidden)`, and with `next` (unless that block will run as one launch and compute
-    /// its own) the next block's qkv of it in the same step.
-    fn fc2_chained(
-        &self,
-        hidden: &Tensor,
-        x1: &Tensor,
-        next: Option<&Block>,
-        inputs: &AttentionInputs,
-    ) -> Result<(Tensor, Option<Tensor>)> {
-        let next = next.filter(|n| n.small_block_batch(x1, inputs).is_none());
-        Ok(candle_fastpath::fc2_then_next(
-            hidden,
-            x1,
-            &self.mlp_to(next),
-        )?)
     }
 
     /// This block's weights after its attention and `next`'s norm1 and qkv: what the chained
@@ -738,7 +730,8 @@ impl Block {
                 // One launch from the kept tokens to the next block's qkv where it applies
                 // (candle_fastpath::mlp_block: DeiT-T's width, a grid of one wave), as the
                 // chained blocks' second step.
-                if let Some(next) = next.filter(|n| n.small_block_batch(x, inputs).is_none()) {
+                let next = Self::chained_next(next, x, inputs);
+                if let Some(next) = next {
                     let tail = self.tail_to(next).mlp();
                     if candle_fastpath::mlp_block_applies(x, &tail) {
                         let (y, next_qkv) = candle_fastpath::mlp_block(x, &tail)?;
@@ -747,7 +740,6 @@ impl Block {
                 }
                 // Else norm2 + fc1 + GELU, then fc2 + residual (+ the next norm1 + qkv): two
                 // launches where the CUDA kernels apply, one pass over chunks of rows on the CPU.
-                let next = next.filter(|n| n.small_block_batch(x, inputs).is_none());
                 Ok(candle_fastpath::block_mlp(x, &self.mlp_to(next))?)
             }
         }
