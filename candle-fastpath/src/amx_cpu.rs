@@ -26,10 +26,9 @@ use std::sync::OnceLock;
 use half::bf16;
 use half::slice::HalfFloatSliceExt;
 
-use crate::packed_cpu::Task;
-
-/// Columns of a panel: one tile's 16 f32 accumulators a row.
-pub(crate) const COLS: usize = 16;
+// A panel's 16 columns (the AVX panels' width, which the tasks split by) are one accumulator
+// tile's 16 f32 a row.
+use crate::packed_cpu::{Task, COLS};
 
 /// Terms of K a tile step: a 16 × 32 bf16 tile of x, 64 bytes a row.
 const STEP: usize = 32;

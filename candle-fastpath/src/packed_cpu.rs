@@ -34,7 +34,7 @@ use half::{bf16, f16};
 use rayon::prelude::*;
 
 /// Columns of a panel and of a tile: two AVX vectors.
-const COLS: usize = 16;
+pub(crate) const COLS: usize = 16;
 
 /// Terms of K in a panel block: 16 KB of f32, which stays in L1 while a task's rows pass over it.
 const DEPTH: usize = 256;
