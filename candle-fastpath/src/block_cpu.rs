@@ -24,12 +24,12 @@ use std::ops::Range;
 use std::sync::OnceLock;
 
 use candle_core::{CpuStorage, DType, Layout, Storage, Tensor};
-use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 use rayon::prelude::*;
 
 use crate::cpu_pieces::storage_f32;
 use crate::error::Result;
+use crate::half_cpu::HalfSlice;
 use crate::packed_cpu::{Finish, PackedWeight};
 use crate::{FusedLinear, LayerNorm};
 
@@ -100,20 +100,15 @@ macro_rules! half_elem {
                 }
             }
             fn load(src: &[Self], dst: &mut [f32]) {
-                src.convert_to_f32_slice(dst)
+                <$t as HalfSlice>::widen(src, dst)
             }
             fn store(src: &mut [f32], dst: &mut [Self]) {
-                dst.convert_from_f32_slice(src);
-                dst.convert_to_f32_slice(src);
+                <$t as HalfSlice>::narrow(src, dst);
+                <$t as HalfSlice>::round(src);
             }
             fn round(v: &mut [f32]) {
-                // Through the same slice conversions the layers store with, 256 values at a time.
-                let mut buf = [<$t>::ZERO; 256];
-                for piece in v.chunks_mut(buf.len()) {
-                    let b = &mut buf[..piece.len()];
-                    b.convert_from_f32_slice(piece);
-                    b.convert_to_f32_slice(piece);
-                }
+                // The same bits as the slice conversions the layers store with.
+                <$t as HalfSlice>::round(v)
             }
         }
     };

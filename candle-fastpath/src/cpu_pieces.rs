@@ -6,9 +6,9 @@
 use std::borrow::Cow;
 use std::mem::MaybeUninit;
 
+use crate::half_cpu::HalfSlice;
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, Layout, Storage};
-use half::slice::HalfFloatSliceExt;
 
 /// From this many values a pass is split over the pool (candle splits its own elementwise ops
 /// from 64 K values too); below, the calling thread runs it alone.
@@ -57,23 +57,13 @@ pub(crate) fn collect_pieces<T: Copy + Default + Send>(
 }
 
 /// `src` widened to f32, in pieces over rayon's pool.
-pub(crate) fn widen<T: Copy + Sync>(src: &[T]) -> Vec<f32>
-where
-    [T]: HalfFloatSliceExt,
-{
-    collect_pieces(src.len(), 64, |at, d| {
-        src[at..at + d.len()].convert_to_f32_slice(d)
-    })
+pub(crate) fn widen<T: HalfSlice>(src: &[T]) -> Vec<f32> {
+    collect_pieces(src.len(), 64, |at, d| T::widen(&src[at..at + d.len()], d))
 }
 
 /// `src` narrowed from f32, in pieces over rayon's pool.
-pub(crate) fn narrow<T: Copy + Default + Send>(src: &[f32]) -> Vec<T>
-where
-    [T]: HalfFloatSliceExt,
-{
-    collect_pieces(src.len(), 64, |at, d| {
-        d.convert_from_f32_slice(&src[at..at + d.len()])
-    })
+pub(crate) fn narrow<T: HalfSlice>(src: &[f32]) -> Vec<T> {
+    collect_pieces(src.len(), 64, |at, d| T::narrow(&src[at..at + d.len()], d))
 }
 
 /// The values of a contiguous f32 / f16 / bf16 CPU storage as f32: borrowed for f32, widened

@@ -26,9 +26,9 @@
 //! No FMA: the AVX2 build rounds every step as the baseline build does (unit test), so results
 //! do not depend on the CPU.
 
+use crate::half_cpu::HalfSlice;
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, DType, Layout, Shape, Tensor};
-use half::slice::HalfFloatSliceExt;
 use std::mem::MaybeUninit;
 
 use crate::cpu_pieces::for_pieces;
@@ -205,21 +205,17 @@ fn gelu_vec(src: &[f32]) -> Vec<f32> {
     out
 }
 
-/// f16 / bf16 values through f32 in chunks (half's slice conversions, F16C where the CPU has
-/// it), one rounding to the type at the end.
-fn gelu_half<T>(src: &[T]) -> Vec<T>
-where
-    T: Copy + Default,
-    [T]: HalfFloatSliceExt,
-{
+/// f16 / bf16 values through f32 in chunks ([`crate::half_cpu`]'s conversions), one rounding
+/// to the type at the end.
+fn gelu_half<T: HalfSlice>(src: &[T]) -> Vec<T> {
     const CHUNK: usize = 1024;
     let mut wide = [0f32; CHUNK];
     let mut out = vec![T::default(); src.len()];
     for (chunk, out_chunk) in src.chunks(CHUNK).zip(out.chunks_mut(CHUNK)) {
         let wide = &mut wide[..chunk.len()];
-        chunk.convert_to_f32_slice(wide);
+        T::widen(chunk, wide);
         gelu_in_place(wide);
-        out_chunk.convert_from_f32_slice(wide);
+        T::narrow(wide, out_chunk);
     }
     out
 }

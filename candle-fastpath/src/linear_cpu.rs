@@ -15,9 +15,9 @@
 //! candle's CPU matmul has no f16 / bf16 kernel of its own either: it widens both operands to
 //! f32 (serially) and narrows the product, as this does in pieces over the pool.
 
+use crate::half_cpu::HalfSlice;
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Shape, Tensor};
-use half::slice::HalfFloatSliceExt;
 
 use crate::cpu_pieces::{for_pieces, narrow, storage_f32, widen};
 use crate::packed_cpu::{Finish, PackedWeight};
@@ -37,10 +37,7 @@ pub(crate) struct CpuLinearOp<'a> {
 
 /// The rows of a half-precision `x` `[rows, k]` (any strides) widened to a contiguous f32
 /// `[rows, k]`.
-fn widen_rows<T: Copy + Sync + Into<f32>>(x: &[T], l: &Layout, rows: usize, k: usize) -> Vec<f32>
-where
-    [T]: HalfFloatSliceExt,
-{
+fn widen_rows<T: HalfSlice + Into<f32>>(x: &[T], l: &Layout, rows: usize, k: usize) -> Vec<f32> {
     if let Some((start, end)) = l.contiguous_offsets() {
         return widen(&x[start..end]);
     }
@@ -49,7 +46,7 @@ where
     for (i, row) in out.chunks_exact_mut(k).enumerate() {
         let first = l.start_offset() + i * rs;
         if cs == 1 {
-            x[first..first + k].convert_to_f32_slice(row);
+            T::widen(&x[first..first + k], row);
         } else {
             for (t, o) in row.iter_mut().enumerate() {
                 *o = x[first + t * cs].into();

@@ -12,9 +12,9 @@
 //! (so that they vectorise), then those eight in order: not candle's summation order, so the
 //! last bits may differ from the reference.
 
+use crate::half_cpu::HalfSlice;
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, Layout, Shape};
-use half::slice::HalfFloatSliceExt;
 
 use crate::cpu_pieces::{collect_pieces, f32_values};
 
@@ -67,19 +67,15 @@ pub(crate) fn norm_rows_dispatch(x: &[f32], w: &[f32], b: &[f32], eps: f32, out:
     norm_rows_f32(x, w, b, eps, out)
 }
 
-/// f16 / bf16 rows through f32 (half's slice conversions), one rounding at the end.
-fn norm_rows_half<T>(x: &[T], w: &[f32], b: &[f32], eps: f32, out: &mut [T])
-where
-    T: Copy,
-    [T]: HalfFloatSliceExt,
-{
+/// f16 / bf16 rows through f32 ([`crate::half_cpu`]'s conversions), one rounding at the end.
+fn norm_rows_half<T: HalfSlice>(x: &[T], w: &[f32], b: &[f32], eps: f32, out: &mut [T]) {
     let c = w.len();
     let mut wide = vec![0f32; c];
     let mut wide_out = vec![0f32; c];
     for (row, out) in x.chunks_exact(c).zip(out.chunks_exact_mut(c)) {
-        row.convert_to_f32_slice(&mut wide);
+        T::widen(row, &mut wide);
         norm_rows_dispatch(&wide, w, b, eps, &mut wide_out);
-        out.convert_from_f32_slice(&wide_out);
+        T::narrow(&wide_out, out);
     }
 }
 

@@ -27,9 +27,9 @@
 use std::ops::Range;
 use std::sync::OnceLock;
 
+use crate::half_cpu::HalfSlice;
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, Storage, Tensor};
-use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 use rayon::prelude::*;
 
@@ -557,11 +557,11 @@ impl PackedWeight {
         match &self.panels {
             Panels::F32(v) => &v[block],
             Panels::F16(v) => {
-                v[block].convert_to_f32_slice(&mut buf[..terms * COLS]);
+                HalfSlice::widen(&v[block], &mut buf[..terms * COLS]);
                 &buf[..terms * COLS]
             }
             Panels::BF16(v) => {
-                v[block].convert_to_f32_slice(&mut buf[..terms * COLS]);
+                HalfSlice::widen(&v[block], &mut buf[..terms * COLS]);
                 &buf[..terms * COLS]
             }
             Panels::BF16Pairs(_) => unreachable!("pair panels run on AMX tiles only"),
