@@ -29,9 +29,9 @@ use rayon::prelude::*;
 
 use crate::cpu_pieces::storage_f32;
 use crate::error::Result;
-use crate::half_cpu::HalfSlice;
 use crate::packed_cpu::{Finish, PackedWeight};
 use crate::{FusedLinear, LayerNorm};
+use candle_ragged::half_cpu::HalfSlice;
 
 /// Below this many multiply-adds the whole pass runs on the calling thread (the packed
 /// product's threshold).
@@ -209,11 +209,11 @@ fn amx_chunk_plan(rows: usize, macs_per_row: usize, threads: usize) -> usize {
     if threads <= 1 || rows.saturating_mul(macs_per_row) < PARALLEL_MIN {
         return rows;
     }
-    let tiles = rows.div_ceil(crate::amx_cpu::TILE_ROWS);
+    let tiles = rows.div_ceil(candle_ragged::amx::TILE_ROWS);
     let chunk_tiles = tiles
         .div_ceil(threads)
-        .clamp(1, AMX_CHUNK_ROWS / crate::amx_cpu::TILE_ROWS);
-    (chunk_tiles * crate::amx_cpu::TILE_ROWS).min(rows)
+        .clamp(1, AMX_CHUNK_ROWS / candle_ragged::amx::TILE_ROWS);
+    (chunk_tiles * candle_ragged::amx::TILE_ROWS).min(rows)
 }
 
 /// [`chunk_rows`] for weights of `weight_bytes` bytes on `threads` threads.

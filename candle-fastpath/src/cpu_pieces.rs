@@ -6,9 +6,9 @@
 use std::borrow::Cow;
 use std::mem::MaybeUninit;
 
-use crate::half_cpu::HalfSlice;
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, Layout, Storage};
+use candle_ragged::half_cpu::HalfSlice;
 
 /// From this many values a pass is split over the pool (candle splits its own elementwise ops
 /// from 64 K values too); below, the calling thread runs it alone.

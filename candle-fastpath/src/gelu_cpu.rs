@@ -26,9 +26,9 @@
 //! No FMA: the AVX2 build rounds every step as the baseline build does (unit test), so results
 //! do not depend on the CPU.
 
-use crate::half_cpu::HalfSlice;
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, DType, Layout, Shape, Tensor};
+use candle_ragged::half_cpu::HalfSlice;
 use std::mem::MaybeUninit;
 
 use crate::cpu_pieces::for_pieces;
@@ -205,7 +205,7 @@ fn gelu_vec(src: &[f32]) -> Vec<f32> {
     out
 }
 
-/// f16 / bf16 values through f32 in chunks ([`crate::half_cpu`]'s conversions), one rounding
+/// f16 / bf16 values through f32 in chunks ([`candle_ragged::half_cpu`]'s conversions), one rounding
 /// to the type at the end.
 fn gelu_half<T: HalfSlice>(src: &[T]) -> Vec<T> {
     const CHUNK: usize = 1024;

@@ -67,7 +67,6 @@ mod graph;
 #[path = "graph_unavailable.rs"]
 mod graph;
 mod graph_nodes;
-mod half_cpu;
 mod head;
 mod linear;
 mod linear_cpu;

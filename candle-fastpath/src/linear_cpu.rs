@@ -15,9 +15,9 @@
 //! candle's CPU matmul has no f16 / bf16 kernel of its own either: it widens both operands to
 //! f32 (serially) and narrows the product, as this does in pieces over the pool.
 
-use crate::half_cpu::HalfSlice;
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Shape, Tensor};
+use candle_ragged::half_cpu::HalfSlice;
 
 use crate::cpu_pieces::{for_pieces, narrow, storage_f32, widen};
 use crate::packed_cpu::{Finish, PackedWeight};

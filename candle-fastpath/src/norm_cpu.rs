@@ -12,9 +12,9 @@
 //! (so that they vectorise), then those eight in order: not candle's summation order, so the
 //! last bits may differ from the reference.
 
-use crate::half_cpu::HalfSlice;
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, Layout, Shape};
+use candle_ragged::half_cpu::HalfSlice;
 
 use crate::cpu_pieces::{collect_pieces, f32_values};
 
@@ -67,7 +67,7 @@ pub(crate) fn norm_rows_dispatch(x: &[f32], w: &[f32], b: &[f32], eps: f32, out:
     norm_rows_f32(x, w, b, eps, out)
 }
 
-/// f16 / bf16 rows through f32 ([`crate::half_cpu`]'s conversions), one rounding at the end.
+/// f16 / bf16 rows through f32 ([`candle_ragged::half_cpu`]'s conversions), one rounding at the end.
 fn norm_rows_half<T: HalfSlice>(x: &[T], w: &[f32], b: &[f32], eps: f32, out: &mut [T]) {
     let c = w.len();
     let mut wide = vec![0f32; c];

@@ -27,9 +27,9 @@
 use std::ops::Range;
 use std::sync::OnceLock;
 
-use crate::half_cpu::HalfSlice;
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, Storage, Tensor};
+use candle_ragged::half_cpu::HalfSlice;
 use half::{bf16, f16};
 use rayon::prelude::*;
 

@@ -32,12 +32,16 @@
 //! # }
 //! ```
 
+#[doc(hidden)]
+pub mod amx;
 mod attention;
 mod batch;
 mod cpu;
 #[cfg(feature = "cuda")]
 mod cuda;
 mod error;
+#[doc(hidden)]
+pub mod half_cpu;
 pub mod keep;
 mod pack;
 mod reduce;

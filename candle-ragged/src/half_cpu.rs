@@ -1,5 +1,7 @@
 //! f16 / bf16 slices widened to f32 and narrowed back, for every CPU step that runs a half type
-//! through f32 (the packed products' tasks, the row-chunked block, the LayerNorm, the GELU).
+//! through f32: here the attention's bf16 probabilities on AMX tiles; in `candle-fastpath` the
+//! packed products' tasks, the row-chunked block, the LayerNorm and the GELU (which is why the
+//! module is public, hidden from the docs: a building block, not this crate's API).
 //!
 //! Why: `half`'s bf16 slice conversions are element loops (its f16 ones use F16C), which the
 //! crate's baseline build vectorises four lanes at a time at best, and a bf16 forward converts
@@ -21,7 +23,7 @@ use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 
 /// A half type the CPU steps widen to f32 and narrow back.
-pub(crate) trait HalfSlice: Copy + Default + Send + Sync {
+pub trait HalfSlice: Copy + Default + Send + Sync {
     /// `src` as f32 into `dst` (the same length).
     fn widen(src: &[Self], dst: &mut [f32]);
     /// `src` rounded to this type into `dst` (the same length).
@@ -129,7 +131,7 @@ fn f32_nan(x: u32) -> bool {
 /// over `0x8000`, or equal with that bit odd; a finite value past the largest bf16 carries into
 /// the exponent and becomes infinity); a NaN keeps its upper half with the quiet bit set.
 #[inline(always)]
-fn rounded_bits(x: u32) -> u32 {
+pub(crate) fn rounded_bits(x: u32) -> u32 {
     let nearest = x.wrapping_add(0x7FFF + ((x >> 16) & 1));
     (if f32_nan(x) { x | 0x0040_0000 } else { nearest }) & 0xFFFF_0000
 }
