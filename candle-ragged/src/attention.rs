@@ -1,7 +1,8 @@
 //! Bidirectional attention over a packed batch of variable-length sequences.
 
+use crate::attention_amx::PairedKeysValues;
 use crate::batch::{RaggedBatch, MAX_SEQ_LEN};
-use crate::cpu::{for_each_sequence, Float32};
+use crate::cpu::Float32;
 use crate::error::{RaggedError, Result};
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Shape, Tensor};
 use rayon::prelude::*;
@@ -247,6 +248,11 @@ impl RaggedAttention<'_> {
         let scale = self.softmax_scale;
         let row_len = heads * dim;
         let kernel = cpu_kernel(dim);
+        // bf16 heads on AMX tiles where they run (crate::attention_amx).
+        let amx = match (T::as_bf16(q), T::as_bf16(k), T::as_bf16(v)) {
+            (Some(q), Some(k), Some(v)) if crate::attention_amx::runs(dim) => Some((q, k, v)),
+            _ => None,
+        };
         let n = self.batch.total_tokens() * row_len;
         // Written once, by the tasks (no zeroing pass first: at 16 threads a serial memset of
         // the output cost more than the attention's own work at batch 1).
@@ -257,54 +263,140 @@ impl RaggedAttention<'_> {
             candle_core::bail!("ragged_attention (CPU): cu_seqlens must start at 0")
         }
         let covered = offsets.last().map_or(0, |&e| e as usize * row_len).min(n);
+        // Each sequence's first row and length (RaggedBatch validated them monotone).
+        let seqs: Vec<(usize, usize)> = offsets
+            .windows(2)
+            .map(|w| (w[0] as usize, w[1].saturating_sub(w[0]) as usize))
+            .collect();
+        if seqs
+            .iter()
+            .any(|&(start, len)| (start + len) * row_len > covered)
+        {
+            candle_core::bail!("ragged_attention (CPU): cu_seqlens past the packed rows")
+        }
         let (rows, rest) = out.spare_capacity_mut()[..n].split_at_mut(covered);
         // Rows past the last sequence (a batch sized for more tokens than it holds) stay zero.
         rest.fill(std::mem::MaybeUninit::new(T::from_f32(0.0)));
-        for_each_sequence(rows, &offsets, row_len, |start, len, out_rows| {
-            // One head's [len, dim] result per task, written back below.
-            let per_head: Vec<Vec<f32>> = (0..heads)
-                .into_par_iter()
-                .map(|h| {
-                    // This sequence's rows of head `h` in each operand.
-                    let rows =
-                        |data, (first, row_stride, head_stride): (usize, usize, usize)| HeadRows {
-                            data,
-                            first: first + start * row_stride + h * head_stride,
-                            stride: row_stride,
-                        };
-                    attend_head(
-                        rows(q, qa),
-                        rows(k, ka),
-                        rows(v, va),
-                        (len, dim, scale),
-                        kernel,
-                    )
-                })
-                .collect();
-            for (h, res) in per_head.iter().enumerate() {
-                for i in 0..len {
-                    let o = &mut out_rows[i * row_len + h * dim..i * row_len + (h + 1) * dim];
-                    for (o, &r) in o.iter_mut().zip(&res[i * dim..(i + 1) * dim]) {
-                        o.write(T::from_f32(r));
-                    }
+        // Where (sequence, head) `i`'s rows of an operand laid out as `(first, row, head
+        // strides)` start, and their stride.
+        let head_at = |i: usize, (first, row_stride, head_stride): (usize, usize, usize)| {
+            let (start, h) = (seqs[i / heads].0, i % heads);
+            (first + start * row_stride + h * head_stride, row_stride)
+        };
+        // First every (sequence, head)'s keys and values, packed once for its query blocks.
+        let packed: Vec<HeadKeys> = (0..seqs.len() * heads)
+            .into_par_iter()
+            .map(|i| {
+                let len = seqs[i / heads].1;
+                match amx {
+                    Some((_, k, v)) => HeadKeys::Amx(PairedKeysValues::pack(
+                        HeadRows::of(k, head_at(i, ka)),
+                        HeadRows::of(v, head_at(i, va)),
+                        len,
+                        dim,
+                    )),
+                    None => HeadKeys::Lanes(KeysValues::pack(
+                        HeadRows::of(k, head_at(i, ka)),
+                        HeadRows::of(v, head_at(i, va)),
+                        len,
+                        dim,
+                    )),
+                }
+            })
+            .collect();
+        // Then every block of query rows of every (sequence, head) as one task, which writes its
+        // rows' `dim` values of that head into the output.
+        let blocks: Vec<(usize, usize, usize)> = (0..seqs.len() * heads)
+            .flat_map(|i| {
+                let len = seqs[i / heads].1;
+                let rows = query_block_rows(len);
+                (0..len)
+                    .step_by(rows)
+                    .map(move |r0| (i, r0, rows.min(len - r0)))
+            })
+            .collect();
+        let dst = Rows(rows.as_mut_ptr());
+        blocks.into_par_iter().for_each(|(i, r0, m)| {
+            let (first, stride) = head_at(i, qa);
+            let first = first + r0 * stride;
+            let mut res = vec![0f32; m * dim];
+            match (&packed[i], amx) {
+                (HeadKeys::Amx(kv), Some((q, _, _))) => {
+                    crate::attention_amx::attend_rows(
+                        HeadRows::of(q, (first, stride)),
+                        kv,
+                        scale,
+                        &mut res,
+                    );
+                }
+                (HeadKeys::Lanes(kv), _) => attend_rows_dispatch(
+                    HeadRows::of(q, (first, stride)),
+                    kv,
+                    scale,
+                    kernel,
+                    &mut res,
+                ),
+                (HeadKeys::Amx(_), None) => unreachable!("AMX keys are packed only with bf16 rows"),
+            }
+            let (start, h) = (seqs[i / heads].0, i % heads);
+            for (r, res) in res.chunks_exact(dim).enumerate() {
+                let at = (start + r0 + r) * row_len + h * dim;
+                // SAFETY: row start + r0 + r of this sequence (checked inside `covered` above)
+                // and head h's `dim` values of it: written by this task alone (the blocks of a
+                // (sequence, head) are disjoint rows, the heads disjoint columns).
+                let o = unsafe { std::slice::from_raw_parts_mut(dst.ptr().add(at), dim) };
+                for (o, &x) in o.iter_mut().zip(res) {
+                    o.write(T::from_f32(x));
                 }
             }
         });
-        // SAFETY: the sequences' rows (offsets start at 0, checked above, and
-        // for_each_sequence hands each sequence its `len · row_len` values, every head's
-        // `len × dim` block of them written above) cover the first `covered` values, `rest` the
-        // others.
+        // SAFETY: the sequences' rows (offsets start at 0, checked above, and are consecutive)
+        // cover the first `covered` values, every head's `dim` values of every row written by
+        // its block's task; `rest` holds the others.
         unsafe { out.set_len(n) };
         Ok(out)
     }
 }
 
+/// One (sequence, head)'s keys and values as its kernel reads them.
+enum HeadKeys {
+    /// For the f32-lane kernels ([`cpu_kernel`]).
+    Lanes(KeysValues),
+    /// For the AMX tiles ([`crate::attention_amx`]).
+    Amx(PairedKeysValues),
+}
+
+/// The output's rows, which the query blocks' tasks write through.
+#[derive(Clone, Copy)]
+struct Rows<T>(*mut std::mem::MaybeUninit<T>);
+// SAFETY: every task writes its own rows' values of its own head (see `cpu_attention`).
+unsafe impl<T: Send> Send for Rows<T> {}
+unsafe impl<T: Send> Sync for Rows<T> {}
+
+impl<T> Rows<T> {
+    /// The pointer (a method, so that closures capture the `Send` wrapper, not its field).
+    fn ptr(self) -> *mut std::mem::MaybeUninit<T> {
+        self.0
+    }
+}
+
 /// `len` rows of `dim` values in `data`: row `i` starts at `first + i · stride`.
 #[derive(Clone, Copy)]
-struct HeadRows<'a, T> {
-    data: &'a [T],
-    first: usize,
-    stride: usize,
+pub(crate) struct HeadRows<'a, T> {
+    pub(crate) data: &'a [T],
+    pub(crate) first: usize,
+    pub(crate) stride: usize,
+}
+
+impl<'a, T> HeadRows<'a, T> {
+    /// The rows of `data` from `first` on, `stride` apart.
+    pub(crate) fn of(data: &'a [T], (first, stride): (usize, usize)) -> Self {
+        Self {
+            data,
+            first,
+            stride,
+        }
+    }
 }
 
 impl<T: Float32> HeadRows<'_, T> {
@@ -328,7 +420,7 @@ const UNIT_QUERIES: usize = 64;
 
 /// Rows of each block of a `len`-row head: nearly equal blocks, none over [`UNIT_QUERIES`]
 /// (197 rows: 50, 50, 50, 47).
-fn query_block_rows(len: usize) -> usize {
+pub(crate) fn query_block_rows(len: usize) -> usize {
     len.div_ceil(len.div_ceil(UNIT_QUERIES).max(1)).max(1)
 }
 
@@ -404,31 +496,6 @@ fn cpu_kernel(dim: usize) -> CpuKernel {
     } else {
         CpuKernel::Loops
     }
-}
-
-/// One (sequence, head): its `len` query rows against its `len` key / value rows of `dim`
-/// values, scores scaled by `scale`; returns the `[len, dim]` output in f32. K and V are packed
-/// once, then blocks of query rows run in parallel, by `kernel` (from [`cpu_kernel`]).
-fn attend_head<T: Float32>(
-    q: HeadRows<'_, T>,
-    k: HeadRows<'_, T>,
-    v: HeadRows<'_, T>,
-    (len, dim, scale): (usize, usize, f32),
-    kernel: CpuKernel,
-) -> Vec<f32> {
-    let kv = KeysValues::pack(k, v, len, dim);
-    let rows = query_block_rows(len);
-    let mut out = vec![0f32; len * dim];
-    out.par_chunks_mut(rows * dim)
-        .enumerate()
-        .for_each(|(b, out)| {
-            let q = HeadRows {
-                first: q.first + b * rows * q.stride,
-                ..q
-            };
-            attend_rows_dispatch(q, &kv, scale, kernel, out)
-        });
-    out
 }
 
 /// `out.len() / dim` query rows (from `q`'s first) against the keys and values of `kv`, by
@@ -870,7 +937,7 @@ fn softmax_numerators(scores: &mut [f32], scale: f32) -> f32 {
 
 /// Scales a query's raw scores in place and returns their maximum: the softmax's first step.
 #[inline(always)]
-fn scale_to_max(scores: &mut [f32], scale: f32) -> f32 {
+pub(crate) fn scale_to_max(scores: &mut [f32], scale: f32) -> f32 {
     scores.iter_mut().for_each(|s| *s *= scale);
     max_of(scores)
 }
@@ -901,7 +968,7 @@ fn max_of(x: &[f32]) -> f32 {
 /// overflows to ∞ (a softmax never passes one: its arguments are at most 0). NaN gives NaN. No
 /// fused multiply-adds, so every build (SSE2, AVX) rounds the same.
 #[inline(always)]
-fn exp_f32(x: f32) -> f32 {
+pub(crate) fn exp_f32(x: f32) -> f32 {
     const LOG2_E: f32 = std::f32::consts::LOG2_E;
     // ln 2 = LN2_HI + LN2_LO, LN2_HI with few mantissa bits so `n · LN2_HI` is exact.
     const LN2_HI: f32 = 0.693_359_4;
@@ -1027,12 +1094,8 @@ mod tests {
         (x, ((0, stride), (dim, stride), (2 * dim, stride)))
     }
 
-    fn rows(data: &[f32], (first, stride): (usize, usize)) -> HeadRows<'_, f32> {
-        HeadRows {
-            data,
-            first,
-            stride,
-        }
+    fn rows(data: &[f32], at: (usize, usize)) -> HeadRows<'_, f32> {
+        HeadRows::of(data, at)
     }
 
     /// `m` query rows from row `r0` on of the head in `x`, by `kernel`, with `loops`

@@ -1,7 +1,6 @@
 //! Small helpers shared by the CPU implementations of the ops.
 
 use half::{bf16, f16};
-use rayon::prelude::*;
 
 /// The element types the ops accept, widened to f32 for arithmetic.
 pub(crate) trait Float32: Copy + Send + Sync {
@@ -9,6 +8,10 @@ pub(crate) trait Float32: Copy + Send + Sync {
     fn from_f32(x: f32) -> Self;
     /// The slice itself when the type is f32 (read in place, nothing widened).
     fn as_f32(_: &[Self]) -> Option<&[f32]> {
+        None
+    }
+    /// The slice itself when the type is bf16 (for the AMX tiles, which read bf16).
+    fn as_bf16(_: &[Self]) -> Option<&[bf16]> {
         None
     }
 }
@@ -41,24 +44,7 @@ impl Float32 for bf16 {
     fn from_f32(x: f32) -> Self {
         bf16::from_f32(x)
     }
-}
-
-/// Splits `out` (packed rows of `row_len` elements) into one slice per sequence and runs
-/// `f(first_row, rows, slice)` on each, in parallel.
-pub(crate) fn for_each_sequence<T, F>(out: &mut [T], offsets: &[u32], row_len: usize, f: F)
-where
-    T: Send,
-    F: Fn(usize, usize, &mut [T]) + Sync,
-{
-    let mut parts = Vec::with_capacity(offsets.len().saturating_sub(1));
-    let mut rest = out;
-    for w in offsets.windows(2) {
-        let (start, len) = (w[0] as usize, (w[1] - w[0]) as usize);
-        let (head, tail) = rest.split_at_mut(len * row_len);
-        parts.push((start, len, head));
-        rest = tail;
+    fn as_bf16(s: &[bf16]) -> Option<&[bf16]> {
+        Some(s)
     }
-    parts
-        .into_par_iter()
-        .for_each(|(start, len, slice)| f(start, len, slice));
 }

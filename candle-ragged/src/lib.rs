@@ -35,6 +35,7 @@
 #[doc(hidden)]
 pub mod amx;
 mod attention;
+mod attention_amx;
 mod batch;
 mod cpu;
 #[cfg(feature = "cuda")]
