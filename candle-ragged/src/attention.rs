@@ -984,8 +984,14 @@ pub(crate) fn exp_f32(x: f32) -> f32 {
     p = p * r + 1.666_666_5e-1;
     p = p * r + 0.5;
     let y = p * (r * r) + r + 1.0;
-    // 2^n built in the exponent field: n is within [-126, 127] after the clamps.
-    y * f32::from_bits(((n as i32 + 127) as u32) << 23)
+    // 2^n built in the exponent field: n is within [-126, 127] after the clamps. n as an
+    // integer from the low mantissa bits of n + 1.5·2^23 (exact for an integer that small), not
+    // `n as i32`: Rust's saturating float-to-int cast is one scalar conversion and two fix-ups
+    // a lane, which kept this loop from vectorising (8.8 ns an exponential in the AVX-512
+    // build on the H200 machine's host, ~0.3 after). The same bits; a NaN still gives NaN.
+    const MAGIC: f32 = 12_582_912.0;
+    let n_int = (n + MAGIC).to_bits().wrapping_sub(0x4B40_0000);
+    y * f32::from_bits(n_int.wrapping_add(127) << 23)
 }
 
 /// `out[q][c] = Σ_r coeff[q][r] · rows[r][c]` for every column `c` of each of the `Q` outputs,
