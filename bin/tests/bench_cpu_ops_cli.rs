@@ -69,3 +69,38 @@ fn bad_arguments_are_one_line_errors() {
         assert_eq!(err.trim_end().lines().count(), 1, "{args:?}: {err}");
     }
 }
+
+/// `--amx-ceiling` prints the tile product's GFLOP/s for each depth on one thread and on every
+/// core where the CPU has AMX, and is a one-line error where it has none.
+#[test]
+fn amx_ceiling_prints_its_lines_or_says_why_not() {
+    let out = run(&[
+        "--amx-ceiling",
+        "--models",
+        "deit-tiny",
+        "--batch",
+        "1",
+        "--reps",
+        "1",
+        "--ops",
+        "ln",
+    ]);
+    if out.status.success() {
+        let text = String::from_utf8(out.stdout).unwrap();
+        let lines: Vec<&str> = text
+            .lines()
+            .filter(|l| l.starts_with("amx-ceiling"))
+            .collect();
+        assert_eq!(lines.len(), 6, "{text}");
+        for line in lines {
+            let gflops: f64 = line.split_whitespace().nth(5).unwrap().parse().unwrap();
+            assert!(gflops > 0.0, "{line}");
+        }
+    } else {
+        let err = String::from_utf8(out.stderr).unwrap();
+        assert!(
+            err.starts_with("error: --amx-ceiling: ") && err.trim_end().lines().count() == 1,
+            "{err}"
+        );
+    }
+}

@@ -46,6 +46,54 @@ struct Args {
     /// Dtype of the weights and activations (f32, f16, bf16).
     #[arg(long, value_enum, default_value = "f32")]
     dtype: DTypeArg,
+    /// First the AMX tile product alone (`candle_ragged::amx`, operands resident in L1, on one
+    /// thread and on every core): the ceiling the bf16 products could reach on this host. An
+    /// error where the CPU or kernel gives no AMX tiles.
+    #[arg(long)]
+    amx_ceiling: bool,
+}
+
+/// GFLOP/s of the AMX tile product alone on `threads` threads: each repeats one 32 × 32 block
+/// over `k` terms (two 16-row tiles × two panels, [`candle_ragged::amx::Tiles::block`]) on its
+/// own operands, small enough to stay in L1.
+fn amx_ceiling(k: usize, threads: usize) -> Result<f64> {
+    use candle_ragged::amx::{self, Tiles};
+    use half::bf16;
+    if !amx::usable() {
+        bail!("--amx-ceiling: this CPU (or its kernel) gives no AMX tiles");
+    }
+    const CALLS: usize = 20_000;
+    let kp = amx::padded_depth(k);
+    let start = Instant::now();
+    std::thread::scope(|scope| {
+        for _ in 0..threads {
+            scope.spawn(|| {
+                let a = vec![bf16::from_f32(0.5); 32 * kp];
+                let b = vec![bf16::from_f32(0.25); 2 * kp * 16];
+                let mut c = vec![0f32; 32 * 32];
+                // SAFETY: AMX is usable (checked above); `a` holds 32 rows of `kp` terms, `b`
+                // two panel blocks of `kp` terms, `c` 32 rows of 32 values.
+                unsafe {
+                    let tiles = Tiles::configure();
+                    for _ in 0..CALLS {
+                        tiles.block(
+                            a.as_ptr(),
+                            kp * 2,
+                            true,
+                            b.as_ptr(),
+                            b.as_ptr().add(kp * 16),
+                            kp / amx::STEP,
+                            c.as_mut_ptr(),
+                            32 * 4,
+                        );
+                    }
+                }
+                std::hint::black_box(&c);
+            });
+        }
+    });
+    let secs = start.elapsed().as_secs_f64();
+    Ok(2.0 * (32 * 32 * kp * CALLS * threads) as f64 / secs / 1e9)
 }
 
 /// The operations, in the order they run and print.
@@ -128,6 +176,15 @@ fn run(args: Args) -> Result<()> {
     }
     if let Some(op) = args.ops.iter().find(|o| !OPS.contains(&o.as_str())) {
         bail!("unknown operation {op:?} (one of {})", OPS.join(", "));
+    }
+    if args.amx_ceiling {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        for k in [64, 384, 1536] {
+            for threads in [1, cores] {
+                let gflops = amx_ceiling(k, threads)?;
+                println!("amx-ceiling k {k:4} threads {threads:2} {gflops:9.1} GFLOPS");
+            }
+        }
     }
     let dev = Device::Cpu;
     let dtype = args.dtype.dtype();
