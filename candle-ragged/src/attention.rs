@@ -47,6 +47,12 @@ pub struct RaggedAttention<'a> {
 /// with `CUDA_COMPUTE_CAP` >= 90, used on compute capability 9.0 only),
 /// `CANDLE_RAGGED_KEY_PARTS=1` keeps one warp per query tile and `=4` at most four; all for A/B
 /// measurements.
+///
+/// On the CPU, each block of up to 64 query rows of each (sequence, head) is a task on rayon's
+/// pool, run on f32 register tiles (AVX-512 or AVX2 + FMA where the CPU has them); bf16 heads
+/// whose `head_dim` is a multiple of 32 run on Intel AMX tiles where the CPU has AMX-BF16, their
+/// probabilities rounded to bf16 before the product with V, as FlashAttention's tensor-core
+/// kernels do (`CANDLE_RAGGED_CPU_AMX=0` keeps the f32 tiles).
 pub fn ragged_attention(
     q: &Tensor,
     k: &Tensor,
