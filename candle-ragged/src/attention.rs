@@ -227,15 +227,20 @@ impl CustomOp3 for RaggedAttention<'_> {
 
 impl RaggedAttention<'_> {
     /// CPU path: per sequence and head, scores in f32, a max-subtracted softmax, then the
-    /// weighted sum of values. Sequences run in parallel, within a sequence heads do too, and
-    /// within a head blocks of up to [`UNIT_QUERIES`] query rows (one image with three heads is
-    /// still twelve tasks, so two or more cores end together). Per head, K is transposed and V
-    /// gathered once ([`KeysValues`]); then either [`fma::attend_rows`] (x86-64 with AVX2 and
-    /// FMA: matmul register tiles; [`fma::attend_rows_512`] with AVX-512, the same bits) or
-    /// [`attend_rows`] (any CPU: loops over independent lanes that keep the bits of one row and
-    /// one key at a time). Both sum each score over the head
-    /// dims in order and each output over the keys in order; the exponential is [`exp_f32`],
-    /// which vectorises (libm's `expf` is a call per score).
+    /// weighted sum of values. First every (sequence, head)'s keys and values are packed once, in
+    /// one parallel pass ([`KeysValues`]: K transposed, V gathered; [`PairedKeysValues`] for AMX);
+    /// then every block of up to [`UNIT_QUERIES`] query rows of every (sequence, head) is one task
+    /// (one image with three heads is still twelve tasks, so two or more cores end together),
+    /// which writes its rows of its head straight into the output. A block runs
+    /// [`fma::attend_rows`] (x86-64 with AVX2 and FMA: matmul register tiles;
+    /// [`fma::attend_rows_512`] with AVX-512, the same bits), [`attend_rows`] (any CPU: loops
+    /// over independent lanes that keep the bits of one row and one key at a time), or for bf16
+    /// where AMX runs [`crate::attention_amx::attend_rows`]. The f32 tiles and the loops sum each
+    /// score over the head dims in order and each output over the keys in order; the exponential
+    /// is [`exp_f32`], which vectorises (libm's `expf` is a call per score). Before stop 69 the
+    /// sequences, heads and blocks were nested parallel loops and each sequence's heads were
+    /// copied into the output on one thread: at batch 1 on the 16-core host the attention of
+    /// DeiT-B took 1.5× as long (docs/BENCHMARKS.md, the CPU section).
     fn cpu_attention<T: Float32>(
         &self,
         q: &[T],
