@@ -11,19 +11,17 @@ fn run(args: &[&str]) -> std::process::Output {
         .unwrap()
 }
 
+/// One DeiT-T image, one timed call, and `extra`.
+fn run_tiny(extra: &[&str]) -> std::process::Output {
+    let mut args = vec!["--models", "deit-tiny", "--batch", "1", "--reps", "1"];
+    args.extend_from_slice(extra);
+    run(&args)
+}
+
 #[test]
 fn every_operation_prints_its_line() {
     for dtype in ["f32", "bf16"] {
-        let out = run(&[
-            "--models",
-            "deit-tiny",
-            "--batch",
-            "1",
-            "--reps",
-            "1",
-            "--dtype",
-            dtype,
-        ]);
+        let out = run_tiny(&["--dtype", dtype]);
         assert!(
             out.status.success(),
             "{}",
@@ -74,17 +72,7 @@ fn bad_arguments_are_one_line_errors() {
 /// core where the CPU has AMX, and is a one-line error where it has none.
 #[test]
 fn amx_ceiling_prints_its_lines_or_says_why_not() {
-    let out = run(&[
-        "--amx-ceiling",
-        "--models",
-        "deit-tiny",
-        "--batch",
-        "1",
-        "--reps",
-        "1",
-        "--ops",
-        "ln",
-    ]);
+    let out = run_tiny(&["--amx-ceiling", "--ops", "ln"]);
     if out.status.success() {
         let text = String::from_utf8(out.stdout).unwrap();
         let lines: Vec<&str> = text

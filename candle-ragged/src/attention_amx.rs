@@ -188,65 +188,66 @@ pub(crate) fn attend_rows(
     let scores = sized(scores, mp * width, 0.0);
     let o = sized(o, mp * dim, 0.0);
     let p = sized(p, mp * width, bf16::ZERO);
-    // SAFETY: AMX runs (asserted above). Score blocks read 16 or 32 rows of `dim` terms
-    // inside `qa` (mp · dim values) and two key panels (`dim · 16` values each, `width / 16`
-    // panels, an even count) and store 32 columns of 16 or 32 rows inside `scores` (mp rows of
-    // `width`); output blocks read rows of `width` terms inside `p` and two value panels
-    // (`width · 16` values each, `dim / 16` panels, an even count) and store inside `o`.
-    unsafe {
-        let tiles = Tiles::configure();
-        for r0 in (0..mp).step_by(2 * TILE_ROWS) {
-            let two_tiles = r0 + TILE_ROWS < mp;
-            for panel in (0..width / COLS).step_by(2) {
-                let b0 = kv.keys().as_ptr().add(panel * dim * COLS);
-                tiles.block(
-                    qa.as_ptr().add(r0 * dim),
-                    dim * 2,
-                    two_tiles,
-                    b0,
-                    b0.add(dim * COLS),
-                    dim / STEP,
-                    scores.as_mut_ptr().add(r0 * width + panel * COLS),
-                    width * 4,
-                );
-            }
-        }
-        let mut denoms = vec![0f32; m];
-        for ((s, p), denom) in scores
-            .chunks_exact_mut(width)
-            .zip(p.chunks_exact_mut(width))
-            .zip(denoms.iter_mut())
-        {
-            *denom = probabilities(&mut s[..len], scale, p, len);
-        }
-        for r0 in (0..mp).step_by(2 * TILE_ROWS) {
-            let two_tiles = r0 + TILE_ROWS < mp;
-            for panel in (0..dim / COLS).step_by(2) {
-                let b0 = kv.values().as_ptr().add(panel * width * COLS);
-                tiles.block(
-                    p.as_ptr().add(r0 * width),
-                    width * 2,
-                    two_tiles,
-                    b0,
-                    b0.add(width * COLS),
-                    width / STEP,
-                    o.as_mut_ptr().add(r0 * dim + panel * COLS),
-                    dim * 4,
-                );
-            }
-        }
-        drop(tiles);
-        for ((out, o), denom) in out
-            .chunks_exact_mut(dim)
-            .zip(o.chunks_exact(dim))
-            .zip(denoms.iter())
-        {
-            for (out, &o) in out.iter_mut().zip(o) {
-                *out = o / denom;
-            }
+    // SAFETY: AMX runs (asserted above).
+    let tiles = unsafe { Tiles::configure() };
+    product(&tiles, qa, dim, kv.keys(), width, scores);
+    let mut denoms = vec![0f32; m];
+    for ((s, p), denom) in scores
+        .chunks_exact_mut(width)
+        .zip(p.chunks_exact_mut(width))
+        .zip(denoms.iter_mut())
+    {
+        *denom = probabilities(&mut s[..len], scale, p, len);
+    }
+    product(&tiles, p, width, kv.values(), dim, o);
+    drop(tiles);
+    for ((out, o), denom) in out
+        .chunks_exact_mut(dim)
+        .zip(o.chunks_exact(dim))
+        .zip(denoms.iter())
+    {
+        for (out, &o) in out.iter_mut().zip(o) {
+            *out = o / denom;
         }
     }
     BUFFERS.set(bufs);
+}
+
+/// `c = a · B` on the tiles: `a` holds whole 16-row tiles of `depth` terms a row (a multiple of
+/// 32), `panels` the pair panels of B's `cols` columns (`cols / 16` panels of `depth` terms, an
+/// even count), `c` as many rows of `cols` values as `a` has rows.
+///
+/// # Panics
+/// If the slices do not hold those sizes.
+fn product(tiles: &Tiles, a: &[bf16], depth: usize, panels: &[bf16], cols: usize, c: &mut [f32]) {
+    let rows = a.len() / depth.max(1);
+    assert!(
+        depth.is_multiple_of(STEP)
+            && cols.is_multiple_of(2 * COLS)
+            && rows.is_multiple_of(TILE_ROWS)
+    );
+    assert!(a.len() == rows * depth && panels.len() >= cols * depth && c.len() == rows * cols);
+    for r0 in (0..rows).step_by(2 * TILE_ROWS) {
+        let two_tiles = r0 + TILE_ROWS < rows;
+        for panel in (0..cols / COLS).step_by(2) {
+            // SAFETY: the tiles are configured (`tiles`); the block reads 16 or 32 rows of
+            // `depth` terms from row r0 of `a`, two whole panels of `depth · 16` values, and
+            // writes 32 columns of those rows of `c`, all inside the slices (asserted above).
+            unsafe {
+                let b0 = panels.as_ptr().add(panel * depth * COLS);
+                tiles.block(
+                    a.as_ptr().add(r0 * depth),
+                    depth * 2,
+                    two_tiles,
+                    b0,
+                    b0.add(depth * COLS),
+                    depth / STEP,
+                    c.as_mut_ptr().add(r0 * cols + panel * COLS),
+                    cols * 4,
+                );
+            }
+        }
+    }
 }
 
 /// A row's probabilities for `P·V`: its `len` raw scores scaled by `scale`, `exp(score − max)`
