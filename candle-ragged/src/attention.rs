@@ -415,12 +415,14 @@ impl<T: Float32> HeadRows<'_, T> {
         self.data[self.first + row * self.stride + d].to_f32()
     }
 
-    /// The first `n` rows of `dim` values, contiguous, in f32.
+    /// The first `n` rows of `dim` values, contiguous, in f32 (f16 / bf16 through
+    /// [`crate::half_cpu`]'s slice conversions: an element at a time, f16 was widened in
+    /// software, and the f16 attention ran 1.6× slower on the build machine; for bf16 what this
+    /// costs is reading the strided rows of a fused qkv, not the conversion).
     fn widened(&self, n: usize, dim: usize) -> Vec<f32> {
-        let mut out = Vec::with_capacity(n * dim);
-        for i in 0..n {
-            let row = &self.data[self.first + i * self.stride..][..dim];
-            out.extend(row.iter().map(|x| x.to_f32()));
+        let mut out = vec![0f32; n * dim];
+        for (i, row) in out.chunks_exact_mut(dim).enumerate() {
+            T::widen(&self.data[self.first + i * self.stride..][..dim], row);
         }
         out
     }
@@ -454,10 +456,12 @@ impl KeysValues {
     fn pack<T: Float32>(k: HeadRows<'_, T>, v: HeadRows<'_, T>, len: usize, dim: usize) -> Self {
         let width = len.next_multiple_of(KEY_PAD);
         let mut kt = vec![0f32; dim * width];
+        // Each key widened as a row (vectorised), then placed down its column of Kᵀ.
+        let mut k_row = vec![0f32; dim];
         for j in 0..len {
-            let k_row = &k.data[k.first + j * k.stride..][..dim];
-            for (col, &x) in kt.chunks_exact_mut(width).zip(k_row) {
-                col[j] = x.to_f32();
+            T::widen(&k.data[k.first + j * k.stride..][..dim], &mut k_row);
+            for (col, &x) in kt.chunks_exact_mut(width).zip(&k_row) {
+                col[j] = x;
             }
         }
         Self {

@@ -2,6 +2,8 @@
 
 use half::{bf16, f16};
 
+use crate::half_cpu::HalfSlice;
+
 /// The element types the ops accept, widened to f32 for arithmetic.
 pub(crate) trait Float32: Copy + Send + Sync {
     fn to_f32(self) -> f32;
@@ -14,6 +16,8 @@ pub(crate) trait Float32: Copy + Send + Sync {
     fn as_bf16(_: &[Self]) -> Option<&[bf16]> {
         None
     }
+    /// `src` as f32 into `dst` (the same length).
+    fn widen(src: &[Self], dst: &mut [f32]);
 }
 
 impl Float32 for f32 {
@@ -26,6 +30,9 @@ impl Float32 for f32 {
     fn as_f32(s: &[f32]) -> Option<&[f32]> {
         Some(s)
     }
+    fn widen(src: &[Self], dst: &mut [f32]) {
+        dst.copy_from_slice(src)
+    }
 }
 
 impl Float32 for f16 {
@@ -34,6 +41,9 @@ impl Float32 for f16 {
     }
     fn from_f32(x: f32) -> Self {
         f16::from_f32(x)
+    }
+    fn widen(src: &[Self], dst: &mut [f32]) {
+        HalfSlice::widen(src, dst)
     }
 }
 
@@ -46,5 +56,8 @@ impl Float32 for bf16 {
     }
     fn as_bf16(s: &[bf16]) -> Option<&[bf16]> {
         Some(s)
+    }
+    fn widen(src: &[Self], dst: &mut [f32]) {
+        HalfSlice::widen(src, dst)
     }
 }

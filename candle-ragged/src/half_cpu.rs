@@ -1,7 +1,8 @@
 //! f16 / bf16 slices widened to f32 and narrowed back, for every CPU step that runs a half type
-//! through f32: here the attention's bf16 probabilities on AMX tiles; in `candle-fastpath` the
-//! packed products' tasks, the row-chunked block, the LayerNorm and the GELU (which is why the
-//! module is public, hidden from the docs: a building block, not this crate's API).
+//! through f32: here the attention's bf16 probabilities on AMX tiles and its f16 / bf16 rows on
+//! the f32 tiles; in `candle-fastpath` the packed products' tasks, the row-chunked block, the
+//! LayerNorm and the GELU (which is why the module is public, hidden from the docs: a building
+//! block, not this crate's API).
 //!
 //! Why: `half`'s bf16 slice conversions are element loops (its f16 ones use F16C), which the
 //! crate's baseline build vectorises four lanes at a time at best, and a bf16 forward converts
@@ -11,8 +12,8 @@
 //! for AVX-512 and for AVX2 where the CPU has them, so that they run 16 or 8 lanes wide: on the
 //! H200 machine's 16-core AMX host, against the same operations with `half`'s loops (one binary
 //! each, the same call): a DeiT block in bf16 1.12–1.37× faster (DeiT-S batch 8 4.20 → 3.44 ms),
-//! its LayerNorm 1.3–2.4×, and a bf16 forward of DeiT-T / S 1.07–1.41× (docs/BENCHMARKS.md, the
-//! CPU section, stop 69). On the build machine (AVX2) narrowing runs ~3× and widening ~2.5×
+//! its LayerNorm 1.3–2.4×, and a bf16 forward of DeiT-T / S 0.98–1.41× over two rounds
+//! (docs/BENCHMARKS.md, the CPU section, stop 69). On the build machine (AVX2) narrowing runs ~3× and widening ~2.5×
 //! faster than `half`'s loops.
 //!
 //! The same bits as `half`'s `bf16::from_f32` / `to_f32`, NaNs included (quieted, payload kept):
