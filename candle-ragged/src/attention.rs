@@ -1115,10 +1115,6 @@ mod tests {
         (x, ((0, stride), (dim, stride), (2 * dim, stride)))
     }
 
-    fn rows(data: &[f32], at: (usize, usize)) -> HeadRows<'_, f32> {
-        HeadRows::of(data, at)
-    }
-
     /// `m` query rows from row `r0` on of the head in `x`, by `kernel`, with `loops`
     /// (attend_rows or attend_rows_wide) for [`CpuKernel::Loops`].
     #[allow(clippy::too_many_arguments)]
@@ -1132,8 +1128,8 @@ mod tests {
         kernel: CpuKernel,
         loops: fn(HeadRows<'_, f32>, &KeysValues, f32, &mut [f32]),
     ) -> Vec<f32> {
-        let kv = KeysValues::pack(rows(x, k), rows(x, v), len, dim);
-        let q = rows(x, (q0 + r0 * qs, qs));
+        let kv = KeysValues::pack(HeadRows::of(x, k), HeadRows::of(x, v), len, dim);
+        let q = HeadRows::of(x, (q0 + r0 * qs, qs));
         let mut out = vec![f32::NAN; m * dim];
         if kernel == CpuKernel::Loops {
             loops(q, &kv, 0.125, &mut out);
